@@ -1,0 +1,6 @@
+//! The coordinator crate: the `epserve` binary's subcommands. Today that is the
+//! single-process `generate` command; the OpenAI server, scheduler, gRPC
+//! dispatch and admin RPC arrive here with their issues.
+
+pub mod cli;
+pub mod generate;

@@ -1,0 +1,23 @@
+//! The `epserve` binary.
+
+use clap::Parser;
+use epserve_coordinator::cli::{Cli, Command};
+
+fn main() {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_env("EPSERVE_LOG")
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn")),
+        )
+        .with_writer(std::io::stderr)
+        .init();
+    let cli = Cli::parse();
+    let result = match &cli.command {
+        Command::Generate(args) => epserve_coordinator::generate::run(args),
+    };
+    if let Err(e) = result {
+        // One line: the error and its causes joined by ": ".
+        eprintln!("error: {e:#}");
+        std::process::exit(1);
+    }
+}

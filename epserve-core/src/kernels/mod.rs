@@ -1,0 +1,194 @@
+//! Numeric kernels the model is built from. Everything computes in f32 with
+//! f32 accumulation; weights may be f32, bf16 or f16 and are widened row by row
+//! as they stream. Architecture-specific SIMD tiers will sit beside the
+//! portable code here, each tested against it.
+
+use rayon::prelude::*;
+
+use crate::config::Activation;
+use crate::tensor::{Weight, WeightSlice};
+
+/// Below this many multiply-adds a linear runs on the calling thread.
+const PAR_THRESHOLD: usize = 1 << 16;
+
+/// Dot product with eight independent accumulators (vectorizes well and keeps
+/// f32 rounding error small).
+#[inline]
+pub fn dot(a: &[f32], b: &[f32]) -> f32 {
+    let n = a.len().min(b.len());
+    let (a, b) = (&a[..n], &b[..n]);
+    let mut acc = [0.0f32; 8];
+    let chunks = n / 8;
+    for c in 0..chunks {
+        let (x, y) = (&a[c * 8..c * 8 + 8], &b[c * 8..c * 8 + 8]);
+        for l in 0..8 {
+            acc[l] += x[l] * y[l];
+        }
+    }
+    let mut tail = 0.0f32;
+    for i in chunks * 8..n {
+        tail += a[i] * b[i];
+    }
+    ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7])) + tail
+}
+
+/// `out[t, j] = Σ_k x[t, k] · w[j, k] (+ bias[j])` for `t < rows`: PyTorch's
+/// `F.linear` with `w` of shape `[n, k]`.
+pub fn linear(x: &[f32], rows: usize, w: &Weight, bias: Option<&[f32]>, out: &mut [f32]) {
+    let (n, k) = (w.shape()[0], w.shape()[1]);
+    debug_assert_eq!(x.len(), rows * k);
+    debug_assert_eq!(out.len(), rows * n);
+    if rows == 0 || n == 0 {
+        return;
+    }
+    let per_row = |j: usize, buf: &mut Vec<f32>, dst: &mut [f32]| {
+        let wrow: &[f32] = match w.slice() {
+            WeightSlice::F32(s) => &s[j * k..(j + 1) * k],
+            _ => {
+                buf.resize(k, 0.0);
+                w.row_to_f32(j, buf);
+                buf
+            }
+        };
+        let b = bias.map(|b| b[j]).unwrap_or(0.0);
+        for (t, d) in dst.iter_mut().enumerate() {
+            *d = dot(&x[t * k..(t + 1) * k], wrow) + b;
+        }
+    };
+    // Work in the transposed layout [n, rows] so each output feature is one
+    // contiguous chunk, then transpose into `out`.
+    let mut tmp = vec![0.0f32; n * rows];
+    if rows * n * k < PAR_THRESHOLD {
+        let mut buf = Vec::new();
+        for (j, dst) in tmp.chunks_mut(rows).enumerate() {
+            per_row(j, &mut buf, dst);
+        }
+    } else {
+        let chunk = 16usize;
+        tmp.par_chunks_mut(rows * chunk)
+            .enumerate()
+            .for_each_init(Vec::new, |buf, (c, block)| {
+                for (i, dst) in block.chunks_mut(rows).enumerate() {
+                    per_row(c * chunk + i, buf, dst);
+                }
+            });
+    }
+    for j in 0..n {
+        for t in 0..rows {
+            out[t * n + j] = tmp[j * rows + t];
+        }
+    }
+}
+
+/// RMSNorm over each `dim`-sized row: `x / sqrt(mean(x²) + eps) * w`.
+pub fn rms_norm(x: &mut [f32], w: &[f32], eps: f32) {
+    let dim = w.len();
+    for row in x.chunks_mut(dim) {
+        let ms = row.iter().map(|v| v * v).sum::<f32>() / dim as f32;
+        let inv = 1.0 / (ms + eps).sqrt();
+        for (v, g) in row.iter_mut().zip(w) {
+            *v = g * (*v * inv);
+        }
+    }
+}
+
+/// Numerically stable softmax in place.
+pub fn softmax(x: &mut [f32]) {
+    let m = x.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    if m == f32::NEG_INFINITY {
+        return;
+    }
+    let mut s = 0.0f32;
+    for v in x.iter_mut() {
+        *v = (*v - m).exp();
+        s += *v;
+    }
+    for v in x.iter_mut() {
+        *v /= s;
+    }
+}
+
+/// Logistic sigmoid.
+#[inline]
+pub fn sigmoid(x: f32) -> f32 {
+    1.0 / (1.0 + (-x).exp())
+}
+
+/// Applies an activation to one value.
+#[inline]
+pub fn activate(a: Activation, x: f32) -> f32 {
+    match a {
+        Activation::Silu => x * sigmoid(x),
+        Activation::Gelu => 0.5 * x * (1.0 + erf(x / std::f32::consts::SQRT_2)),
+        Activation::GeluTanh => {
+            let c = (2.0f32 / std::f32::consts::PI).sqrt();
+            0.5 * x * (1.0 + (c * (x + 0.044715 * x * x * x)).tanh())
+        }
+    }
+}
+
+/// Error function (Abramowitz–Stegun 7.1.26 refined with f64; |err| < 1.5e-7).
+fn erf(x: f32) -> f32 {
+    let x = x as f64;
+    let t = 1.0 / (1.0 + 0.3275911 * x.abs());
+    let y = 1.0
+        - (((((1.061405429 * t - 1.453152027) * t) + 1.421413741) * t - 0.284496736) * t
+            + 0.254829592)
+            * t
+            * (-x * x).exp();
+    (if x >= 0.0 { y } else { -y }) as f32
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn linear_matches_naive() {
+        let (rows, n, k) = (3, 37, 129);
+        let x: Vec<f32> = (0..rows * k)
+            .map(|i| ((i * 7 % 13) as f32 - 6.0) / 7.0)
+            .collect();
+        let wv: Vec<f32> = (0..n * k)
+            .map(|i| ((i * 5 % 11) as f32 - 5.0) / 9.0)
+            .collect();
+        let bias: Vec<f32> = (0..n).map(|i| i as f32 * 0.01).collect();
+        let w = Weight::from_f32(vec![n, k], &wv);
+        let mut out = vec![0.0; rows * n];
+        linear(&x, rows, &w, Some(&bias), &mut out);
+        for t in 0..rows {
+            for j in 0..n {
+                let r: f64 = (0..k)
+                    .map(|i| x[t * k + i] as f64 * wv[j * k + i] as f64)
+                    .sum::<f64>()
+                    + bias[j] as f64;
+                assert!((out[t * n + j] as f64 - r).abs() < 1e-4, "{t} {j}");
+            }
+        }
+        // Big enough to take the parallel path.
+        let (rows, n, k) = (9, 300, 64);
+        let x: Vec<f32> = (0..rows * k).map(|i| (i % 17) as f32 / 17.0).collect();
+        let wv: Vec<f32> = (0..n * k).map(|i| (i % 19) as f32 / 19.0 - 0.5).collect();
+        let w = Weight::from_f32(vec![n, k], &wv);
+        let mut out = vec![0.0; rows * n];
+        linear(&x, rows, &w, None, &mut out);
+        for t in 0..rows {
+            for j in 0..n {
+                let r = dot(&x[t * k..(t + 1) * k], &wv[j * k..(j + 1) * k]);
+                assert_eq!(out[t * n + j], r);
+            }
+        }
+    }
+
+    #[test]
+    fn softmax_and_norm() {
+        let mut v = vec![1.0, 2.0, 3.0];
+        softmax(&mut v);
+        assert!((v.iter().sum::<f32>() - 1.0).abs() < 1e-6);
+        let mut x = vec![3.0, 4.0];
+        rms_norm(&mut x, &[1.0, 2.0], 0.0);
+        let inv = 1.0 / (12.5f32).sqrt();
+        assert!((x[0] - 3.0 * inv).abs() < 1e-6 && (x[1] - 8.0 * inv).abs() < 1e-6);
+        assert!((activate(Activation::Gelu, 1.0) - 0.841_344_7).abs() < 1e-5);
+    }
+}

@@ -1,0 +1,19 @@
+//! epserve's core library: what every role shares. Layers, each depending only
+//! on the ones above it in this list:
+//!
+//! - [`config`]: `config.json` → validated [`config::ModelConfig`]
+//! - [`tensor`], [`loader`]: memory-mapped safetensors, tokenizer, chat template
+//! - [`kernels`]: linear, norms, activations
+//! - [`model`]: attention, router / experts / combine, the decoder
+//! - [`sampling`], [`engine`]: logits → tokens, the generate loop
+
+pub mod config;
+pub mod engine;
+pub mod error;
+pub mod kernels;
+pub mod loader;
+pub mod model;
+pub mod sampling;
+pub mod tensor;
+
+pub use error::{Error, Result};

@@ -1,0 +1,181 @@
+//! Safetensors loading: a single `model.safetensors` or shards listed in
+//! `model.safetensors.index.json`, memory-mapped; tensors are handed out as
+//! [`Weight`] windows into the mapping, checked against the expected shape.
+
+use std::collections::{BTreeSet, HashMap};
+use std::fs::File;
+use std::path::{Path, PathBuf};
+
+use memmap2::Mmap;
+use safetensors::{Dtype as StDtype, SafeTensors};
+use serde::Deserialize;
+
+use crate::error::{Error, Result};
+use crate::tensor::{DType, SharedMmap, Weight};
+
+struct Entry {
+    file: usize,
+    dtype: std::result::Result<DType, String>,
+    shape: Vec<usize>,
+    offset: usize,
+    len: usize,
+}
+
+/// All tensors of a model folder, by name.
+pub struct WeightStore {
+    dir: PathBuf,
+    files: Vec<(PathBuf, SharedMmap)>,
+    entries: HashMap<String, Entry>,
+}
+
+#[derive(Deserialize)]
+struct Index {
+    weight_map: HashMap<String, String>,
+}
+
+impl WeightStore {
+    /// Opens and maps every safetensors file of the model folder `dir`.
+    pub fn open(dir: &Path) -> Result<Self> {
+        let index_path = dir.join("model.safetensors.index.json");
+        let single = dir.join("model.safetensors");
+        let names: Vec<String> = if index_path.is_file() {
+            let text =
+                std::fs::read_to_string(&index_path).map_err(|e| Error::io(&index_path, e))?;
+            let idx: Index = serde_json::from_str(&text).map_err(|e| Error::Json {
+                path: index_path.clone(),
+                message: e.to_string(),
+            })?;
+            let set: BTreeSet<String> = idx.weight_map.into_values().collect();
+            set.into_iter().collect()
+        } else if single.is_file() {
+            vec!["model.safetensors".to_string()]
+        } else {
+            return Err(Error::MissingFile {
+                path: single,
+                what: "weights: model.safetensors or model.safetensors.index.json",
+            });
+        };
+        let mut store = WeightStore {
+            dir: dir.to_path_buf(),
+            files: Vec::new(),
+            entries: HashMap::new(),
+        };
+        for name in names {
+            if name.contains('/') || name.contains("..") {
+                return Err(Error::config(
+                    &index_path,
+                    format!("weight file name '{name}' escapes the model folder"),
+                ));
+            }
+            store.add_file(&dir.join(&name))?;
+        }
+        Ok(store)
+    }
+
+    fn add_file(&mut self, path: &Path) -> Result<()> {
+        if !path.is_file() {
+            return Err(Error::MissingFile {
+                path: path.to_path_buf(),
+                what: "weight shard listed in model.safetensors.index.json",
+            });
+        }
+        let file = File::open(path).map_err(|e| Error::io(path, e))?;
+        // SAFETY: the mapping is read-only and the model files are not expected
+        // to change while the server runs (as in every mmap-based loader); a
+        // concurrent truncation would be an operator error, not memory we write.
+        let mmap = unsafe { Mmap::map(&file) }.map_err(|e| Error::io(path, e))?;
+        let shared = SharedMmap::new(mmap);
+        let st = SafeTensors::deserialize(shared.bytes()).map_err(|e| Error::CorruptWeights {
+            path: path.to_path_buf(),
+            message: e.to_string(),
+        })?;
+        let base = shared.bytes().as_ptr() as usize;
+        let file_idx = self.files.len();
+        for (name, view) in st.tensors() {
+            let dtype = match view.dtype() {
+                StDtype::F32 => Ok(DType::F32),
+                StDtype::BF16 => Ok(DType::BF16),
+                StDtype::F16 => Ok(DType::F16),
+                other => Err(format!("{other:?}")),
+            };
+            let data = view.data();
+            self.entries.insert(
+                name,
+                Entry {
+                    file: file_idx,
+                    dtype,
+                    shape: view.shape().to_vec(),
+                    offset: data.as_ptr() as usize - base,
+                    len: data.len(),
+                },
+            );
+        }
+        self.files.push((path.to_path_buf(), shared));
+        Ok(())
+    }
+
+    /// The model folder.
+    pub fn dir(&self) -> &Path {
+        &self.dir
+    }
+
+    /// Whether a tensor of this name exists.
+    pub fn contains(&self, name: &str) -> bool {
+        self.entries.contains_key(name)
+    }
+
+    /// Names of all tensors (sorted), for diagnostics.
+    pub fn names(&self) -> Vec<&str> {
+        let mut v: Vec<&str> = self.entries.keys().map(|s| s.as_str()).collect();
+        v.sort_unstable();
+        v
+    }
+
+    /// Shape of a tensor, if present.
+    pub fn shape_of(&self, name: &str) -> Option<&[usize]> {
+        self.entries.get(name).map(|e| e.shape.as_slice())
+    }
+
+    /// A tensor with the given shape, or an error naming the file and tensor.
+    pub fn get(&self, name: &str, shape: &[usize]) -> Result<Weight> {
+        let e = self.entries.get(name).ok_or_else(|| Error::MissingTensor {
+            dir: self.dir.clone(),
+            tensor: name.to_string(),
+        })?;
+        let (path, map) = &self.files[e.file];
+        if e.shape != shape {
+            return Err(Error::ShapeMismatch {
+                path: path.clone(),
+                tensor: name.to_string(),
+                actual: e.shape.clone(),
+                expected: shape.to_vec(),
+            });
+        }
+        let dtype = e.dtype.clone().map_err(|d| Error::UnsupportedDtype {
+            path: path.clone(),
+            tensor: name.to_string(),
+            dtype: d,
+        })?;
+        Ok(Weight::from_mmap(
+            map,
+            dtype,
+            e.shape.clone(),
+            e.offset,
+            e.len,
+        ))
+    }
+
+    /// A 1-D tensor converted to f32 (norm weights, biases).
+    pub fn get_vec(&self, name: &str, len: usize) -> Result<Vec<f32>> {
+        Ok(self.get(name, &[len])?.to_f32_vec())
+    }
+
+    /// Like [`get`](Self::get) but `None` when the tensor is absent.
+    pub fn get_opt(&self, name: &str, shape: &[usize]) -> Result<Option<Weight>> {
+        if self.contains(name) {
+            self.get(name, shape).map(Some)
+        } else {
+            Ok(None)
+        }
+    }
+}

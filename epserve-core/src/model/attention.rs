@@ -1,0 +1,199 @@
+//! Grouped-query self-attention with the per-architecture options the
+//! supported models use: q/k/v biases, q/k RMSNorm (per head or over the whole
+//! projection), q/k/v clipping, rotary embeddings, causal and sliding-window
+//! masks, and an incremental KV cache. Heads may be a contiguous subset of the
+//! model's (a tensor-parallel shard): the output projection then yields a
+//! partial sum that the caller adds across shards.
+
+use rayon::prelude::*;
+
+use crate::config::{ModelConfig, QkNorm};
+use crate::error::Result;
+use crate::kernels::{dot, linear, rms_norm, softmax};
+use crate::loader::weights::WeightStore;
+use crate::model::kv_cache::SeqCache;
+use crate::model::rope::Rope;
+use crate::tensor::Weight;
+
+/// A span of the flattened batch belonging to one sequence.
+#[derive(Debug, Clone, Copy)]
+pub struct SeqSpan {
+    /// First row of this sequence in the flattened `[tokens, hidden]` batch.
+    pub start: usize,
+    /// Number of new tokens.
+    pub len: usize,
+    /// Positions already in the cache before this step.
+    pub past: usize,
+}
+
+/// One attention layer's weights.
+pub struct Attention {
+    q: Weight,
+    k: Weight,
+    v: Weight,
+    o: Weight,
+    q_bias: Option<Vec<f32>>,
+    k_bias: Option<Vec<f32>>,
+    v_bias: Option<Vec<f32>>,
+    o_bias: Option<Vec<f32>>,
+    q_norm: Option<Vec<f32>>,
+    k_norm: Option<Vec<f32>>,
+    qk_norm: QkNorm,
+    clip_qkv: Option<f32>,
+    eps: f32,
+    heads: usize,
+    kv_heads: usize,
+    head_dim: usize,
+    sliding_window: Option<usize>,
+    scale: f32,
+}
+
+impl Attention {
+    /// Loads layer `layer`'s attention from `prefix` (e.g. `model.layers.3.self_attn`).
+    pub fn load(cfg: &ModelConfig, ws: &WeightStore, prefix: &str, layer: usize) -> Result<Self> {
+        let (h, hd, nh, nkv) = (
+            cfg.hidden_size,
+            cfg.head_dim,
+            cfg.num_attention_heads,
+            cfg.num_key_value_heads,
+        );
+        let bias = |name: &str, n: usize, on: bool| -> Result<Option<Vec<f32>>> {
+            if on {
+                ws.get_vec(&format!("{prefix}.{name}.bias"), n).map(Some)
+            } else {
+                Ok(None)
+            }
+        };
+        let (q_norm, k_norm) = match cfg.qk_norm {
+            QkNorm::None => (None, None),
+            QkNorm::PerHead => (
+                Some(ws.get_vec(&format!("{prefix}.q_norm.weight"), hd)?),
+                Some(ws.get_vec(&format!("{prefix}.k_norm.weight"), hd)?),
+            ),
+            QkNorm::Full => (
+                Some(ws.get_vec(&format!("{prefix}.q_norm.weight"), nh * hd)?),
+                Some(ws.get_vec(&format!("{prefix}.k_norm.weight"), nkv * hd)?),
+            ),
+        };
+        Ok(Attention {
+            q: ws.get(&format!("{prefix}.q_proj.weight"), &[nh * hd, h])?,
+            k: ws.get(&format!("{prefix}.k_proj.weight"), &[nkv * hd, h])?,
+            v: ws.get(&format!("{prefix}.v_proj.weight"), &[nkv * hd, h])?,
+            o: ws.get(&format!("{prefix}.o_proj.weight"), &[h, nh * hd])?,
+            q_bias: bias("q_proj", nh * hd, cfg.qkv_bias)?,
+            k_bias: bias("k_proj", nkv * hd, cfg.qkv_bias)?,
+            v_bias: bias("v_proj", nkv * hd, cfg.qkv_bias)?,
+            o_bias: bias("o_proj", h, cfg.o_bias)?,
+            q_norm,
+            k_norm,
+            qk_norm: cfg.qk_norm,
+            clip_qkv: cfg.clip_qkv,
+            eps: cfg.rms_norm_eps,
+            heads: nh,
+            kv_heads: nkv,
+            head_dim: hd,
+            sliding_window: cfg.layers[layer].sliding_window,
+            scale: (hd as f32).powf(-0.5),
+        })
+    }
+
+    /// Floats per cached position (keys or values).
+    pub fn kv_width(&self) -> usize {
+        self.kv_heads * self.head_dim
+    }
+
+    /// Runs attention for a flattened batch `x` (`[tokens, hidden]`), appending
+    /// the new keys/values to each sequence's cache at `layer`.
+    pub fn forward(
+        &self,
+        x: &[f32],
+        spans: &[SeqSpan],
+        caches: &mut [&mut SeqCache],
+        layer: usize,
+        rope: &Rope,
+    ) -> Vec<f32> {
+        let hidden = self.o.shape()[0];
+        let t = x.len() / self.q.shape()[1];
+        let (nh, nkv, hd) = (self.heads, self.kv_heads, self.head_dim);
+        let mut q = vec![0.0f32; t * nh * hd];
+        let mut k = vec![0.0f32; t * nkv * hd];
+        let mut v = vec![0.0f32; t * nkv * hd];
+        linear(x, t, &self.q, self.q_bias.as_deref(), &mut q);
+        linear(x, t, &self.k, self.k_bias.as_deref(), &mut k);
+        linear(x, t, &self.v, self.v_bias.as_deref(), &mut v);
+        match self.qk_norm {
+            QkNorm::None => {}
+            QkNorm::PerHead | QkNorm::Full => {
+                if let (Some(qn), Some(kn)) = (&self.q_norm, &self.k_norm) {
+                    rms_norm(&mut q, qn, self.eps);
+                    rms_norm(&mut k, kn, self.eps);
+                }
+            }
+        }
+        if let Some(c) = self.clip_qkv {
+            for val in q.iter_mut().chain(k.iter_mut()).chain(v.iter_mut()) {
+                *val = val.clamp(-c, c);
+            }
+        }
+        // Rotary embeddings at each token's absolute position.
+        let half = rope.half();
+        let (mut cos, mut sin) = (vec![0.0f32; half], vec![0.0f32; half]);
+        for sp in spans {
+            for i in 0..sp.len {
+                let row = sp.start + i;
+                rope.cos_sin(sp.past + i, &mut cos, &mut sin);
+                rope.apply(&mut q[row * nh * hd..(row + 1) * nh * hd], hd, &cos, &sin);
+                rope.apply(&mut k[row * nkv * hd..(row + 1) * nkv * hd], hd, &cos, &sin);
+            }
+        }
+        // Append to the caches.
+        let w = nkv * hd;
+        for (sp, cache) in spans.iter().zip(caches.iter_mut()) {
+            let kv = &mut cache.layers[layer];
+            kv.k.extend_from_slice(&k[sp.start * w..(sp.start + sp.len) * w]);
+            kv.v.extend_from_slice(&v[sp.start * w..(sp.start + sp.len) * w]);
+        }
+        // Attention per query row, all heads.
+        let mut row_seq = vec![0usize; t];
+        for (si, sp) in spans.iter().enumerate() {
+            row_seq[sp.start..sp.start + sp.len].fill(si);
+        }
+        let caches_ro: Vec<&SeqCache> = caches.iter().map(|c| &**c).collect();
+        let mut attn = vec![0.0f32; t * nh * hd];
+        let group = nh / nkv;
+        attn.par_chunks_mut(nh * hd).enumerate().for_each_init(
+            Vec::new,
+            |scores: &mut Vec<f32>, (row, dst)| {
+                let sp = &spans[row_seq[row]];
+                let kv = &caches_ro[row_seq[row]].layers[layer];
+                let pos = sp.past + (row - sp.start);
+                let first = match self.sliding_window {
+                    Some(win) => (pos + 1).saturating_sub(win),
+                    None => 0,
+                };
+                let n = pos + 1 - first;
+                for h in 0..nh {
+                    let kvh = h / group;
+                    let qh = &q[row * nh * hd + h * hd..row * nh * hd + (h + 1) * hd];
+                    scores.clear();
+                    scores.extend((first..=pos).map(|j| {
+                        dot(qh, &kv.k[j * w + kvh * hd..j * w + (kvh + 1) * hd]) * self.scale
+                    }));
+                    softmax(scores);
+                    let out = &mut dst[h * hd..(h + 1) * hd];
+                    out.fill(0.0);
+                    for (jj, p) in scores.iter().enumerate().take(n) {
+                        let j = first + jj;
+                        let vr = &kv.v[j * w + kvh * hd..j * w + (kvh + 1) * hd];
+                        for (o, vv) in out.iter_mut().zip(vr) {
+                            *o += p * vv;
+                        }
+                    }
+                }
+            },
+        );
+        let mut out = vec![0.0f32; t * hidden];
+        linear(&attn, t, &self.o, self.o_bias.as_deref(), &mut out);
+        out
+    }
+}

@@ -1,0 +1,261 @@
+//! The decoder-only MoE transformer: embeddings, decoder layers (attention +
+//! dense MLP or MoE block), final norm and LM head. One forward pass takes a
+//! flattened batch of several sequences (prefill chunks and decode steps
+//! mixed), as continuous batching needs.
+
+pub mod attention;
+pub mod kv_cache;
+pub mod moe;
+pub mod names;
+pub mod rope;
+
+use std::path::Path;
+use std::sync::Arc;
+
+use crate::config::{FfnKind, ModelConfig};
+use crate::error::{Error, Result};
+use crate::kernels::{linear, rms_norm};
+use crate::loader::weights::WeightStore;
+use crate::tensor::Weight;
+
+use attention::{Attention, SeqSpan};
+use kv_cache::SeqCache;
+use moe::{
+    Dispatcher, GatedMlp, LocalDispatcher, LocalExperts, MoeBlock, Router, RouterKind, Routing,
+    SharedExpert,
+};
+use rope::Rope;
+
+enum Ffn {
+    Dense(GatedMlp),
+    Moe(MoeBlock),
+}
+
+struct DecoderLayer {
+    input_norm: Vec<f32>,
+    attn: Attention,
+    post_norm: Vec<f32>,
+    ffn: Ffn,
+}
+
+/// One sequence's share of a forward pass: its new tokens and its cache.
+pub struct SeqInput<'a> {
+    pub tokens: &'a [u32],
+    pub cache: &'a mut SeqCache,
+}
+
+/// Which positions get logits.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LogitsMode {
+    /// Only each sequence's last new token.
+    Last,
+    /// Every new token.
+    All,
+}
+
+/// Router decisions of one MoE layer during a forward pass.
+#[derive(Debug, Clone)]
+pub struct RouterTrace {
+    pub layer: usize,
+    pub routing: Routing,
+}
+
+/// Output of [`Model::forward`].
+#[derive(Debug, Clone)]
+pub struct ForwardOutput {
+    /// `[rows, vocab]`: one row per sequence (`Last`) or per token (`All`).
+    pub logits: Vec<f32>,
+    pub rows: usize,
+    /// Filled when tracing was requested.
+    pub router: Vec<RouterTrace>,
+}
+
+/// A loaded model.
+pub struct Model {
+    pub config: ModelConfig,
+    embed: Weight,
+    layers: Vec<DecoderLayer>,
+    norm: Vec<f32>,
+    lm_head: Weight,
+    rope: Rope,
+    dispatcher: Arc<dyn Dispatcher>,
+}
+
+impl Model {
+    /// Loads a model folder with every expert in this process.
+    pub fn load(dir: &Path) -> Result<Self> {
+        let cfg = ModelConfig::from_dir(dir)?;
+        let ws = WeightStore::open(dir)?;
+        let experts = LocalExperts::load_all(&cfg, &ws)?;
+        let dispatcher = Arc::new(LocalDispatcher::new(Arc::new(experts)));
+        Self::from_store(cfg, &ws, dispatcher)
+    }
+
+    /// Loads the non-expert weights and uses `dispatcher` for the experts.
+    pub fn from_store(
+        cfg: ModelConfig,
+        ws: &WeightStore,
+        dispatcher: Arc<dyn Dispatcher>,
+    ) -> Result<Self> {
+        let (v, h) = (cfg.vocab_size, cfg.hidden_size);
+        let embed = ws.get("model.embed_tokens.weight", &[v, h])?;
+        let lm_head = if cfg.tie_word_embeddings {
+            embed.clone()
+        } else {
+            ws.get("lm_head.weight", &[v, h])?
+        };
+        let mut layers = Vec::with_capacity(cfg.num_hidden_layers);
+        for i in 0..cfg.num_hidden_layers {
+            let lp = names::layer_prefix(i);
+            let attn = Attention::load(&cfg, ws, &format!("{lp}.self_attn"), i)?;
+            let ffn = match cfg.layers[i].ffn {
+                FfnKind::Dense => Ffn::Dense(GatedMlp::load(
+                    ws,
+                    &format!("{lp}.mlp"),
+                    h,
+                    cfg.intermediate_size,
+                    cfg.activation,
+                )?),
+                FfnKind::Moe => {
+                    let router = Router::new(
+                        names::router_weight(&cfg, ws, i)?,
+                        RouterKind::SoftmaxTopK {
+                            normalize: cfg.norm_topk_prob,
+                        },
+                        cfg.num_experts_per_tok,
+                    );
+                    let shared = match cfg.shared_expert_intermediate_size {
+                        Some(si) => Some(SharedExpert {
+                            mlp: GatedMlp::load(
+                                ws,
+                                &format!("{lp}.mlp.shared_expert"),
+                                h,
+                                si,
+                                cfg.activation,
+                            )?,
+                            gate: ws
+                                .get_opt(&format!("{lp}.mlp.shared_expert_gate.weight"), &[1, h])?,
+                        }),
+                        None => None,
+                    };
+                    Ffn::Moe(MoeBlock { router, shared })
+                }
+            };
+            layers.push(DecoderLayer {
+                input_norm: ws.get_vec(&format!("{lp}.input_layernorm.weight"), h)?,
+                attn,
+                post_norm: ws.get_vec(&format!("{lp}.post_attention_layernorm.weight"), h)?,
+                ffn,
+            });
+        }
+        let norm = ws.get_vec("model.norm.weight", h)?;
+        let rope = Rope::new(&cfg.rope);
+        Ok(Model {
+            config: cfg,
+            embed,
+            layers,
+            norm,
+            lm_head,
+            rope,
+            dispatcher,
+        })
+    }
+
+    /// An empty KV cache for one sequence.
+    pub fn new_cache(&self) -> SeqCache {
+        SeqCache::new(self.config.num_hidden_layers)
+    }
+
+    /// Floats per cached position per layer, for keys (and again for values).
+    pub fn kv_width(&self) -> usize {
+        self.config.num_key_value_heads * self.config.head_dim
+    }
+
+    /// Runs one step for several sequences at once. Each sequence's tokens are
+    /// appended after what its cache already holds.
+    pub fn forward(
+        &self,
+        seqs: &mut [SeqInput<'_>],
+        mode: LogitsMode,
+        trace_router: bool,
+    ) -> Result<ForwardOutput> {
+        let cfg = &self.config;
+        let h = cfg.hidden_size;
+        let mut spans = Vec::with_capacity(seqs.len());
+        let mut tokens = Vec::new();
+        for s in seqs.iter() {
+            if s.tokens.is_empty() {
+                return Err(Error::InvalidInput(
+                    "a sequence in the batch has no new tokens".into(),
+                ));
+            }
+            spans.push(SeqSpan {
+                start: tokens.len(),
+                len: s.tokens.len(),
+                past: s.cache.len(),
+            });
+            tokens.extend_from_slice(s.tokens);
+        }
+        let t = tokens.len();
+        let mut x = vec![0.0f32; t * h];
+        for (row, &tok) in tokens.iter().enumerate() {
+            if tok as usize >= cfg.vocab_size {
+                return Err(Error::InvalidInput(format!(
+                    "token id {tok} is outside the vocabulary (size {})",
+                    cfg.vocab_size
+                )));
+            }
+            self.embed
+                .row_to_f32(tok as usize, &mut x[row * h..(row + 1) * h]);
+        }
+        let mut caches: Vec<&mut SeqCache> = seqs.iter_mut().map(|s| &mut *s.cache).collect();
+        let mut trace = Vec::new();
+        let mut normed = vec![0.0f32; t * h];
+        let mut ffn_out = vec![0.0f32; t * h];
+        for (li, layer) in self.layers.iter().enumerate() {
+            normed.copy_from_slice(&x);
+            rms_norm(&mut normed, &layer.input_norm, cfg.rms_norm_eps);
+            let a = layer
+                .attn
+                .forward(&normed, &spans, &mut caches, li, &self.rope);
+            for (xv, av) in x.iter_mut().zip(&a) {
+                *xv += av;
+            }
+            normed.copy_from_slice(&x);
+            rms_norm(&mut normed, &layer.post_norm, cfg.rms_norm_eps);
+            match &layer.ffn {
+                Ffn::Dense(mlp) => mlp.forward(&normed, t, &mut ffn_out),
+                Ffn::Moe(block) => {
+                    let routing =
+                        block.forward(li, &normed, t, h, self.dispatcher.as_ref(), &mut ffn_out)?;
+                    if trace_router {
+                        trace.push(RouterTrace { layer: li, routing });
+                    }
+                }
+            }
+            for (xv, fv) in x.iter_mut().zip(&ffn_out) {
+                *xv += fv;
+            }
+        }
+        for (c, sp) in caches.iter_mut().zip(&spans) {
+            c.advance(sp.len);
+        }
+        // Final norm and LM head on the rows that need logits.
+        let rows: Vec<usize> = match mode {
+            LogitsMode::All => (0..t).collect(),
+            LogitsMode::Last => spans.iter().map(|s| s.start + s.len - 1).collect(),
+        };
+        let mut sel = Vec::with_capacity(rows.len() * h);
+        for &r in &rows {
+            sel.extend_from_slice(&x[r * h..(r + 1) * h]);
+        }
+        rms_norm(&mut sel, &self.norm, cfg.rms_norm_eps);
+        let mut logits = vec![0.0f32; rows.len() * cfg.vocab_size];
+        linear(&sel, rows.len(), &self.lm_head, None, &mut logits);
+        Ok(ForwardOutput {
+            logits,
+            rows: rows.len(),
+            router: trace,
+        })
+    }
+}

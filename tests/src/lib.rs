@@ -1,0 +1,65 @@
+//! Helpers shared by the end-to-end tests: where the fixtures live and how
+//! their transformers goldens are read.
+
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+
+use serde::Deserialize;
+
+/// `tests/fixtures/` in this checkout.
+pub fn fixtures_dir() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("fixtures")
+}
+
+/// One fixture model folder pair (`f32/`, `bf16/`) with its golden.
+pub fn fixture_dir(name: &str) -> PathBuf {
+    fixtures_dir().join(name)
+}
+
+/// Names of all fixtures (folders holding a `golden.json`).
+pub fn fixture_names() -> Vec<String> {
+    let mut v: Vec<String> = std::fs::read_dir(fixtures_dir())
+        .map(|rd| {
+            rd.filter_map(|e| e.ok())
+                .filter(|e| e.path().join("golden.json").is_file())
+                .filter_map(|e| e.file_name().into_string().ok())
+                .collect()
+        })
+        .unwrap_or_default();
+    v.sort();
+    v
+}
+
+/// transformers' reference outputs for one fixture.
+#[derive(Debug, Deserialize)]
+pub struct Golden {
+    pub fixture: String,
+    pub model_type: String,
+    pub num_layers: usize,
+    pub moe_layers: Vec<usize>,
+    pub num_experts: usize,
+    pub top_k: usize,
+    pub vocab_size: usize,
+    pub cases: Vec<GoldenCase>,
+}
+
+/// One prompt's reference outputs.
+#[derive(Debug, Deserialize)]
+pub struct GoldenCase {
+    pub name: String,
+    pub prompt: String,
+    pub chat: bool,
+    pub prompt_token_ids: Vec<u32>,
+    pub last_logits: Vec<f32>,
+    pub top5_ids: Vec<Vec<u32>>,
+    pub top5_logits: Vec<Vec<f32>>,
+    pub greedy_token_ids: Vec<u32>,
+    pub router_topk: BTreeMap<String, Vec<Vec<u32>>>,
+}
+
+/// Reads `tests/fixtures/<name>/golden.json`.
+pub fn golden(name: &str) -> Golden {
+    let path = fixture_dir(name).join("golden.json");
+    let text = std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+    serde_json::from_str(&text).unwrap_or_else(|e| panic!("{}: {e}", path.display()))
+}
