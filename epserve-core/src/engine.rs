@@ -188,6 +188,8 @@ impl Engine {
         let mut sampler = Sampler::new(req.sampling.clone());
         let stops = StopStrings::new(&req.stop);
         let mut cache = self.model.new_cache();
+        let total = (n_prompt + req.max_tokens).min(max_len);
+        let mut pool = self.model.pool_for_tokens(total);
         let mut seen = req.prompt_token_ids.clone();
         let mut generated: Vec<u32> = Vec::new();
         let mut next_input = req.prompt_token_ids.clone();
@@ -199,6 +201,7 @@ impl Engine {
                     tokens: &next_input,
                     cache: &mut cache,
                 }],
+                &mut pool,
                 LogitsMode::Last,
                 false,
             )?;

@@ -11,7 +11,7 @@ use crate::config::{ModelConfig, QkNorm};
 use crate::error::Result;
 use crate::kernels::{dot, linear, rms_norm, softmax};
 use crate::loader::weights::WeightStore;
-use crate::model::kv_cache::SeqCache;
+use crate::model::kv_cache::{KvPool, SeqCache};
 use crate::model::rope::Rope;
 use crate::tensor::Weight;
 
@@ -108,7 +108,8 @@ impl Attention {
         &self,
         x: &[f32],
         spans: &[SeqSpan],
-        caches: &mut [&mut SeqCache],
+        caches: &[&SeqCache],
+        pool: &mut KvPool,
         layer: usize,
         rope: &Rope,
     ) -> Vec<f32> {
@@ -146,45 +147,50 @@ impl Attention {
                 rope.apply(&mut k[row * nkv * hd..(row + 1) * nkv * hd], hd, &cos, &sin);
             }
         }
-        // Append to the caches.
+        // Write the new keys/values into each sequence's blocks (reserved by the caller).
         let w = nkv * hd;
-        for (sp, cache) in spans.iter().zip(caches.iter_mut()) {
-            let kv = &mut cache.layers[layer];
-            kv.k.extend_from_slice(&k[sp.start * w..(sp.start + sp.len) * w]);
-            kv.v.extend_from_slice(&v[sp.start * w..(sp.start + sp.len) * w]);
+        for (sp, cache) in spans.iter().zip(caches) {
+            for i in 0..sp.len {
+                let r = pool.row(cache, sp.past + i);
+                let src = sp.start + i;
+                let lp = pool.layer_mut(layer);
+                lp.k[r * w..(r + 1) * w].copy_from_slice(&k[src * w..(src + 1) * w]);
+                lp.v[r * w..(r + 1) * w].copy_from_slice(&v[src * w..(src + 1) * w]);
+            }
         }
         // Attention per query row, all heads.
         let mut row_seq = vec![0usize; t];
         for (si, sp) in spans.iter().enumerate() {
             row_seq[sp.start..sp.start + sp.len].fill(si);
         }
-        let caches_ro: Vec<&SeqCache> = caches.iter().map(|c| &**c).collect();
+        let pool: &KvPool = pool;
+        let kv = pool.layer(layer);
         let mut attn = vec![0.0f32; t * nh * hd];
         let group = nh / nkv;
         attn.par_chunks_mut(nh * hd).enumerate().for_each_init(
             Vec::new,
             |scores: &mut Vec<f32>, (row, dst)| {
                 let sp = &spans[row_seq[row]];
-                let kv = &caches_ro[row_seq[row]].layers[layer];
+                let cache = caches[row_seq[row]];
                 let pos = sp.past + (row - sp.start);
                 let first = match self.sliding_window {
                     Some(win) => (pos + 1).saturating_sub(win),
                     None => 0,
                 };
-                let n = pos + 1 - first;
                 for h in 0..nh {
                     let kvh = h / group;
                     let qh = &q[row * nh * hd + h * hd..row * nh * hd + (h + 1) * hd];
                     scores.clear();
                     scores.extend((first..=pos).map(|j| {
-                        dot(qh, &kv.k[j * w + kvh * hd..j * w + (kvh + 1) * hd]) * self.scale
+                        let r = pool.row(cache, j);
+                        dot(qh, &kv.k[r * w + kvh * hd..r * w + (kvh + 1) * hd]) * self.scale
                     }));
                     softmax(scores);
                     let out = &mut dst[h * hd..(h + 1) * hd];
                     out.fill(0.0);
-                    for (jj, p) in scores.iter().enumerate().take(n) {
-                        let j = first + jj;
-                        let vr = &kv.v[j * w + kvh * hd..j * w + (kvh + 1) * hd];
+                    for (jj, p) in scores.iter().enumerate() {
+                        let r = pool.row(cache, first + jj);
+                        let vr = &kv.v[r * w + kvh * hd..r * w + (kvh + 1) * hd];
                         for (o, vv) in out.iter_mut().zip(vr) {
                             *o += p * vv;
                         }

@@ -19,7 +19,7 @@ use crate::loader::weights::WeightStore;
 use crate::tensor::Weight;
 
 use attention::{Attention, SeqSpan};
-use kv_cache::SeqCache;
+use kv_cache::{KvPool, SeqCache};
 use moe::{
     Dispatcher, GatedMlp, LocalDispatcher, LocalExperts, MoeBlock, Router, RouterKind, Routing,
     SharedExpert,
@@ -161,14 +161,32 @@ impl Model {
         })
     }
 
-    /// An empty KV cache for one sequence.
+    /// An empty KV cache for one sequence (a block table into a [`KvPool`]).
     pub fn new_cache(&self) -> SeqCache {
-        SeqCache::new(self.config.num_hidden_layers)
+        SeqCache::new()
     }
 
-    /// Floats per cached position per layer, for keys (and again for values).
-    pub fn kv_width(&self) -> usize {
-        self.config.num_key_value_heads * self.config.head_dim
+    /// Per layer, floats per cached position for keys and for values.
+    pub fn kv_layer_widths(&self) -> Vec<(usize, usize)> {
+        self.layers
+            .iter()
+            .map(|l| (l.attn.kv_width(), l.attn.kv_width()))
+            .collect()
+    }
+
+    /// A KV pool of `num_blocks` blocks of `block_size` positions.
+    pub fn new_pool(&self, block_size: usize, num_blocks: usize) -> KvPool {
+        KvPool::new(&self.kv_layer_widths(), block_size, num_blocks)
+    }
+
+    /// A pool with room for `tokens` positions in blocks of 16 (tests, one-off runs).
+    pub fn pool_for_tokens(&self, tokens: usize) -> KvPool {
+        self.new_pool(16, tokens.div_ceil(16))
+    }
+
+    /// Bytes of KV cache per block of `block_size` positions.
+    pub fn kv_block_bytes(&self, block_size: usize) -> usize {
+        KvPool::block_bytes(&self.kv_layer_widths(), block_size)
     }
 
     /// Runs one step for several sequences at once. Each sequence's tokens are
@@ -176,6 +194,7 @@ impl Model {
     pub fn forward(
         &self,
         seqs: &mut [SeqInput<'_>],
+        pool: &mut KvPool,
         mode: LogitsMode,
         trace_router: bool,
     ) -> Result<ForwardOutput> {
@@ -196,19 +215,30 @@ impl Model {
             });
             tokens.extend_from_slice(s.tokens);
         }
+        if let Some(bad) = tokens.iter().find(|&&t| t as usize >= cfg.vocab_size) {
+            return Err(Error::InvalidInput(format!(
+                "token id {bad} is outside the vocabulary (size {})",
+                cfg.vocab_size
+            )));
+        }
+        // Reserve KV blocks up front; roll back on failure so nothing leaks.
+        let before: Vec<usize> = seqs.iter().map(|s| s.cache.blocks().len()).collect();
+        for i in 0..seqs.len() {
+            let new_len = spans[i].past + spans[i].len;
+            if let Err(e) = pool.reserve(seqs[i].cache, new_len) {
+                for (s, &b) in seqs.iter_mut().zip(&before).take(i) {
+                    pool.shrink(s.cache, b);
+                }
+                return Err(e);
+            }
+        }
         let t = tokens.len();
         let mut x = vec![0.0f32; t * h];
         for (row, &tok) in tokens.iter().enumerate() {
-            if tok as usize >= cfg.vocab_size {
-                return Err(Error::InvalidInput(format!(
-                    "token id {tok} is outside the vocabulary (size {})",
-                    cfg.vocab_size
-                )));
-            }
             self.embed
                 .row_to_f32(tok as usize, &mut x[row * h..(row + 1) * h]);
         }
-        let mut caches: Vec<&mut SeqCache> = seqs.iter_mut().map(|s| &mut *s.cache).collect();
+        let caches: Vec<&SeqCache> = seqs.iter().map(|s| &*s.cache).collect();
         let mut trace = Vec::new();
         let mut normed = vec![0.0f32; t * h];
         let mut ffn_out = vec![0.0f32; t * h];
@@ -217,7 +247,7 @@ impl Model {
             rms_norm(&mut normed, &layer.input_norm, cfg.rms_norm_eps);
             let a = layer
                 .attn
-                .forward(&normed, &spans, &mut caches, li, &self.rope);
+                .forward(&normed, &spans, &caches, pool, li, &self.rope);
             for (xv, av) in x.iter_mut().zip(&a) {
                 *xv += av;
             }
@@ -237,8 +267,9 @@ impl Model {
                 *xv += fv;
             }
         }
-        for (c, sp) in caches.iter_mut().zip(&spans) {
-            c.advance(sp.len);
+        drop(caches);
+        for (s, sp) in seqs.iter_mut().zip(&spans) {
+            s.cache.advance(sp.len);
         }
         // Final norm and LM head on the rows that need logits.
         let rows: Vec<usize> = match mode {
