@@ -1,0 +1,215 @@
+//! Every fixture model, loaded from its f32 and bf16 folders, against the
+//! outputs transformers computed in float32 (tests/fixtures/*/golden.json):
+//! prompt token ids, last-position logits, top-5 per position, router top-k
+//! per MoE layer and position, and 32 greedy tokens.
+//!
+//! Tolerances: the bf16 folder holds the same (bf16-representable) weights as
+//! the f32 one and the engine computes in f32 either way, so both are held to
+//! the same bound: |logit − reference| ≤ 1e-4 (logits are O(1..10); measured ≤ 2e-5).
+
+use epserve_core::engine::{Engine, GenerateRequest};
+use epserve_core::model::{LogitsMode, SeqInput};
+use epserve_core::sampling::SamplingParams;
+use epserve_tests::{fixture_dir, fixture_names, golden};
+
+const LOGIT_TOL: f32 = 1e-4;
+
+fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
+    assert_eq!(a.len(), b.len());
+    a.iter()
+        .zip(b)
+        .map(|(x, y)| (x - y).abs())
+        .fold(0.0, f32::max)
+}
+
+fn check_fixture(name: &str, dtype: &str) {
+    let g = golden(name);
+    let dir = fixture_dir(name).join(dtype);
+    let engine = Engine::load(&dir).unwrap_or_else(|e| panic!("{name}/{dtype}: {e}"));
+    assert_eq!(
+        engine.model.config.moe_layers(),
+        g.moe_layers,
+        "{name}: MoE layers"
+    );
+    assert_eq!(engine.model.config.num_hidden_layers, g.num_layers);
+    assert_eq!(engine.model.config.num_experts, g.num_experts);
+    assert_eq!(engine.model.config.num_experts_per_tok, g.top_k);
+    assert_eq!(engine.model.config.vocab_size, g.vocab_size);
+    for case in &g.cases {
+        let ctx = format!("{name}/{dtype}/{}", case.name);
+        let ids = engine
+            .encode_prompt(&case.prompt, case.chat)
+            .unwrap_or_else(|e| panic!("{ctx}: {e}"));
+        assert_eq!(ids, case.prompt_token_ids, "{ctx}: prompt token ids");
+
+        // Whole prompt in one batched prefill, logits at every position.
+        let mut cache = engine.model.new_cache();
+        let mut pool = engine.model.pool_for_tokens(ids.len());
+        let out = engine
+            .model
+            .forward(
+                &mut [SeqInput {
+                    tokens: &ids,
+                    cache: &mut cache,
+                }],
+                &mut pool,
+                LogitsMode::All,
+                true,
+            )
+            .unwrap_or_else(|e| panic!("{ctx}: {e}"));
+        let v = g.vocab_size;
+        let n = ids.len();
+        let last = &out.logits[(n - 1) * v..n * v];
+        let d = max_abs_diff(last, &case.last_logits);
+        eprintln!(
+            "{ctx}: {} prompt tokens, last-logit max diff {d:.2e}",
+            ids.len()
+        );
+        assert!(d <= LOGIT_TOL, "{ctx}: last logits differ by {d}");
+        for pos in 0..n {
+            let row = &out.logits[pos * v..(pos + 1) * v];
+            for (id, want) in case.top5_ids[pos].iter().zip(&case.top5_logits[pos]) {
+                let got = row[*id as usize];
+                assert!(
+                    (got - want).abs() <= LOGIT_TOL,
+                    "{ctx}: pos {pos} token {id}: {got} vs {want}"
+                );
+            }
+            let top1 = epserve_core::sampling::argmax(row);
+            assert_eq!(top1, case.top5_ids[pos][0], "{ctx}: pos {pos} argmax");
+        }
+        for trace in &out.router {
+            let want = case
+                .router_topk
+                .get(&trace.layer.to_string())
+                .unwrap_or_else(|| panic!("{ctx}: no golden for layer {}", trace.layer));
+            let k = trace.routing.top_k;
+            assert_eq!(want.len(), n, "{ctx}: golden router positions");
+            for (pos, want_pos) in want.iter().enumerate() {
+                let mut got: Vec<u32> = trace.routing.topk_ids[pos * k..(pos + 1) * k].to_vec();
+                got.sort_unstable();
+                assert_eq!(
+                    &got, want_pos,
+                    "{ctx}: layer {} pos {pos} experts",
+                    trace.layer
+                );
+            }
+        }
+        assert_eq!(out.router.len(), g.moe_layers.len());
+
+        // Greedy continuation through the KV cache.
+        let generated = engine
+            .generate(&GenerateRequest {
+                prompt_token_ids: ids.clone(),
+                max_tokens: case.greedy_token_ids.len(),
+                sampling: SamplingParams::default(),
+                stop: vec![],
+                ignore_eos: true,
+            })
+            .unwrap_or_else(|e| panic!("{ctx}: {e}"));
+        assert_eq!(
+            generated.token_ids, case.greedy_token_ids,
+            "{ctx}: greedy tokens"
+        );
+    }
+}
+
+#[test]
+fn fixtures_exist() {
+    let names = fixture_names();
+    for want in [
+        "qwen3_moe_a",
+        "qwen3_moe_b",
+        "mixtral",
+        "qwen2_moe",
+        "olmoe",
+    ] {
+        assert!(
+            names.iter().any(|n| n == want),
+            "fixture {want} missing: {names:?}"
+        );
+    }
+}
+
+#[test]
+fn all_fixtures_f32_match_transformers() {
+    for name in fixture_names() {
+        check_fixture(&name, "f32");
+    }
+}
+
+#[test]
+fn all_fixtures_bf16_match_transformers() {
+    for name in fixture_names() {
+        check_fixture(&name, "bf16");
+    }
+}
+
+/// Prefill in one pass, prefill in chunks, and token-by-token decode give the
+/// same logits; two sequences batched together give what each gives alone.
+#[test]
+fn chunked_and_batched_prefill_agree() {
+    for name in fixture_names() {
+        let g = golden(&name);
+        let engine = Engine::load(&fixture_dir(&name).join("f32")).expect("load");
+        let m = &engine.model;
+        let v = g.vocab_size;
+        let a = &g.cases[0].prompt_token_ids;
+        let b = &g.cases[g.cases.len() - 1].prompt_token_ids;
+        let last_alone = |ids: &[u32], chunk: usize| -> Vec<f32> {
+            let mut cache = m.new_cache();
+            // Blocks of 4 so chunks straddle block boundaries.
+            let mut pool = m.new_pool(4, ids.len().div_ceil(4));
+            let mut out = Vec::new();
+            for piece in ids.chunks(chunk) {
+                out = m
+                    .forward(
+                        &mut [SeqInput {
+                            tokens: piece,
+                            cache: &mut cache,
+                        }],
+                        &mut pool,
+                        LogitsMode::Last,
+                        false,
+                    )
+                    .expect("forward")
+                    .logits;
+            }
+            out
+        };
+        let ref_a = last_alone(a, a.len());
+        let ref_b = last_alone(b, b.len());
+        for chunk in [1, 3, 7] {
+            let d = max_abs_diff(&last_alone(b, chunk), &ref_b);
+            assert!(d <= 1e-4, "{name}: chunk {chunk} differs by {d}");
+        }
+        let (mut ca, mut cb) = (m.new_cache(), m.new_cache());
+        // A small, shared pool: the two sequences' blocks interleave.
+        let mut pool = m.new_pool(2, (a.len() + b.len()).div_ceil(2) + 2);
+        let out = m
+            .forward(
+                &mut [
+                    SeqInput {
+                        tokens: a,
+                        cache: &mut ca,
+                    },
+                    SeqInput {
+                        tokens: b,
+                        cache: &mut cb,
+                    },
+                ],
+                &mut pool,
+                LogitsMode::Last,
+                false,
+            )
+            .expect("forward");
+        assert!(
+            max_abs_diff(&out.logits[..v], &ref_a) <= 1e-4,
+            "{name}: batched a"
+        );
+        assert!(
+            max_abs_diff(&out.logits[v..], &ref_b) <= 1e-4,
+            "{name}: batched b"
+        );
+    }
+}
