@@ -18,6 +18,8 @@ pub struct Cli {
 pub enum Command {
     /// Run one prompt through the single-process engine and print the completion.
     Generate(GenerateArgs),
+    /// Single-process OpenAI-compatible server (completions, chat, models, health, metrics).
+    Serve(Box<ServeArgs>),
 }
 
 /// `epserve generate`.
@@ -63,4 +65,51 @@ pub struct GenerateArgs {
     /// Print one JSON object {"prompt_token_ids", "token_ids", "text", ...}.
     #[arg(long)]
     pub json: bool,
+}
+
+/// `epserve serve`.
+#[derive(Debug, Clone, Args)]
+pub struct ServeArgs {
+    /// Hugging Face model folder.
+    #[arg(long, env = "EPSERVE_MODEL")]
+    pub model: PathBuf,
+    /// Address to listen on.
+    #[arg(long, default_value = "0.0.0.0", env = "EPSERVE_HOST")]
+    pub host: String,
+    /// Port to listen on (0 picks a free one; the URL is printed).
+    #[arg(long, default_value_t = 8000, env = "EPSERVE_PORT")]
+    pub port: u16,
+    /// Name(s) clients use in `model` (repeatable). Default: the folder's name.
+    #[arg(long)]
+    pub served_model_name: Vec<String>,
+    /// Require `Authorization: Bearer KEY` on /v1 routes.
+    #[arg(long, env = "EPSERVE_API_KEY", hide_env_values = true)]
+    pub api_key: Option<String>,
+    /// Longest prompt + completion, in tokens. Default: the model's max_position_embeddings.
+    #[arg(long)]
+    pub max_model_len: Option<usize>,
+    /// Most sequences in one batch.
+    #[arg(long, default_value_t = 64)]
+    pub max_num_seqs: usize,
+    /// Most tokens (prefill chunks + decodes) in one forward pass.
+    #[arg(long, default_value_t = 2048)]
+    pub max_num_batched_tokens: usize,
+    /// KV cache size, e.g. `2GiB`, `512MiB`, `1000000` (bytes). Overrides --kv-cache-fraction.
+    #[arg(long)]
+    pub kv_cache_memory: Option<String>,
+    /// KV cache size as a fraction of the machine's memory.
+    #[arg(long, default_value_t = 0.1)]
+    pub kv_cache_fraction: f64,
+    /// Positions per KV block.
+    #[arg(long, default_value_t = 16)]
+    pub block_size: usize,
+    /// Requests allowed to wait before new ones get 503 + Retry-After.
+    #[arg(long, default_value_t = 1024)]
+    pub max_waiting: usize,
+    /// Largest accepted request body in bytes (413 beyond).
+    #[arg(long, default_value_t = 8 * 1024 * 1024)]
+    pub max_request_body_bytes: usize,
+    /// Most `logprobs` / `top_logprobs` a request may ask for.
+    #[arg(long, default_value_t = 20)]
+    pub max_logprobs: usize,
 }

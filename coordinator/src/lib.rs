@@ -4,3 +4,7 @@
 
 pub mod cli;
 pub mod generate;
+pub mod metrics;
+pub mod scheduler;
+pub mod serve;
+pub mod server;

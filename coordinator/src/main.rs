@@ -14,6 +14,7 @@ fn main() {
     let cli = Cli::parse();
     let result = match &cli.command {
         Command::Generate(args) => epserve_coordinator::generate::run(args),
+        Command::Serve(args) => epserve_coordinator::serve::run(args),
     };
     if let Err(e) = result {
         // One line: the error and its causes joined by ": ".

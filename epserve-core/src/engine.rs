@@ -190,7 +190,6 @@ impl Engine {
         let mut cache = self.model.new_cache();
         let total = (n_prompt + req.max_tokens).min(max_len);
         let mut pool = self.model.pool_for_tokens(total);
-        let mut seen = req.prompt_token_ids.clone();
         let mut generated: Vec<u32> = Vec::new();
         let mut next_input = req.prompt_token_ids.clone();
         let mut finish = FinishReason::Length;
@@ -206,9 +205,8 @@ impl Engine {
                 false,
             )?;
             let mut logits = out.logits;
-            let tok = sampler.sample(&mut logits, &seen);
+            let tok = sampler.sample(&mut logits, &req.prompt_token_ids, &generated);
             generated.push(tok);
-            seen.push(tok);
             on_token(tok);
             if !req.ignore_eos && self.eos_ids.contains(&tok) {
                 finish = FinishReason::Stop;

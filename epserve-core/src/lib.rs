@@ -8,6 +8,7 @@
 //! - [`sampling`], [`engine`]: logits → tokens, the generate loop
 
 pub mod config;
+pub mod detok;
 pub mod engine;
 pub mod error;
 pub mod kernels;

@@ -19,6 +19,9 @@ pub struct SamplingParams {
     pub min_p: f32,
     /// 1.0 disables the penalty.
     pub repetition_penalty: f32,
+    /// OpenAI's penalties on generated tokens: `logit -= frequency · count + presence · [count > 0]`.
+    pub frequency_penalty: f32,
+    pub presence_penalty: f32,
     pub seed: Option<u64>,
 }
 
@@ -30,6 +33,8 @@ impl Default for SamplingParams {
             top_p: 1.0,
             min_p: 0.0,
             repetition_penalty: 1.0,
+            frequency_penalty: 0.0,
+            presence_penalty: 0.0,
             seed: None,
         }
     }
@@ -56,6 +61,14 @@ impl SamplingParams {
                 "repetition_penalty must be > 0, got {}",
                 self.repetition_penalty
             ));
+        }
+        for (name, v) in [
+            ("frequency_penalty", self.frequency_penalty),
+            ("presence_penalty", self.presence_penalty),
+        ] {
+            if !(-2.0..=2.0).contains(&v) {
+                return bad(format!("{name} must be in [-2, 2], got {v}"));
+            }
         }
         Ok(())
     }
@@ -103,6 +116,34 @@ pub fn apply_repetition_penalty(logits: &mut [f32], seen: &[u32], penalty: f32) 
     }
 }
 
+/// OpenAI's frequency and presence penalties over the generated tokens.
+pub fn apply_frequency_presence(
+    logits: &mut [f32],
+    generated: &[u32],
+    frequency: f32,
+    presence: f32,
+) {
+    if frequency == 0.0 && presence == 0.0 {
+        return;
+    }
+    let mut counts: std::collections::HashMap<u32, u32> = std::collections::HashMap::new();
+    for &t in generated {
+        *counts.entry(t).or_default() += 1;
+    }
+    for (t, c) in counts {
+        if let Some(l) = logits.get_mut(t as usize) {
+            *l -= frequency * c as f32 + presence;
+        }
+    }
+}
+
+/// `log_softmax` of raw logits (for returned logprobs).
+pub fn log_softmax(logits: &[f32]) -> Vec<f32> {
+    let m = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    let lse = m + logits.iter().map(|l| (l - m).exp()).sum::<f32>().ln();
+    logits.iter().map(|l| l - lse).collect()
+}
+
 impl Sampler {
     /// A sampler seeded from `params.seed`, or from the OS if none is given.
     pub fn new(params: SamplingParams) -> Self {
@@ -122,11 +163,17 @@ impl Sampler {
         &self.params
     }
 
-    /// Picks the next token. `seen` is the prompt plus what was generated
-    /// (for the repetition penalty). `logits` is modified.
-    pub fn sample(&mut self, logits: &mut [f32], seen: &[u32]) -> u32 {
+    /// Picks the next token given the prompt and what was generated so far
+    /// (for the penalties). `logits` is modified.
+    pub fn sample(&mut self, logits: &mut [f32], prompt: &[u32], generated: &[u32]) -> u32 {
         let p = &self.params;
-        apply_repetition_penalty(logits, seen, p.repetition_penalty);
+        if p.repetition_penalty != 1.0 {
+            let mut seen = Vec::with_capacity(prompt.len() + generated.len());
+            seen.extend_from_slice(prompt);
+            seen.extend_from_slice(generated);
+            apply_repetition_penalty(logits, &seen, p.repetition_penalty);
+        }
+        apply_frequency_presence(logits, generated, p.frequency_penalty, p.presence_penalty);
         if p.is_greedy() {
             return argmax(logits);
         }
@@ -202,7 +249,7 @@ mod tests {
     #[test]
     fn greedy_is_argmax_first_on_ties() {
         let mut s = Sampler::new(SamplingParams::default());
-        assert_eq!(s.sample(&mut [0.1, 3.0, 3.0, -1.0], &[]), 1);
+        assert_eq!(s.sample(&mut [0.1, 3.0, 3.0, -1.0], &[], &[]), 1);
     }
 
     #[test]
@@ -211,7 +258,7 @@ mod tests {
         let draw = |seed| {
             let mut s = Sampler::new(params(|p| p.seed = Some(seed)));
             (0..32)
-                .map(|_| s.sample(&mut logits.clone(), &[]))
+                .map(|_| s.sample(&mut logits.clone(), &[], &[]))
                 .collect::<Vec<_>>()
         };
         assert_eq!(draw(3), draw(3));
@@ -223,17 +270,17 @@ mod tests {
         let logits = vec![1.0, 5.0, 2.0, 4.9];
         let mut s = Sampler::new(params(|p| p.top_k = 1));
         for _ in 0..20 {
-            assert_eq!(s.sample(&mut logits.clone(), &[]), 1);
+            assert_eq!(s.sample(&mut logits.clone(), &[], &[]), 1);
         }
         // top_p tiny keeps only the best.
         let mut s = Sampler::new(params(|p| p.top_p = 0.01));
         for _ in 0..20 {
-            assert_eq!(s.sample(&mut logits.clone(), &[]), 1);
+            assert_eq!(s.sample(&mut logits.clone(), &[], &[]), 1);
         }
         // min_p 0.5 keeps tokens 1 and 3 (p3/p1 = e^-0.1).
         let mut s = Sampler::new(params(|p| p.min_p = 0.5));
         for _ in 0..50 {
-            let t = s.sample(&mut logits.clone(), &[]);
+            let t = s.sample(&mut logits.clone(), &[], &[]);
             assert!(t == 1 || t == 3, "{t}");
         }
     }
@@ -243,6 +290,15 @@ mod tests {
         let mut l = vec![2.0, -2.0, 1.0];
         apply_repetition_penalty(&mut l, &[0, 1], 2.0);
         assert_eq!(l, vec![1.0, -4.0, 1.0]);
+    }
+
+    #[test]
+    fn frequency_and_presence() {
+        let mut l = vec![1.0, 1.0, 1.0];
+        apply_frequency_presence(&mut l, &[0, 0, 1], 0.5, 0.25);
+        assert_eq!(l, vec![-0.25, 0.25, 1.0]);
+        let lp = log_softmax(&[0.0, 0.0]);
+        assert!((lp[0] - 0.5f32.ln()).abs() < 1e-6);
     }
 
     #[test]

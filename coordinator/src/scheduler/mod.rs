@@ -1,0 +1,390 @@
+//! The scheduler: one thread owns all request state and the KV pool; the HTTP
+//! layer talks to it through channels (TGI's queue pattern). Every step it
+//! builds one batch under a token budget — running sequences first (decodes and
+//! unfinished prefill chunks), then waiting ones in arrival order (chunked
+//! prefill) — runs one forward pass, samples, and streams events back.
+//! When the KV pool runs out, the most recently admitted sequence is preempted
+//! (its blocks freed, recomputed later from its tokens), so older requests
+//! always make progress.
+
+mod seq;
+
+use std::collections::VecDeque;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::mpsc;
+use std::time::Instant;
+
+use epserve_core::engine::{Engine, FinishReason};
+use epserve_core::model::kv_cache::KvPool;
+use epserve_core::model::{LogitsMode, SeqInput};
+use epserve_core::sampling::SamplingParams;
+use tokio::sync::mpsc::{UnboundedReceiver, unbounded_channel};
+
+use crate::metrics as m;
+use seq::Seq;
+
+/// Limits of the scheduler.
+#[derive(Debug, Clone)]
+pub struct SchedulerConfig {
+    /// Most sequences in one batch.
+    pub max_num_seqs: usize,
+    /// Most tokens (prefill chunks + decodes) in one forward pass.
+    pub max_num_batched_tokens: usize,
+    /// Prompt plus completion may not exceed this.
+    pub max_model_len: usize,
+    /// Positions per KV block.
+    pub block_size: usize,
+    /// KV blocks in the pool.
+    pub num_blocks: usize,
+    /// Requests allowed to wait; beyond it new ones are refused (503).
+    pub max_waiting: usize,
+}
+
+/// A validated generation request.
+#[derive(Debug, Clone)]
+pub struct Request {
+    pub prompt_token_ids: Vec<u32>,
+    pub max_tokens: usize,
+    pub sampling: SamplingParams,
+    pub stop: Vec<String>,
+    pub stop_token_ids: Vec<u32>,
+    pub ignore_eos: bool,
+    /// `Some(n)`: return the chosen token's logprob and the n most likely.
+    pub logprobs: Option<usize>,
+}
+
+/// Log-probabilities of one generated token.
+#[derive(Debug, Clone, PartialEq)]
+pub struct TokenLogprob {
+    pub token_id: u32,
+    pub logprob: f32,
+    /// The most likely tokens, best first.
+    pub top: Vec<(u32, f32)>,
+}
+
+/// What a request's stream receives.
+#[derive(Debug, Clone)]
+pub enum Event {
+    /// One generated token and the text it released (possibly empty).
+    Token {
+        token_id: u32,
+        text: String,
+        logprob: Option<TokenLogprob>,
+    },
+    /// The request ended normally.
+    Finished {
+        reason: FinishReason,
+        prompt_tokens: usize,
+        completion_tokens: usize,
+    },
+    /// The request failed.
+    Error(String),
+}
+
+/// Why a request was not accepted.
+#[derive(Debug, Clone, PartialEq)]
+pub enum SubmitError {
+    /// Too many requests waiting; retry later.
+    Overloaded { waiting: usize },
+    /// The request can never fit the KV cache.
+    TooLarge(String),
+    /// The scheduler has stopped.
+    Closed,
+}
+
+enum Msg {
+    Submit(Box<Seq>),
+}
+
+/// Cheap, cloneable access to the scheduler thread.
+#[derive(Clone)]
+pub struct SchedulerHandle {
+    tx: mpsc::Sender<Msg>,
+    waiting: Arc<AtomicUsize>,
+    next_id: Arc<AtomicU64>,
+    config: SchedulerConfig,
+    block_size: usize,
+    num_blocks: usize,
+}
+
+impl SchedulerHandle {
+    /// The limits in force.
+    pub fn config(&self) -> &SchedulerConfig {
+        &self.config
+    }
+
+    /// Queues a request; events arrive on the returned receiver. Dropping the
+    /// receiver cancels the request and frees its KV blocks.
+    pub fn submit(&self, req: Request) -> Result<UnboundedReceiver<Event>, SubmitError> {
+        let total = req.prompt_token_ids.len() + req.max_tokens;
+        let blocks = total.div_ceil(self.block_size);
+        if blocks > self.num_blocks {
+            return Err(SubmitError::TooLarge(format!(
+                "prompt ({} tokens) plus max_tokens ({}) needs {blocks} KV blocks; the cache has {}",
+                req.prompt_token_ids.len(),
+                req.max_tokens,
+                self.num_blocks
+            )));
+        }
+        let waiting = self.waiting.load(Ordering::Relaxed);
+        if waiting >= self.config.max_waiting {
+            m::request_finished("rejected");
+            return Err(SubmitError::Overloaded { waiting });
+        }
+        let (tx, rx) = unbounded_channel();
+        let id = self.next_id.fetch_add(1, Ordering::Relaxed);
+        self.waiting.fetch_add(1, Ordering::Relaxed);
+        let seq = Seq::new(id, req, tx);
+        if self.tx.send(Msg::Submit(Box::new(seq))).is_err() {
+            self.waiting.fetch_sub(1, Ordering::Relaxed);
+            return Err(SubmitError::Closed);
+        }
+        Ok(rx)
+    }
+}
+
+/// Starts the scheduler thread for `engine`.
+pub fn start(engine: Arc<Engine>, config: SchedulerConfig) -> std::io::Result<SchedulerHandle> {
+    let (tx, rx) = mpsc::channel();
+    let waiting = Arc::new(AtomicUsize::new(0));
+    let pool = engine.model.new_pool(config.block_size, config.num_blocks);
+    let handle = SchedulerHandle {
+        tx,
+        waiting: waiting.clone(),
+        next_id: Arc::new(AtomicU64::new(1)),
+        block_size: pool.block_size(),
+        num_blocks: pool.num_blocks(),
+        config: config.clone(),
+    };
+    let mut s = Scheduler {
+        engine,
+        config,
+        pool,
+        waiting: VecDeque::new(),
+        running: Vec::new(),
+        waiting_count: waiting,
+        rx,
+    };
+    std::thread::Builder::new()
+        .name("epserve-scheduler".into())
+        .spawn(move || s.run())?;
+    Ok(handle)
+}
+
+struct Scheduler {
+    engine: Arc<Engine>,
+    config: SchedulerConfig,
+    pool: KvPool,
+    waiting: VecDeque<Seq>,
+    running: Vec<Seq>,
+    waiting_count: Arc<AtomicUsize>,
+    rx: mpsc::Receiver<Msg>,
+}
+
+impl Scheduler {
+    fn run(&mut self) {
+        loop {
+            if self.running.is_empty() && self.waiting.is_empty() {
+                match self.rx.recv() {
+                    Ok(msg) => self.handle(msg),
+                    Err(_) => return,
+                }
+            }
+            while let Ok(msg) = self.rx.try_recv() {
+                self.handle(msg);
+            }
+            self.drop_cancelled();
+            self.step();
+            self.publish_gauges();
+        }
+    }
+
+    fn handle(&mut self, msg: Msg) {
+        match msg {
+            Msg::Submit(seq) => self.waiting.push_back(*seq),
+        }
+    }
+
+    fn publish_gauges(&self) {
+        m::set_queue(self.running.len(), self.waiting.len());
+        let used = self.pool.num_blocks() - self.pool.free_blocks();
+        m::set_kv_usage(used as f64 / self.pool.num_blocks().max(1) as f64);
+    }
+
+    /// Requests whose client went away are dropped and their blocks freed.
+    fn drop_cancelled(&mut self) {
+        let pool = &mut self.pool;
+        let mut removed_waiting = 0;
+        self.waiting.retain_mut(|s| {
+            if s.tx.is_closed() {
+                pool.release(&mut s.cache);
+                removed_waiting += 1;
+                m::request_finished("cancelled");
+                false
+            } else {
+                true
+            }
+        });
+        self.waiting_count
+            .fetch_sub(removed_waiting, Ordering::Relaxed);
+        self.running.retain_mut(|s| {
+            if s.tx.is_closed() {
+                pool.release(&mut s.cache);
+                m::request_finished("cancelled");
+                false
+            } else {
+                true
+            }
+        });
+    }
+
+    /// Frees the most recently admitted running sequence and puts it back at
+    /// the head of the waiting queue (recompute preemption).
+    fn preempt_last(&mut self) {
+        if let Some(mut s) = self.running.pop() {
+            self.pool.release(&mut s.cache);
+            s.num_computed = 0;
+            s.step_take = 0;
+            s.preemptions += 1;
+            m::preempted();
+            tracing::debug!(id = s.id, "preempted");
+            self.waiting.push_front(s);
+            self.waiting_count.fetch_add(1, Ordering::Relaxed);
+        }
+    }
+
+    fn schedule(&mut self) -> usize {
+        let mut budget = self.config.max_num_batched_tokens;
+        let mut i = 0;
+        while i < self.running.len() {
+            self.running[i].step_take = 0;
+            let need = self.running[i].tokens.len() - self.running[i].num_computed;
+            let take = need.min(budget);
+            if take == 0 {
+                i += 1;
+                continue;
+            }
+            let target = self.running[i].num_computed + take;
+            loop {
+                if self
+                    .pool
+                    .reserve(&mut self.running[i].cache, target)
+                    .is_ok()
+                {
+                    self.running[i].step_take = take;
+                    budget -= take;
+                    break;
+                }
+                let last = self.running.len() - 1;
+                self.preempt_last();
+                if last == i {
+                    break;
+                }
+            }
+            i += 1;
+        }
+        while self.running.len() < self.config.max_num_seqs && budget > 0 {
+            let Some(front) = self.waiting.front_mut() else {
+                break;
+            };
+            let need = front.tokens.len() - front.num_computed;
+            let take = need.min(budget);
+            if self
+                .pool
+                .reserve(&mut front.cache, front.num_computed + take)
+                .is_err()
+            {
+                // FCFS: nobody jumps the queue; wait for blocks to free up.
+                break;
+            }
+            let Some(mut s) = self.waiting.pop_front() else {
+                break;
+            };
+            self.waiting_count.fetch_sub(1, Ordering::Relaxed);
+            s.step_take = take;
+            budget -= take;
+            self.running.push(s);
+        }
+        self.config.max_num_batched_tokens - budget
+    }
+
+    fn step(&mut self) {
+        let n_tokens = self.schedule();
+        if n_tokens == 0 {
+            if !self.waiting.is_empty() && self.running.is_empty() {
+                // Cannot happen with the submit-time size check; fail loudly rather than spin.
+                if let Some(s) = self.waiting.pop_front() {
+                    self.waiting_count.fetch_sub(1, Ordering::Relaxed);
+                    let _ =
+                        s.tx.send(Event::Error("request does not fit the KV cache".into()));
+                }
+            }
+            return;
+        }
+        let engine = self.engine.clone();
+        let mut inputs = Vec::new();
+        for s in self.running.iter_mut().filter(|s| s.step_take > 0) {
+            let Seq {
+                tokens,
+                cache,
+                num_computed,
+                step_take,
+                ..
+            } = s;
+            inputs.push(SeqInput {
+                tokens: &tokens[*num_computed..*num_computed + *step_take],
+                cache,
+            });
+        }
+        let n_seqs = inputs.len();
+        let started = Instant::now();
+        let result = engine
+            .model
+            .forward(&mut inputs, &mut self.pool, LogitsMode::Last, true);
+        drop(inputs);
+        m::step(n_seqs, n_tokens, started.elapsed().as_secs_f64());
+        let out = match result {
+            Ok(o) => o,
+            Err(e) => {
+                tracing::error!(error = %e, "forward pass failed");
+                let msg = e.to_string();
+                for mut s in std::mem::take(&mut self.running) {
+                    self.pool.release(&mut s.cache);
+                    let _ = s.tx.send(Event::Error(msg.clone()));
+                    m::request_finished("error");
+                }
+                return;
+            }
+        };
+        for t in &out.router {
+            m::expert_load(
+                t.layer,
+                &t.routing.topk_ids,
+                self.engine.model.config.num_experts,
+            );
+        }
+        let vocab = self.engine.model.config.vocab_size;
+        let mut row = 0;
+        let mut finished = Vec::new();
+        for (idx, s) in self.running.iter_mut().enumerate() {
+            if s.step_take == 0 {
+                continue;
+            }
+            let logits = &out.logits[row * vocab..(row + 1) * vocab];
+            row += 1;
+            s.num_computed += s.step_take;
+            s.step_take = 0;
+            if s.num_computed < s.tokens.len() {
+                continue; // a prefill chunk; more to come
+            }
+            if s.on_logits(&self.engine, logits, self.config.max_model_len) {
+                finished.push(idx);
+            }
+        }
+        for idx in finished.into_iter().rev() {
+            let mut s = self.running.remove(idx);
+            self.pool.release(&mut s.cache);
+        }
+    }
+}

@@ -1,0 +1,126 @@
+//! One request as the scheduler tracks it: its tokens, KV block table,
+//! sampler, streaming detokenizer and timing.
+
+use std::time::Instant;
+
+use epserve_core::detok::TextStream;
+use epserve_core::engine::{Engine, FinishReason};
+use epserve_core::model::kv_cache::SeqCache;
+use epserve_core::model::moe::top_k_indices;
+use epserve_core::sampling::{Sampler, log_softmax};
+use tokio::sync::mpsc::UnboundedSender;
+
+use super::{Event, Request, TokenLogprob};
+use crate::metrics as m;
+
+pub(super) struct Seq {
+    pub id: u64,
+    pub req: Request,
+    /// Prompt then generated tokens.
+    pub tokens: Vec<u32>,
+    /// Tokens whose keys/values are in the cache.
+    pub num_computed: usize,
+    /// Tokens scheduled in the current step.
+    pub step_take: usize,
+    pub cache: SeqCache,
+    pub sampler: Sampler,
+    pub text: TextStream,
+    pub tx: UnboundedSender<Event>,
+    pub arrived: Instant,
+    pub first_token: Option<Instant>,
+    pub preemptions: u32,
+}
+
+impl Seq {
+    pub fn new(id: u64, req: Request, tx: UnboundedSender<Event>) -> Self {
+        Seq {
+            id,
+            tokens: req.prompt_token_ids.clone(),
+            num_computed: 0,
+            step_take: 0,
+            cache: SeqCache::new(),
+            sampler: Sampler::new(req.sampling.clone()),
+            text: TextStream::new(&req.prompt_token_ids, &req.stop),
+            tx,
+            arrived: Instant::now(),
+            first_token: None,
+            preemptions: 0,
+            req,
+        }
+    }
+
+    fn generated(&self) -> &[u32] {
+        &self.tokens[self.req.prompt_token_ids.len()..]
+    }
+
+    /// Samples the next token from this step's logits and streams it.
+    /// Returns true when the request is finished.
+    pub fn on_logits(&mut self, engine: &Engine, logits: &[f32], max_model_len: usize) -> bool {
+        let n_prompt = self.req.prompt_token_ids.len();
+        let mut work = logits.to_vec();
+        let tok = self.sampler.sample(
+            &mut work,
+            &self.req.prompt_token_ids,
+            &self.tokens[n_prompt..],
+        );
+        let logprob = self.req.logprobs.map(|n| {
+            let lp = log_softmax(logits);
+            let mut top = Vec::new();
+            top_k_indices(&lp, n, &mut top);
+            TokenLogprob {
+                token_id: tok,
+                logprob: lp[tok as usize],
+                top: top.into_iter().map(|i| (i, lp[i as usize])).collect(),
+            }
+        });
+        self.tokens.push(tok);
+        let now = Instant::now();
+        if self.first_token.is_none() {
+            self.first_token = Some(now);
+            m::ttft(now.duration_since(self.arrived).as_secs_f64());
+        }
+        let n_gen = self.generated().len();
+        let is_eos = !self.req.ignore_eos && engine.eos_ids().contains(&tok);
+        let is_stop_token = self.req.stop_token_ids.contains(&tok);
+        let delta = match self.text.push(&engine.tokenizer, tok) {
+            Ok(d) => d,
+            Err(e) => {
+                let _ = self.tx.send(Event::Error(e.to_string()));
+                m::request_finished("error");
+                return true;
+            }
+        };
+        let mut reason = None;
+        if is_eos || is_stop_token || delta.stopped {
+            reason = Some(FinishReason::Stop);
+        } else if n_gen >= self.req.max_tokens || self.tokens.len() >= max_model_len {
+            reason = Some(FinishReason::Length);
+        }
+        let mut text = delta.text;
+        if reason.is_some() {
+            text.push_str(&self.text.finish().text);
+        }
+        let _ = self.tx.send(Event::Token {
+            token_id: tok,
+            text,
+            logprob,
+        });
+        match reason {
+            Some(reason) => {
+                let _ = self.tx.send(Event::Finished {
+                    reason,
+                    prompt_tokens: n_prompt,
+                    completion_tokens: n_gen,
+                });
+                let e2e = now.duration_since(self.arrived).as_secs_f64();
+                let ttft = self
+                    .first_token
+                    .map(|f| f.duration_since(self.arrived).as_secs_f64())
+                    .unwrap_or(e2e);
+                m::request_done(e2e, ttft, n_prompt, n_gen);
+                true
+            }
+            None => false,
+        }
+    }
+}

@@ -1,0 +1,188 @@
+//! `epserve serve`: bind first (so `/health` answers 503 while loading), load
+//! the model, size the KV cache, start the scheduler, serve until a signal.
+
+use std::path::Path;
+use std::sync::Arc;
+
+use anyhow::{Context, Result, bail};
+use epserve_core::engine::Engine;
+
+use crate::cli::ServeArgs;
+use crate::scheduler::{self, SchedulerConfig};
+use crate::server::{self, AppState, Ready, ServerConfig};
+
+/// Parses `2GiB`, `512MiB`, `1.5G`, `1000000`.
+pub fn parse_size(s: &str) -> Result<usize> {
+    let t = s.trim();
+    let split = t
+        .find(|c: char| !(c.is_ascii_digit() || c == '.'))
+        .unwrap_or(t.len());
+    let (num, unit) = t.split_at(split);
+    let n: f64 = num
+        .parse()
+        .with_context(|| format!("invalid size '{s}': expected a number with an optional unit"))?;
+    let mult: f64 = match unit.trim().to_ascii_lowercase().as_str() {
+        "" | "b" => 1.0,
+        "k" | "kb" => 1e3,
+        "kib" => 1024.0,
+        "m" | "mb" => 1e6,
+        "mib" => 1024.0 * 1024.0,
+        "g" | "gb" => 1e9,
+        "gib" => 1024.0 * 1024.0 * 1024.0,
+        other => {
+            bail!("invalid size '{s}': unknown unit '{other}' (use B, KiB, MiB, GiB, KB, MB, GB)")
+        }
+    };
+    Ok((n * mult) as usize)
+}
+
+/// Total memory of the machine from /proc/meminfo (None elsewhere).
+fn total_memory() -> Option<usize> {
+    let text = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let line = text.lines().find(|l| l.starts_with("MemTotal:"))?;
+    let kb: usize = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kb * 1024)
+}
+
+/// The scheduler limits implied by the flags and the model.
+pub fn scheduler_config(args: &ServeArgs, engine: &Engine) -> Result<SchedulerConfig> {
+    let model_max = engine.model.config.max_position_embeddings;
+    let max_model_len = args.max_model_len.unwrap_or(model_max);
+    if max_model_len == 0 {
+        bail!("--max-model-len must be positive");
+    }
+    if max_model_len > model_max {
+        bail!(
+            "--max-model-len {max_model_len} exceeds the model's max_position_embeddings ({model_max})"
+        );
+    }
+    if args.block_size == 0 || args.max_num_seqs == 0 || args.max_num_batched_tokens == 0 {
+        bail!("--block-size, --max-num-seqs and --max-num-batched-tokens must be positive");
+    }
+    let kv_bytes = match &args.kv_cache_memory {
+        Some(s) => parse_size(s)?,
+        None => {
+            if !(args.kv_cache_fraction > 0.0 && args.kv_cache_fraction < 1.0) {
+                bail!("--kv-cache-fraction must be in (0, 1)");
+            }
+            (total_memory().unwrap_or(8 << 30) as f64 * args.kv_cache_fraction) as usize
+        }
+    };
+    let block_bytes = engine.model.kv_block_bytes(args.block_size).max(1);
+    let num_blocks = kv_bytes / block_bytes;
+    let capacity = num_blocks * args.block_size;
+    if capacity < max_model_len {
+        bail!(
+            "the KV cache ({kv_bytes} bytes = {num_blocks} blocks of {} tokens) holds {capacity} tokens, fewer than --max-model-len {max_model_len}; raise --kv-cache-memory or lower --max-model-len",
+            args.block_size
+        );
+    }
+    Ok(SchedulerConfig {
+        max_num_seqs: args.max_num_seqs,
+        max_num_batched_tokens: args.max_num_batched_tokens,
+        max_model_len,
+        block_size: args.block_size,
+        num_blocks,
+        max_waiting: args.max_waiting,
+    })
+}
+
+fn default_name(model: &Path) -> String {
+    model
+        .file_name()
+        .and_then(|n| n.to_str())
+        .map(str::to_string)
+        .unwrap_or_else(|| model.display().to_string())
+}
+
+/// Runs the server (blocking).
+pub fn run(args: &ServeArgs) -> Result<()> {
+    crate::metrics::init();
+    if !args.model.is_dir() {
+        bail!(
+            "{}: missing from the model folder (model folder)",
+            args.model.display()
+        );
+    }
+    let names = if args.served_model_name.is_empty() {
+        vec![default_name(&args.model)]
+    } else {
+        args.served_model_name.clone()
+    };
+    let state = AppState::new(ServerConfig {
+        served_model_names: names.clone(),
+        api_key: args.api_key.clone().filter(|k| !k.is_empty()),
+        max_body_bytes: args.max_request_body_bytes,
+        max_logprobs: args.max_logprobs,
+    });
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .context("cannot start the async runtime")?;
+    rt.block_on(async {
+        let listener = tokio::net::TcpListener::bind((args.host.as_str(), args.port))
+            .await
+            .with_context(|| format!("cannot listen on {}:{}", args.host, args.port))?;
+        let addr = listener.local_addr()?;
+        let shown = if addr.ip().is_unspecified() {
+            format!("http://127.0.0.1:{}", addr.port())
+        } else {
+            format!("http://{addr}")
+        };
+        // Load in the background so /health can say "loading" meanwhile.
+        let loader_state = state.clone();
+        let model_dir = args.model.clone();
+        let args2 = args.clone();
+        let loading = tokio::task::spawn_blocking(move || -> Result<()> {
+            let started = std::time::Instant::now();
+            let engine = Arc::new(Engine::load(&model_dir)?);
+            let cfg = scheduler_config(&args2, &engine)?;
+            tracing::info!(
+                blocks = cfg.num_blocks,
+                block_size = cfg.block_size,
+                max_model_len = cfg.max_model_len,
+                load_s = started.elapsed().as_secs_f64(),
+                "model loaded"
+            );
+            let sched =
+                scheduler::start(engine.clone(), cfg).context("cannot start the scheduler")?;
+            let _ = loader_state.ready.set(Ready {
+                engine,
+                scheduler: sched,
+                created: server::unix_now(),
+            });
+            Ok(())
+        });
+        let serving = tokio::spawn(server::serve(listener, state.clone()));
+        match loading.await {
+            Ok(Ok(())) => {
+                println!(
+                    "epserve serving '{}' at {shown}/v1 (OpenAI API; /health, /metrics)",
+                    names[0]
+                );
+            }
+            Ok(Err(e)) => return Err(e),
+            Err(e) => bail!("model loading panicked: {e}"),
+        }
+        match serving.await {
+            Ok(r) => r.context("server error"),
+            Err(e) => bail!("server task failed: {e}"),
+        }
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::parse_size;
+
+    #[test]
+    fn sizes() {
+        assert_eq!(parse_size("2GiB").ok(), Some(2 << 30));
+        assert_eq!(parse_size("512MiB").ok(), Some(512 << 20));
+        assert_eq!(parse_size("1000").ok(), Some(1000));
+        assert_eq!(parse_size("1.5G").ok(), Some(1_500_000_000));
+        assert!(parse_size("lots").is_err());
+        assert!(parse_size("3 parsecs").is_err());
+    }
+}

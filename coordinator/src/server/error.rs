@@ -1,0 +1,123 @@
+//! API errors in OpenAI's JSON shape (`{"error": {"message", "type", "param",
+//! "code"}}`) with the right HTTP status; every failure is mapped here, once.
+
+use axum::http::{HeaderValue, StatusCode, header};
+use axum::response::{IntoResponse, Response};
+use serde_json::json;
+
+/// An error response.
+#[derive(Debug, Clone)]
+pub struct ApiError {
+    pub status: StatusCode,
+    pub message: String,
+    pub kind: &'static str,
+    pub param: Option<String>,
+    pub code: Option<&'static str>,
+    pub retry_after: Option<u32>,
+}
+
+impl ApiError {
+    fn new(status: StatusCode, kind: &'static str, message: impl Into<String>) -> Self {
+        ApiError {
+            status,
+            message: message.into(),
+            kind,
+            param: None,
+            code: None,
+            retry_after: None,
+        }
+    }
+    /// 400: the request is malformed or asks for something impossible.
+    pub fn bad_request(message: impl Into<String>) -> Self {
+        Self::new(StatusCode::BAD_REQUEST, "invalid_request_error", message)
+    }
+    /// 400 naming the offending parameter.
+    pub fn bad_param(param: &str, message: impl Into<String>) -> Self {
+        let mut e = Self::bad_request(message);
+        e.param = Some(param.to_string());
+        e
+    }
+    /// 401: missing or wrong API key.
+    pub fn unauthorized() -> Self {
+        let mut e = Self::new(
+            StatusCode::UNAUTHORIZED,
+            "authentication_error",
+            "Incorrect or missing API key: pass it as 'Authorization: Bearer <key>'",
+        );
+        e.code = Some("invalid_api_key");
+        e
+    }
+    /// 404: no such model.
+    pub fn unknown_model(name: &str, served: &[String]) -> Self {
+        let mut e = Self::new(
+            StatusCode::NOT_FOUND,
+            "invalid_request_error",
+            format!(
+                "The model '{name}' does not exist; this server serves: {}",
+                served.join(", ")
+            ),
+        );
+        e.param = Some("model".into());
+        e.code = Some("model_not_found");
+        e
+    }
+    /// 404 for unknown routes.
+    pub fn not_found(path: &str) -> Self {
+        Self::new(
+            StatusCode::NOT_FOUND,
+            "invalid_request_error",
+            format!("no route for {path}"),
+        )
+    }
+    /// 413: body over the limit.
+    pub fn too_large(limit: usize) -> Self {
+        let mut e = Self::new(
+            StatusCode::PAYLOAD_TOO_LARGE,
+            "invalid_request_error",
+            format!("request body exceeds the limit of {limit} bytes"),
+        );
+        e.code = Some("request_too_large");
+        e
+    }
+    /// 503 with Retry-After: overloaded or not ready yet.
+    pub fn unavailable(message: impl Into<String>, retry_after: u32) -> Self {
+        let mut e = Self::new(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "server_overloaded",
+            message,
+        );
+        e.retry_after = Some(retry_after);
+        e
+    }
+    /// 500.
+    pub fn internal(message: impl Into<String>) -> Self {
+        Self::new(StatusCode::INTERNAL_SERVER_ERROR, "internal_error", message)
+    }
+
+    /// The JSON body.
+    pub fn body(&self) -> serde_json::Value {
+        json!({"error": {
+            "message": self.message,
+            "type": self.kind,
+            "param": self.param,
+            "code": self.code,
+        }})
+    }
+}
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        crate::metrics::request_finished(if self.status.is_server_error() {
+            "rejected"
+        } else {
+            "invalid"
+        });
+        let mut r = (self.status, axum::Json(self.body())).into_response();
+        if let Some(s) = self.retry_after
+            && let Ok(v) = HeaderValue::from_str(&s.to_string())
+        {
+            r.headers_mut().insert(header::RETRY_AFTER, v);
+        }
+        r
+    }
+}

@@ -1,0 +1,423 @@
+//! The OpenAI request bodies as clients send them, and their parsing into the
+//! scheduler's validated [`Request`] ("parse, don't validate": nothing
+//! unchecked gets past this file).
+
+use epserve_core::engine::Engine;
+use epserve_core::loader::tokenizer::ChatMessage;
+use serde::Deserialize;
+use serde::de::DeserializeOwned;
+
+use super::error::ApiError;
+use crate::scheduler::Request;
+
+/// `prompt`: text or token ids, alone or as a one-element batch.
+#[derive(Debug, Deserialize)]
+#[serde(untagged)]
+pub enum PromptInput {
+    Text(String),
+    Ids(Vec<i64>),
+    Texts(Vec<String>),
+    IdBatch(Vec<Vec<i64>>),
+}
+
+/// `stop`: one string or several.
+#[derive(Debug, Deserialize)]
+#[serde(untagged)]
+pub enum StopInput {
+    One(String),
+    Many(Vec<String>),
+}
+
+#[derive(Debug, Default, Deserialize)]
+pub struct StreamOptions {
+    pub include_usage: Option<bool>,
+}
+
+/// Sampling fields shared by both endpoints.
+#[derive(Debug, Default, Deserialize)]
+pub struct SamplingFields {
+    pub temperature: Option<f32>,
+    pub top_p: Option<f32>,
+    pub top_k: Option<i64>,
+    pub min_p: Option<f32>,
+    pub seed: Option<i64>,
+    pub stop: Option<StopInput>,
+    pub stop_token_ids: Option<Vec<u32>>,
+    pub ignore_eos: Option<bool>,
+    pub n: Option<i64>,
+    pub best_of: Option<i64>,
+    pub repetition_penalty: Option<f32>,
+    pub frequency_penalty: Option<f32>,
+    pub presence_penalty: Option<f32>,
+    pub stream: Option<bool>,
+    pub stream_options: Option<StreamOptions>,
+    pub user: Option<String>,
+}
+
+/// `POST /v1/completions`.
+#[derive(Debug, Deserialize)]
+pub struct CompletionBody {
+    pub model: Option<String>,
+    pub prompt: Option<PromptInput>,
+    pub max_tokens: Option<i64>,
+    pub logprobs: Option<i64>,
+    pub echo: Option<bool>,
+    pub suffix: Option<String>,
+    #[serde(skip)]
+    pub sampling: SamplingFields,
+}
+
+/// Message content: a string or a list of typed parts.
+#[derive(Debug, Deserialize)]
+#[serde(untagged)]
+pub enum Content {
+    Text(String),
+    Parts(Vec<ContentPart>),
+}
+
+#[derive(Debug, Deserialize)]
+pub struct ContentPart {
+    #[serde(rename = "type")]
+    pub kind: String,
+    pub text: Option<String>,
+}
+
+#[derive(Debug, Deserialize)]
+pub struct Message {
+    pub role: String,
+    pub content: Option<Content>,
+}
+
+/// `POST /v1/chat/completions`.
+#[derive(Debug, Deserialize)]
+pub struct ChatBody {
+    pub model: Option<String>,
+    pub messages: Option<Vec<Message>>,
+    pub max_tokens: Option<i64>,
+    pub max_completion_tokens: Option<i64>,
+    pub logprobs: Option<bool>,
+    pub top_logprobs: Option<i64>,
+    pub add_generation_prompt: Option<bool>,
+    #[serde(skip)]
+    pub sampling: SamplingFields,
+}
+
+/// A request body that also carries the shared sampling fields.
+pub trait WithSampling: DeserializeOwned {
+    fn set_sampling(&mut self, s: SamplingFields);
+}
+
+impl WithSampling for CompletionBody {
+    fn set_sampling(&mut self, s: SamplingFields) {
+        self.sampling = s;
+    }
+}
+
+impl WithSampling for ChatBody {
+    fn set_sampling(&mut self, s: SamplingFields) {
+        self.sampling = s;
+    }
+}
+
+/// Parses a request body: the endpoint's own fields and the sampling fields,
+/// each error naming its field. (Two passes over one parsed value, because
+/// `#[serde(flatten)]` would lose the field path.)
+pub fn parse_body<T: WithSampling>(bytes: &[u8]) -> Result<T, ApiError> {
+    let v: serde_json::Value = serde_json::from_slice(bytes)
+        .map_err(|e| ApiError::bad_request(format!("malformed JSON body: {e}")))?;
+    if !v.is_object() {
+        return Err(ApiError::bad_request(
+            "the request body must be a JSON object",
+        ));
+    }
+    let mut body: T = from_value(&v)?;
+    body.set_sampling(from_value(&v)?);
+    Ok(body)
+}
+
+fn from_value<T: DeserializeOwned>(v: &serde_json::Value) -> Result<T, ApiError> {
+    serde_path_to_error::deserialize(v).map_err(|e| {
+        let path = e.path().to_string();
+        let inner = e.into_inner();
+        if path == "." || path.is_empty() {
+            ApiError::bad_request(format!("invalid request body: {inner}"))
+        } else {
+            ApiError::bad_param(&path, format!("invalid value for '{path}': {inner}"))
+        }
+    })
+}
+
+/// What the handler needs besides the scheduler request.
+#[derive(Debug, Clone)]
+pub struct Parsed {
+    pub request: Request,
+    pub stream: bool,
+    pub include_usage: bool,
+}
+
+/// Limits the parser enforces.
+#[derive(Debug, Clone, Copy)]
+pub struct Limits {
+    pub max_model_len: usize,
+    pub max_logprobs: usize,
+}
+
+fn sampling(
+    engine: &Engine,
+    f: &SamplingFields,
+) -> Result<epserve_core::sampling::SamplingParams, ApiError> {
+    if let Some(n) = f.n
+        && n != 1
+    {
+        return Err(ApiError::bad_param(
+            "n",
+            format!("only n = 1 is supported, got {n}"),
+        ));
+    }
+    if let Some(b) = f.best_of
+        && b != 1
+    {
+        return Err(ApiError::bad_param(
+            "best_of",
+            format!("only best_of = 1 is supported, got {b}"),
+        ));
+    }
+    // vLLM's defaults: the model's generation_config, else OpenAI's (temperature 1).
+    let g = &engine.generation;
+    let mut p = epserve_core::sampling::SamplingParams {
+        temperature: g.temperature.unwrap_or(1.0),
+        top_p: g.top_p.unwrap_or(1.0),
+        top_k: g.top_k.unwrap_or(0),
+        min_p: g.min_p.unwrap_or(0.0),
+        repetition_penalty: g.repetition_penalty.unwrap_or(1.0),
+        ..Default::default()
+    };
+    if let Some(t) = f.temperature {
+        p.temperature = t;
+    }
+    if let Some(v) = f.top_p {
+        p.top_p = v;
+    }
+    if let Some(k) = f.top_k {
+        if k < -1 {
+            return Err(ApiError::bad_param(
+                "top_k",
+                format!("top_k must be -1 (off) or >= 0, got {k}"),
+            ));
+        }
+        p.top_k = k.max(0) as usize;
+    }
+    if let Some(v) = f.min_p {
+        p.min_p = v;
+    }
+    if let Some(v) = f.repetition_penalty {
+        p.repetition_penalty = v;
+    }
+    if let Some(v) = f.frequency_penalty {
+        p.frequency_penalty = v;
+    }
+    if let Some(v) = f.presence_penalty {
+        p.presence_penalty = v;
+    }
+    p.seed = f.seed.map(|s| s as u64);
+    p.validate()
+        .map_err(|e| ApiError::bad_request(e.to_string().replace("invalid input: ", "")))?;
+    Ok(p)
+}
+
+fn stops(f: &SamplingFields) -> Vec<String> {
+    match &f.stop {
+        None => vec![],
+        Some(StopInput::One(s)) => vec![s.clone()],
+        Some(StopInput::Many(v)) => v.clone(),
+    }
+}
+
+fn finish(
+    engine: &Engine,
+    limits: Limits,
+    prompt_token_ids: Vec<u32>,
+    max_tokens: Option<i64>,
+    max_tokens_name: &str,
+    logprobs: Option<usize>,
+    f: &SamplingFields,
+) -> Result<Parsed, ApiError> {
+    let n_prompt = prompt_token_ids.len();
+    if n_prompt == 0 {
+        return Err(ApiError::bad_param("prompt", "the prompt is empty"));
+    }
+    let vocab = engine.model.config.vocab_size;
+    if let Some(bad) = prompt_token_ids.iter().find(|&&t| t as usize >= vocab) {
+        return Err(ApiError::bad_param(
+            "prompt",
+            format!("token id {bad} is out of range for a vocabulary of {vocab}"),
+        ));
+    }
+    let max_len = limits.max_model_len;
+    let max_tokens = match max_tokens {
+        Some(m) if m < 1 => {
+            return Err(ApiError::bad_param(
+                max_tokens_name,
+                format!("{max_tokens_name} must be at least 1, got {m}"),
+            ));
+        }
+        Some(m) => m as usize,
+        None => max_len.saturating_sub(n_prompt),
+    };
+    if n_prompt + max_tokens > max_len {
+        return Err(ApiError::bad_param(
+            max_tokens_name,
+            format!(
+                "This model's maximum context length is {max_len} tokens. However, you requested {} tokens ({n_prompt} in the prompt, {max_tokens} in the completion). Please reduce the length of the prompt or {max_tokens_name}.",
+                n_prompt + max_tokens
+            ),
+        ));
+    }
+    if let Some(n) = logprobs
+        && n > limits.max_logprobs
+    {
+        return Err(ApiError::bad_param(
+            "logprobs",
+            format!(
+                "at most {} logprobs may be requested, got {n}",
+                limits.max_logprobs
+            ),
+        ));
+    }
+    Ok(Parsed {
+        request: Request {
+            prompt_token_ids,
+            max_tokens,
+            sampling: sampling(engine, f)?,
+            stop: stops(f),
+            stop_token_ids: f.stop_token_ids.clone().unwrap_or_default(),
+            ignore_eos: f.ignore_eos.unwrap_or(false),
+            logprobs,
+        },
+        stream: f.stream.unwrap_or(false),
+        include_usage: f
+            .stream_options
+            .as_ref()
+            .and_then(|o| o.include_usage)
+            .unwrap_or(false),
+    })
+}
+
+fn ids(v: &[i64]) -> Result<Vec<u32>, ApiError> {
+    v.iter()
+        .map(|&x| {
+            u32::try_from(x)
+                .map_err(|_| ApiError::bad_param("prompt", format!("token id {x} is out of range")))
+        })
+        .collect()
+}
+
+/// Validates a completion request.
+pub fn parse_completion(
+    engine: &Engine,
+    limits: Limits,
+    b: &CompletionBody,
+) -> Result<Parsed, ApiError> {
+    if b.echo == Some(true) {
+        return Err(ApiError::bad_param("echo", "echo is not supported"));
+    }
+    if b.suffix.is_some() {
+        return Err(ApiError::bad_param("suffix", "suffix is not supported"));
+    }
+    let tok_err = |e: epserve_core::Error| ApiError::internal(e.to_string());
+    let prompt_ids = match &b.prompt {
+        None => return Err(ApiError::bad_param("prompt", "missing field 'prompt'")),
+        Some(PromptInput::Text(s)) => engine.tokenizer.encode(s, true).map_err(tok_err)?,
+        Some(PromptInput::Ids(v)) => ids(v)?,
+        Some(PromptInput::Texts(v)) if v.len() == 1 => {
+            engine.tokenizer.encode(&v[0], true).map_err(tok_err)?
+        }
+        Some(PromptInput::IdBatch(v)) if v.len() == 1 => ids(&v[0])?,
+        Some(_) => {
+            return Err(ApiError::bad_param(
+                "prompt",
+                "batched prompts are not supported: send one prompt per request",
+            ));
+        }
+    };
+    let logprobs = match b.logprobs {
+        Some(n) if n < 0 => return Err(ApiError::bad_param("logprobs", "logprobs must be >= 0")),
+        Some(n) => Some(n as usize),
+        None => None,
+    };
+    // OpenAI's and vLLM's default for completions.
+    finish(
+        engine,
+        limits,
+        prompt_ids,
+        Some(b.max_tokens.unwrap_or(16)),
+        "max_tokens",
+        logprobs,
+        &b.sampling,
+    )
+}
+
+/// Validates a chat request (renders the chat template).
+pub fn parse_chat(engine: &Engine, limits: Limits, b: &ChatBody) -> Result<Parsed, ApiError> {
+    let msgs = b
+        .messages
+        .as_ref()
+        .ok_or_else(|| ApiError::bad_param("messages", "missing field 'messages'"))?;
+    if msgs.is_empty() {
+        return Err(ApiError::bad_param(
+            "messages",
+            "messages must not be empty",
+        ));
+    }
+    let mut chat = Vec::with_capacity(msgs.len());
+    for (i, m) in msgs.iter().enumerate() {
+        let content = match &m.content {
+            None => String::new(),
+            Some(Content::Text(s)) => s.clone(),
+            Some(Content::Parts(parts)) => {
+                let mut s = String::new();
+                for p in parts {
+                    if p.kind != "text" {
+                        return Err(ApiError::bad_param(
+                            &format!("messages[{i}].content"),
+                            format!("content parts of type '{}' are not supported", p.kind),
+                        ));
+                    }
+                    s.push_str(p.text.as_deref().unwrap_or(""));
+                }
+                s
+            }
+        };
+        chat.push(ChatMessage {
+            role: m.role.clone(),
+            content,
+        });
+    }
+    let text = engine
+        .tokenizer
+        .apply_chat_template(&chat, b.add_generation_prompt.unwrap_or(true))
+        .map_err(|e| ApiError::bad_param("messages", e.to_string()))?;
+    let prompt_ids = engine
+        .tokenizer
+        .encode(&text, false)
+        .map_err(|e| ApiError::internal(e.to_string()))?;
+    let logprobs = if b.logprobs == Some(true) {
+        match b.top_logprobs {
+            Some(n) if n < 0 => {
+                return Err(ApiError::bad_param(
+                    "top_logprobs",
+                    "top_logprobs must be >= 0",
+                ));
+            }
+            Some(n) => Some(n as usize),
+            None => Some(0),
+        }
+    } else {
+        None
+    };
+    let (max, name) = match (b.max_completion_tokens, b.max_tokens) {
+        (Some(m), _) => (Some(m), "max_completion_tokens"),
+        (None, m) => (m, "max_tokens"),
+    };
+    finish(engine, limits, prompt_ids, max, name, logprobs, &b.sampling)
+}

@@ -1,0 +1,267 @@
+//! Turning scheduler events into OpenAI responses: SSE chunks for streaming
+//! (`data: {...}` … `data: [DONE]`, optional usage chunk) or one JSON body.
+
+use std::collections::VecDeque;
+use std::convert::Infallible;
+use std::sync::Arc;
+
+use axum::response::sse::{Event as SseEvent, KeepAlive, Sse};
+use axum::response::{IntoResponse, Response};
+use epserve_core::engine::{Engine, FinishReason};
+use futures_util::stream;
+use serde_json::{Value, json};
+use tokio::sync::mpsc::UnboundedReceiver;
+
+use super::error::ApiError;
+use crate::scheduler::{Event, TokenLogprob};
+
+/// Which endpoint's format.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Kind {
+    Completion,
+    Chat,
+}
+
+/// Per-response constants.
+pub struct Ctx {
+    pub engine: Arc<Engine>,
+    pub model: String,
+    pub kind: Kind,
+    pub n_prompt: usize,
+    pub created: u64,
+    pub id: String,
+}
+
+/// A fresh response id.
+pub fn new_id(kind: Kind) -> String {
+    let r: u64 = rand::random();
+    match kind {
+        Kind::Completion => format!("cmpl-{r:016x}"),
+        Kind::Chat => format!("chatcmpl-{r:016x}"),
+    }
+}
+
+fn usage(n_prompt: usize, n_gen: usize) -> Value {
+    json!({"prompt_tokens": n_prompt, "completion_tokens": n_gen, "total_tokens": n_prompt + n_gen})
+}
+
+fn token_text(engine: &Engine, id: u32) -> String {
+    engine.tokenizer.decode(&[id], false).unwrap_or_default()
+}
+
+/// Logprobs accumulated for a non-streaming response or one chunk.
+#[derive(Default)]
+struct Logprobs {
+    tokens: Vec<String>,
+    token_logprobs: Vec<f32>,
+    top: Vec<Vec<(String, f32)>>,
+    offsets: Vec<usize>,
+}
+
+impl Logprobs {
+    fn push(&mut self, engine: &Engine, lp: &TokenLogprob, text_offset: usize) {
+        self.tokens.push(token_text(engine, lp.token_id));
+        self.token_logprobs.push(lp.logprob);
+        self.top.push(
+            lp.top
+                .iter()
+                .map(|(id, l)| (token_text(engine, *id), *l))
+                .collect(),
+        );
+        self.offsets.push(text_offset);
+    }
+
+    fn to_json(&self, kind: Kind) -> Value {
+        match kind {
+            Kind::Completion => {
+                let top: Vec<Value> = self
+                    .top
+                    .iter()
+                    .map(|t| Value::Object(t.iter().map(|(s, l)| (s.clone(), json!(l))).collect()))
+                    .collect();
+                json!({"tokens": self.tokens, "token_logprobs": self.token_logprobs,
+                       "top_logprobs": top, "text_offset": self.offsets})
+            }
+            Kind::Chat => {
+                let content: Vec<Value> = self
+                    .tokens
+                    .iter()
+                    .zip(&self.token_logprobs)
+                    .zip(&self.top)
+                    .map(|((t, l), top)| {
+                        json!({"token": t, "logprob": l, "bytes": t.as_bytes(),
+                               "top_logprobs": top.iter().map(|(s, l)| json!({"token": s, "logprob": l, "bytes": s.as_bytes()})).collect::<Vec<_>>()})
+                    })
+                    .collect();
+                json!({"content": content})
+            }
+        }
+    }
+}
+
+fn choice(
+    ctx: &Ctx,
+    text: &str,
+    logprobs: Option<Value>,
+    finish: Option<&str>,
+    first: bool,
+) -> Value {
+    match ctx.kind {
+        Kind::Completion => {
+            json!({"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish})
+        }
+        Kind::Chat => {
+            let mut delta = serde_json::Map::new();
+            if first {
+                delta.insert("role".into(), json!("assistant"));
+            }
+            if !text.is_empty() || (first && finish.is_none()) {
+                delta.insert("content".into(), json!(text));
+            }
+            json!({"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish})
+        }
+    }
+}
+
+fn chunk(ctx: &Ctx, choices: Vec<Value>, usage: Option<Value>) -> Value {
+    let object = match ctx.kind {
+        Kind::Completion => "text_completion",
+        Kind::Chat => "chat.completion.chunk",
+    };
+    let mut v = json!({"id": ctx.id, "object": object, "created": ctx.created, "model": ctx.model, "choices": choices});
+    if let Some(u) = usage {
+        v["usage"] = u;
+    }
+    v
+}
+
+struct StreamState {
+    ctx: Ctx,
+    rx: UnboundedReceiver<Event>,
+    pending: VecDeque<String>,
+    done: bool,
+    first: bool,
+    include_usage: bool,
+    n_gen: usize,
+}
+
+/// An SSE response fed by the scheduler. Dropping it (client gone) drops the
+/// receiver, which cancels the request.
+pub fn stream(ctx: Ctx, rx: UnboundedReceiver<Event>, include_usage: bool) -> Response {
+    let st = StreamState {
+        ctx,
+        rx,
+        pending: VecDeque::new(),
+        done: false,
+        first: true,
+        include_usage,
+        n_gen: 0,
+    };
+    let s = stream::unfold(st, |mut st| async move {
+        loop {
+            if let Some(data) = st.pending.pop_front() {
+                return Some((Ok::<_, Infallible>(SseEvent::default().data(data)), st));
+            }
+            if st.done {
+                return None;
+            }
+            match st.rx.recv().await {
+                Some(Event::Token { text, logprob, .. }) => {
+                    st.n_gen += 1;
+                    let lp = logprob.map(|lp| {
+                        let mut l = Logprobs::default();
+                        l.push(&st.ctx.engine, &lp, 0);
+                        l.to_json(st.ctx.kind)
+                    });
+                    if text.is_empty() && lp.is_none() && !st.first {
+                        continue;
+                    }
+                    let c = choice(&st.ctx, &text, lp, None, st.first);
+                    st.first = false;
+                    st.pending
+                        .push_back(chunk(&st.ctx, vec![c], None).to_string());
+                }
+                Some(Event::Finished {
+                    reason,
+                    prompt_tokens,
+                    completion_tokens,
+                }) => {
+                    let c = choice(&st.ctx, "", None, Some(reason.as_str()), st.first);
+                    st.pending
+                        .push_back(chunk(&st.ctx, vec![c], None).to_string());
+                    if st.include_usage {
+                        st.pending.push_back(
+                            chunk(
+                                &st.ctx,
+                                vec![],
+                                Some(usage(prompt_tokens, completion_tokens)),
+                            )
+                            .to_string(),
+                        );
+                    }
+                    st.pending.push_back("[DONE]".into());
+                    st.done = true;
+                }
+                Some(Event::Error(msg)) => {
+                    let e = ApiError::internal(msg);
+                    st.pending.push_back(e.body().to_string());
+                    st.pending.push_back("[DONE]".into());
+                    st.done = true;
+                }
+                None => {
+                    let e = ApiError::internal("the request was dropped by the scheduler");
+                    st.pending.push_back(e.body().to_string());
+                    st.done = true;
+                }
+            }
+        }
+    });
+    Sse::new(s).keep_alive(KeepAlive::default()).into_response()
+}
+
+/// Waits for the whole completion and returns one JSON body.
+pub async fn collect(ctx: Ctx, mut rx: UnboundedReceiver<Event>) -> Result<Response, ApiError> {
+    let mut text = String::new();
+    let mut lps: Option<Logprobs> = None;
+    let (finish, n_gen): (FinishReason, usize) = loop {
+        match rx.recv().await {
+            Some(Event::Token {
+                text: t, logprob, ..
+            }) => {
+                if let Some(lp) = logprob {
+                    lps.get_or_insert_with(Logprobs::default)
+                        .push(&ctx.engine, &lp, text.len());
+                }
+                text.push_str(&t);
+            }
+            Some(Event::Finished {
+                reason,
+                completion_tokens,
+                ..
+            }) => break (reason, completion_tokens),
+            Some(Event::Error(msg)) => return Err(ApiError::internal(msg)),
+            None => {
+                return Err(ApiError::internal(
+                    "the request was dropped by the scheduler",
+                ));
+            }
+        }
+    };
+    let lp = lps.map(|l| l.to_json(ctx.kind));
+    let choice = match ctx.kind {
+        Kind::Completion => {
+            json!({"index": 0, "text": text, "logprobs": lp, "finish_reason": finish.as_str()})
+        }
+        Kind::Chat => json!({"index": 0, "message": {"role": "assistant", "content": text},
+                             "logprobs": lp, "finish_reason": finish.as_str()}),
+    };
+    let object = match ctx.kind {
+        Kind::Completion => "text_completion",
+        Kind::Chat => "chat.completion",
+    };
+    Ok(axum::Json(json!({
+        "id": ctx.id, "object": object, "created": ctx.created, "model": ctx.model,
+        "choices": [choice], "usage": usage(ctx.n_prompt, n_gen),
+    }))
+    .into_response())
+}
