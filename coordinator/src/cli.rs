@@ -20,6 +20,24 @@ pub enum Command {
     Generate(GenerateArgs),
     /// Single-process OpenAI-compatible server (completions, chat, models, health, metrics).
     Serve(Box<ServeArgs>),
+    /// Benchmarks: `bench serve` (a twin of `vllm bench serve`).
+    Bench(BenchArgs),
+}
+
+/// `epserve bench`.
+#[derive(Debug, Args)]
+pub struct BenchArgs {
+    #[command(subcommand)]
+    pub command: BenchCommand,
+}
+
+/// Benchmark subcommands.
+#[derive(Debug, Subcommand)]
+pub enum BenchCommand {
+    /// Serving benchmark against any OpenAI-compatible server: random prompts,
+    /// request rate and concurrency, TTFT / TPOT / ITL / E2EL and throughput,
+    /// reported as `vllm bench serve` reports them.
+    Serve(Box<crate::bench_serve::BenchServeArgs>),
 }
 
 /// `epserve generate`.

@@ -1,7 +1,7 @@
 //! The `epserve` binary.
 
 use clap::Parser;
-use epserve_coordinator::cli::{Cli, Command};
+use epserve_coordinator::cli::{BenchCommand, Cli, Command};
 
 fn main() {
     tracing_subscriber::fmt()
@@ -15,6 +15,9 @@ fn main() {
     let result = match &cli.command {
         Command::Generate(args) => epserve_coordinator::generate::run(args),
         Command::Serve(args) => epserve_coordinator::serve::run(args),
+        Command::Bench(bench) => match &bench.command {
+            BenchCommand::Serve(args) => epserve_coordinator::bench_serve::run(args),
+        },
     };
     if let Err(e) = result {
         // One line: the error and its causes joined by ": ".
