@@ -38,6 +38,10 @@ pub enum BenchCommand {
     /// request rate and concurrency, TTFT / TPOT / ITL / E2EL and throughput,
     /// reported as `vllm bench serve` reports them.
     Serve(Box<crate::bench_serve::BenchServeArgs>),
+    /// One MoE layer at real shapes (Qwen3-30B-A3B, Mixtral-8x7B) through the
+    /// expert kernels, against the machine's measured memory bandwidth and FMA
+    /// peak and the scalar twin kernels; bf16 and int8, one and all cores.
+    Moe(Box<crate::bench_moe::BenchMoeArgs>),
 }
 
 /// `epserve generate`.

@@ -2,6 +2,7 @@
 //! single-process `generate` command; the OpenAI server, scheduler, gRPC
 //! dispatch and admin RPC arrive here with their issues.
 
+pub mod bench_moe;
 pub mod bench_serve;
 pub mod cli;
 pub mod generate;

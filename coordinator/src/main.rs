@@ -17,6 +17,7 @@ fn main() {
         Command::Serve(args) => epserve_coordinator::serve::run(args),
         Command::Bench(bench) => match &bench.command {
             BenchCommand::Serve(args) => epserve_coordinator::bench_serve::run(args),
+            BenchCommand::Moe(args) => epserve_coordinator::bench_moe::run(args),
         },
     };
     if let Err(e) = result {

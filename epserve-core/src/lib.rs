@@ -3,7 +3,8 @@
 //!
 //! - [`config`]: `config.json` → validated [`config::ModelConfig`]
 //! - [`tensor`], [`loader`]: memory-mapped safetensors, tokenizer, chat template
-//! - [`kernels`]: linear, norms, activations
+//! - [`kernels`]: linear, norms, activations; the MoE micro-kernels and their tiers
+//! - [`experts`]: packed bf16/int8 experts and the fast expert executor
 //! - [`model`]: attention, router / experts / combine, the decoder
 //! - [`sampling`], [`engine`]: logits → tokens, the generate loop
 
@@ -11,6 +12,7 @@ pub mod config;
 pub mod detok;
 pub mod engine;
 pub mod error;
+pub mod experts;
 pub mod kernels;
 pub mod loader;
 pub mod model;

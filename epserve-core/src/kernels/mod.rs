@@ -3,6 +3,14 @@
 //! as they stream. Architecture-specific SIMD tiers will sit beside the
 //! portable code here, each tested against it.
 
+#[cfg(target_arch = "aarch64")]
+pub mod aarch64;
+pub mod dispatch;
+pub mod generic;
+pub mod layout;
+#[cfg(target_arch = "x86_64")]
+pub mod x86;
+
 use rayon::prelude::*;
 
 use crate::config::Activation;

@@ -14,6 +14,7 @@ use std::sync::Arc;
 
 use crate::config::{FfnKind, ModelConfig};
 use crate::error::{Error, Result};
+pub use crate::experts::LoadOptions;
 use crate::kernels::{linear, rms_norm};
 use crate::loader::weights::WeightStore;
 use crate::tensor::Weight;
@@ -21,8 +22,7 @@ use crate::tensor::Weight;
 use attention::{Attention, SeqSpan};
 use kv_cache::{KvPool, SeqCache};
 use moe::{
-    Dispatcher, GatedMlp, LocalDispatcher, LocalExperts, MoeBlock, Router, RouterKind, Routing,
-    SharedExpert,
+    Dispatcher, GatedMlp, LocalDispatcher, MoeBlock, Router, RouterKind, Routing, SharedExpert,
 };
 use rope::Rope;
 
@@ -82,12 +82,19 @@ pub struct Model {
 }
 
 impl Model {
-    /// Loads a model folder with every expert in this process.
+    /// Loads a model folder with every expert in this process, with the
+    /// default [`LoadOptions`] (packed experts, bf16 where exact).
     pub fn load(dir: &Path) -> Result<Self> {
+        Self::load_with(dir, &LoadOptions::default())
+    }
+
+    /// Loads a model folder with every expert in this process, executed as
+    /// `opts` asks (packed or portable executor, expert precision, threads).
+    pub fn load_with(dir: &Path, opts: &LoadOptions) -> Result<Self> {
         let cfg = ModelConfig::from_dir(dir)?;
         let ws = WeightStore::open(dir)?;
-        let experts = LocalExperts::load_all(&cfg, &ws)?;
-        let dispatcher = Arc::new(LocalDispatcher::new(Arc::new(experts)));
+        let experts = crate::experts::load_executor(&cfg, &ws, opts)?;
+        let dispatcher = Arc::new(LocalDispatcher::new(experts));
         Self::from_store(cfg, &ws, dispatcher)
     }
 

@@ -1,0 +1,682 @@
+//! `epserve bench moe`: one MoE layer with random weights at real shapes
+//! (Qwen3-30B-A3B, Mixtral-8x7B, or custom), run through the packed expert
+//! executor for several token counts, bf16 and int8, on one and on all cores.
+//!
+//! Everything is measured in the same run, as ratios: the machine's streaming
+//! read bandwidth and f32 FMA peak (per thread count), the executor's time,
+//! the weight bytes it streamed per second and their share of the bandwidth,
+//! GFLOP/s and share of FMA peak, the speedup over the scalar twin kernels
+//! and int8 over bf16. The issue's targets are printed, never asserted.
+//!
+//! Routing rotates through a shuffled expert order so consecutive calls touch
+//! different experts (a cyclic working set larger than the last-level cache
+//! defeats it), with equal combine weights: the balanced-load case.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result, bail};
+use clap::Args;
+use epserve_core::config::Activation;
+use epserve_core::experts::packed::PackedDtype;
+use epserve_core::experts::{ExpertPool, PackedExpert, PackedExperts};
+use epserve_core::kernels::dispatch::{Kernels, kernels};
+use epserve_core::model::moe::ExpertExecutor;
+use epserve_core::tensor::{DType, Weight};
+use serde::Serialize;
+
+/// `epserve bench moe`.
+#[derive(Debug, Clone, Args)]
+pub struct BenchMoeArgs {
+    /// Layer shapes: `qwen3` (hidden 2048, 128 experts, top-8, width 768),
+    /// `mixtral` (4096, 8, top-2, 14336), or `name:hidden:experts:top_k:width`.
+    #[arg(long, value_delimiter = ',', default_value = "qwen3,mixtral")]
+    pub shapes: Vec<String>,
+    /// Token counts per layer call.
+    #[arg(long, value_delimiter = ',', default_value = "1,4,16,64,256")]
+    pub tokens: Vec<usize>,
+    /// Expert precisions: bf16, int8.
+    #[arg(long, value_delimiter = ',', default_value = "bf16,int8")]
+    pub dtypes: Vec<String>,
+    /// Thread counts; 0 means all cores.
+    #[arg(long, value_delimiter = ',', default_value = "1,0")]
+    pub threads: Vec<usize>,
+    /// Minimum measuring time per row for the optimized kernels, in ms.
+    #[arg(long, default_value_t = 500)]
+    pub min_ms: u64,
+    /// Calls of the scalar twin per row (0 skips it; it is slow at Mixtral shapes).
+    #[arg(long, default_value_t = 1)]
+    pub scalar_iters: usize,
+    /// Skip the scalar twin on rows with more tokens than this.
+    #[arg(long, default_value_t = 256)]
+    pub scalar_max_tokens: usize,
+    /// Size of the bandwidth probe buffer in MiB (make it much larger than the LLC).
+    #[arg(long, default_value_t = 2048)]
+    pub bw_mib: usize,
+    /// Print one JSON object instead of tables.
+    #[arg(long)]
+    pub json: bool,
+    /// Seed of the random weights, activations and routing.
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
+}
+
+/// One layer shape.
+#[derive(Debug, Clone, Serialize)]
+pub struct Shape {
+    pub name: String,
+    pub hidden: usize,
+    pub experts: usize,
+    pub top_k: usize,
+    pub inter: usize,
+}
+
+impl Shape {
+    fn parse(s: &str) -> Result<Shape> {
+        let named = |name: &str, hidden, experts, top_k, inter| Shape {
+            name: name.into(),
+            hidden,
+            experts,
+            top_k,
+            inter,
+        };
+        Ok(match s.trim() {
+            "qwen3" | "qwen3-30b-a3b" => named("qwen3-30b-a3b", 2048, 128, 8, 768),
+            "mixtral" | "mixtral-8x7b" => named("mixtral-8x7b", 4096, 8, 2, 14336),
+            other => {
+                let p: Vec<&str> = other.split(':').collect();
+                if p.len() != 5 {
+                    bail!(
+                        "unknown shape '{other}' (qwen3, mixtral or name:hidden:experts:top_k:width)"
+                    );
+                }
+                let n = |i: usize| -> Result<usize> {
+                    p[i].parse::<usize>()
+                        .ok()
+                        .filter(|&v| v > 0)
+                        .with_context(|| {
+                            format!("shape '{other}': '{}' is not a positive integer", p[i])
+                        })
+                };
+                let sh = named(p[0], n(1)?, n(2)?, n(3)?, n(4)?);
+                if sh.top_k > sh.experts {
+                    bail!("shape '{other}': top_k exceeds the number of experts");
+                }
+                sh
+            }
+        })
+    }
+}
+
+/// What the machine does, measured in this run, per thread count.
+#[derive(Debug, Clone, Serialize)]
+pub struct Machine {
+    pub threads: usize,
+    /// Streaming read bandwidth, GB/s.
+    pub bandwidth_gbps: f64,
+    /// f32 FMA peak, GFLOP/s.
+    pub fma_peak_gflops: f64,
+}
+
+/// One measured configuration.
+#[derive(Debug, Clone, Serialize)]
+pub struct Row {
+    pub shape: String,
+    pub tokens: usize,
+    pub dtype: String,
+    pub threads: usize,
+    pub kernel: String,
+    pub time_ms: f64,
+    /// Packed weight bytes of the experts one call touches.
+    pub weight_bytes: f64,
+    pub weight_gbps: f64,
+    pub bandwidth_pct: f64,
+    pub gflops: f64,
+    pub fma_peak_pct: f64,
+    pub scalar_time_ms: Option<f64>,
+    pub speedup_vs_scalar: Option<f64>,
+    /// bf16 time / int8 time at the same tokens and threads (int8 rows).
+    pub int8_over_bf16: Option<f64>,
+}
+
+/// A target of the issue and how this run fared.
+#[derive(Debug, Clone, Serialize)]
+pub struct Target {
+    pub shape: String,
+    pub what: String,
+    pub target: f64,
+    pub measured: Option<f64>,
+    pub met: Option<bool>,
+}
+
+#[derive(Debug, Serialize)]
+struct Report {
+    kernel: String,
+    machine: Vec<Machine>,
+    shapes: Vec<Shape>,
+    rows: Vec<Row>,
+    targets: Vec<Target>,
+}
+
+/// splitmix64: fast, seedable, good enough for random weights.
+struct Rng(u64);
+
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    }
+    fn unit(&mut self) -> f32 {
+        (self.next() >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0
+    }
+}
+
+/// Random bf16 weights of magnitude 2⁻⁸..2⁻⁵, built from bits directly.
+fn random_bf16(rows: usize, cols: usize, seed: u64) -> Weight {
+    let mut rng = Rng(seed);
+    let n = rows * cols;
+    let mut bytes = vec![0u8; 2 * n];
+    for chunk in bytes.chunks_mut(8) {
+        let r = rng.next();
+        for (i, b) in chunk.chunks_mut(2).enumerate() {
+            let v = (r >> (16 * i)) as u16;
+            let sign = v & 0x8000;
+            let exp = 119 + ((v >> 7) & 3); // 2^-8 .. 2^-5
+            b.copy_from_slice(&(sign | (exp << 7) | (v & 0x7F)).to_le_bytes());
+        }
+    }
+    Weight::from_bytes(DType::BF16, vec![rows, cols], &bytes)
+}
+
+/// Builds the layer's experts in each asked precision (sources dropped as
+/// soon as they are packed), on all cores.
+fn build_experts(
+    sh: &Shape,
+    dtypes: &[PackedDtype],
+    seed: u64,
+) -> Result<Vec<Vec<Option<PackedExpert>>>> {
+    let workers = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let mut out: Vec<Vec<Option<PackedExpert>>> =
+        vec![(0..sh.experts).map(|_| None).collect(); dtypes.len()];
+    let next = std::sync::atomic::AtomicUsize::new(0);
+    let results = std::sync::Mutex::new(Vec::new());
+    std::thread::scope(|s| {
+        for _ in 0..workers {
+            s.spawn(|| {
+                loop {
+                    let e = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                    if e >= sh.experts {
+                        break;
+                    }
+                    let base = seed ^ ((e as u64 + 1) << 32);
+                    let gate = random_bf16(sh.inter, sh.hidden, base + 1);
+                    let up = random_bf16(sh.inter, sh.hidden, base + 2);
+                    let down = random_bf16(sh.hidden, sh.inter, base + 3);
+                    for (di, &dt) in dtypes.iter().enumerate() {
+                        let r = PackedExpert::from_weights(
+                            &gate,
+                            &up,
+                            &down,
+                            sh.hidden,
+                            sh.inter,
+                            Activation::Silu,
+                            dt,
+                            false,
+                        );
+                        results
+                            .lock()
+                            .unwrap_or_else(|p| p.into_inner())
+                            .push((di, e, r));
+                    }
+                }
+            });
+        }
+    });
+    for (di, e, r) in results.into_inner().unwrap_or_else(|p| p.into_inner()) {
+        out[di][e] = Some(r?);
+    }
+    Ok(out)
+}
+
+/// Streaming read bandwidth with `pool`'s threads over a buffer of `mib` MiB
+/// (best of three passes), in GB/s.
+fn measure_bandwidth(pool: &ExpertPool, buf: &[u64]) -> f64 {
+    let t = pool.threads();
+    let per = buf.len().div_ceil(t);
+    let mut best = 0.0f64;
+    for _ in 0..3 {
+        let start = Instant::now();
+        let sums = pool.broadcast(|i| {
+            let chunk = &buf[(i * per).min(buf.len())..((i + 1) * per).min(buf.len())];
+            let mut acc = [0u64; 8];
+            let mut it = chunk.chunks_exact(8);
+            for c in &mut it {
+                for l in 0..8 {
+                    acc[l] = acc[l].wrapping_add(c[l]);
+                }
+            }
+            acc.iter().fold(0u64, |a, b| a.wrapping_add(*b))
+        });
+        let secs = start.elapsed().as_secs_f64();
+        std::hint::black_box(sums);
+        best = best.max((buf.len() * 8) as f64 / secs / 1e9);
+    }
+    best
+}
+
+/// f32 FMA peak of `pool`'s threads with the best kernel tier, in GFLOP/s.
+fn measure_fma_peak(pool: &ExpertPool, k: &Kernels) -> f64 {
+    let iters = 20_000_000;
+    let mut best = 0.0f64;
+    for _ in 0..3 {
+        let start = Instant::now();
+        let r = pool.broadcast(|_| k.fma_probe(iters));
+        let secs = start.elapsed().as_secs_f64();
+        let flops: f64 = r.iter().map(|(f, _)| f).sum();
+        std::hint::black_box(r);
+        best = best.max(flops / secs / 1e9);
+    }
+    best
+}
+
+/// Routings for `tokens` tokens that rotate through a shuffled expert order.
+fn routings(sh: &Shape, tokens: usize, rng: &mut Rng) -> Vec<(Vec<u32>, Vec<f32>)> {
+    let mut perm: Vec<u32> = (0..sh.experts as u32).collect();
+    for i in (1..perm.len()).rev() {
+        perm.swap(i, (rng.next() % (i as u64 + 1)) as usize);
+    }
+    let per_call = tokens * sh.top_k;
+    let count = sh.experts.div_ceil(per_call).clamp(1, 64);
+    let mut cursor = 0usize;
+    (0..count)
+        .map(|_| {
+            let mut ids = Vec::with_capacity(per_call);
+            for _ in 0..tokens {
+                for j in 0..sh.top_k {
+                    ids.push(perm[(cursor + j) % sh.experts]);
+                }
+                cursor += sh.top_k;
+            }
+            (ids, vec![1.0 / sh.top_k as f32; per_call])
+        })
+        .collect()
+}
+
+/// Mean seconds per call: at least `min` of calls (and `min_iters`), or
+/// exactly `fixed` calls when given.
+fn time_calls(
+    ex: &PackedExperts,
+    x: &[f32],
+    rs: &[(Vec<u32>, Vec<f32>)],
+    top_k: usize,
+    out: &mut [f32],
+    min: Duration,
+    fixed: Option<usize>,
+) -> Result<f64> {
+    let mut n = 0usize;
+    if fixed.is_none() {
+        ex.execute(0, x, &rs[0].0, &rs[0].1, top_k, out)?;
+    }
+    let start = Instant::now();
+    loop {
+        let (ids, w) = &rs[n % rs.len()];
+        ex.execute(0, x, ids, w, top_k, out)?;
+        n += 1;
+        match fixed {
+            Some(f) if n >= f => break,
+            Some(_) => {}
+            None if start.elapsed() >= min && n >= 3 => break,
+            None => {}
+        }
+    }
+    Ok(start.elapsed().as_secs_f64() / n as f64)
+}
+
+fn bytes_touched(ex: &PackedExperts, rs: &[(Vec<u32>, Vec<f32>)]) -> f64 {
+    let total: usize = rs
+        .iter()
+        .map(|(ids, _)| {
+            let mut seen: Vec<u32> = ids.clone();
+            seen.sort_unstable();
+            seen.dedup();
+            seen.iter()
+                .filter_map(|&e| ex.expert(0, e as usize))
+                .map(|e| e.weight_bytes())
+                .sum::<usize>()
+        })
+        .sum();
+    total as f64 / rs.len() as f64
+}
+
+/// Runs the benchmark and prints the table (or JSON).
+pub fn run(args: &BenchMoeArgs) -> Result<()> {
+    let shapes: Vec<Shape> = args
+        .shapes
+        .iter()
+        .map(|s| Shape::parse(s))
+        .collect::<Result<_>>()?;
+    let dtypes: Vec<PackedDtype> = args
+        .dtypes
+        .iter()
+        .map(|d| match d.trim() {
+            "bf16" => Ok(PackedDtype::Bf16),
+            "int8" => Ok(PackedDtype::Int8),
+            other => bail!("unknown dtype '{other}' (bf16, int8)"),
+        })
+        .collect::<Result<_>>()?;
+    if args.tokens.is_empty() || args.tokens.contains(&0) {
+        bail!("--tokens must list positive token counts");
+    }
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let mut thread_counts: Vec<usize> = args
+        .threads
+        .iter()
+        .map(|&t| if t == 0 { cores } else { t })
+        .collect();
+    thread_counts.dedup();
+    let k = *kernels();
+    let log = |s: String| {
+        if !args.json {
+            eprintln!("{s}");
+        }
+    };
+
+    // The machine, measured now.
+    let mut pools: BTreeMap<usize, Arc<ExpertPool>> = BTreeMap::new();
+    let mut machine = Vec::new();
+    {
+        log(format!(
+            "measuring memory bandwidth ({} MiB buffer) and FMA peak...",
+            args.bw_mib
+        ));
+        let words = args.bw_mib.max(1) * (1 << 20) / 8;
+        let buf: Vec<u64> = (0..words as u64).collect();
+        for &t in &thread_counts {
+            let pool = Arc::new(ExpertPool::new(Some(t), true)?);
+            let bw = measure_bandwidth(&pool, &buf);
+            let peak = measure_fma_peak(&pool, &k);
+            machine.push(Machine {
+                threads: t,
+                bandwidth_gbps: bw,
+                fma_peak_gflops: peak,
+            });
+            pools.insert(t, pool);
+        }
+    }
+    let mach = |t: usize| machine.iter().find(|m| m.threads == t);
+
+    let mut rows: Vec<Row> = Vec::new();
+    let mut rng = Rng(args.seed ^ 0x5EED);
+    for sh in &shapes {
+        log(format!(
+            "building {}: hidden {}, {} experts, top-{}, width {} ({:?})...",
+            sh.name, sh.hidden, sh.experts, sh.top_k, sh.inter, dtypes
+        ));
+        let built = build_experts(sh, &dtypes, args.seed)?;
+        let first_pool = pools.values().next().cloned().context("no thread counts")?;
+        for (di, experts) in built.into_iter().enumerate() {
+            let dt = dtypes[di];
+            let dname = if dt == PackedDtype::Bf16 {
+                "bf16"
+            } else {
+                "int8"
+            };
+            let mut ex = PackedExperts::new(vec![Some(experts)], sh.hidden, first_pool.clone())?;
+            for &tok in &args.tokens {
+                let x: Vec<f32> = (0..tok * sh.hidden).map(|_| rng.unit()).collect();
+                let rs = routings(sh, tok, &mut rng);
+                let mut out = vec![0.0f32; tok * sh.top_k * sh.hidden];
+                let bytes = bytes_touched(&ex, &rs);
+                let flops = (tok * sh.top_k * 6 * sh.hidden * sh.inter) as f64;
+                for &t in &thread_counts {
+                    let Some(pool) = pools.get(&t) else { continue };
+                    ex.set_pool(pool.clone());
+                    ex.set_kernels(k);
+                    let secs = time_calls(
+                        &ex,
+                        &x,
+                        &rs,
+                        sh.top_k,
+                        &mut out,
+                        Duration::from_millis(args.min_ms),
+                        None,
+                    )?;
+                    let scalar = if args.scalar_iters > 0 && tok <= args.scalar_max_tokens {
+                        ex.set_kernels(Kernels::generic());
+                        let s = time_calls(
+                            &ex,
+                            &x,
+                            &rs,
+                            sh.top_k,
+                            &mut out,
+                            Duration::ZERO,
+                            Some(args.scalar_iters),
+                        )?;
+                        ex.set_kernels(k);
+                        Some(s)
+                    } else {
+                        None
+                    };
+                    let m = mach(t);
+                    let gbps = bytes / secs / 1e9;
+                    let gflops = flops / secs / 1e9;
+                    let row = Row {
+                        shape: sh.name.clone(),
+                        tokens: tok,
+                        dtype: dname.into(),
+                        threads: t,
+                        kernel: k.tier().name().into(),
+                        time_ms: secs * 1e3,
+                        weight_bytes: bytes,
+                        weight_gbps: gbps,
+                        bandwidth_pct: m.map_or(0.0, |m| 100.0 * gbps / m.bandwidth_gbps),
+                        gflops,
+                        fma_peak_pct: m.map_or(0.0, |m| 100.0 * gflops / m.fma_peak_gflops),
+                        scalar_time_ms: scalar.map(|s| s * 1e3),
+                        speedup_vs_scalar: scalar.map(|s| s / secs),
+                        int8_over_bf16: None,
+                    };
+                    log(format!(
+                        "  {:>4} tok {} {}t: {:9.3} ms {:7.1} GB/s {:5.1}% bw {:7.1} GFLOP/s{}",
+                        tok,
+                        dname,
+                        t,
+                        row.time_ms,
+                        gbps,
+                        row.bandwidth_pct,
+                        gflops,
+                        row.speedup_vs_scalar
+                            .map(|s| format!(" {s:.2}x scalar"))
+                            .unwrap_or_default()
+                    ));
+                    rows.push(row);
+                }
+            }
+        }
+    }
+    // int8 over bf16 at the same shape, tokens and threads.
+    let bf: Vec<(String, usize, usize, f64)> = rows
+        .iter()
+        .filter(|r| r.dtype == "bf16")
+        .map(|r| (r.shape.clone(), r.tokens, r.threads, r.time_ms))
+        .collect();
+    for r in rows.iter_mut().filter(|r| r.dtype == "int8") {
+        r.int8_over_bf16 = bf
+            .iter()
+            .find(|(s, t, th, _)| *s == r.shape && *t == r.tokens && *th == r.threads)
+            .map(|b| b.3 / r.time_ms);
+    }
+    let targets = targets(&shapes, &rows);
+    if args.json {
+        let rep = Report {
+            kernel: k.tier().name().into(),
+            machine,
+            shapes,
+            rows,
+            targets,
+        };
+        println!("{}", serde_json::to_string_pretty(&rep)?);
+    } else {
+        print_tables(&k, &machine, &rows, &targets);
+    }
+    Ok(())
+}
+
+fn targets(shapes: &[Shape], rows: &[Row]) -> Vec<Target> {
+    let mut out = Vec::new();
+    let min = |it: &mut dyn Iterator<Item = f64>| {
+        it.fold(None, |m: Option<f64>, v| Some(m.map_or(v, |m| m.min(v))))
+    };
+    for sh in shapes {
+        let rs: Vec<&Row> = rows.iter().filter(|r| r.shape == sh.name).collect();
+        let mut push = |what: &str, target: f64, measured: Option<f64>| {
+            out.push(Target {
+                shape: sh.name.clone(),
+                what: what.into(),
+                target,
+                measured,
+                met: measured.map(|m| m >= target),
+            })
+        };
+        let decode = |r: &&&Row| r.tokens <= 16;
+        let prefill = |r: &&&Row| r.tokens >= 256;
+        push(
+            "bf16 decode rows (<=16 tokens): min % of measured bandwidth",
+            80.0,
+            min(&mut rs
+                .iter()
+                .filter(decode)
+                .filter(|r| r.dtype == "bf16")
+                .map(|r| r.bandwidth_pct)),
+        );
+        push(
+            "int8 over bf16 on decode rows (<=16 tokens): min speedup",
+            1.5,
+            min(&mut rs.iter().filter(decode).filter_map(|r| r.int8_over_bf16)),
+        );
+        push(
+            "int8 over bf16 on prefill rows (256 tokens): min speedup",
+            1.3,
+            min(&mut rs.iter().filter(prefill).filter_map(|r| r.int8_over_bf16)),
+        );
+        push(
+            "bf16 prefill rows (256 tokens): min % of FMA peak",
+            60.0,
+            min(&mut rs
+                .iter()
+                .filter(prefill)
+                .filter(|r| r.dtype == "bf16")
+                .map(|r| r.fma_peak_pct)),
+        );
+        push(
+            "bf16 over the scalar twin, every row: min speedup",
+            3.25,
+            min(&mut rs
+                .iter()
+                .filter(|r| r.dtype == "bf16")
+                .filter_map(|r| r.speedup_vs_scalar)),
+        );
+    }
+    out
+}
+
+fn print_tables(k: &Kernels, machine: &[Machine], rows: &[Row], targets: &[Target]) {
+    println!("kernel tier: {}", k.tier().name());
+    for m in machine {
+        println!(
+            "machine, {} thread(s): read bandwidth {:.1} GB/s, f32 FMA peak {:.1} GFLOP/s",
+            m.threads, m.bandwidth_gbps, m.fma_peak_gflops
+        );
+    }
+    println!();
+    println!(
+        "| shape | tokens | dtype | threads | time ms | weight GB/s | % bw | GFLOP/s | % FMA peak | x scalar | int8/bf16 |"
+    );
+    println!("|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|");
+    let opt = |v: Option<f64>| v.map_or("-".to_string(), |v| format!("{v:.2}"));
+    for r in rows {
+        println!(
+            "| {} | {} | {} | {} | {:.3} | {:.1} | {:.1} | {:.1} | {:.1} | {} | {} |",
+            r.shape,
+            r.tokens,
+            r.dtype,
+            r.threads,
+            r.time_ms,
+            r.weight_gbps,
+            r.bandwidth_pct,
+            r.gflops,
+            r.fma_peak_pct,
+            opt(r.speedup_vs_scalar),
+            opt(r.int8_over_bf16)
+        );
+    }
+    println!();
+    println!("targets (printed, not asserted):");
+    for t in targets {
+        println!(
+            "  {:<14} {:<62} target >= {:<5} measured {:>8}  {}",
+            t.shape,
+            t.what,
+            t.target,
+            opt(t.measured),
+            match t.met {
+                Some(true) => "met",
+                Some(false) => "NOT MET",
+                None => "not measured",
+            }
+        );
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn shapes_parse() {
+        let q = Shape::parse("qwen3").expect("qwen3");
+        assert_eq!((q.hidden, q.experts, q.top_k, q.inter), (2048, 128, 8, 768));
+        let c = Shape::parse("tiny:64:4:2:32").expect("custom");
+        assert_eq!((c.hidden, c.experts, c.top_k, c.inter), (64, 4, 2, 32));
+        assert!(Shape::parse("tiny:64:4:5:32").is_err());
+        assert!(Shape::parse("tiny:64:x:2:32").is_err());
+        assert!(Shape::parse("nope").is_err());
+    }
+
+    #[test]
+    fn routings_pick_distinct_experts_per_token() {
+        let sh = Shape::parse("t:8:5:3:8").expect("shape");
+        let mut rng = Rng(1);
+        for (ids, w) in routings(&sh, 4, &mut rng) {
+            assert_eq!(ids.len(), 12);
+            assert_eq!(w.len(), 12);
+            for t in ids.chunks(3) {
+                let mut s = t.to_vec();
+                s.sort_unstable();
+                s.dedup();
+                assert_eq!(s.len(), 3);
+            }
+        }
+    }
+
+    #[test]
+    fn tiny_bench_runs() {
+        let args = BenchMoeArgs {
+            shapes: vec!["tiny:64:4:2:40".into()],
+            tokens: vec![1, 7],
+            dtypes: vec!["bf16".into(), "int8".into()],
+            threads: vec![1],
+            min_ms: 1,
+            scalar_iters: 1,
+            scalar_max_tokens: 256,
+            bw_mib: 1,
+            json: true,
+            seed: 3,
+        };
+        run(&args).expect("bench");
+    }
+}

@@ -1,0 +1,625 @@
+//! [`PackedExperts`]: the fast [`ExpertExecutor`]. One `execute` call:
+//!
+//! 1. buckets the `(token, slot)` pairs by expert (counting sort: ascending
+//!    expert, token order within an expert);
+//! 2. quantizes each token's activations once (per-token int8 scale) if any
+//!    routed expert is int8;
+//! 3. **gate/up phase**: every (expert, run of gate/up panels) is a work item
+//!    on the pinned pool; each panel yields `act(gate)·up` for eight columns
+//!    of the expert's hidden activations `h` (fused: one pass over the
+//!    weights);
+//! 4. quantizes `h` per row for int8 experts;
+//! 5. **down phase**: every (expert, run of down panels) is a work item; the
+//!    epilogue multiplies by the slot's combine weight and writes straight
+//!    into the slot's output row (the weighted scatter).
+//!
+//! Per expert, a token count no larger than the kernel's tile (`mr`) takes the
+//! *decode* path (one tile, the whole `K` per panel: weights stream once,
+//! bandwidth bound); more tokens take the *prefill* path (the panel is cut in
+//! `K` blocks that stay in L1 while every token tile passes over them).
+//! Buffers live in a reused workspace and per-thread scratch: after the first
+//! call of a given size the hot path does not allocate.
+
+use std::cell::RefCell;
+use std::sync::{Arc, Mutex};
+
+use rayon::prelude::*;
+
+use crate::config::{Activation, FfnKind, ModelConfig};
+use crate::error::{Error, Result};
+use crate::experts::packed::{PackedData, PackedDtype, PackedExpert};
+use crate::experts::pool::ExpertPool;
+use crate::experts::{ExpertDtype, LoadOptions};
+use crate::kernels::dispatch::{Kernels, MAX_MR, kernels};
+use crate::kernels::layout::{I8_GROUP_BYTES, KG, NR, i8_padded_k, quantize_row_i8};
+use crate::loader::weights::WeightStore;
+use crate::model::moe::{ExpertExecutor, SKIP_SLOT};
+use crate::model::names::ExpertNames;
+
+/// `k` per block on the bf16 prefill path (a 16 KiB panel chunk).
+const KC_BF16: usize = 512;
+/// int8 groups per block on the int8 prefill path (a 16 KiB panel chunk).
+const KC_I8_GROUPS: usize = 128;
+/// Work items per thread and phase (load balance vs. scheduling overhead).
+const ITEMS_PER_THREAD: usize = 4;
+
+/// The gated nonlinearity applied to one (gate, up) pair.
+#[inline]
+fn glu(a: Activation, gate: f32, up: f32) -> f32 {
+    crate::kernels::activate(a, gate) * up
+}
+
+/// The experts of one layer held here.
+struct LayerSet {
+    experts: Vec<Option<PackedExpert>>,
+    inter: usize,
+}
+
+#[derive(Clone, Copy)]
+struct Item {
+    e: u32,
+    p0: u32,
+    p1: u32,
+}
+
+/// Buffers reused from call to call.
+#[derive(Default)]
+struct Workspace {
+    offsets: Vec<usize>,
+    cursor: Vec<usize>,
+    order: Vec<u32>,
+    active: Vec<u32>,
+    xq: Vec<i8>,
+    xs: Vec<f32>,
+    h: Vec<f32>,
+    hq: Vec<i8>,
+    hs: Vec<f32>,
+    row_i8: Vec<bool>,
+    items: Vec<Item>,
+}
+
+thread_local! {
+    static ACC_F32: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
+    static ACC_I32: RefCell<Vec<i32>> = const { RefCell::new(Vec::new()) };
+}
+
+/// A shared output buffer that work items write disjoint parts of.
+#[derive(Clone, Copy)]
+struct Out {
+    ptr: *mut f32,
+    len: usize,
+}
+// SAFETY: `Out` is only used inside one `execute` call while the buffer it
+// points to is exclusively borrowed by that call, and every work item writes
+// a disjoint set of indices (distinct (row, column) pairs, see `write`).
+unsafe impl Send for Out {}
+// SAFETY: as above.
+unsafe impl Sync for Out {}
+
+impl Out {
+    fn new(v: &mut [f32]) -> Self {
+        Out {
+            ptr: v.as_mut_ptr(),
+            len: v.len(),
+        }
+    }
+
+    /// # Safety
+    /// No other thread may read or write index `i` during the phase.
+    #[inline]
+    unsafe fn write(&self, i: usize, v: f32) {
+        assert!(i < self.len);
+        // SAFETY: in bounds (asserted); exclusivity is the caller's contract.
+        unsafe { *self.ptr.add(i) = v }
+    }
+}
+
+/// Experts repacked for the SIMD kernels, run on a pinned pool.
+pub struct PackedExperts {
+    layers: Vec<Option<LayerSet>>,
+    hidden: usize,
+    pool: Arc<ExpertPool>,
+    kernels: Kernels,
+    ws: Mutex<Workspace>,
+}
+
+impl PackedExperts {
+    /// Wraps per-layer expert sets (`None` for layers without experts here).
+    /// Every expert of a layer must share `hidden` and its intermediate width.
+    pub fn new(
+        layers: Vec<Option<Vec<Option<PackedExpert>>>>,
+        hidden: usize,
+        pool: Arc<ExpertPool>,
+    ) -> Result<Self> {
+        let mut sets = Vec::with_capacity(layers.len());
+        for (li, l) in layers.into_iter().enumerate() {
+            sets.push(match l {
+                None => None,
+                Some(experts) => {
+                    let mut inter = None;
+                    for ex in experts.iter().flatten() {
+                        if ex.hidden != hidden || inter.is_some_and(|i| i != ex.inter) {
+                            return Err(Error::Dispatch(format!(
+                                "layer {li}: experts of different shapes cannot share an executor"
+                            )));
+                        }
+                        inter = Some(ex.inter);
+                    }
+                    Some(LayerSet {
+                        experts,
+                        inter: inter.unwrap_or(0),
+                    })
+                }
+            });
+        }
+        Ok(PackedExperts {
+            layers: sets,
+            hidden,
+            pool,
+            kernels: *kernels(),
+            ws: Mutex::new(Workspace::default()),
+        })
+    }
+
+    /// Loads and packs every expert of the model for which `keep` holds, in
+    /// the precision `opts` asks for each one.
+    pub fn load_filtered(
+        cfg: &ModelConfig,
+        ws: &WeightStore,
+        opts: &LoadOptions,
+        keep: &(impl Fn(usize, usize) -> bool + Sync),
+    ) -> Result<Self> {
+        let mut layers = Vec::with_capacity(cfg.num_hidden_layers);
+        for (i, spec) in cfg.layers.iter().enumerate() {
+            if spec.ffn != FfnKind::Moe {
+                layers.push(None);
+                continue;
+            }
+            let names = ExpertNames::resolve(cfg, ws, i)?;
+            let experts: Vec<Option<PackedExpert>> = (0..cfg.num_experts)
+                .into_par_iter()
+                .map(|e| -> Result<Option<PackedExpert>> {
+                    if !keep(i, e) {
+                        return Ok(None);
+                    }
+                    let mlp = names.load(cfg, ws, e)?;
+                    let (dt, exact) = match opts.dtype_for(i, e) {
+                        ExpertDtype::Auto => (PackedDtype::Bf16, true),
+                        ExpertDtype::Bf16 => (PackedDtype::Bf16, false),
+                        ExpertDtype::Int8 => (PackedDtype::Int8, false),
+                    };
+                    PackedExpert::from_mlp(&mlp, dt, exact)
+                        .map(Some)
+                        .map_err(|err| match err {
+                            Error::Dispatch(m) => {
+                                Error::Dispatch(format!("{m} (layer {i}, expert {e})"))
+                            }
+                            other => other,
+                        })
+                })
+                .collect::<Result<_>>()?;
+            layers.push(Some(experts));
+        }
+        let pool = match opts.threads {
+            Some(n) => Arc::new(ExpertPool::new(Some(n), opts.pin_threads)?),
+            None => ExpertPool::shared()?,
+        };
+        Self::new(layers, cfg.hidden_size, pool)
+    }
+
+    /// Uses `k` instead of the process-wide kernels (tests, benchmarks).
+    pub fn with_kernels(mut self, k: Kernels) -> Self {
+        self.kernels = k;
+        self
+    }
+
+    /// Switches kernels in place.
+    pub fn set_kernels(&mut self, k: Kernels) {
+        self.kernels = k;
+    }
+
+    /// Switches the worker pool in place.
+    pub fn set_pool(&mut self, pool: Arc<ExpertPool>) {
+        self.pool = pool;
+    }
+
+    /// The kernels in use.
+    pub fn kernels(&self) -> &Kernels {
+        &self.kernels
+    }
+
+    /// The worker pool.
+    pub fn pool(&self) -> &Arc<ExpertPool> {
+        &self.pool
+    }
+
+    /// Expert `e` of `layer`, if held here.
+    pub fn expert(&self, layer: usize, e: usize) -> Option<&PackedExpert> {
+        self.layers.get(layer)?.as_ref()?.experts.get(e)?.as_ref()
+    }
+
+    /// Bytes of packed weights held (what stays resident).
+    pub fn resident_bytes(&self) -> usize {
+        self.layers
+            .iter()
+            .flatten()
+            .flat_map(|l| l.experts.iter().flatten())
+            .map(|e| e.weight_bytes())
+            .sum()
+    }
+}
+
+impl ExpertExecutor for PackedExperts {
+    fn execute(
+        &self,
+        layer: usize,
+        x: &[f32],
+        topk_ids: &[u32],
+        topk_weights: &[f32],
+        top_k: usize,
+        out: &mut [f32],
+    ) -> Result<()> {
+        let h = self.hidden;
+        if h == 0 || x.len() % h != 0 {
+            return Err(Error::Dispatch(format!(
+                "activations of length {} are not rows of hidden size {h}",
+                x.len()
+            )));
+        }
+        let rows = x.len() / h;
+        let slots = rows * top_k;
+        if topk_ids.len() < slots || topk_weights.len() < slots || out.len() < slots * h {
+            return Err(Error::Dispatch(format!(
+                "layer {layer}: {rows} rows × top-{top_k} need {slots} ids/weights and {} outputs",
+                slots * h
+            )));
+        }
+        let set = self
+            .layers
+            .get(layer)
+            .and_then(|l| l.as_ref())
+            .ok_or_else(|| Error::Dispatch(format!("layer {layer} has no experts here")))?;
+        let ne = set.experts.len();
+        let mut guard = self.ws.lock().unwrap_or_else(|p| p.into_inner());
+        let wsp = &mut *guard;
+
+        // 1. Counting sort of the slots by expert.
+        wsp.offsets.clear();
+        wsp.offsets.resize(ne + 1, 0);
+        for &id in &topk_ids[..slots] {
+            if id == SKIP_SLOT {
+                continue;
+            }
+            let e = id as usize;
+            match set.experts.get(e) {
+                Some(Some(_)) => wsp.offsets[e + 1] += 1,
+                Some(None) => {
+                    return Err(Error::Dispatch(format!(
+                        "layer {layer}: expert {e} is not held by this executor"
+                    )));
+                }
+                None => {
+                    return Err(Error::Dispatch(format!(
+                        "layer {layer}: expert id {id} out of range"
+                    )));
+                }
+            }
+        }
+        for e in 0..ne {
+            wsp.offsets[e + 1] += wsp.offsets[e];
+        }
+        let total = wsp.offsets[ne];
+        wsp.cursor.clear();
+        wsp.cursor.extend_from_slice(&wsp.offsets[..ne]);
+        wsp.order.clear();
+        wsp.order.resize(total, 0);
+        for (s, &id) in topk_ids[..slots].iter().enumerate() {
+            if id != SKIP_SLOT {
+                let c = &mut wsp.cursor[id as usize];
+                wsp.order[*c] = s as u32;
+                *c += 1;
+            }
+        }
+        wsp.active.clear();
+        let mut any_i8 = false;
+        for e in 0..ne {
+            if wsp.offsets[e + 1] > wsp.offsets[e] {
+                wsp.active.push(e as u32);
+                any_i8 |= set.experts[e]
+                    .as_ref()
+                    .is_some_and(|x| x.dtype() == PackedDtype::Int8);
+            }
+        }
+        if total == 0 {
+            return Ok(());
+        }
+
+        let inter = set.inter;
+        let (hp, ip) = (i8_padded_k(h), i8_padded_k(inter));
+        let k = &self.kernels;
+        let threads = self.pool.threads();
+        let Workspace {
+            offsets,
+            order,
+            active,
+            xq,
+            xs,
+            h: hbuf,
+            hq,
+            hs,
+            row_i8,
+            items,
+            ..
+        } = wsp;
+        hbuf.clear();
+        hbuf.resize(total * inter, 0.0);
+
+        self.pool.install(|| -> Result<()> {
+            // 2. Per-token activation quantization (once per token, shared by
+            //    all of its int8 experts).
+            if any_i8 {
+                xq.resize(rows * hp, 0);
+                xs.resize(rows, 0.0);
+                xq.par_chunks_mut(hp)
+                    .zip(xs.par_iter_mut())
+                    .zip(x.par_chunks(h))
+                    .for_each(|((q, s), xr)| *s = quantize_row_i8(xr, q));
+            }
+            let (offsets, order) = (&offsets[..], &order[..]);
+
+            // 3. Gate/up phase.
+            build_items(items, active, threads, |e| {
+                set.experts[e].as_ref().map_or(0, |x| x.gate_up.panels())
+            });
+            let hout = Out::new(hbuf);
+            let (xq_r, xs_r) = (&xq[..], &xs[..]);
+            items.par_iter().for_each(|it| {
+                let e = it.e as usize;
+                let Some(ex) = set.experts[e].as_ref() else {
+                    return;
+                };
+                let (s0, s1) = (offsets[e], offsets[e + 1]);
+                let tok = |i: usize| order[s0 + i] as usize / top_k;
+                let src = Src {
+                    f32_rows: x,
+                    f32_stride: h,
+                    i8_rows: xq_r,
+                    i8_stride: hp,
+                    i8_scales: xs_r,
+                };
+                run_panels(
+                    k,
+                    &ex.gate_up.data_view(),
+                    ex.gate_up.k(),
+                    s1 - s0,
+                    it,
+                    &tok,
+                    &src,
+                    |i, p, val| {
+                        let row = s0 + i;
+                        for c in 0..NR / 2 {
+                            let j = p * (NR / 2) + c;
+                            if j >= inter {
+                                break;
+                            }
+                            let g = val(c) + ex.gate_bias.as_ref().map_or(0.0, |b| b[j]);
+                            let u = val(c + NR / 2) + ex.up_bias.as_ref().map_or(0.0, |b| b[j]);
+                            // SAFETY: row `row` belongs to expert `e` alone and
+                            // columns `8p..8p+8` to this item's panels alone.
+                            unsafe { hout.write(row * inter + j, glu(ex.activation, g, u)) };
+                        }
+                    },
+                );
+            });
+
+            // 4. Per-row quantization of the hidden activations of int8 experts.
+            if any_i8 {
+                row_i8.clear();
+                row_i8.resize(total, false);
+                for &e in active.iter() {
+                    let e = e as usize;
+                    if set.experts[e]
+                        .as_ref()
+                        .is_some_and(|x| x.dtype() == PackedDtype::Int8)
+                    {
+                        row_i8[offsets[e]..offsets[e + 1]].fill(true);
+                    }
+                }
+                hq.resize(total * ip, 0);
+                hs.resize(total, 0.0);
+                hq.par_chunks_mut(ip)
+                    .zip(hs.par_iter_mut())
+                    .zip(hbuf.par_chunks(inter.max(1)))
+                    .zip(row_i8.par_iter())
+                    .for_each(|(((q, s), hr), &is_i8)| {
+                        if is_i8 {
+                            *s = quantize_row_i8(hr, q);
+                        }
+                    });
+            }
+
+            // 5. Down phase with the weighted scatter.
+            build_items(items, active, threads, |e| {
+                set.experts[e].as_ref().map_or(0, |x| x.down.panels())
+            });
+            let yout = Out::new(out);
+            let (hb, hq_r, hs_r) = (&hbuf[..], &hq[..], &hs[..]);
+            items.par_iter().for_each(|it| {
+                let e = it.e as usize;
+                let Some(ex) = set.experts[e].as_ref() else {
+                    return;
+                };
+                let (s0, s1) = (offsets[e], offsets[e + 1]);
+                let row = |i: usize| s0 + i;
+                let src = Src {
+                    f32_rows: hb,
+                    f32_stride: inter,
+                    i8_rows: hq_r,
+                    i8_stride: ip,
+                    i8_scales: hs_r,
+                };
+                run_panels(
+                    k,
+                    &ex.down.data_view(),
+                    ex.down.k(),
+                    s1 - s0,
+                    it,
+                    &row,
+                    &src,
+                    |i, p, val| {
+                        let slot = order[s0 + i] as usize;
+                        let wgt = topk_weights[slot];
+                        for c in 0..NR {
+                            let j = p * NR + c;
+                            if j >= h {
+                                break;
+                            }
+                            let y = val(c) + ex.down_bias.as_ref().map_or(0.0, |b| b[j]);
+                            // SAFETY: slot `slot` is routed to expert `e` once
+                            // and columns `16p..16p+16` belong to this item alone.
+                            unsafe { yout.write(slot * h + j, wgt * y) };
+                        }
+                    },
+                );
+            });
+            Ok(())
+        })
+    }
+}
+
+/// Splits each active expert's `panels(e)` into runs so that every thread
+/// gets about [`ITEMS_PER_THREAD`] items.
+fn build_items(
+    items: &mut Vec<Item>,
+    active: &[u32],
+    threads: usize,
+    panels: impl Fn(usize) -> usize,
+) {
+    items.clear();
+    let total: usize = active.iter().map(|&e| panels(e as usize)).sum();
+    let chunk = total.div_ceil(threads.max(1) * ITEMS_PER_THREAD).max(1);
+    for &e in active {
+        let n = panels(e as usize);
+        let mut p = 0;
+        while p < n {
+            let p1 = (p + chunk).min(n);
+            items.push(Item {
+                e,
+                p0: p as u32,
+                p1: p1 as u32,
+            });
+            p = p1;
+        }
+    }
+}
+
+/// Where a phase's activation rows come from.
+struct Src<'a> {
+    f32_rows: &'a [f32],
+    f32_stride: usize,
+    i8_rows: &'a [i8],
+    i8_stride: usize,
+    i8_scales: &'a [f32],
+}
+
+/// A borrowed view of a packed matrix's elements.
+pub(crate) enum DataView<'a> {
+    Bf16(&'a [u16]),
+    I8 { data: &'a [i8], scales: &'a [f32] },
+}
+
+impl crate::experts::packed::PackedMatrix {
+    pub(crate) fn data_view(&self) -> DataView<'_> {
+        match self.data() {
+            PackedData::Bf16(d) => DataView::Bf16(d.as_slice()),
+            PackedData::I8 { data, scales } => DataView::I8 {
+                data: data.as_slice(),
+                scales,
+            },
+        }
+    }
+}
+
+/// Runs panels `it.p0..it.p1` of one matrix over the expert's `n` rows
+/// (`row(i)` is row `i`'s index in `src`) and hands each panel's results to
+/// `epi(i, panel, val)` where `val(c)` is row `i`'s dequantized channel `c`.
+#[allow(clippy::too_many_arguments)]
+fn run_panels(
+    k: &Kernels,
+    data: &DataView<'_>,
+    kdim: usize,
+    n: usize,
+    it: &Item,
+    row: &dyn Fn(usize) -> usize,
+    src: &Src<'_>,
+    mut epi: impl FnMut(usize, usize, &dyn Fn(usize) -> f32),
+) {
+    match *data {
+        DataView::Bf16(w) => ACC_F32.with_borrow_mut(|acc| {
+            acc.resize(n * NR, 0.0);
+            let mr = k.bf16_mr();
+            // Decode: one tile and the whole K; prefill: K blocks kept in L1.
+            let step = if n <= mr { kdim.max(1) } else { KC_BF16 };
+            let panel_len = kdim * NR;
+            for p in it.p0 as usize..it.p1 as usize {
+                acc.fill(0.0);
+                let panel = &w[p * panel_len..(p + 1) * panel_len];
+                let mut k0 = 0;
+                while k0 < kdim {
+                    let kc = step.min(kdim - k0);
+                    let wc = &panel[k0 * NR..(k0 + kc) * NR];
+                    let mut t0 = 0;
+                    while t0 < n {
+                        let tn = mr.min(n - t0);
+                        let mut rows: [&[f32]; MAX_MR] = [&[]; MAX_MR];
+                        for (i, r) in rows.iter_mut().enumerate().take(tn) {
+                            let base = row(t0 + i) * src.f32_stride + k0;
+                            *r = &src.f32_rows[base..base + kc];
+                        }
+                        k.bf16_tile(wc, &rows[..tn], &mut acc[t0 * NR..(t0 + tn) * NR]);
+                        t0 += tn;
+                    }
+                    k0 += kc;
+                }
+                for i in 0..n {
+                    let a = &acc[i * NR..(i + 1) * NR];
+                    epi(i, p, &|c| a[c]);
+                }
+            }
+        }),
+        DataView::I8 { data: w, scales } => ACC_I32.with_borrow_mut(|acc| {
+            acc.resize(n * NR, 0);
+            let mr = k.i8_mr();
+            let groups = i8_padded_k(kdim) / KG;
+            let step = if n <= mr { groups.max(1) } else { KC_I8_GROUPS };
+            let panel_len = groups * I8_GROUP_BYTES;
+            for p in it.p0 as usize..it.p1 as usize {
+                acc.fill(0);
+                let panel = &w[p * panel_len..(p + 1) * panel_len];
+                let mut g0 = 0;
+                while g0 < groups {
+                    let gc = step.min(groups - g0);
+                    let wc = &panel[g0 * I8_GROUP_BYTES..(g0 + gc) * I8_GROUP_BYTES];
+                    let mut t0 = 0;
+                    while t0 < n {
+                        let tn = mr.min(n - t0);
+                        let mut rows: [&[i8]; MAX_MR] = [&[]; MAX_MR];
+                        for (i, r) in rows.iter_mut().enumerate().take(tn) {
+                            let base = row(t0 + i) * src.i8_stride + g0 * KG;
+                            *r = &src.i8_rows[base..base + gc * KG];
+                        }
+                        k.i8_tile(wc, &rows[..tn], &mut acc[t0 * NR..(t0 + tn) * NR]);
+                        t0 += tn;
+                    }
+                    g0 += gc;
+                }
+                let ws = &scales[p * NR..(p + 1) * NR];
+                for i in 0..n {
+                    let xs = src.i8_scales[row(i)];
+                    let a = &acc[i * NR..(i + 1) * NR];
+                    epi(i, p, &|c| a[c] as f32 * ws[c] * xs);
+                }
+            }
+        }),
+    }
+}

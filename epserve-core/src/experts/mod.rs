@@ -1,0 +1,144 @@
+//! The fast expert executor: experts repacked once at load into the layout the
+//! MoE micro-kernels stream ([`crate::kernels::layout`]), bf16 or int8 W8A8 per
+//! expert, run as grouped matrix products on a pinned thread pool.
+//!
+//! - [`packed`]: [`PackedExpert`] (fused gate/up + down, optional biases,
+//!   activation) and load-time int8 quantization.
+//! - [`executor`]: [`PackedExperts`], the [`ExpertExecutor`] `Model::load`
+//!   uses by default; [`crate::model::moe::LocalExperts`] stays the portable
+//!   reference twin.
+//! - [`pool`]: the pinned worker threads.
+//!
+//! [`ExpertExecutor`]: crate::model::moe::ExpertExecutor
+
+pub mod executor;
+pub mod packed;
+pub mod pool;
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+
+use crate::config::ModelConfig;
+use crate::error::{Error, Result};
+use crate::loader::weights::WeightStore;
+use crate::model::moe::{ExpertExecutor, LocalExperts};
+
+pub use executor::PackedExperts;
+pub use packed::{PackedExpert, PackedMatrix};
+pub use pool::ExpertPool;
+
+/// Precision the experts are kept in.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum ExpertDtype {
+    /// bf16 when that is exact (bf16 checkpoints, or f32/f16 weights that are
+    /// bf16-representable); otherwise the portable executor in the
+    /// checkpoint's own dtype.
+    #[default]
+    Auto,
+    /// bf16 weights (rounded if the checkpoint is f32/f16), f32 accumulation.
+    Bf16,
+    /// int8 per-output-channel symmetric weights, int8 per-token activations,
+    /// i32 accumulation (W8A8).
+    Int8,
+}
+
+impl ExpertDtype {
+    /// Parses `auto`, `bf16` or `int8`.
+    pub fn parse(s: &str) -> Option<Self> {
+        match s.trim().to_ascii_lowercase().as_str() {
+            "auto" => Some(ExpertDtype::Auto),
+            "bf16" | "bfloat16" => Some(ExpertDtype::Bf16),
+            "int8" | "i8" | "w8a8" => Some(ExpertDtype::Int8),
+            _ => None,
+        }
+    }
+
+    /// The name [`parse`](Self::parse) accepts.
+    pub fn name(self) -> &'static str {
+        match self {
+            ExpertDtype::Auto => "auto",
+            ExpertDtype::Bf16 => "bf16",
+            ExpertDtype::Int8 => "int8",
+        }
+    }
+}
+
+impl std::str::FromStr for ExpertDtype {
+    type Err = String;
+    fn from_str(s: &str) -> std::result::Result<Self, String> {
+        ExpertDtype::parse(s)
+            .ok_or_else(|| format!("unknown expert dtype '{s}' (auto, bf16, int8)"))
+    }
+}
+
+/// Which executor runs the experts.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum ExecutorKind {
+    /// [`PackedExperts`]: repacked weights, SIMD kernels, pinned pool.
+    #[default]
+    Packed,
+    /// [`LocalExperts`]: the portable reference (weights stay in the mmap).
+    Portable,
+}
+
+/// How a model's experts are loaded and run.
+#[derive(Debug, Clone, Default)]
+pub struct LoadOptions {
+    pub executor: ExecutorKind,
+    /// Default precision of every expert.
+    pub expert_dtype: ExpertDtype,
+    /// Per-expert precision `(layer, expert) → dtype` (e.g. cold experts int8,
+    /// hot ones bf16), overriding `expert_dtype`.
+    pub expert_dtype_overrides: BTreeMap<(usize, usize), ExpertDtype>,
+    /// Worker threads for the experts; `None` shares one process-wide pool
+    /// with one thread per available core.
+    pub threads: Option<usize>,
+    /// Pin worker threads to cores (only for a dedicated pool: `threads` set).
+    pub pin_threads: bool,
+}
+
+impl LoadOptions {
+    /// The precision asked for expert `e` of `layer`.
+    pub fn dtype_for(&self, layer: usize, e: usize) -> ExpertDtype {
+        self.expert_dtype_overrides
+            .get(&(layer, e))
+            .copied()
+            .unwrap_or(self.expert_dtype)
+    }
+}
+
+/// Loads every expert of the model into the executor `opts` asks for.
+pub fn load_executor(
+    cfg: &ModelConfig,
+    ws: &WeightStore,
+    opts: &LoadOptions,
+) -> Result<Arc<dyn ExpertExecutor>> {
+    load_executor_filtered(cfg, ws, opts, |_, _| true)
+}
+
+/// Loads the experts for which `keep(layer, expert)` holds.
+pub fn load_executor_filtered(
+    cfg: &ModelConfig,
+    ws: &WeightStore,
+    opts: &LoadOptions,
+    keep: impl Fn(usize, usize) -> bool + Sync,
+) -> Result<Arc<dyn ExpertExecutor>> {
+    if opts.executor == ExecutorKind::Portable {
+        return Ok(Arc::new(LocalExperts::load_filtered(cfg, ws, keep)?));
+    }
+    match PackedExperts::load_filtered(cfg, ws, opts, &keep) {
+        Ok(p) => Ok(Arc::new(p)),
+        Err(Error::Dispatch(msg)) if msg.starts_with(packed::NOT_BF16_EXACT) => {
+            tracing::info!(
+                reason = %msg,
+                "experts are not bf16-representable: using the portable executor (ask for \
+                 --expert-dtype bf16 or int8 to repack them)"
+            );
+            Ok(Arc::new(LocalExperts::load_filtered(cfg, ws, keep)?))
+        }
+        Err(e) => Err(e),
+    }
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,275 @@
+//! Experts in the kernels' packed layout (see [`crate::kernels::layout`]):
+//! what stays resident after load. One [`PackedExpert`] is a fused gate/up
+//! matrix, a down matrix, optional biases and the activation; each expert is
+//! bf16 or int8 on its own, so a placement may mix precisions.
+
+use bytemuck::{Pod, Zeroable};
+
+use crate::config::Activation;
+use crate::error::{Error, Result};
+use crate::kernels::layout::{
+    NR, bf16_bits_to_f32, f32_to_bf16_bits, i8_padded_k, pack_bf16_panel, pack_i8_panel,
+    quantize_row_i8,
+};
+use crate::model::moe::GatedMlp;
+use crate::tensor::Weight;
+
+/// Prefix of the error [`ExpertDtype::Auto`](super::ExpertDtype::Auto)
+/// packing returns when a weight is not exactly representable in bf16.
+pub(crate) const NOT_BF16_EXACT: &str = "not bf16-exact";
+
+/// One cache line of bytes; backs [`AlignedBuf`].
+#[derive(Clone, Copy)]
+#[repr(C, align(64))]
+struct Line([u8; 64]);
+// SAFETY: `Line` is `repr(C)` around a byte array whose size (64) equals its
+// alignment, so it has no padding, and every bit pattern is valid.
+unsafe impl Zeroable for Line {}
+// SAFETY: as above; it is also `Copy` and `'static`.
+unsafe impl Pod for Line {}
+
+/// A 64-byte aligned buffer of `len` plain values (panels start on cache lines).
+#[derive(Clone)]
+pub struct AlignedBuf<T: Pod> {
+    lines: Vec<Line>,
+    len: usize,
+    _t: std::marker::PhantomData<T>,
+}
+
+impl<T: Pod> AlignedBuf<T> {
+    fn from_slice(v: &[T]) -> Self {
+        let bytes = std::mem::size_of_val(v);
+        let mut lines = vec![Line([0; 64]); bytes.div_ceil(64)];
+        bytemuck::cast_slice_mut::<Line, u8>(&mut lines)[..bytes]
+            .copy_from_slice(bytemuck::cast_slice(v));
+        AlignedBuf {
+            lines,
+            len: v.len(),
+            _t: std::marker::PhantomData,
+        }
+    }
+
+    /// The values.
+    pub fn as_slice(&self) -> &[T] {
+        &bytemuck::cast_slice(&self.lines)[..self.len]
+    }
+}
+
+/// Element storage of a packed matrix.
+#[derive(Clone)]
+pub enum PackedData {
+    /// bf16 bit patterns, `panels · K · 16`.
+    Bf16(AlignedBuf<u16>),
+    /// int8 values, `panels · Kp · 16`, and one scale per logical channel
+    /// (`panels · 16`).
+    I8 {
+        data: AlignedBuf<i8>,
+        scales: Vec<f32>,
+    },
+}
+
+/// A weight matrix in panel layout: `panels · 16` logical output channels
+/// (padding channels are zero) over `k` inputs.
+#[derive(Clone)]
+pub struct PackedMatrix {
+    k: usize,
+    panels: usize,
+    data: PackedData,
+}
+
+/// The precision of a packed matrix or expert.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PackedDtype {
+    Bf16,
+    Int8,
+}
+
+impl PackedMatrix {
+    /// Packs `panels` panels over `k` inputs; `source(p, c, buf)` fills `buf`
+    /// (length `k`) with logical channel `c` of panel `p` and returns false
+    /// for a padding channel. `exact` makes bf16 packing fail instead of
+    /// rounding.
+    pub fn pack(
+        k: usize,
+        panels: usize,
+        dtype: PackedDtype,
+        exact: bool,
+        mut source: impl FnMut(usize, usize, &mut [f32]) -> bool,
+    ) -> Result<Self> {
+        let mut buf = vec![0.0f32; k];
+        let mut rows_b = vec![vec![0u16; k]; NR];
+        let mut rows_q = vec![vec![0i8; k]; NR];
+        let mut present = [false; NR];
+        Ok(match dtype {
+            PackedDtype::Bf16 => {
+                let mut out = Vec::with_capacity(panels * k * NR);
+                for p in 0..panels {
+                    for c in 0..NR {
+                        present[c] = source(p, c, &mut buf);
+                        if present[c] {
+                            for (d, &v) in rows_b[c].iter_mut().zip(&buf) {
+                                *d = f32_to_bf16_bits(v);
+                                if exact && bf16_bits_to_f32(*d) != v && !v.is_nan() {
+                                    return Err(Error::Dispatch(format!(
+                                        "{NOT_BF16_EXACT}: value {v} rounds to {}",
+                                        bf16_bits_to_f32(*d)
+                                    )));
+                                }
+                            }
+                        }
+                    }
+                    pack_bf16_panel(k, |c| present[c].then(|| &rows_b[c][..]), &mut out);
+                }
+                PackedMatrix {
+                    k,
+                    panels,
+                    data: PackedData::Bf16(AlignedBuf::from_slice(&out)),
+                }
+            }
+            PackedDtype::Int8 => {
+                let mut out = Vec::with_capacity(panels * i8_padded_k(k) * NR);
+                let mut scales = vec![0.0f32; panels * NR];
+                for p in 0..panels {
+                    for c in 0..NR {
+                        present[c] = source(p, c, &mut buf);
+                        if present[c] {
+                            scales[p * NR + c] = quantize_row_i8(&buf, &mut rows_q[c]);
+                        }
+                    }
+                    pack_i8_panel(k, |c| present[c].then(|| &rows_q[c][..]), &mut out);
+                }
+                PackedMatrix {
+                    k,
+                    panels,
+                    data: PackedData::I8 {
+                        data: AlignedBuf::from_slice(&out),
+                        scales,
+                    },
+                }
+            }
+        })
+    }
+
+    /// Inputs per channel.
+    pub fn k(&self) -> usize {
+        self.k
+    }
+
+    /// Number of 16-channel panels.
+    pub fn panels(&self) -> usize {
+        self.panels
+    }
+
+    /// The element storage.
+    pub fn data(&self) -> &PackedData {
+        &self.data
+    }
+
+    /// The precision.
+    pub fn dtype(&self) -> PackedDtype {
+        match self.data {
+            PackedData::Bf16(_) => PackedDtype::Bf16,
+            PackedData::I8 { .. } => PackedDtype::Int8,
+        }
+    }
+
+    /// Bytes a full pass over the matrix streams (elements and scales).
+    pub fn bytes(&self) -> usize {
+        match &self.data {
+            PackedData::Bf16(d) => d.as_slice().len() * 2,
+            PackedData::I8 { data, scales } => data.as_slice().len() + scales.len() * 4,
+        }
+    }
+}
+
+/// One expert, packed: `down(act(gate·x + bg) · (up·x + bu)) + bd`.
+#[derive(Clone)]
+pub struct PackedExpert {
+    pub hidden: usize,
+    pub inter: usize,
+    /// `ceil(inter / 8)` panels over `hidden`: gate rows `8p..8p+8` in logical
+    /// channels 0..8 of panel `p`, the matching up rows in 8..16.
+    pub gate_up: PackedMatrix,
+    /// `ceil(hidden / 16)` panels over `inter`.
+    pub down: PackedMatrix,
+    pub gate_bias: Option<Vec<f32>>,
+    pub up_bias: Option<Vec<f32>>,
+    pub down_bias: Option<Vec<f32>>,
+    pub activation: Activation,
+}
+
+impl PackedExpert {
+    /// Packs a gated MLP (weights read from its mmap windows, widened to f32
+    /// row by row). With `exact`, bf16 packing fails on any weight that bf16
+    /// cannot hold exactly.
+    pub fn from_mlp(mlp: &GatedMlp, dtype: PackedDtype, exact: bool) -> Result<Self> {
+        let inter = mlp.gate.shape()[0];
+        let hidden = mlp.gate.shape()[1];
+        Self::from_weights(
+            &mlp.gate,
+            &mlp.up,
+            &mlp.down,
+            hidden,
+            inter,
+            mlp.activation,
+            dtype,
+            exact,
+        )
+    }
+
+    /// Packs `[inter, hidden]` gate and up and `[hidden, inter]` down weights.
+    #[allow(clippy::too_many_arguments)]
+    pub fn from_weights(
+        gate: &Weight,
+        up: &Weight,
+        down: &Weight,
+        hidden: usize,
+        inter: usize,
+        activation: Activation,
+        dtype: PackedDtype,
+        exact: bool,
+    ) -> Result<Self> {
+        let half = NR / 2;
+        let gate_up =
+            PackedMatrix::pack(hidden, inter.div_ceil(half), dtype, exact, |p, c, buf| {
+                let (w, j) = if c < half {
+                    (gate, p * half + c)
+                } else {
+                    (up, p * half + c - half)
+                };
+                if j >= inter {
+                    return false;
+                }
+                w.row_to_f32(j, buf);
+                true
+            })?;
+        let down_m = PackedMatrix::pack(inter, hidden.div_ceil(NR), dtype, exact, |p, c, buf| {
+            let j = p * NR + c;
+            if j >= hidden {
+                return false;
+            }
+            down.row_to_f32(j, buf);
+            true
+        })?;
+        Ok(PackedExpert {
+            hidden,
+            inter,
+            gate_up,
+            down: down_m,
+            gate_bias: None,
+            up_bias: None,
+            down_bias: None,
+            activation,
+        })
+    }
+
+    /// The expert's precision.
+    pub fn dtype(&self) -> PackedDtype {
+        self.gate_up.dtype()
+    }
+
+    /// Bytes one token's pass streams (all three projections).
+    pub fn weight_bytes(&self) -> usize {
+        self.gate_up.bytes() + self.down.bytes()
+    }
+}

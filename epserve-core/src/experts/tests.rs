@@ -1,0 +1,343 @@
+//! [`PackedExperts`] against the portable [`LocalExperts`] on random experts,
+//! for every supported kernel tier: odd sizes, one token, experts with zero
+//! tokens, skipped slots, enough tokens per expert for the prefill path, and
+//! mixed bf16/int8 precision.
+//!
+//! Tolerances: bf16 packing of bf16 weights is exact and activations stay
+//! f32, so only summation order differs: `|Δ| ≤ 1e-4 · (1 + |ref|)`. int8
+//! (W8A8) against f32: `‖Δ‖∞ ≤ 3% of ‖ref‖∞` per slot. int8 on any tier
+//! against int8 on the scalar twin: bit-identical (exact i32 sums, same
+//! epilogue).
+
+use std::sync::Arc;
+
+use half::bf16;
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+
+use super::*;
+use crate::config::Activation;
+use crate::kernels::dispatch::{Kernels, Tier};
+use crate::model::moe::{ExpertExecutor, GatedMlp, LayerExperts, SKIP_SLOT};
+use crate::tensor::{DType, Weight};
+use packed::PackedDtype;
+
+fn bf16_weight(rng: &mut StdRng, rows: usize, cols: usize, scale: f32) -> Weight {
+    let v: Vec<bf16> = (0..rows * cols)
+        .map(|_| bf16::from_f32(rng.random_range(-scale..scale)))
+        .collect();
+    Weight::from_bytes(DType::BF16, vec![rows, cols], bytemuck::cast_slice(&v))
+}
+
+struct Case {
+    hidden: usize,
+    inter: usize,
+    experts: usize,
+    top_k: usize,
+}
+
+fn mlps(rng: &mut StdRng, c: &Case) -> Vec<GatedMlp> {
+    (0..c.experts)
+        .map(|_| GatedMlp {
+            gate: bf16_weight(rng, c.inter, c.hidden, 0.5),
+            up: bf16_weight(rng, c.inter, c.hidden, 0.5),
+            down: bf16_weight(rng, c.hidden, c.inter, 0.5),
+            activation: Activation::Silu,
+        })
+        .collect()
+}
+
+fn packed(
+    ms: &[GatedMlp],
+    hidden: usize,
+    dtype: impl Fn(usize) -> PackedDtype,
+    pool: &Arc<ExpertPool>,
+) -> PackedExperts {
+    let experts = ms
+        .iter()
+        .enumerate()
+        .map(|(e, m)| PackedExpert::from_mlp(m, dtype(e), false).map(Some))
+        .collect::<crate::Result<Vec<_>>>()
+        .expect("pack");
+    PackedExperts::new(vec![None, Some(experts)], hidden, pool.clone()).expect("executor")
+}
+
+fn portable(ms: &[GatedMlp], hidden: usize) -> LocalExperts {
+    let ms = ms.iter().map(|m| GatedMlp {
+        gate: m.gate.clone(),
+        up: m.up.clone(),
+        down: m.down.clone(),
+        activation: m.activation,
+    });
+    LocalExperts::new(
+        vec![
+            None,
+            Some(LayerExperts {
+                experts: ms.map(Some).collect(),
+            }),
+        ],
+        hidden,
+    )
+}
+
+/// Routing where expert 0 never appears (zero tokens), some slots are skipped.
+fn routing(rng: &mut StdRng, rows: usize, c: &Case) -> (Vec<u32>, Vec<f32>) {
+    let mut ids = Vec::new();
+    let mut w = Vec::new();
+    for _ in 0..rows {
+        let mut chosen: Vec<u32> = Vec::new();
+        while chosen.len() < c.top_k {
+            let e = rng.random_range(1..c.experts as u32);
+            if !chosen.contains(&e) {
+                chosen.push(e);
+            }
+        }
+        for e in chosen {
+            ids.push(if rng.random_range(0..7) == 0 {
+                SKIP_SLOT
+            } else {
+                e
+            });
+            w.push(rng.random_range(0.1f32..1.0));
+        }
+    }
+    (ids, w)
+}
+
+fn run(ex: &dyn ExpertExecutor, x: &[f32], ids: &[u32], w: &[f32], c: &Case) -> Vec<f32> {
+    // Pre-fill with a marker: skipped slots must stay untouched.
+    let mut out = vec![7.0f32; ids.len() * c.hidden];
+    ex.execute(1, x, ids, w, c.top_k, &mut out)
+        .expect("execute");
+    out
+}
+
+const CASES: &[Case] = &[
+    Case {
+        hidden: 64,
+        inter: 24,
+        experts: 7,
+        top_k: 2,
+    },
+    Case {
+        hidden: 37,
+        inter: 13,
+        experts: 5,
+        top_k: 3,
+    },
+    Case {
+        hidden: 16,
+        inter: 8,
+        experts: 3,
+        top_k: 1,
+    },
+    Case {
+        hidden: 130,
+        inter: 70,
+        experts: 4,
+        top_k: 2,
+    },
+];
+
+#[test]
+fn experts_packed_bf16_matches_portable_on_every_tier() {
+    let pool = Arc::new(ExpertPool::new(Some(2), false).expect("pool"));
+    let mut rng = StdRng::seed_from_u64(11);
+    for c in CASES {
+        let ms = mlps(&mut rng, c);
+        let reference = portable(&ms, c.hidden);
+        for rows in [1usize, 2, 3, 9, 40] {
+            let x: Vec<f32> = (0..rows * c.hidden)
+                .map(|_| rng.random_range(-1.0f32..1.0))
+                .collect();
+            let (ids, w) = routing(&mut rng, rows, c);
+            let want = run(&reference, &x, &ids, &w, c);
+            for tier in Tier::available() {
+                let k = Kernels::for_tier(tier).expect("tier");
+                let ex = packed(&ms, c.hidden, |_| PackedDtype::Bf16, &pool).with_kernels(k);
+                let got = run(&ex, &x, &ids, &w, c);
+                for (i, (a, b)) in got.iter().zip(&want).enumerate() {
+                    assert!(
+                        (a - b).abs() <= 1e-4 * (1.0 + b.abs()),
+                        "{} h={} rows={rows} idx {i}: {a} vs {b}",
+                        tier.name(),
+                        c.hidden
+                    );
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn experts_packed_int8_is_close_and_identical_across_tiers() {
+    let pool = Arc::new(ExpertPool::new(Some(2), false).expect("pool"));
+    let mut rng = StdRng::seed_from_u64(12);
+    for c in CASES {
+        let ms = mlps(&mut rng, c);
+        let reference = portable(&ms, c.hidden);
+        for rows in [1usize, 4, 33] {
+            let x: Vec<f32> = (0..rows * c.hidden)
+                .map(|_| rng.random_range(-1.0f32..1.0))
+                .collect();
+            let (ids, w) = routing(&mut rng, rows, c);
+            let want = run(&reference, &x, &ids, &w, c);
+            let twin = run(
+                &packed(&ms, c.hidden, |_| PackedDtype::Int8, &pool)
+                    .with_kernels(Kernels::generic()),
+                &x,
+                &ids,
+                &w,
+                c,
+            );
+            for (s, id) in ids.iter().enumerate() {
+                let (a, b) = (
+                    &twin[s * c.hidden..(s + 1) * c.hidden],
+                    &want[s * c.hidden..(s + 1) * c.hidden],
+                );
+                if *id == SKIP_SLOT {
+                    assert!(a.iter().all(|&v| v == 7.0), "skipped slot written");
+                    continue;
+                }
+                let norm = b.iter().fold(0.0f32, |m, v| m.max(v.abs()));
+                let err = a
+                    .iter()
+                    .zip(b)
+                    .fold(0.0f32, |m, (p, q)| m.max((p - q).abs()));
+                assert!(
+                    err <= 0.03 * norm + 1e-6,
+                    "int8 slot {s}: err {err} vs norm {norm}"
+                );
+            }
+            for tier in Tier::available() {
+                let k = Kernels::for_tier(tier).expect("tier");
+                let ex = packed(&ms, c.hidden, |_| PackedDtype::Int8, &pool).with_kernels(k);
+                assert_eq!(
+                    run(&ex, &x, &ids, &w, c),
+                    twin,
+                    "{} rows={rows}",
+                    tier.name()
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn experts_mixed_precision_uses_each_experts_own_dtype() {
+    let pool = Arc::new(ExpertPool::new(Some(1), false).expect("pool"));
+    let mut rng = StdRng::seed_from_u64(13);
+    let c = &CASES[0];
+    let ms = mlps(&mut rng, c);
+    let rows = 6;
+    let x: Vec<f32> = (0..rows * c.hidden)
+        .map(|_| rng.random_range(-1.0f32..1.0))
+        .collect();
+    let (ids, w) = routing(&mut rng, rows, c);
+    let is_i8 = |e: usize| e % 2 == 1;
+    let dt = |e: usize| {
+        if is_i8(e) {
+            PackedDtype::Int8
+        } else {
+            PackedDtype::Bf16
+        }
+    };
+    let mixed = run(&packed(&ms, c.hidden, dt, &pool), &x, &ids, &w, c);
+    let all_bf = run(
+        &packed(&ms, c.hidden, |_| PackedDtype::Bf16, &pool),
+        &x,
+        &ids,
+        &w,
+        c,
+    );
+    let all_i8 = run(
+        &packed(&ms, c.hidden, |_| PackedDtype::Int8, &pool),
+        &x,
+        &ids,
+        &w,
+        c,
+    );
+    for (s, &id) in ids.iter().enumerate() {
+        if id == SKIP_SLOT {
+            continue;
+        }
+        let want = if is_i8(id as usize) { &all_i8 } else { &all_bf };
+        assert_eq!(
+            &mixed[s * c.hidden..(s + 1) * c.hidden],
+            &want[s * c.hidden..(s + 1) * c.hidden]
+        );
+    }
+}
+
+#[test]
+fn experts_reject_bad_input_without_panicking() {
+    let pool = Arc::new(ExpertPool::new(Some(1), false).expect("pool"));
+    let mut rng = StdRng::seed_from_u64(14);
+    let c = &CASES[2];
+    let ms = mlps(&mut rng, c);
+    let mut experts: Vec<Option<PackedExpert>> = ms
+        .iter()
+        .map(|m| PackedExpert::from_mlp(m, PackedDtype::Bf16, false).ok())
+        .collect();
+    experts[2] = None;
+    let ex = PackedExperts::new(vec![None, Some(experts)], c.hidden, pool).expect("executor");
+    let x = vec![0.5f32; c.hidden];
+    let mut out = vec![0.0f32; c.hidden];
+    assert!(
+        ex.execute(1, &x, &[9], &[1.0], 1, &mut out).is_err(),
+        "id out of range"
+    );
+    assert!(
+        ex.execute(1, &x, &[2], &[1.0], 1, &mut out).is_err(),
+        "expert not held"
+    );
+    assert!(
+        ex.execute(0, &x, &[1], &[1.0], 1, &mut out).is_err(),
+        "layer without experts"
+    );
+    assert!(
+        ex.execute(1, &x[1..], &[1], &[1.0], 1, &mut out).is_err(),
+        "ragged rows"
+    );
+    assert!(
+        ex.execute(1, &x, &[1], &[1.0], 1, &mut out[1..]).is_err(),
+        "short output"
+    );
+    // All slots skipped and zero rows are fine.
+    ex.execute(1, &x, &[SKIP_SLOT], &[1.0], 1, &mut out)
+        .expect("all skipped");
+    ex.execute(1, &[], &[], &[], 1, &mut []).expect("no rows");
+}
+
+#[test]
+fn experts_auto_dtype_refuses_to_round() {
+    let w = Weight::from_f32(vec![1, 2], &[0.1, 0.5]);
+    let down = Weight::from_f32(vec![2, 1], &[0.5, 0.25]);
+    let r = PackedExpert::from_weights(
+        &w,
+        &w,
+        &down,
+        2,
+        1,
+        Activation::Silu,
+        PackedDtype::Bf16,
+        true,
+    );
+    assert!(matches!(r, Err(crate::Error::Dispatch(m)) if m.starts_with(packed::NOT_BF16_EXACT)));
+    let ok = Weight::from_f32(vec![1, 2], &[0.25, 0.5]);
+    assert!(
+        PackedExpert::from_weights(
+            &ok,
+            &ok,
+            &down,
+            2,
+            1,
+            Activation::Silu,
+            PackedDtype::Bf16,
+            true
+        )
+        .is_ok()
+    );
+    assert_eq!(ExpertDtype::parse("INT8"), Some(ExpertDtype::Int8));
+    assert_eq!(ExpertDtype::parse("fp8"), None);
+}

@@ -1,0 +1,313 @@
+//! NEON micro-kernels, with SDOT (`dotprod`) and SMMLA (`i8mm`) variants of
+//! the int8 tile.
+//!
+//! - bf16: 32 bytes per `k` = two 16-byte loads; a shift and a mask per load
+//!   widen them to four f32 vectors (channels 0..4, 8..12, then 4..8, 12..16);
+//!   each token's activation is broadcast and FMA'd. Up to [`BF16_MR`] tokens
+//!   (24 accumulators of the 32 vector registers).
+//! - int8 baseline: `smull` of each channel's eight weights with the eight
+//!   activations, `addp` pairs into i16 (2·127² fits), `sadalp` into i32.
+//! - int8 SDOT: one `sdot` per pair of channels and token.
+//! - int8 SMMLA: one `smmla` per pair of channels and pair of tokens.
+//!
+//! SDOT and SMMLA are issued with inline assembly (their intrinsics are not
+//! stable Rust); the functions carrying them enable the matching target
+//! feature, and callers check it once in [`crate::kernels::dispatch`].
+
+// Explicit token/lane indices read better than iterator chains in kernels.
+#![allow(clippy::needless_range_loop)]
+
+use std::arch::aarch64::*;
+use std::arch::asm;
+
+use crate::kernels::layout::{I8_GROUP_BYTES, KG, NR};
+
+/// Most tokens per bf16 tile.
+pub const BF16_MR: usize = 6;
+/// Most tokens per int8 tile (baseline and SDOT).
+pub const I8_MR: usize = 2;
+/// Most tokens per int8 tile with SMMLA (two pairs).
+pub const I8MM_MR: usize = 4;
+
+fn ptrs<T, const N: usize>(x: &[&[T]]) -> [*const T; N] {
+    let mut p = [std::ptr::null::<T>(); N];
+    for (d, r) in p.iter_mut().zip(x) {
+        *d = r.as_ptr();
+    }
+    p
+}
+
+/// bf16 tile, any `x.len()` in `1..=BF16_MR`.
+///
+/// # Safety
+/// NEON is present on every aarch64 Linux CPU; `w.len()` is a multiple of 16,
+/// every `x[t]` holds at least `w.len() / 16` values and `acc` at least
+/// `16 · x.len()`.
+pub unsafe fn bf16_tile(w: &[u16], x: &[&[f32]], acc: &mut [f32]) {
+    let kc = w.len() / NR;
+    let p = ptrs::<f32, BF16_MR>(x);
+    let (w, acc) = (w.as_ptr(), acc.as_mut_ptr());
+    // SAFETY: the caller guarantees the lengths above.
+    unsafe {
+        match x.len() {
+            1 => bf16_t::<1>(w, kc, &p, acc),
+            2 => bf16_t::<2>(w, kc, &p, acc),
+            3 => bf16_t::<3>(w, kc, &p, acc),
+            4 => bf16_t::<4>(w, kc, &p, acc),
+            5 => bf16_t::<5>(w, kc, &p, acc),
+            6 => bf16_t::<6>(w, kc, &p, acc),
+            _ => {}
+        }
+    }
+}
+
+#[target_feature(enable = "neon")]
+unsafe fn bf16_t<const T: usize>(
+    w: *const u16,
+    kc: usize,
+    x: &[*const f32; BF16_MR],
+    acc: *mut f32,
+) {
+    let mask = vdupq_n_u32(0xFFFF_0000);
+    let mut a = [[vdupq_n_f32(0.0); 4]; T];
+    // SAFETY: `k < kc` keeps reads inside `w` and every activation row.
+    unsafe {
+        for k in 0..kc {
+            let p = w.add(k * NR);
+            let r0 = vreinterpretq_u32_u16(vld1q_u16(p));
+            let r1 = vreinterpretq_u32_u16(vld1q_u16(p.add(8)));
+            let wv = [
+                vreinterpretq_f32_u32(vshlq_n_u32::<16>(r0)),
+                vreinterpretq_f32_u32(vshlq_n_u32::<16>(r1)),
+                vreinterpretq_f32_u32(vandq_u32(r0, mask)),
+                vreinterpretq_f32_u32(vandq_u32(r1, mask)),
+            ];
+            for t in 0..T {
+                let xb = vld1q_dup_f32(x[t].add(k));
+                for q in 0..4 {
+                    a[t][q] = vfmaq_f32(a[t][q], xb, wv[q]);
+                }
+            }
+        }
+        for t in 0..T {
+            for q in 0..4 {
+                let d = acc.add(t * NR + 4 * q);
+                vst1q_f32(d, vaddq_f32(vld1q_f32(d), a[t][q]));
+            }
+        }
+    }
+}
+
+/// Adds accumulator lanes `[c, c, c+1, c+1]` of eight channel pairs to `acc`.
+///
+/// # Safety
+/// `acc` must hold 16 writable i32.
+#[inline(always)]
+unsafe fn reduce_pairs(c: &[int32x4_t; 8], acc: *mut i32) {
+    let mut l = [0i32; 4];
+    for (i, v) in c.iter().enumerate() {
+        // SAFETY: `l` holds four i32; `acc` holds 16 (caller).
+        unsafe {
+            vst1q_s32(l.as_mut_ptr(), *v);
+            *acc.add(2 * i) += l[0] + l[1];
+            *acc.add(2 * i + 1) += l[2] + l[3];
+        }
+    }
+}
+
+/// int8 tile with plain NEON, any `x.len()` in `1..=I8_MR`.
+///
+/// # Safety
+/// `w.len()` is a multiple of 128, every `x[t]` holds at least
+/// `8 · w.len() / 128` values, all values in `[-127, 127]`, `acc` at least
+/// `16 · x.len()`.
+pub unsafe fn i8_tile(w: &[i8], x: &[&[i8]], acc: &mut [i32]) {
+    let groups = w.len() / I8_GROUP_BYTES;
+    let p = ptrs::<i8, I8_MR>(x);
+    let (w, acc) = (w.as_ptr(), acc.as_mut_ptr());
+    // SAFETY: the caller guarantees the lengths above.
+    unsafe {
+        match x.len() {
+            1 => i8_t::<1>(w, groups, &p, acc),
+            2 => i8_t::<2>(w, groups, &p, acc),
+            _ => {}
+        }
+    }
+}
+
+#[target_feature(enable = "neon")]
+unsafe fn i8_t<const T: usize>(w: *const i8, groups: usize, x: &[*const i8; I8_MR], acc: *mut i32) {
+    let mut c = [[vdupq_n_s32(0); 8]; T];
+    // SAFETY: `g < groups` keeps reads inside `w` and every activation row.
+    unsafe {
+        for g in 0..groups {
+            let wp = w.add(g * I8_GROUP_BYTES);
+            for t in 0..T {
+                let a = vld1_s8(x[t].add(g * KG));
+                for (i, ci) in c[t].iter_mut().enumerate() {
+                    let wv = vld1q_s8(wp.add(16 * i));
+                    let lo = vmull_s8(vget_low_s8(wv), a);
+                    let hi = vmull_s8(vget_high_s8(wv), a);
+                    *ci = vpadalq_s16(*ci, vpaddq_s16(lo, hi));
+                }
+            }
+        }
+        for t in 0..T {
+            reduce_pairs(&c[t], acc.add(t * NR));
+        }
+    }
+}
+
+/// int8 tile with SDOT, any `x.len()` in `1..=I8_MR`.
+///
+/// # Safety
+/// As [`i8_tile`], and the CPU must support `dotprod`.
+pub unsafe fn i8_tile_dot(w: &[i8], x: &[&[i8]], acc: &mut [i32]) {
+    let groups = w.len() / I8_GROUP_BYTES;
+    let p = ptrs::<i8, I8_MR>(x);
+    let (w, acc) = (w.as_ptr(), acc.as_mut_ptr());
+    // SAFETY: the caller guarantees the features and lengths above.
+    unsafe {
+        match x.len() {
+            1 => i8_dot_t::<1>(w, groups, &p, acc),
+            2 => i8_dot_t::<2>(w, groups, &p, acc),
+            _ => {}
+        }
+    }
+}
+
+#[target_feature(enable = "neon,dotprod")]
+unsafe fn i8_dot_t<const T: usize>(
+    w: *const i8,
+    groups: usize,
+    x: &[*const i8; I8_MR],
+    acc: *mut i32,
+) {
+    let mut c = [[vdupq_n_s32(0); 8]; T];
+    // SAFETY: `g < groups` keeps reads inside `w` and every activation row;
+    // `sdot` only touches the named registers.
+    unsafe {
+        for g in 0..groups {
+            let wp = w.add(g * I8_GROUP_BYTES);
+            let mut wv = [vdupq_n_s8(0); 8];
+            for (i, v) in wv.iter_mut().enumerate() {
+                *v = vld1q_s8(wp.add(16 * i));
+            }
+            for t in 0..T {
+                let a8 = vld1_s8(x[t].add(g * KG));
+                let a = vcombine_s8(a8, a8);
+                for i in 0..8 {
+                    asm!(
+                        "sdot {acc:v}.4s, {w:v}.16b, {a:v}.16b",
+                        acc = inout(vreg) c[t][i],
+                        w = in(vreg) wv[i],
+                        a = in(vreg) a,
+                        options(pure, nomem, nostack),
+                    );
+                }
+            }
+        }
+        for t in 0..T {
+            reduce_pairs(&c[t], acc.add(t * NR));
+        }
+    }
+}
+
+/// int8 tile with SMMLA, any `x.len()` in `1..=I8MM_MR`.
+///
+/// # Safety
+/// As [`i8_tile`], and the CPU must support `i8mm`.
+pub unsafe fn i8_tile_mmla(w: &[i8], x: &[&[i8]], acc: &mut [i32]) {
+    let groups = w.len() / I8_GROUP_BYTES;
+    let p = ptrs::<i8, I8MM_MR>(x);
+    let (w, acc) = (w.as_ptr(), acc.as_mut_ptr());
+    // SAFETY: the caller guarantees the features and lengths above.
+    unsafe {
+        match x.len() {
+            1 | 2 => i8_mmla_t::<1>(w, groups, &p, x.len(), acc),
+            3 | 4 => i8_mmla_t::<2>(w, groups, &p, x.len(), acc),
+            _ => {}
+        }
+    }
+}
+
+/// `P` token pairs; `n` real tokens (the missing half of the last pair
+/// multiplies zeros and is not stored).
+#[target_feature(enable = "neon,i8mm")]
+unsafe fn i8_mmla_t<const P: usize>(
+    w: *const i8,
+    groups: usize,
+    x: &[*const i8; I8MM_MR],
+    n: usize,
+    acc: *mut i32,
+) {
+    let mut c = [[vdupq_n_s32(0); 8]; P];
+    // SAFETY: `g < groups` keeps reads inside `w` and the `n` real activation
+    // rows; rows at or past `n` are never read. `smmla` only touches the
+    // named registers.
+    unsafe {
+        for g in 0..groups {
+            let wp = w.add(g * I8_GROUP_BYTES);
+            let mut wv = [vdupq_n_s8(0); 8];
+            for (i, v) in wv.iter_mut().enumerate() {
+                *v = vld1q_s8(wp.add(16 * i));
+            }
+            for p in 0..P {
+                let t0 = vld1_s8(x[2 * p].add(g * KG));
+                let t1 = if 2 * p + 1 < n {
+                    vld1_s8(x[2 * p + 1].add(g * KG))
+                } else {
+                    vdup_n_s8(0)
+                };
+                let a = vcombine_s8(t0, t1);
+                for i in 0..8 {
+                    asm!(
+                        "smmla {acc:v}.4s, {a:v}.16b, {w:v}.16b",
+                        acc = inout(vreg) c[p][i],
+                        a = in(vreg) a,
+                        w = in(vreg) wv[i],
+                        options(pure, nomem, nostack),
+                    );
+                }
+            }
+        }
+        // Lanes of c[p][i]: [t0·c2i, t0·c2i+1, t1·c2i, t1·c2i+1].
+        let mut l = [0i32; 4];
+        for p in 0..P {
+            for i in 0..8 {
+                vst1q_s32(l.as_mut_ptr(), c[p][i]);
+                let r0 = acc.add(2 * p * NR);
+                *r0.add(2 * i) += l[0];
+                *r0.add(2 * i + 1) += l[1];
+                if 2 * p + 1 < n {
+                    let r1 = acc.add((2 * p + 1) * NR);
+                    *r1.add(2 * i) += l[2];
+                    *r1.add(2 * i + 1) += l[3];
+                }
+            }
+        }
+    }
+}
+
+/// Runs `iters` rounds of 24 independent 4-wide FMAs and returns a value that
+/// depends on all of them; the FLOPs are `iters · 24 · 4 · 2`. Used by
+/// `epserve bench moe` to measure FMA peak.
+///
+/// # Safety
+/// NEON is present on every aarch64 Linux CPU.
+#[target_feature(enable = "neon")]
+pub unsafe fn fma_probe(iters: usize, seed: f32) -> f32 {
+    let m = vdupq_n_f32(0.999_999);
+    let a = vdupq_n_f32(1e-7);
+    let mut c = [vdupq_n_f32(seed); 24];
+    for _ in 0..iters {
+        for v in c.iter_mut() {
+            *v = vfmaq_f32(a, *v, m);
+        }
+    }
+    let mut s = vdupq_n_f32(0.0);
+    for v in c {
+        s = vaddq_f32(s, v);
+    }
+    vaddvq_f32(s)
+}

@@ -1,0 +1,45 @@
+//! The plain scalar twins of the MoE micro-kernels: the same signatures as
+//! the SIMD tiers, written for clarity. They are the reference every tier is
+//! tested against and the fallback on CPUs without a faster tier.
+//!
+//! A *tile* multiplies `T` activation rows by one packed panel chunk (see
+//! [`super::layout`]) and adds into `acc[t · 16 + c]`, logical channel order.
+
+use super::layout::{I8_GROUP_BYTES, KG, NR, bf16_bits_to_f32, bf16_pos};
+
+/// `acc[t·16 + c] += Σ_k x[t][k] · W[k, c]` for a bf16 panel chunk `w`
+/// (`kc · 16` words), f32 activations, f32 accumulation in `k` order.
+pub fn bf16_tile(w: &[u16], x: &[&[f32]], acc: &mut [f32]) {
+    let kc = w.len() / NR;
+    for (t, xr) in x.iter().enumerate() {
+        let a = &mut acc[t * NR..(t + 1) * NR];
+        for (k, &xv) in xr.iter().enumerate().take(kc) {
+            let wk = &w[k * NR..(k + 1) * NR];
+            for (c, av) in a.iter_mut().enumerate() {
+                *av += xv * bf16_bits_to_f32(wk[bf16_pos(c)]);
+            }
+        }
+    }
+}
+
+/// `acc[t·16 + c] += Σ_k x[t][k] · W[k, c]` for an int8 panel chunk `w`
+/// (`groups · 128` bytes), int8 activations (`groups · 8` values per row),
+/// exact i32 accumulation.
+pub fn i8_tile(w: &[i8], x: &[&[i8]], acc: &mut [i32]) {
+    let groups = w.len() / I8_GROUP_BYTES;
+    for (t, xr) in x.iter().enumerate() {
+        let a = &mut acc[t * NR..(t + 1) * NR];
+        for g in 0..groups {
+            let wg = &w[g * I8_GROUP_BYTES..(g + 1) * I8_GROUP_BYTES];
+            let xg = &xr[g * KG..(g + 1) * KG];
+            for (c, av) in a.iter_mut().enumerate() {
+                let wc = &wg[c * KG..(c + 1) * KG];
+                *av += wc
+                    .iter()
+                    .zip(xg)
+                    .map(|(&p, &q)| p as i32 * q as i32)
+                    .sum::<i32>();
+            }
+        }
+    }
+}

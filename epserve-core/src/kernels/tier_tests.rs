@@ -1,0 +1,221 @@
+//! Every supported tier's micro-kernels against the scalar twins, on random
+//! and adversarial shapes, plus the packing layouts against a naive matmul.
+//!
+//! Tolerances: int8 tiles accumulate exactly in i32, so they must equal the
+//! twin bit for bit. bf16 tiles sum the same f32 products in a different order
+//! (split accumulators), so `|fast − twin| ≤ 1e-5 · Σ|x·w| + 1e-30`.
+
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+
+use crate::kernels::dispatch::{Kernels, Tier};
+use crate::kernels::generic;
+use crate::kernels::layout::*;
+
+const KCS: &[usize] = &[1, 2, 3, 7, 8, 9, 16, 31, 33, 100, 256, 513];
+
+fn rand_bf16(rng: &mut StdRng, n: usize) -> Vec<u16> {
+    (0..n)
+        .map(|_| f32_to_bf16_bits(rng.random_range(-1.0f32..1.0)))
+        .collect()
+}
+
+fn tiers() -> Vec<Kernels> {
+    let t: Vec<Kernels> = Tier::available()
+        .into_iter()
+        .filter_map(Kernels::for_tier)
+        .collect();
+    eprintln!(
+        "tiers under test: {:?}",
+        t.iter().map(|k| k.tier().name()).collect::<Vec<_>>()
+    );
+    t
+}
+
+fn check_bf16(k: &Kernels, w: &[u16], rows: &[Vec<f32>]) {
+    let kc = w.len() / NR;
+    let x: Vec<&[f32]> = rows.iter().map(|r| &r[..]).collect();
+    let t = x.len();
+    // Start from a non-zero accumulator: tiles add into it.
+    let init: Vec<f32> = (0..t * NR).map(|i| i as f32 * 0.25).collect();
+    let mut want = init.clone();
+    generic::bf16_tile(w, &x, &mut want);
+    let mut got = init.clone();
+    k.bf16_tile(w, &x, &mut got);
+    for tt in 0..t {
+        for c in 0..NR {
+            let mag: f32 = (0..kc)
+                .map(|kk| (x[tt][kk] * bf16_bits_to_f32(w[kk * NR + bf16_pos(c)])).abs())
+                .sum::<f32>()
+                + init[tt * NR + c].abs();
+            let (a, b) = (got[tt * NR + c], want[tt * NR + c]);
+            assert!(
+                (a - b).abs() <= 1e-5 * mag + 1e-30,
+                "{:?} kc={kc} t={t} row {tt} ch {c}: {a} vs {b}",
+                k.tier()
+            );
+        }
+    }
+}
+
+fn check_i8(k: &Kernels, w: &[i8], rows: &[Vec<i8>]) {
+    let x: Vec<&[i8]> = rows.iter().map(|r| &r[..]).collect();
+    let t = x.len();
+    let init: Vec<i32> = (0..t * NR).map(|i| i as i32 - 7).collect();
+    let mut want = init.clone();
+    generic::i8_tile(w, &x, &mut want);
+    let mut got = init;
+    k.i8_tile(w, &x, &mut got);
+    assert_eq!(
+        got,
+        want,
+        "{:?} groups={} t={t}",
+        k.tier(),
+        w.len() / I8_GROUP_BYTES
+    );
+}
+
+#[test]
+fn bf16_tiles_match_twin_on_random_shapes() {
+    let mut rng = StdRng::seed_from_u64(1);
+    for k in tiers() {
+        for &kc in KCS {
+            let w = rand_bf16(&mut rng, kc * NR);
+            for t in 1..=k.bf16_mr() {
+                // Rows longer than kc: tiles must read only the first kc.
+                let rows: Vec<Vec<f32>> = (0..t)
+                    .map(|_| {
+                        (0..kc + 3)
+                            .map(|_| rng.random_range(-2.0f32..2.0))
+                            .collect()
+                    })
+                    .collect();
+                check_bf16(&k, &w, &rows);
+            }
+        }
+    }
+}
+
+#[test]
+fn bf16_tiles_on_adversarial_values() {
+    // Huge and tiny magnitudes, exact zeros, negative zero, cancellation.
+    let vals = [0.0f32, -0.0, 1e30, -1e30, 1e-30, 3.0, -3.0, 65504.0];
+    for k in tiers() {
+        for &kc in &[1usize, 5, 17] {
+            let w: Vec<u16> = (0..kc * NR)
+                .map(|i| f32_to_bf16_bits(vals[i % vals.len()]))
+                .collect();
+            for t in 1..=k.bf16_mr() {
+                let rows: Vec<Vec<f32>> = (0..t)
+                    .map(|r| (0..kc).map(|i| vals[(i + r) % 3 + 5]).collect())
+                    .collect();
+                check_bf16(&k, &w, &rows);
+            }
+        }
+    }
+}
+
+#[test]
+fn i8_tiles_match_twin_exactly() {
+    let mut rng = StdRng::seed_from_u64(2);
+    for k in tiers() {
+        for &kc in KCS {
+            let groups = i8_padded_k(kc) / KG;
+            let w: Vec<i8> = (0..groups * I8_GROUP_BYTES)
+                .map(|_| rng.random_range(-127i8..=127))
+                .collect();
+            for t in 1..=k.i8_mr() {
+                let rows: Vec<Vec<i8>> = (0..t)
+                    .map(|_| {
+                        (0..groups * KG + 5)
+                            .map(|_| rng.random_range(-127i8..=127))
+                            .collect()
+                    })
+                    .collect();
+                check_i8(&k, &w, &rows);
+            }
+        }
+    }
+}
+
+#[test]
+fn i8_tiles_do_not_saturate_at_the_extremes() {
+    // All ±127: every i16 pair sum is at its largest (2·127² = 32258).
+    for k in tiers() {
+        for &groups in &[1usize, 3, 64] {
+            for (wv, xv) in [(127i8, 127i8), (-127, 127), (-127, -127), (127, -127)] {
+                let w = vec![wv; groups * I8_GROUP_BYTES];
+                for t in 1..=k.i8_mr() {
+                    let rows: Vec<Vec<i8>> = (0..t)
+                        .map(|r| {
+                            (0..groups * KG)
+                                .map(|i| if (i + r) % 5 == 0 { 0 } else { xv })
+                                .collect()
+                        })
+                        .collect();
+                    check_i8(&k, &w, &rows);
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn packed_layouts_compute_the_matmul() {
+    // 19 channels (a padded second panel), K = 13 (padded int8 groups).
+    let (n, kk) = (19usize, 13usize);
+    let mut rng = StdRng::seed_from_u64(3);
+    let w: Vec<f32> = (0..n * kk)
+        .map(|_| rng.random_range(-1.0f32..1.0))
+        .collect();
+    let x: Vec<f32> = (0..kk).map(|_| rng.random_range(-1.0f32..1.0)).collect();
+    let wb: Vec<u16> = w.iter().map(|&v| f32_to_bf16_bits(v)).collect();
+    let mut q = vec![0i8; n * kk];
+    let scales: Vec<f32> = (0..n)
+        .map(|c| quantize_row_i8(&w[c * kk..(c + 1) * kk], &mut q[c * kk..(c + 1) * kk]))
+        .collect();
+    let mut xq = vec![0i8; i8_padded_k(kk)];
+    let xs = quantize_row_i8(&x, &mut xq);
+    for p in 0..n.div_ceil(NR) {
+        let row_b = |c: usize| {
+            let ch = p * NR + c;
+            (ch < n).then(|| &wb[ch * kk..(ch + 1) * kk])
+        };
+        let row_q = |c: usize| {
+            let ch = p * NR + c;
+            (ch < n).then(|| &q[ch * kk..(ch + 1) * kk])
+        };
+        let mut pb = Vec::new();
+        pack_bf16_panel(kk, row_b, &mut pb);
+        let mut pq = Vec::new();
+        pack_i8_panel(kk, row_q, &mut pq);
+        let mut acc = vec![0.0f32; NR];
+        generic::bf16_tile(&pb, &[&x], &mut acc);
+        let mut acci = vec![0i32; NR];
+        generic::i8_tile(&pq, &[&xq], &mut acci);
+        for c in 0..NR {
+            let ch = p * NR + c;
+            if ch >= n {
+                assert_eq!(acc[c], 0.0);
+                assert_eq!(acci[c], 0);
+                continue;
+            }
+            let exact: f32 = (0..kk)
+                .map(|i| x[i] * bf16_bits_to_f32(wb[ch * kk + i]))
+                .sum();
+            assert!((acc[c] - exact).abs() < 1e-5, "bf16 ch {ch}");
+            let deq = acci[c] as f32 * scales[ch] * xs;
+            let full: f32 = (0..kk).map(|i| x[i] * w[ch * kk + i]).sum();
+            assert!((deq - full).abs() < 0.05, "int8 ch {ch}: {deq} vs {full}");
+        }
+    }
+}
+
+#[test]
+fn tier_names_round_trip() {
+    for t in Tier::ALL {
+        assert_eq!(Tier::parse(t.name()), Some(t));
+    }
+    assert!(Tier::Generic.supported());
+    assert_eq!(Tier::parse("avx512"), None);
+}

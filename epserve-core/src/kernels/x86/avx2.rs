@@ -1,0 +1,251 @@
+//! AVX2 + FMA micro-kernels (Haswell and later, Zen).
+//!
+//! - bf16: one 32-byte load per `k` gives all 16 channels; a shift and a mask
+//!   widen them to two f32 vectors (see [`crate::kernels::layout`]); each
+//!   token's activation is broadcast and FMA'd into two accumulators. Up to
+//!   [`BF16_MR`] tokens per tile (12 accumulators); with one or two tokens the
+//!   `k` loop is unrolled by two into separate accumulators to hide FMA latency.
+//! - int8: `vpmaddubsw` wants an unsigned operand, so each weight byte takes
+//!   the sign of its activation (`vpsignb`) and multiplies `|a|`; with both in
+//!   `[-127, 127]` the i16 pair sums cannot saturate (2·127² < 2¹⁵). `vpmaddwd`
+//!   with ones widens to i32. Up to [`I8_MR`] tokens per tile.
+//!
+//! The functions are `unsafe`: callers must have checked AVX2 and FMA (done
+//! once in [`crate::kernels::dispatch`]) and the slice lengths.
+
+// Explicit token/lane indices read better than iterator chains in kernels.
+#![allow(clippy::needless_range_loop)]
+
+use std::arch::x86_64::*;
+
+use crate::kernels::layout::{I8_GROUP_BYTES, KG, NR};
+
+/// Most tokens per bf16 tile.
+pub const BF16_MR: usize = 6;
+/// Most tokens per int8 tile.
+pub const I8_MR: usize = 3;
+
+/// bf16 tile, any `x.len()` in `1..=BF16_MR`.
+///
+/// # Safety
+/// The CPU must support AVX2 and FMA; `w.len()` is a multiple of 16, every
+/// `x[t]` holds at least `w.len() / 16` values and `acc` at least `16 · x.len()`.
+pub unsafe fn bf16_tile(w: &[u16], x: &[&[f32]], acc: &mut [f32]) {
+    let kc = w.len() / NR;
+    let mut p = [std::ptr::null::<f32>(); BF16_MR];
+    for (d, r) in p.iter_mut().zip(x) {
+        *d = r.as_ptr();
+    }
+    let (w, acc) = (w.as_ptr(), acc.as_mut_ptr());
+    // SAFETY: the caller guarantees the features and the lengths above.
+    unsafe {
+        match x.len() {
+            1 => bf16_t2::<1>(w, kc, &p, acc),
+            2 => bf16_t2::<2>(w, kc, &p, acc),
+            3 => bf16_t::<3>(w, kc, &p, acc),
+            4 => bf16_t::<4>(w, kc, &p, acc),
+            5 => bf16_t::<5>(w, kc, &p, acc),
+            6 => bf16_t::<6>(w, kc, &p, acc),
+            _ => {}
+        }
+    }
+}
+
+/// Widens the 16 bf16 weights at `$w` into (channels 0..8, channels 8..16).
+/// A macro, not a function: a helper without `#[target_feature]` would keep
+/// the intrinsics out of line.
+macro_rules! widen {
+    ($w:expr, $mask:expr) => {{
+        let raw = _mm256_loadu_si256($w as *const __m256i);
+        (
+            _mm256_castsi256_ps(_mm256_slli_epi32::<16>(raw)),
+            _mm256_castsi256_ps(_mm256_and_si256(raw, $mask)),
+        )
+    }};
+}
+
+/// Bytes ahead of the current weights to prefetch: the stream of panels is
+/// sequential, and a hint a few lines ahead keeps the core's miss queue full.
+const PREFETCH: usize = 1024;
+
+/// Hints the line `PREFETCH` bytes past `$p` into L1 (never faults).
+macro_rules! prefetch {
+    ($p:expr) => {
+        _mm_prefetch::<_MM_HINT_T0>(($p as *const i8).wrapping_add(PREFETCH))
+    };
+}
+
+/// `*acc[0..8] += v`.
+macro_rules! store_add {
+    ($acc:expr, $v:expr) => {{
+        let p = $acc;
+        _mm256_storeu_ps(p, _mm256_add_ps(_mm256_loadu_ps(p), $v));
+    }};
+}
+
+#[target_feature(enable = "avx2,fma")]
+unsafe fn bf16_t<const T: usize>(
+    w: *const u16,
+    kc: usize,
+    x: &[*const f32; BF16_MR],
+    acc: *mut f32,
+) {
+    let mask = _mm256_set1_epi32(0xFFFF_0000u32 as i32);
+    let mut lo = [_mm256_setzero_ps(); T];
+    let mut hi = [_mm256_setzero_ps(); T];
+    // SAFETY: `k < kc` keeps every read inside `w` (kc·16 words) and each
+    // activation row (≥ kc values), as the caller guarantees.
+    unsafe {
+        for k in 0..kc {
+            if k % 2 == 0 {
+                prefetch!(w.add(k * NR));
+            }
+            let (wl, wh) = widen!(w.add(k * NR), mask);
+            for t in 0..T {
+                let xb = _mm256_broadcast_ss(&*x[t].add(k));
+                lo[t] = _mm256_fmadd_ps(xb, wl, lo[t]);
+                hi[t] = _mm256_fmadd_ps(xb, wh, hi[t]);
+            }
+        }
+        for t in 0..T {
+            store_add!(acc.add(t * NR), lo[t]);
+            store_add!(acc.add(t * NR + 8), hi[t]);
+        }
+    }
+}
+
+/// Like [`bf16_t`] with the `k` loop unrolled by two into separate
+/// accumulators: with few tokens the FMA latency chain would otherwise bind.
+#[target_feature(enable = "avx2,fma")]
+unsafe fn bf16_t2<const T: usize>(
+    w: *const u16,
+    kc: usize,
+    x: &[*const f32; BF16_MR],
+    acc: *mut f32,
+) {
+    let mask = _mm256_set1_epi32(0xFFFF_0000u32 as i32);
+    let mut lo = [[_mm256_setzero_ps(); 2]; T];
+    let mut hi = [[_mm256_setzero_ps(); 2]; T];
+    let pairs = kc / 2;
+    // SAFETY: as in `bf16_t`; `2·i + 1 < kc` for every pair.
+    unsafe {
+        for i in 0..pairs {
+            let k = 2 * i;
+            prefetch!(w.add(k * NR));
+            let (wl0, wh0) = widen!(w.add(k * NR), mask);
+            let (wl1, wh1) = widen!(w.add((k + 1) * NR), mask);
+            for t in 0..T {
+                let x0 = _mm256_broadcast_ss(&*x[t].add(k));
+                let x1 = _mm256_broadcast_ss(&*x[t].add(k + 1));
+                lo[t][0] = _mm256_fmadd_ps(x0, wl0, lo[t][0]);
+                hi[t][0] = _mm256_fmadd_ps(x0, wh0, hi[t][0]);
+                lo[t][1] = _mm256_fmadd_ps(x1, wl1, lo[t][1]);
+                hi[t][1] = _mm256_fmadd_ps(x1, wh1, hi[t][1]);
+            }
+        }
+        if kc % 2 == 1 {
+            let k = kc - 1;
+            let (wl, wh) = widen!(w.add(k * NR), mask);
+            for t in 0..T {
+                let xb = _mm256_broadcast_ss(&*x[t].add(k));
+                lo[t][0] = _mm256_fmadd_ps(xb, wl, lo[t][0]);
+                hi[t][0] = _mm256_fmadd_ps(xb, wh, hi[t][0]);
+            }
+        }
+        for t in 0..T {
+            store_add!(acc.add(t * NR), _mm256_add_ps(lo[t][0], lo[t][1]));
+            store_add!(acc.add(t * NR + 8), _mm256_add_ps(hi[t][0], hi[t][1]));
+        }
+    }
+}
+
+/// int8 tile, any `x.len()` in `1..=I8_MR`.
+///
+/// # Safety
+/// The CPU must support AVX2; `w.len()` is a multiple of 128, every `x[t]`
+/// holds at least `8 · w.len() / 128` values in `[-127, 127]`, weights are in
+/// `[-127, 127]`, and `acc` holds at least `16 · x.len()`.
+pub unsafe fn i8_tile(w: &[i8], x: &[&[i8]], acc: &mut [i32]) {
+    let groups = w.len() / I8_GROUP_BYTES;
+    let mut p = [std::ptr::null::<i8>(); I8_MR];
+    for (d, r) in p.iter_mut().zip(x) {
+        *d = r.as_ptr();
+    }
+    let (w, acc) = (w.as_ptr(), acc.as_mut_ptr());
+    // SAFETY: the caller guarantees the features and the lengths above.
+    unsafe {
+        match x.len() {
+            1 => i8_t::<1>(w, groups, &p, acc),
+            2 => i8_t::<2>(w, groups, &p, acc),
+            3 => i8_t::<3>(w, groups, &p, acc),
+            _ => {}
+        }
+    }
+}
+
+#[target_feature(enable = "avx2")]
+unsafe fn i8_t<const T: usize>(w: *const i8, groups: usize, x: &[*const i8; I8_MR], acc: *mut i32) {
+    let ones = _mm256_set1_epi16(1);
+    let mut c = [[_mm256_setzero_si256(); 4]; T];
+    // SAFETY: `g < groups` keeps reads inside `w` (groups·128 bytes) and each
+    // activation row (groups·8 bytes); unaligned loads are used throughout.
+    unsafe {
+        for g in 0..groups {
+            let wp = w.add(g * I8_GROUP_BYTES) as *const __m256i;
+            prefetch!(wp);
+            prefetch!(wp.add(2));
+            let wv = [
+                _mm256_loadu_si256(wp),
+                _mm256_loadu_si256(wp.add(1)),
+                _mm256_loadu_si256(wp.add(2)),
+                _mm256_loadu_si256(wp.add(3)),
+            ];
+            for t in 0..T {
+                let a8 = std::ptr::read_unaligned(x[t].add(g * KG) as *const i64);
+                let a = _mm256_set1_epi64x(a8);
+                let aa = _mm256_sign_epi8(a, a);
+                for v in 0..4 {
+                    let sw = _mm256_sign_epi8(wv[v], a);
+                    let p16 = _mm256_maddubs_epi16(aa, sw);
+                    c[t][v] = _mm256_add_epi32(c[t][v], _mm256_madd_epi16(p16, ones));
+                }
+            }
+        }
+        // Lanes 2i and 2i+1 of accumulator v are channel 4v+i's two halves.
+        let mut lanes = [0i32; 8];
+        for t in 0..T {
+            for v in 0..4 {
+                _mm256_storeu_si256(lanes.as_mut_ptr() as *mut __m256i, c[t][v]);
+                for i in 0..4 {
+                    *acc.add(t * NR + 4 * v + i) += lanes[2 * i] + lanes[2 * i + 1];
+                }
+            }
+        }
+    }
+}
+
+/// Runs `iters` rounds of 12 independent 8-wide FMAs (the most this core can
+/// retire) and returns a value that depends on all of them; the FLOPs are
+/// `iters · 12 · 8 · 2`. Used by `epserve bench moe` to measure FMA peak.
+///
+/// # Safety
+/// The CPU must support AVX2 and FMA.
+#[target_feature(enable = "avx2,fma")]
+pub unsafe fn fma_probe(iters: usize, seed: f32) -> f32 {
+    let m = _mm256_set1_ps(0.999_999);
+    let a = _mm256_set1_ps(1e-7);
+    let mut c = [_mm256_set1_ps(seed); 12];
+    for _ in 0..iters {
+        for v in c.iter_mut() {
+            *v = _mm256_fmadd_ps(*v, m, a);
+        }
+    }
+    let mut s = _mm256_setzero_ps();
+    for v in c {
+        s = _mm256_add_ps(s, v);
+    }
+    let mut l = [0.0f32; 8];
+    // SAFETY: `l` holds eight f32.
+    unsafe { _mm256_storeu_ps(l.as_mut_ptr(), s) };
+    l.iter().sum()
+}
