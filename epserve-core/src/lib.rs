@@ -16,6 +16,7 @@ pub mod experts;
 pub mod kernels;
 pub mod loader;
 pub mod model;
+pub mod placement;
 pub mod sampling;
 pub mod tensor;
 

@@ -1,0 +1,412 @@
+//! The key-value store the cluster state lives in, behind a small trait
+//! (GreptimeDB's `kv_backend` idea): [`EtcdStore`] for real clusters and
+//! [`MemoryStore`] for single-process use and unit tests.
+
+use std::collections::BTreeMap;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use async_trait::async_trait;
+use etcd_client::{Client, Compare, CompareOp, GetOptions, PutOptions, Txn, TxnOp};
+use tokio::sync::mpsc;
+
+/// Store failures.
+#[derive(Debug, thiserror::Error)]
+pub enum StoreError {
+    #[error("etcd at {endpoint}: {message}")]
+    Etcd { endpoint: String, message: String },
+    #[error("store: {0}")]
+    Other(String),
+}
+
+/// Result alias.
+pub type StoreResult<T> = Result<T, StoreError>;
+
+/// Keeps a leased key alive; dropping it stops the keep-alive and revokes the lease.
+pub struct LeaseGuard {
+    task: tokio::task::JoinHandle<()>,
+    on_drop: Option<Box<dyn FnOnce() + Send>>,
+}
+
+impl Drop for LeaseGuard {
+    fn drop(&mut self) {
+        self.task.abort();
+        if let Some(f) = self.on_drop.take() {
+            f();
+        }
+    }
+}
+
+/// A value with the revision it was last modified at.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Versioned {
+    pub value: Vec<u8>,
+    pub mod_revision: i64,
+}
+
+/// What the cluster needs from a key-value store.
+#[async_trait]
+pub trait KvStore: Send + Sync {
+    /// Reads one key.
+    async fn get(&self, key: &str) -> StoreResult<Option<Versioned>>;
+    /// Writes one key.
+    async fn put(&self, key: &str, value: Vec<u8>) -> StoreResult<()>;
+    /// Writes only if the key does not exist; true if written.
+    async fn create(&self, key: &str, value: Vec<u8>) -> StoreResult<bool>;
+    /// Writes only if the key's mod revision is still `rev`; true if written.
+    async fn compare_and_swap(&self, key: &str, rev: i64, value: Vec<u8>) -> StoreResult<bool>;
+    /// Deletes one key.
+    async fn delete(&self, key: &str) -> StoreResult<()>;
+    /// All keys under a prefix, sorted.
+    async fn list(&self, prefix: &str) -> StoreResult<Vec<(String, Vec<u8>)>>;
+    /// Writes a key that disappears `ttl_secs` after its owner stops renewing it.
+    async fn put_leased(&self, key: &str, value: Vec<u8>, ttl_secs: i64)
+    -> StoreResult<LeaseGuard>;
+    /// Current value now and after every change (`None` = deleted).
+    async fn watch(&self, key: &str) -> StoreResult<mpsc::Receiver<Option<Vec<u8>>>>;
+}
+
+// ------------------------------------------------------------------ etcd
+
+/// etcd v3 through the `etcd-client` crate.
+#[derive(Clone)]
+pub struct EtcdStore {
+    client: Client,
+    endpoint: String,
+}
+
+impl EtcdStore {
+    /// Connects (with a timeout) to `endpoints` (comma-separated `host:port` or URLs).
+    pub async fn connect(endpoints: &str) -> StoreResult<Self> {
+        let eps: Vec<String> = endpoints
+            .split(',')
+            .map(|s| s.trim().to_string())
+            .filter(|s| !s.is_empty())
+            .collect();
+        let err = |m: String| StoreError::Etcd {
+            endpoint: endpoints.to_string(),
+            message: m,
+        };
+        if eps.is_empty() {
+            return Err(err("no endpoint given".into()));
+        }
+        let opts = etcd_client::ConnectOptions::new()
+            .with_connect_timeout(Duration::from_secs(5))
+            .with_timeout(Duration::from_secs(10));
+        let client = Client::connect(eps, Some(opts))
+            .await
+            .map_err(|e| err(e.to_string()))?;
+        let s = EtcdStore {
+            client,
+            endpoint: endpoints.to_string(),
+        };
+        // Fail fast if nothing answers.
+        s.get("/epserve/.ping").await?;
+        Ok(s)
+    }
+
+    fn err(&self, e: etcd_client::Error) -> StoreError {
+        StoreError::Etcd {
+            endpoint: self.endpoint.clone(),
+            message: e.to_string(),
+        }
+    }
+}
+
+#[async_trait]
+impl KvStore for EtcdStore {
+    async fn get(&self, key: &str) -> StoreResult<Option<Versioned>> {
+        let mut c = self.client.clone();
+        let r = c.get(key, None).await.map_err(|e| self.err(e))?;
+        Ok(r.kvs().first().map(|kv| Versioned {
+            value: kv.value().to_vec(),
+            mod_revision: kv.mod_revision(),
+        }))
+    }
+
+    async fn put(&self, key: &str, value: Vec<u8>) -> StoreResult<()> {
+        let mut c = self.client.clone();
+        c.put(key, value, None).await.map_err(|e| self.err(e))?;
+        Ok(())
+    }
+
+    async fn create(&self, key: &str, value: Vec<u8>) -> StoreResult<bool> {
+        let mut c = self.client.clone();
+        let txn = Txn::new()
+            .when([Compare::create_revision(key, CompareOp::Equal, 0)])
+            .and_then([TxnOp::put(key, value, None)]);
+        let r = c.txn(txn).await.map_err(|e| self.err(e))?;
+        Ok(r.succeeded())
+    }
+
+    async fn compare_and_swap(&self, key: &str, rev: i64, value: Vec<u8>) -> StoreResult<bool> {
+        let mut c = self.client.clone();
+        let txn = Txn::new()
+            .when([Compare::mod_revision(key, CompareOp::Equal, rev)])
+            .and_then([TxnOp::put(key, value, None)]);
+        let r = c.txn(txn).await.map_err(|e| self.err(e))?;
+        Ok(r.succeeded())
+    }
+
+    async fn delete(&self, key: &str) -> StoreResult<()> {
+        let mut c = self.client.clone();
+        c.delete(key, None).await.map_err(|e| self.err(e))?;
+        Ok(())
+    }
+
+    async fn list(&self, prefix: &str) -> StoreResult<Vec<(String, Vec<u8>)>> {
+        let mut c = self.client.clone();
+        let r = c
+            .get(prefix, Some(GetOptions::new().with_prefix()))
+            .await
+            .map_err(|e| self.err(e))?;
+        let mut out: Vec<(String, Vec<u8>)> = r
+            .kvs()
+            .iter()
+            .map(|kv| {
+                (
+                    String::from_utf8_lossy(kv.key()).into_owned(),
+                    kv.value().to_vec(),
+                )
+            })
+            .collect();
+        out.sort();
+        Ok(out)
+    }
+
+    async fn put_leased(
+        &self,
+        key: &str,
+        value: Vec<u8>,
+        ttl_secs: i64,
+    ) -> StoreResult<LeaseGuard> {
+        let mut c = self.client.clone();
+        let lease = c
+            .lease_grant(ttl_secs, None)
+            .await
+            .map_err(|e| self.err(e))?;
+        let id = lease.id();
+        c.put(key, value, Some(PutOptions::new().with_lease(id)))
+            .await
+            .map_err(|e| self.err(e))?;
+        let (mut keeper, mut stream) = c.lease_keep_alive(id).await.map_err(|e| self.err(e))?;
+        let period = Duration::from_millis((ttl_secs.max(1) as u64 * 1000) / 3);
+        let key_owned = key.to_string();
+        let task = tokio::spawn(async move {
+            loop {
+                tokio::time::sleep(period).await;
+                if let Err(e) = keeper.keep_alive().await {
+                    tracing::warn!(key = %key_owned, error = %e, "lease keep-alive failed");
+                    continue;
+                }
+                match stream.message().await {
+                    Ok(Some(_)) => {}
+                    Ok(None) => {
+                        tracing::warn!(key = %key_owned, "lease keep-alive stream closed");
+                        return;
+                    }
+                    Err(e) => tracing::warn!(key = %key_owned, error = %e, "lease keep-alive"),
+                }
+            }
+        });
+        let revoke_client = self.client.clone();
+        let on_drop = Box::new(move || {
+            let mut c = revoke_client;
+            if let Ok(h) = tokio::runtime::Handle::try_current() {
+                h.spawn(async move {
+                    let _ = c.lease_revoke(id).await;
+                });
+            }
+        });
+        Ok(LeaseGuard {
+            task,
+            on_drop: Some(on_drop),
+        })
+    }
+
+    async fn watch(&self, key: &str) -> StoreResult<mpsc::Receiver<Option<Vec<u8>>>> {
+        let (tx, rx) = mpsc::channel(16);
+        let mut c = self.client.clone();
+        let mut stream = c.watch(key, None).await.map_err(|e| self.err(e))?;
+        let current = self.get(key).await?.map(|v| v.value);
+        let _ = tx.send(current).await;
+        tokio::spawn(async move {
+            loop {
+                match stream.message().await {
+                    Ok(Some(resp)) => {
+                        for ev in resp.events() {
+                            let v = match ev.event_type() {
+                                etcd_client::EventType::Put => {
+                                    ev.kv().map(|kv| kv.value().to_vec())
+                                }
+                                etcd_client::EventType::Delete => None,
+                            };
+                            if tx.send(v).await.is_err() {
+                                return;
+                            }
+                        }
+                    }
+                    Ok(None) => return,
+                    Err(e) => {
+                        tracing::warn!(error = %e, "etcd watch ended");
+                        return;
+                    }
+                }
+            }
+        });
+        Ok(rx)
+    }
+}
+
+// ---------------------------------------------------------------- memory
+
+#[derive(Default)]
+struct Mem {
+    data: BTreeMap<String, Versioned>,
+    rev: i64,
+    watchers: Vec<(String, mpsc::Sender<Option<Vec<u8>>>)>,
+}
+
+impl Mem {
+    fn set(&mut self, key: &str, value: Option<Vec<u8>>) {
+        self.rev += 1;
+        match &value {
+            Some(v) => {
+                self.data.insert(
+                    key.to_string(),
+                    Versioned {
+                        value: v.clone(),
+                        mod_revision: self.rev,
+                    },
+                );
+            }
+            None => {
+                self.data.remove(key);
+            }
+        }
+        self.watchers.retain(|(k, tx)| {
+            if k == key {
+                tx.try_send(value.clone()).is_ok() || !tx.is_closed()
+            } else {
+                !tx.is_closed()
+            }
+        });
+    }
+}
+
+/// An in-process store with the same semantics (single process, tests).
+#[derive(Clone, Default)]
+pub struct MemoryStore {
+    inner: Arc<Mutex<Mem>>,
+}
+
+impl MemoryStore {
+    /// An empty store.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    fn lock(&self) -> StoreResult<std::sync::MutexGuard<'_, Mem>> {
+        self.inner
+            .lock()
+            .map_err(|_| StoreError::Other("memory store lock poisoned".into()))
+    }
+}
+
+#[async_trait]
+impl KvStore for MemoryStore {
+    async fn get(&self, key: &str) -> StoreResult<Option<Versioned>> {
+        Ok(self.lock()?.data.get(key).cloned())
+    }
+    async fn put(&self, key: &str, value: Vec<u8>) -> StoreResult<()> {
+        self.lock()?.set(key, Some(value));
+        Ok(())
+    }
+    async fn create(&self, key: &str, value: Vec<u8>) -> StoreResult<bool> {
+        let mut m = self.lock()?;
+        if m.data.contains_key(key) {
+            return Ok(false);
+        }
+        m.set(key, Some(value));
+        Ok(true)
+    }
+    async fn compare_and_swap(&self, key: &str, rev: i64, value: Vec<u8>) -> StoreResult<bool> {
+        let mut m = self.lock()?;
+        if m.data.get(key).map(|v| v.mod_revision) != Some(rev) {
+            return Ok(false);
+        }
+        m.set(key, Some(value));
+        Ok(true)
+    }
+    async fn delete(&self, key: &str) -> StoreResult<()> {
+        self.lock()?.set(key, None);
+        Ok(())
+    }
+    async fn list(&self, prefix: &str) -> StoreResult<Vec<(String, Vec<u8>)>> {
+        Ok(self
+            .lock()?
+            .data
+            .range(prefix.to_string()..)
+            .take_while(|(k, _)| k.starts_with(prefix))
+            .map(|(k, v)| (k.clone(), v.value.clone()))
+            .collect())
+    }
+    async fn put_leased(
+        &self,
+        key: &str,
+        value: Vec<u8>,
+        _ttl_secs: i64,
+    ) -> StoreResult<LeaseGuard> {
+        self.lock()?.set(key, Some(value));
+        let (store, key) = (self.clone(), key.to_string());
+        Ok(LeaseGuard {
+            task: tokio::spawn(async {}),
+            on_drop: Some(Box::new(move || {
+                if let Ok(mut m) = store.inner.lock() {
+                    m.set(&key, None);
+                }
+            })),
+        })
+    }
+    async fn watch(&self, key: &str) -> StoreResult<mpsc::Receiver<Option<Vec<u8>>>> {
+        let (tx, rx) = mpsc::channel(64);
+        let mut m = self.lock()?;
+        let _ = tx.try_send(m.data.get(key).map(|v| v.value.clone()));
+        m.watchers.push((key.to_string(), tx));
+        Ok(rx)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn memory_store_semantics() -> StoreResult<()> {
+        let s = MemoryStore::new();
+        assert!(s.create("/a", b"1".to_vec()).await?);
+        assert!(!s.create("/a", b"2".to_vec()).await?);
+        let v = s
+            .get("/a")
+            .await?
+            .ok_or_else(|| StoreError::Other("missing".into()))?;
+        assert!(
+            !s.compare_and_swap("/a", v.mod_revision + 7, b"x".to_vec())
+                .await?
+        );
+        assert!(
+            s.compare_and_swap("/a", v.mod_revision, b"3".to_vec())
+                .await?
+        );
+        let mut w = s.watch("/a").await?;
+        assert_eq!(w.recv().await, Some(Some(b"3".to_vec())));
+        s.put("/a", b"4".to_vec()).await?;
+        assert_eq!(w.recv().await, Some(Some(b"4".to_vec())));
+        {
+            let _g = s.put_leased("/p/x", b"l".to_vec(), 5).await?;
+            assert_eq!(s.list("/p/").await?.len(), 1);
+        }
+        assert!(s.list("/p/").await?.is_empty());
+        Ok(())
+    }
+}
