@@ -22,6 +22,9 @@ pub enum Command {
     Serve(Box<ServeArgs>),
     /// Benchmarks: `bench serve` (a twin of `vllm bench serve`).
     Bench(BenchArgs),
+    /// Capacity planner: expert-workers, attention-workers, experts per worker and
+    /// expected decode throughput for a model on a Graviton instance type.
+    Plan(Box<crate::plan::PlanArgs>),
 }
 
 /// `epserve bench`.

@@ -7,6 +7,7 @@ pub mod bench_serve;
 pub mod cli;
 pub mod generate;
 pub mod metrics;
+pub mod plan;
 pub mod scheduler;
 pub mod serve;
 pub mod server;

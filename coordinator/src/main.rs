@@ -19,6 +19,7 @@ fn main() {
             BenchCommand::Serve(args) => epserve_coordinator::bench_serve::run(args),
             BenchCommand::Moe(args) => epserve_coordinator::bench_moe::run(args),
         },
+        Command::Plan(args) => epserve_coordinator::plan::run(args),
     };
     if let Err(e) = result {
         // One line: the error and its causes joined by ": ".

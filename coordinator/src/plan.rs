@@ -1,0 +1,166 @@
+//! `epserve plan`: a capacity planner. From a model's `config.json` and an EC2
+//! Graviton instance type it works out the memory and bandwidth arithmetic of
+//! serving the model with expert parallelism: bytes per expert, active
+//! parameters per token, KV bytes per token; how many expert-workers and
+//! attention-workers, experts per worker and redundant slots; and the expected
+//! decode throughput by batch size, printed as a table and optionally written
+//! as a values file for the Helm chart (`deploy/helm/epserve`).
+//!
+//! The throughput model is a roofline over one decode step with every stage
+//! run one after another (no overlap of attention, experts and network):
+//!
+//! ```text
+//! step(B) = coordinator + attention shards + expert-workers + network bytes + round trips
+//! stage   = max(bytes streamed / memory bandwidth, flops / compute)
+//! experts touched per MoE layer = E · (1 − (1 − k/E)^B)   (uniform routing)
+//! tokens/s = B / step(B)
+//! ```
+//!
+//! Every number the model rests on (instance memory, bandwidth, network,
+//! compute per vCPU) is in the tables and constants below with its source or
+//! the assumption behind it.
+
+use std::path::{Path, PathBuf};
+
+use anyhow::{Context, Result, bail};
+use clap::{Args, ValueEnum};
+use epserve_core::config::ModelConfig;
+
+mod hardware;
+mod model;
+mod output;
+mod sizing;
+
+pub use hardware::{GRAVITON3, GRAVITON4, Generation, Instance};
+pub use model::{ModelShape, expected_touched};
+pub use output::{helm_values, render_report};
+pub use sizing::{Assumptions, Layout, Plan, StepEstimate, estimate, make_plan};
+
+/// Bytes in a GiB.
+pub(crate) const GIB: f64 = 1024.0 * 1024.0 * 1024.0;
+
+/// `epserve plan`.
+#[derive(Debug, Clone, Args)]
+pub struct PlanArgs {
+    /// Hugging Face model folder (only config.json is read).
+    #[arg(long, env = "EPSERVE_MODEL")]
+    pub model: PathBuf,
+    /// EC2 instance type of every node, e.g. c8g.16xlarge, r8g.24xlarge, c7g.16xlarge
+    /// (families c7g m7g r7g c8g m8g r8g).
+    #[arg(long, default_value = "c8g.16xlarge")]
+    pub instance: String,
+    /// Aggregate decode throughput to reach, in output tokens per second.
+    #[arg(long)]
+    pub target_output_tps: f64,
+    /// How the expert-workers store expert weights (int8: W8A8, one f32 scale per output row).
+    #[arg(long, value_enum, default_value_t = ExpertDtype::Bf16)]
+    pub expert_dtype: ExpertDtype,
+    /// Element type of the KV cache (the engine's paged cache stores f32 today).
+    #[arg(long, value_enum, default_value_t = KvDtype::F32)]
+    pub kv_dtype: KvDtype,
+    /// Sequences decoded together in one step (the coordinator's --max-num-seqs).
+    #[arg(long, default_value_t = 64)]
+    pub batch: usize,
+    /// Average tokens in context (prompt + generated so far) of a decoding sequence.
+    #[arg(long, default_value_t = 1024)]
+    pub context_len: usize,
+    /// One network round trip coordinator → worker → coordinator, in microseconds
+    /// (same-AZ VPC with a small gRPC message; a cluster placement group gets lower).
+    #[arg(long, default_value_t = 100.0)]
+    pub rtt_us: f64,
+    /// Share of the peak DRAM bandwidth a streaming kernel reaches (STREAM triad
+    /// reaches ~0.8 on Graviton).
+    #[arg(long, default_value_t = 0.8)]
+    pub mem_bw_efficiency: f64,
+    /// Write a values file for the Helm chart (deploy/helm/epserve) to FILE.
+    #[arg(long, value_name = "FILE")]
+    pub helm_values: Option<PathBuf>,
+}
+
+/// Storage of expert weights on the expert-workers.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum ExpertDtype {
+    Bf16,
+    Int8,
+}
+
+impl ExpertDtype {
+    pub(crate) fn name(self) -> &'static str {
+        match self {
+            ExpertDtype::Bf16 => "bf16",
+            ExpertDtype::Int8 => "int8",
+        }
+    }
+}
+
+/// Element type of the KV cache.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum KvDtype {
+    F32,
+    Bf16,
+}
+
+impl KvDtype {
+    pub(crate) fn bytes(self) -> u64 {
+        match self {
+            KvDtype::F32 => 4,
+            KvDtype::Bf16 => 2,
+        }
+    }
+    pub(crate) fn name(self) -> &'static str {
+        match self {
+            KvDtype::F32 => "f32",
+            KvDtype::Bf16 => "bf16",
+        }
+    }
+}
+
+/// Reads the model's config and the instance, plans, prints, writes values.
+pub fn run(args: &PlanArgs) -> Result<()> {
+    let cfg = ModelConfig::from_dir(&args.model)?;
+    let raw = read_raw(&args.model)?;
+    let shape = ModelShape::from_config(&cfg, &raw);
+    let inst = Instance::lookup(&args.instance)?;
+    if !(args.mem_bw_efficiency > 0.0 && args.mem_bw_efficiency <= 1.0) {
+        bail!(
+            "--mem-bw-efficiency must be in (0, 1] (got {})",
+            args.mem_bw_efficiency
+        );
+    }
+    if !(args.rtt_us >= 0.0 && args.rtt_us.is_finite()) {
+        bail!("--rtt-us must be zero or positive (got {})", args.rtt_us);
+    }
+    if args.context_len == 0 {
+        bail!("--context-len must be at least 1");
+    }
+    let a = Assumptions {
+        expert_dtype: args.expert_dtype,
+        kv_dtype: args.kv_dtype,
+        context_len: args.context_len as u64,
+        rtt_s: args.rtt_us * 1e-6,
+        mem_bw_efficiency: args.mem_bw_efficiency,
+    };
+    let batch = args.batch as u64;
+    let plan = make_plan(&shape, &inst, &a, args.target_output_tps, batch)?;
+    print!(
+        "{}",
+        render_report(&shape, &inst, &a, &plan, args.target_output_tps, batch)
+    );
+    if let Some(path) = &args.helm_values {
+        let text = helm_values(&shape, &inst, &a, &plan, args);
+        std::fs::write(path, text)
+            .with_context(|| format!("{}: writing values", path.display()))?;
+        println!("wrote Helm values to {}", path.display());
+    }
+    Ok(())
+}
+
+fn read_raw(dir: &Path) -> Result<serde_json::Value> {
+    let path = dir.join("config.json");
+    let text =
+        std::fs::read_to_string(&path).with_context(|| format!("{}: reading", path.display()))?;
+    serde_json::from_str(&text).with_context(|| format!("{}: parsing", path.display()))
+}
+
+#[cfg(test)]
+mod tests;

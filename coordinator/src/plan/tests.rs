@@ -1,0 +1,311 @@
+//! `epserve plan` arithmetic against numbers worked out by hand for
+//! Qwen3-30B-A3B and Mixtral-8x7B (their hub config.json, written to temp dirs).
+
+use super::*;
+
+/// Qwen3-30B-A3B's config.json as on the hub.
+const QWEN3_30B_A3B: &str = r#"{
+  "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe",
+  "vocab_size": 151936, "hidden_size": 2048, "intermediate_size": 6144,
+  "moe_intermediate_size": 768, "num_hidden_layers": 48, "num_attention_heads": 32,
+  "num_key_value_heads": 4, "head_dim": 128, "num_experts": 128, "num_experts_per_tok": 8,
+  "norm_topk_prob": true, "decoder_sparse_step": 1, "mlp_only_layers": [],
+  "max_position_embeddings": 40960, "rms_norm_eps": 1e-06, "rope_theta": 1000000.0,
+  "tie_word_embeddings": false, "torch_dtype": "bfloat16", "hidden_act": "silu",
+  "bos_token_id": 151643, "eos_token_id": 151645, "sliding_window": null,
+  "use_sliding_window": false, "max_window_layers": 48, "attention_bias": false
+}"#;
+
+/// Mixtral-8x7B-v0.1's config.json as on the hub.
+const MIXTRAL_8X7B: &str = r#"{
+  "architectures": ["MixtralForCausalLM"], "model_type": "mixtral",
+  "vocab_size": 32000, "hidden_size": 4096, "intermediate_size": 14336,
+  "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
+  "num_local_experts": 8, "num_experts_per_tok": 2, "max_position_embeddings": 32768,
+  "rms_norm_eps": 1e-05, "rope_theta": 1000000.0, "sliding_window": null,
+  "tie_word_embeddings": false, "torch_dtype": "bfloat16", "hidden_act": "silu",
+  "bos_token_id": 1, "eos_token_id": 2
+}"#;
+
+/// Writes `config` to a temp dir and reads it the way `epserve plan` does.
+fn shape_of(config: &str) -> ModelShape {
+    let dir = tempfile::tempdir().expect("tempdir");
+    std::fs::write(dir.path().join("config.json"), config).expect("write config");
+    let cfg = ModelConfig::from_dir(dir.path()).expect("config parses");
+    let raw = read_raw(dir.path()).expect("raw config");
+    ModelShape::from_config(&cfg, &raw)
+}
+
+fn assumptions(expert_dtype: ExpertDtype, kv_dtype: KvDtype) -> Assumptions {
+    Assumptions {
+        expert_dtype,
+        kv_dtype,
+        context_len: 1024,
+        rtt_s: 100e-6,
+        mem_bw_efficiency: 0.8,
+    }
+}
+
+fn close(got: f64, want: f64, rel: f64) {
+    assert!(
+        (got - want).abs() <= rel * want.abs(),
+        "got {got}, want {want} (±{rel} relative)"
+    );
+}
+
+#[test]
+fn qwen3_30b_a3b_bytes_and_parameters() {
+    let m = shape_of(QWEN3_30B_A3B);
+    assert_eq!(
+        (m.layers, m.moe_layers, m.experts, m.top_k),
+        (48, 48, 128, 8)
+    );
+    // One expert: gate + up (2048→768) and down (768→2048) = 3·2048·768.
+    assert_eq!(m.expert_params(), 4_718_592);
+    assert_eq!(m.expert_bytes(ExpertDtype::Bf16), 9_437_184); // 9 MiB
+    // int8: one byte per weight + an f32 scale per output row (768 + 768 + 2048 rows).
+    assert_eq!(m.expert_bytes(ExpertDtype::Int8), 4_718_592 + 4 * 3_584);
+    // Attention per layer: q 2048×4096, k and v 2048×512, o 4096×2048.
+    assert_eq!(
+        m.attn_params_per_layer,
+        8_388_608 + 2 * 1_048_576 + 8_388_608
+    );
+    assert_eq!(m.attention_params(), 905_969_664);
+    assert_eq!(m.router_params(), 48 * 128 * 2048);
+    assert_eq!(m.embedding_params(), 151_936 * 2048);
+    assert_eq!(m.lm_head_params(), 151_936 * 2048);
+    // Experts: 48 layers × 128 × 4,718,592.
+    assert_eq!(m.all_expert_params(), 28_991_029_248);
+    // 30.5 B in all, 3.35 B active (Qwen's card: 30.5B / 3.3B).
+    assert_eq!(m.total_params(), 30_531_911_680);
+    assert_eq!(
+        m.active_params(),
+        905_969_664 + 48 * 8 * 4_718_592 + 12_582_912 + 2 * 311_164_928
+    );
+    assert_eq!(m.active_params(), 3_352_821_760);
+    // KV per token: 48 layers × (k + v) × 4 heads × 128 × 2 bytes = 96 KiB.
+    assert_eq!(m.kv_bytes_per_token(KvDtype::Bf16), 98_304);
+    assert_eq!(m.kv_bytes_per_token(KvDtype::F32), 196_608);
+    assert_eq!(m.kv_bytes_for_context(1000, KvDtype::Bf16), 98_304_000);
+}
+
+#[test]
+fn mixtral_8x7b_bytes_and_parameters() {
+    let m = shape_of(MIXTRAL_8X7B);
+    assert_eq!((m.layers, m.moe_layers, m.experts, m.top_k), (32, 32, 8, 2));
+    assert_eq!(m.moe_width, 14_336);
+    assert_eq!(m.expert_params(), 3 * 4096 * 14_336);
+    assert_eq!(m.expert_bytes(ExpertDtype::Bf16), 352_321_536); // 336 MiB
+    assert_eq!(
+        m.expert_bytes(ExpertDtype::Int8),
+        176_160_768 + 4 * (2 * 14_336 + 4096)
+    );
+    // Attention per layer: q and o 4096×4096, k and v 4096×1024.
+    assert_eq!(m.attention_params(), 32 * (2 * 16_777_216 + 2 * 4_194_304));
+    // 46.7 B in all, 12.9 B active (Mistral's figures).
+    assert_eq!(m.total_params(), 46_702_526_464);
+    assert_eq!(m.active_params(), 12_879_659_008);
+    // KV per token: 32 layers × 2 × 8 heads × 128 × 2 bytes = 128 KiB.
+    assert_eq!(m.kv_bytes_per_token(KvDtype::Bf16), 131_072);
+}
+
+#[test]
+fn sliding_window_caps_the_kv_of_long_contexts() {
+    let m =
+        shape_of(&MIXTRAL_8X7B.replace(r#""sliding_window": null"#, r#""sliding_window": 4096"#));
+    assert_eq!(m.kv_bytes_for_context(2048, KvDtype::Bf16), 2048 * 131_072);
+    assert_eq!(m.kv_bytes_for_context(8192, KvDtype::Bf16), 4096 * 131_072);
+}
+
+#[test]
+fn latent_attention_shapes_from_the_raw_config() {
+    // MLA ranks are read from config.json directly (DeepSeek-V3's numbers on a
+    // Qwen3 skeleton, to check the formula alone): q through a 1536 rank, the
+    // cache holds the 512 latent + 64 RoPE dims per token per layer.
+    let cfg =
+        ModelConfig::from_json_str(QWEN3_30B_A3B, Path::new("config.json")).expect("config parses");
+    let raw: serde_json::Value = serde_json::json!({
+        "kv_lora_rank": 512, "q_lora_rank": 1536, "qk_rope_head_dim": 64,
+        "qk_nope_head_dim": 128, "v_head_dim": 128
+    });
+    let m = ModelShape::from_config(&cfg, &raw);
+    let (h, n) = (2048, 32);
+    let q = h * 1536 + 1536 * n * (128 + 64);
+    let kv = h * (512 + 64) + 512 * n * (128 + 128);
+    assert_eq!(m.attn_params_per_layer, q + kv + n * 128 * h);
+    assert_eq!(m.kv_bytes_per_token(KvDtype::Bf16), 48 * 576 * 2);
+}
+
+#[test]
+fn experts_touched_grow_as_one_minus_miss_to_the_batch() {
+    close(expected_touched(128, 8, 1), 8.0, 1e-12);
+    // 128 · (1 − (15/16)²) = 15.5
+    close(expected_touched(128, 8, 2), 15.5, 1e-12);
+    close(expected_touched(128, 8, 64), 125.942_349_267, 1e-9);
+    close(expected_touched(8, 2, 1), 2.0, 1e-12);
+    // 8 · (1 − (3/4)²) = 3.5
+    close(expected_touched(8, 2, 2), 3.5, 1e-12);
+    close(expected_touched(8, 2, 1000), 8.0, 1e-9);
+}
+
+#[test]
+fn instance_table() {
+    let c8g = Instance::lookup("c8g.16xlarge").expect("known");
+    assert_eq!((c8g.vcpus, c8g.mem_gib, c8g.net_gbps), (64, 128.0, 30.0));
+    // 64 of Graviton4's 96 cores: 64/96 of 12 × DDR5-5600 × 8 B = 358.4 GB/s.
+    close(c8g.peak_bandwidth(), 358.4e9, 1e-12);
+    assert_eq!((c8g.pod_cpus(), c8g.pod_memory_gib()), (62, 115));
+    let c7g = Instance::lookup("c7g.16xlarge").expect("known");
+    close(c7g.peak_bandwidth(), 307.2e9, 1e-12);
+    let r8g = Instance::lookup("r8g.48xlarge").expect("known");
+    assert_eq!((r8g.vcpus, r8g.mem_gib), (192, 1536.0));
+    close(r8g.peak_bandwidth(), 1075.2e9, 1e-12);
+    let m7g = Instance::lookup("m7g.metal").expect("known");
+    assert_eq!((m7g.vcpus, m7g.mem_gib), (64, 256.0));
+    let err = Instance::lookup("c6i.16xlarge").expect_err("not Graviton 3/4");
+    assert!(err.to_string().contains("c8g"), "{err}");
+    assert!(Instance::lookup("c7g.24xlarge").is_err());
+}
+
+#[test]
+fn mixtral_decode_step_by_hand() {
+    // Mixtral-8x7B, 2 expert-workers, attention in the coordinator, batch 1,
+    // bf16 weights and KV, c8g.16xlarge (286.72 GB/s at 80% of 358.4), 30 Gbps.
+    let m = shape_of(MIXTRAL_8X7B);
+    let inst = Instance::lookup("c8g.16xlarge").expect("known");
+    let a = assumptions(ExpertDtype::Bf16, KvDtype::Bf16);
+    let layout = Layout {
+        expert_workers: 2,
+        attention_workers: 0,
+    };
+    let e = estimate(&m, &inst, &a, layout, 1);
+    let bw = 286.72e9;
+    // Coordinator: attention 2 × 1,342,177,280 B + KV 1024 × 131,072 B + router
+    // and lm_head 2 × (1,048,576 + 131,072,000) B + one 8 KiB embedding row.
+    let coord = 2_684_354_560.0 + 134_217_728.0 + 264_241_152.0 + 8_192.0;
+    close(e.coordinator_s, coord / bw, 1e-9);
+    // Two experts touched, one per worker: 32 layers × one 336 MiB expert.
+    close(e.experts_touched, 2.0, 1e-12);
+    close(e.experts_s, 32.0 * 352_321_536.0 / bw, 1e-9);
+    // A token's 2 experts land on 2 · (1 − ½²) = 1.5 workers on average: 32 ×
+    // 1.5 × 8 KiB out over 3.75 GB/s.
+    close(e.network_s, 32.0 * 1.5 * 8192.0 / 3.75e9, 1e-9);
+    close(e.latency_s, 32.0 * 100e-6, 1e-12);
+    close(e.step_s(), 0.053_378_486_17, 1e-9);
+    close(e.tokens_per_s(), 18.734_139_38, 1e-8);
+    assert_eq!(e.bound(), "experts");
+}
+
+#[test]
+fn qwen3_plan_reaches_the_target_with_the_fewest_nodes() {
+    let m = shape_of(QWEN3_30B_A3B);
+    let inst = Instance::lookup("c8g.16xlarge").expect("known");
+    let a = assumptions(ExpertDtype::Bf16, KvDtype::F32);
+    let plan = make_plan(&m, &inst, &a, 500.0, 64).expect("plans");
+    assert!(plan.reachable);
+    assert!(plan.at_batch.tokens_per_s() >= 500.0);
+    // (115 − 4) GiB of room / (48 layers × 9 MiB) = 263 slots per layer.
+    assert_eq!(plan.slot_capacity, 263);
+    let l = plan.layout;
+    let nodes = l.expert_workers + l.attention_workers;
+    // No layout with fewer worker nodes reaches it (every one fits in memory here).
+    for workers in 1..nodes {
+        for shards in [0, 1, 2, 4] {
+            if workers + shards < nodes {
+                let fewer = Layout {
+                    expert_workers: workers,
+                    attention_workers: shards,
+                };
+                let tps = estimate(&m, &inst, &a, fewer, 64).tokens_per_s();
+                assert!(tps < 500.0, "{fewer:?} gives {tps}");
+            }
+        }
+    }
+    assert_eq!(
+        4 % l.attention_workers.max(1),
+        0,
+        "shards divide 4 KV heads"
+    );
+    if l.expert_workers > 1 {
+        // ceil(128 · 9/8 / W) slots each; beyond one per expert they are redundant.
+        let slots = 144u64.div_ceil(l.expert_workers);
+        assert_eq!(plan.slots_per_worker, slots);
+        assert_eq!(plan.redundant_per_layer, slots * l.expert_workers - 128);
+    }
+    assert_eq!(plan.table.first().map(|e| e.batch), Some(1));
+    assert_eq!(plan.table.last().map(|e| e.batch), Some(256));
+}
+
+#[test]
+fn mixtral_on_small_nodes_is_sized_by_memory() {
+    // c8g.4xlarge: 32 GiB, pods 28 GiB, 24 GiB for experts; one expert of every
+    // layer is 32 × 336 MiB = 10.5 GiB, so 2 per worker and 4 workers for 8.
+    let m = shape_of(MIXTRAL_8X7B);
+    let inst = Instance::lookup("c8g.4xlarge").expect("known");
+    let a = assumptions(ExpertDtype::Bf16, KvDtype::Bf16);
+    let plan = make_plan(&m, &inst, &a, 1.0, 64).expect("plans");
+    assert_eq!(plan.slot_capacity, 2);
+    assert_eq!(plan.layout.expert_workers, 4);
+    assert_eq!(plan.slots_per_worker, 2);
+    assert_eq!(plan.redundant_per_layer, 0);
+    // int8 halves the experts: 4 per worker, 2 workers.
+    let a8 = assumptions(ExpertDtype::Int8, KvDtype::Bf16);
+    let plan8 = make_plan(&m, &inst, &a8, 1.0, 64).expect("plans");
+    assert_eq!(plan8.slot_capacity, 4);
+    assert_eq!(plan8.layout.expert_workers, 2);
+}
+
+#[test]
+fn unreachable_targets_ask_for_more_deployments() {
+    let m = shape_of(MIXTRAL_8X7B);
+    let inst = Instance::lookup("c8g.16xlarge").expect("known");
+    let a = assumptions(ExpertDtype::Bf16, KvDtype::Bf16);
+    let plan = make_plan(&m, &inst, &a, 1e7, 64).expect("plans");
+    assert!(!plan.reachable);
+    assert!(plan.deployments > 1);
+    let report = render_report(&m, &inst, &a, &plan, 1e7, 64);
+    assert!(report.contains("NOT reached"), "{report}");
+}
+
+#[test]
+fn models_that_do_not_fit_are_refused() {
+    let m = shape_of(MIXTRAL_8X7B);
+    let inst = Instance::lookup("c8g.medium").expect("known");
+    let a = assumptions(ExpertDtype::Bf16, KvDtype::Bf16);
+    let err = make_plan(&m, &inst, &a, 10.0, 64).expect_err("does not fit");
+    assert!(err.to_string().contains("does not fit"), "{err}");
+    let err = make_plan(&m, &inst, &a, -1.0, 64).expect_err("bad target");
+    assert!(err.to_string().contains("target"), "{err}");
+}
+
+#[test]
+fn helm_values_carry_the_layout() {
+    let m = shape_of(QWEN3_30B_A3B);
+    let inst = Instance::lookup("c8g.16xlarge").expect("known");
+    let a = assumptions(ExpertDtype::Bf16, KvDtype::F32);
+    let plan = make_plan(&m, &inst, &a, 500.0, 64).expect("plans");
+    let args = PlanArgs {
+        model: PathBuf::from("/models/Qwen3-30B-A3B"),
+        instance: "c8g.16xlarge".into(),
+        target_output_tps: 500.0,
+        expert_dtype: ExpertDtype::Bf16,
+        kv_dtype: KvDtype::F32,
+        batch: 64,
+        context_len: 1024,
+        rtt_us: 100.0,
+        mem_bw_efficiency: 0.8,
+        helm_values: None,
+    };
+    let v = helm_values(&m, &inst, &a, &plan, &args);
+    assert!(v.contains("  path: \"Qwen3-30B-A3B\"\n"), "{v}");
+    assert!(v.contains("  instanceFamilies: [c8g]\n"), "{v}");
+    assert!(v.contains("  instanceSizes: [\"16xlarge\"]\n"), "{v}");
+    assert!(
+        v.contains(&format!(
+            "expertWorkers:\n  # -- Expert-workers, one per node.\n  replicas: {}\n",
+            plan.layout.expert_workers
+        )),
+        "{v}"
+    );
+    assert!(v.contains("    cpu: 62\n    memory: 115Gi\n"), "{v}");
+}

@@ -1,0 +1,105 @@
+{{/*
+The command line of every epserve role, in one place: when a flag of
+`epserve coordinator`, `epserve expert-worker` or `epserve attention-worker`
+changes, change it here (deploy/tests/test_chart.py checks these flags against
+`epserve <role> --help` of the built binary). Flags are written `--flag=value`.
+$(POD_NAME) and friends are expanded by Kubernetes from the container's env.
+*/}}
+
+{{/* Flags every role shares: the model, etcd, the cluster's key prefix. */}}
+{{- define "epserve.args.common" -}}
+- --model={{ include "epserve.modelDir" . }}
+- --etcd={{ include "epserve.etcdEndpoints" . }}
+- --cluster={{ include "epserve.clusterName" . }}
+{{- end }}
+
+{{/* TLS files (only with tls.enabled). */}}
+{{- define "epserve.args.tls" -}}
+{{- if .Values.tls.enabled }}
+- --tls-cert={{ .Values.tls.mountPath }}/tls.crt
+- --tls-key={{ .Values.tls.mountPath }}/tls.key
+{{- if or .Values.tls.ca .Values.tls.existingSecretHasCa }}
+- --tls-ca={{ .Values.tls.mountPath }}/ca.crt
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{/* epserve coordinator: OpenAI API on --port, admin gRPC on --admin-port. */}}
+{{- define "epserve.args.coordinator" -}}
+{{- $c := .Values.coordinator -}}
+- coordinator
+{{ include "epserve.args.common" . }}
+- --host=0.0.0.0
+- --port={{ $c.port }}
+- --admin-port={{ $c.adminPort }}
+{{- if gt (int .Values.attentionWorkers.replicas) 0 }}
+- --attention-workers={{ include "epserve.attentionWorkerAddresses" . }}
+{{- end }}
+{{- range .Values.model.servedModelName }}
+- --served-model-name={{ . }}
+{{- end }}
+{{- with $c.maxModelLen }}
+- --max-model-len={{ . }}
+{{- end }}
+- --max-num-seqs={{ $c.maxNumSeqs }}
+- --max-num-batched-tokens={{ $c.maxNumBatchedTokens }}
+{{- with $c.kvCacheMemory }}
+- --kv-cache-memory={{ . }}
+{{- end }}
+- --block-size={{ $c.blockSize }}
+{{- include "epserve.args.tls" . }}
+{{- range $c.extraArgs }}
+- {{ . }}
+{{- end }}
+{{- end }}
+
+{{/* epserve expert-worker: gRPC ExpertService on --listen, registered in etcd as --advertise. */}}
+{{- define "epserve.args.expertWorker" -}}
+{{- $w := .Values.expertWorkers -}}
+{{- $name := include "epserve.expertWorker.fullname" . -}}
+- expert-worker
+{{ include "epserve.args.common" . }}
+- --listen=0.0.0.0:{{ $w.port }}
+{{- if eq $w.advertise "dns" }}
+- --advertise=$(POD_NAME).{{ include "epserve.headlessDomain" (dict "ctx" . "name" $name) }}:{{ $w.port }}
+{{- else if eq $w.advertise "podIP" }}
+- --advertise=$(POD_IP):{{ $w.port }}
+{{- else }}
+{{- fail (printf "expertWorkers.advertise must be dns or podIP (got %s)" $w.advertise) }}
+{{- end }}
+{{- with $w.cores }}
+- --cores={{ . }}
+{{- end }}
+{{- if gt (int .Values.metrics.workerPort) 0 }}
+- --metrics-port={{ .Values.metrics.workerPort }}
+{{- end }}
+{{- include "epserve.args.tls" . }}
+{{- range $w.extraArgs }}
+- {{ . }}
+{{- end }}
+{{- end }}
+
+{{/* epserve attention-worker: shard $(EPSERVE_SHARD) of N (the pod's StatefulSet ordinal). */}}
+{{- define "epserve.args.attentionWorker" -}}
+{{- $w := .Values.attentionWorkers -}}
+{{- $name := include "epserve.attentionWorker.fullname" . -}}
+- attention-worker
+{{ include "epserve.args.common" . }}
+- --shard=$(EPSERVE_SHARD)
+- --of={{ $w.replicas }}
+- --listen=0.0.0.0:{{ $w.port }}
+{{- if eq $w.advertise "dns" }}
+- --advertise=$(POD_NAME).{{ include "epserve.headlessDomain" (dict "ctx" . "name" $name) }}:{{ $w.port }}
+{{- else if eq $w.advertise "podIP" }}
+- --advertise=$(POD_IP):{{ $w.port }}
+{{- else }}
+{{- fail (printf "attentionWorkers.advertise must be dns or podIP (got %s)" $w.advertise) }}
+{{- end }}
+{{- if gt (int .Values.metrics.workerPort) 0 }}
+- --metrics-port={{ .Values.metrics.workerPort }}
+{{- end }}
+{{- include "epserve.args.tls" . }}
+{{- range $w.extraArgs }}
+- {{ . }}
+{{- end }}
+{{- end }}
