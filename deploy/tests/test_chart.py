@@ -77,7 +77,7 @@ SCENARIOS: dict[str, dict] = {
     },
     "attention-shards-servicemonitor": {
         "attentionWorkers": {"replicas": 4, "antiAffinity": "hard"},
-        "expertWorkers": {"replicas": 6, "antiAffinity": "hard", "advertise": "podIP", "cores": "0-13"},
+        "expertWorkers": {"replicas": 6, "antiAffinity": "hard", "advertise": "podIP", "cores": "0-13", "expertDtype": "int8"},
         "metrics": {"workerPort": 9090, "serviceMonitor": {"enabled": True, "labels": {"release": "kps"}}},
         "coordinator": {"replicas": 2, "maxModelLen": 8192, "kvCacheMemory": "8GiB"},
         "model": {"servedModelName": ["a/b", "b"]},
@@ -374,6 +374,8 @@ def test_coordinator_flags_ports_and_draining(scenario):
     assert int(one(c, "--admin-port")) == named_port(c, "admin") == values["coordinator"]["adminPort"]
     assert one(c, "--host") == "0.0.0.0"
     assert one(c, "--cluster") == (values.get("clusterName") or RELEASE)
+    # The coordinator waits for every expert-worker before the first placement.
+    assert int(one(c, "--expert-workers")) == values["expertWorkers"]["replicas"]
     # The API and admin Services are separate and target the right ports.
     api = find(objs, "Service", fullname("coordinator"))
     admin = find(objs, "Service", fullname("coordinator") + "-admin")
@@ -429,6 +431,8 @@ def test_workers_listen_and_advertise_where_their_services_point(scenario):
             assert ref == "metadata.labels['apps.kubernetes.io/pod-index']"
         if component == "expert-worker" and values[key]["cores"]:
             assert one(c, "--cores") == values[key]["cores"]
+        if component == "expert-worker" and values[key]["expertDtype"]:
+            assert one(c, "--expert-dtype") == values[key]["expertDtype"]
 
 
 def test_coordinator_lists_every_attention_shard(scenario):
@@ -707,8 +711,8 @@ QWEN3_CONFIG = {
 }
 
 
-@pytest.mark.parametrize("target", [100, 500, 900])
-def test_plan_values_render_and_validate(tmp_path, target):
+@pytest.mark.parametrize("target, dtype", [(100, "bf16"), (500, "bf16"), (900, "int8")])
+def test_plan_values_render_and_validate(tmp_path, target, dtype):
     binary = epserve_binary()
     if binary is None or help_flags(binary, "plan") is None:
         pytest.skip("no epserve binary with `plan` built")
@@ -718,7 +722,7 @@ def test_plan_values_render_and_validate(tmp_path, target):
     out = tmp_path / "plan.yaml"
     run = subprocess.run(
         [str(binary), "plan", "--model", str(model), "--instance", "c8g.16xlarge",
-         "--target-output-tps", str(target), "--helm-values", str(out)],
+         "--target-output-tps", str(target), "--expert-dtype", dtype, "--helm-values", str(out)],
         capture_output=True, text=True, timeout=120,
     )
     assert run.returncode == 0, run.stderr
@@ -736,3 +740,4 @@ def test_plan_values_render_and_validate(tmp_path, target):
     c = containers(sts)[0]
     assert c["resources"]["limits"]["cpu"] == str(plan_values["expertWorkers"]["resources"]["cpu"])
     assert one(c, "--model") == "/models/Qwen3-30B-A3B"
+    assert flags(c).get("--expert-dtype") == (["int8"] if dtype == "int8" else None)

@@ -287,6 +287,10 @@ pub fn helm_values(
         "  # -- One worker per node: each streams its experts from its own memory."
     );
     let _ = writeln!(s, "  antiAffinity: hard");
+    if a.expert_dtype == super::ExpertDtype::Int8 {
+        let _ = writeln!(s, "  # -- The plan assumed int8 (W8A8) experts.");
+        let _ = writeln!(s, "  expertDtype: int8");
+    }
     let _ = writeln!(
         s,
         "  # -- The whole node but what the kubelet keeps (Guaranteed QoS, exclusive cores)."

@@ -32,6 +32,7 @@ $(POD_NAME) and friends are expanded by Kubernetes from the container's env.
 - --host=0.0.0.0
 - --port={{ $c.port }}
 - --admin-port={{ $c.adminPort }}
+- --expert-workers={{ .Values.expertWorkers.replicas }}
 {{- if gt (int .Values.attentionWorkers.replicas) 0 }}
 - --attention-workers={{ include "epserve.attentionWorkerAddresses" . }}
 {{- end }}
@@ -69,6 +70,9 @@ $(POD_NAME) and friends are expanded by Kubernetes from the container's env.
 {{- end }}
 {{- with $w.cores }}
 - --cores={{ . }}
+{{- end }}
+{{- with $w.expertDtype }}
+- --expert-dtype={{ . }}
 {{- end }}
 {{- if gt (int .Values.metrics.workerPort) 0 }}
 - --metrics-port={{ .Values.metrics.workerPort }}
