@@ -20,6 +20,13 @@ pub enum Command {
     Generate(GenerateArgs),
     /// Single-process OpenAI-compatible server (completions, chat, models, health, metrics).
     Serve(Box<ServeArgs>),
+    /// The cluster's front: OpenAI API, scheduler, attention/router/combine,
+    /// experts dispatched to expert-workers over gRPC (placement in etcd).
+    Coordinator(Box<crate::cluster::CoordinatorArgs>),
+    /// An expert-worker: holds the experts the placement assigns it, serves them over gRPC.
+    ExpertWorker(Box<epserve_expert_worker::ExpertWorkerArgs>),
+    /// A whole local cluster on loopback: etcd, expert-workers, coordinator.
+    Up(Box<crate::cluster::up::UpArgs>),
     /// Benchmarks: `bench serve` (a twin of `vllm bench serve`).
     Bench(BenchArgs),
     /// Capacity planner: expert-workers, attention-workers, experts per worker and
@@ -137,4 +144,7 @@ pub struct ServeArgs {
     /// Most `logprobs` / `top_logprobs` a request may ask for.
     #[arg(long, default_value_t = 20)]
     pub max_logprobs: usize,
+    /// Expert precision: auto (bf16 when exact), bf16, int8 (W8A8).
+    #[arg(long, default_value = "auto")]
+    pub expert_dtype: epserve_core::experts::ExpertDtype,
 }

@@ -15,6 +15,9 @@ fn main() {
     let result = match &cli.command {
         Command::Generate(args) => epserve_coordinator::generate::run(args),
         Command::Serve(args) => epserve_coordinator::serve::run(args),
+        Command::Coordinator(args) => epserve_coordinator::cluster::run(args),
+        Command::ExpertWorker(args) => epserve_expert_worker::run(args),
+        Command::Up(args) => epserve_coordinator::cluster::up::run(args),
         Command::Bench(bench) => match &bench.command {
             BenchCommand::Serve(args) => epserve_coordinator::bench_serve::run(args),
             BenchCommand::Moe(args) => epserve_coordinator::bench_moe::run(args),

@@ -95,8 +95,32 @@ fn default_name(model: &Path) -> String {
         .unwrap_or_else(|| model.display().to_string())
 }
 
-/// Runs the server (blocking).
+/// The async runtime the server (and a gRPC dispatcher) run on.
+pub fn runtime() -> Result<tokio::runtime::Runtime> {
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .context("cannot start the async runtime")
+}
+
+/// Runs the single-process server (blocking).
 pub fn run(args: &ServeArgs) -> Result<()> {
+    let rt = runtime()?;
+    let model = args.model.clone();
+    let opts = epserve_core::experts::LoadOptions {
+        expert_dtype: args.expert_dtype,
+        ..Default::default()
+    };
+    serve_with(&rt, args, move || Ok(Engine::load_with(&model, &opts)?))
+}
+
+/// Binds, then loads the engine with `load` (so `/health` answers meanwhile),
+/// starts the scheduler and serves until a signal.
+pub fn serve_with<F>(rt: &tokio::runtime::Runtime, args: &ServeArgs, load: F) -> Result<()>
+where
+    F: FnOnce() -> Result<Engine> + Send + 'static,
+{
     crate::metrics::init();
     if !args.model.is_dir() {
         bail!(
@@ -115,11 +139,6 @@ pub fn run(args: &ServeArgs) -> Result<()> {
         max_body_bytes: args.max_request_body_bytes,
         max_logprobs: args.max_logprobs,
     });
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-        .context("cannot start the async runtime")?;
     rt.block_on(async {
         let listener = tokio::net::TcpListener::bind((args.host.as_str(), args.port))
             .await
@@ -132,11 +151,10 @@ pub fn run(args: &ServeArgs) -> Result<()> {
         };
         // Load in the background so /health can say "loading" meanwhile.
         let loader_state = state.clone();
-        let model_dir = args.model.clone();
         let args2 = args.clone();
         let loading = tokio::task::spawn_blocking(move || -> Result<()> {
             let started = std::time::Instant::now();
-            let engine = Arc::new(Engine::load(&model_dir)?);
+            let engine = Arc::new(load()?);
             let cfg = scheduler_config(&args2, &engine)?;
             tracing::info!(
                 blocks = cfg.num_blocks,

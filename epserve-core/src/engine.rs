@@ -84,13 +84,18 @@ impl StopStrings {
 impl Engine {
     /// Loads a model folder: config, weights, tokenizer, generation defaults.
     pub fn load(dir: &Path) -> Result<Self> {
+        Self::load_with(dir, &crate::experts::LoadOptions::default())
+    }
+
+    /// Loads a model folder with the given expert options (precision, executor).
+    pub fn load_with(dir: &Path, opts: &crate::experts::LoadOptions) -> Result<Self> {
         if !dir.is_dir() {
             return Err(Error::MissingFile {
                 path: dir.to_path_buf(),
                 what: "model folder",
             });
         }
-        let model = Model::load(dir)?;
+        let model = Model::load_with(dir, opts)?;
         let tokenizer = Tokenizer::from_dir(dir)?;
         let generation = GenerationConfig::from_dir(dir)?;
         Ok(Self::from_parts(model, tokenizer, generation, dir))

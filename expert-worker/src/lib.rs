@@ -1,23 +1,190 @@
-//! The expert-worker role: holds a subset of a model's experts and runs them
-//! for the coordinator. The gRPC service, etcd registration and core pinning
-//! arrive with the cluster work; what exists now is loading a chosen subset of
-//! experts from a model folder into an executor.
+//! The expert-worker role: registers in etcd under a lease, watches the
+//! placement, loads only the experts assigned to it (weights memory-mapped,
+//! packed copies only of its own experts), and serves `ExpertService` on a
+//! thread pool pinned to its cores.
 
-use std::path::Path;
+pub mod cores;
+mod service;
 
-use epserve_core::Result;
+use std::collections::BTreeSet;
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use anyhow::{Context, Result, bail};
+use clap::Args;
 use epserve_core::config::ModelConfig;
+use epserve_core::experts::{ExpertDtype, LoadOptions};
 use epserve_core::loader::weights::WeightStore;
-use epserve_core::model::moe::LocalExperts;
+use epserve_core::model::moe::{ExpertExecutor, LocalExperts};
+use epserve_core::placement::Placement;
+use epserve_proto::cluster::{ClusterState, WorkerInfo};
+use epserve_proto::pb::expert_service_server::ExpertServiceServer;
+use epserve_proto::store::EtcdStore;
 
-/// Loads the experts `(layer, expert)` for which `keep` holds from `dir`.
-/// Expert weights stay memory-mapped; nothing else of the model is read.
+pub use service::ExpertWorker;
+
+/// Loads the experts `(layer, expert)` for which `keep` holds from `dir`
+/// with the portable executor (weights stay memory-mapped).
 pub fn load_experts(
     dir: &Path,
     keep: impl Fn(usize, usize) -> bool,
-) -> Result<(ModelConfig, LocalExperts)> {
+) -> epserve_core::Result<(ModelConfig, LocalExperts)> {
     let cfg = ModelConfig::from_dir(dir)?;
     let ws = WeightStore::open(dir)?;
     let experts = LocalExperts::load_filtered(&cfg, &ws, keep)?;
     Ok((cfg, experts))
+}
+
+/// `epserve expert-worker`.
+#[derive(Debug, Clone, Args)]
+pub struct ExpertWorkerArgs {
+    /// Hugging Face model folder (the same files the coordinator uses).
+    #[arg(long, env = "EPSERVE_MODEL")]
+    pub model: PathBuf,
+    /// etcd endpoints, comma-separated (`127.0.0.1:2379`).
+    #[arg(long, env = "EPSERVE_ETCD")]
+    pub etcd: String,
+    /// Cluster name: keys live under `/epserve/<cluster>/`.
+    #[arg(long, default_value = "default", env = "EPSERVE_CLUSTER")]
+    pub cluster: String,
+    /// Address the gRPC server binds.
+    #[arg(long, default_value = "0.0.0.0:50051")]
+    pub listen: SocketAddr,
+    /// Address the coordinator should dial (default: --listen, with 127.0.0.1 for 0.0.0.0).
+    #[arg(long)]
+    pub advertise: Option<String>,
+    /// Worker id in etcd (default: `expert-<host>-<port>`).
+    #[arg(long)]
+    pub id: Option<String>,
+    /// Cores to run experts on, e.g. `0-15` or `0,2,4-7` (default: all).
+    #[arg(long)]
+    pub cores: Option<String>,
+    /// Expert precision: auto (bf16 when exact), bf16, int8 (W8A8).
+    #[arg(long, default_value = "auto")]
+    pub expert_dtype: ExpertDtype,
+    /// Memory offered for experts, bytes (reported in etcd for planning).
+    #[arg(long, default_value_t = 0)]
+    pub memory_bytes: u64,
+}
+
+/// What the worker serves right now.
+pub struct Loaded {
+    pub version: u64,
+    pub held: BTreeSet<(usize, usize)>,
+    pub executor: Arc<dyn ExpertExecutor>,
+}
+
+fn hostname() -> String {
+    std::fs::read_to_string("/etc/hostname")
+        .map(|s| s.trim().to_string())
+        .ok()
+        .filter(|s| !s.is_empty())
+        .unwrap_or_else(|| "localhost".into())
+}
+
+/// Runs the worker until SIGINT/SIGTERM.
+pub fn run(args: &ExpertWorkerArgs) -> Result<()> {
+    let cores = match &args.cores {
+        Some(spec) => {
+            let c = cores::parse_cores(spec)?;
+            cores::pin_process(&c)?;
+            c
+        }
+        None => (0..std::thread::available_parallelism().map_or(1, |n| n.get())).collect(),
+    };
+    let cfg = ModelConfig::from_dir(&args.model)?;
+    let ws = Arc::new(WeightStore::open(&args.model)?);
+    let id = args
+        .id
+        .clone()
+        .unwrap_or_else(|| format!("expert-{}-{}", hostname(), args.listen.port()));
+    let advertise = match &args.advertise {
+        Some(a) => a.clone(),
+        None if args.listen.ip().is_unspecified() => format!("127.0.0.1:{}", args.listen.port()),
+        None => args.listen.to_string(),
+    };
+    let opts = LoadOptions {
+        expert_dtype: args.expert_dtype,
+        threads: Some(cores.len()),
+        pin_threads: args.cores.is_some(),
+        ..Default::default()
+    };
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .context("cannot start the async runtime")?;
+    rt.block_on(async move {
+        let store = EtcdStore::connect(&args.etcd).await?;
+        let state = ClusterState::new(Arc::new(store), &args.cluster);
+        let worker = Arc::new(ExpertWorker::new(id.clone(), cfg, ws, opts));
+        let listener = tokio::net::TcpListener::bind(args.listen)
+            .await
+            .with_context(|| format!("cannot listen on {}", args.listen))?;
+        let incoming =
+            tonic::transport::server::TcpIncoming::from(listener).with_nodelay(Some(true));
+        // Follow the placement: load what is assigned to us.
+        let mut placements = state.watch_placement().await?;
+        let w2 = worker.clone();
+        tokio::spawn(async move {
+            while let Some(p) = placements.recv().await {
+                let Some(p) = p else { continue };
+                if let Err(e) = w2.apply_placement(p).await {
+                    tracing::error!(error = %e, "cannot load the assigned experts");
+                }
+            }
+        });
+        let info = WorkerInfo {
+            id: id.clone(),
+            role: "expert".into(),
+            addr: format!("http://{advertise}"),
+            cores: cores.clone(),
+            memory_bytes: args.memory_bytes,
+            shard: None,
+            pid: std::process::id(),
+        };
+        let _lease = state.register(&info).await?;
+        println!(
+            "epserve expert-worker '{id}' serving ExpertService at {advertise} (cores {cores:?})"
+        );
+        tonic::transport::Server::builder()
+            .add_service(
+                ExpertServiceServer::from_arc(worker)
+                    .max_decoding_message_size(1 << 30)
+                    .max_encoding_message_size(1 << 30),
+            )
+            .serve_with_incoming_shutdown(incoming, shutdown())
+            .await
+            .context("gRPC server failed")?;
+        Ok::<(), anyhow::Error>(())
+    })?;
+    Ok(())
+}
+
+/// Resolves on SIGINT or SIGTERM.
+pub async fn shutdown() {
+    let ctrl_c = async {
+        let _ = tokio::signal::ctrl_c().await;
+    };
+    let term = async {
+        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(mut s) => {
+                s.recv().await;
+            }
+            Err(_) => std::future::pending::<()>().await,
+        }
+    };
+    tokio::select! {
+        _ = ctrl_c => {},
+        _ = term => {},
+    }
+}
+
+/// Errors for placements this worker cannot serve.
+pub fn check_placement(p: &Placement, cfg: &ModelConfig) -> Result<()> {
+    if let Err(e) = p.validate(&cfg.moe_layers(), cfg.num_experts) {
+        bail!("{e}");
+    }
+    Ok(())
 }

@@ -339,9 +339,23 @@ impl Scheduler {
         }
         let n_seqs = inputs.len();
         let started = Instant::now();
-        let result = engine
-            .model
-            .forward(&mut inputs, &mut self.pool, LogitsMode::Last, true);
+        // A panic in the model (a bug) fails this step's requests, not the server.
+        let pool = &mut self.pool;
+        let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            engine
+                .model
+                .forward(&mut inputs, pool, LogitsMode::Last, true)
+        }))
+        .unwrap_or_else(|p| {
+            let msg = p
+                .downcast_ref::<String>()
+                .cloned()
+                .or_else(|| p.downcast_ref::<&str>().map(|s| s.to_string()))
+                .unwrap_or_else(|| "unknown panic".into());
+            Err(epserve_core::Error::Dispatch(format!(
+                "internal error in the forward pass: {msg}"
+            )))
+        });
         drop(inputs);
         m::step(n_seqs, n_tokens, started.elapsed().as_secs_f64());
         let out = match result {

@@ -1,0 +1,192 @@
+//! The cluster roles on the coordinator side: `epserve coordinator` (the
+//! OpenAI API in front of remote expert-workers, placement kept in etcd) and
+//! `epserve up` (a whole local cluster on loopback as child processes).
+
+pub mod dispatch;
+pub mod up;
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result, bail};
+use clap::Args;
+use epserve_core::config::ModelConfig;
+use epserve_core::engine::Engine;
+use epserve_core::loader::generation::GenerationConfig;
+use epserve_core::loader::tokenizer::Tokenizer;
+use epserve_core::loader::weights::WeightStore;
+use epserve_core::model::Model;
+use epserve_core::placement::Placement;
+use epserve_proto::cluster::ClusterState;
+use epserve_proto::pb::Dtype;
+use epserve_proto::store::EtcdStore;
+
+use crate::cli::ServeArgs;
+use dispatch::{GrpcDispatcher, Route};
+
+/// `epserve coordinator`.
+#[derive(Debug, Clone, Args)]
+pub struct CoordinatorArgs {
+    #[command(flatten)]
+    pub serve: ServeArgs,
+    /// etcd endpoints, comma-separated (`127.0.0.1:2379`).
+    #[arg(long, env = "EPSERVE_ETCD")]
+    pub etcd: String,
+    /// Cluster name: keys live under `/epserve/<cluster>/`.
+    #[arg(long, default_value = "default", env = "EPSERVE_CLUSTER")]
+    pub cluster: String,
+    /// Expert-workers to wait for before writing the initial placement.
+    #[arg(long, default_value_t = 1)]
+    pub expert_workers: usize,
+    /// How long to wait for them, seconds.
+    #[arg(long, default_value_t = 120)]
+    pub wait_secs: u64,
+    /// Activation dtype on the wire: bf16 (half the bytes) or f32 (bit-exact
+    /// with the single-process engine).
+    #[arg(long, default_value = "bf16", value_parser = ["bf16", "f32"])]
+    pub dispatch_dtype: String,
+    /// Deadline of one dispatch call, milliseconds.
+    #[arg(long, default_value_t = 30_000)]
+    pub dispatch_timeout_ms: u64,
+}
+
+async fn current_route(state: &ClusterState, cfg: &ModelConfig) -> Result<Option<Route>> {
+    let Some((p, _)) = state.placement().await? else {
+        return Ok(None);
+    };
+    p.validate(&cfg.moe_layers(), cfg.num_experts)
+        .context("the placement in etcd does not fit this model")?;
+    let addrs: HashMap<String, String> = state
+        .workers("expert")
+        .await?
+        .into_iter()
+        .map(|w| (w.id, w.addr))
+        .collect();
+    Ok(Some(Route {
+        placement: Arc::new(p),
+        addrs,
+    }))
+}
+
+/// Runs the coordinator (blocking).
+pub fn run(args: &CoordinatorArgs) -> Result<()> {
+    let rt = crate::serve::runtime()?;
+    let model_dir = args.serve.model.clone();
+    let cfg = ModelConfig::from_dir(&model_dir)?;
+    let dtype = if args.dispatch_dtype == "f32" {
+        Dtype::F32
+    } else {
+        Dtype::Bf16
+    };
+    let (dispatcher, state) = rt.block_on(async {
+        let store = EtcdStore::connect(&args.etcd).await?;
+        let state = ClusterState::new(Arc::new(store), &args.cluster);
+        // Wait for the expert-workers.
+        let deadline = Instant::now() + Duration::from_secs(args.wait_secs);
+        let workers = loop {
+            let w = state.workers("expert").await?;
+            if w.len() >= args.expert_workers {
+                break w;
+            }
+            if Instant::now() > deadline {
+                bail!(
+                    "only {} of {} expert-workers registered in etcd under {} after {} s",
+                    w.len(),
+                    args.expert_workers,
+                    state.prefix(),
+                    args.wait_secs
+                );
+            }
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        };
+        let ids: Vec<String> = workers.iter().map(|w| w.id.clone()).collect();
+        let initial = Placement::initial(&cfg.moe_layers(), cfg.num_experts, &ids)?;
+        let p = state.init_placement(&initial).await?;
+        println!(
+            "epserve coordinator: placement v{} over {} expert-workers ({:?} experts each)",
+            p.version,
+            p.workers.len(),
+            p.counts()
+        );
+        let route = current_route(&state, &cfg)
+            .await?
+            .context("the placement vanished from etcd")?;
+        // Wait until every placed worker reports its experts loaded.
+        let dispatcher = Arc::new(GrpcDispatcher::new(
+            tokio::runtime::Handle::current(),
+            route,
+            dtype,
+            Duration::from_millis(args.dispatch_timeout_ms),
+        ));
+        Ok::<_, anyhow::Error>((dispatcher, state))
+    })?;
+    wait_ready(&rt, &dispatcher, Duration::from_secs(args.wait_secs))?;
+    // Follow placement and worker changes.
+    let (d2, st2, cfg2) = (dispatcher.clone(), state.clone(), cfg.clone());
+    rt.spawn(async move {
+        loop {
+            tokio::time::sleep(Duration::from_secs(1)).await;
+            match current_route(&st2, &cfg2).await {
+                Ok(Some(r)) => d2.set_route(r),
+                Ok(None) => tracing::warn!("no placement in etcd"),
+                Err(e) => tracing::warn!(error = %e, "cannot refresh the route"),
+            }
+        }
+    });
+    let serve_args = args.serve.clone();
+    serve_with_dispatcher(&rt, &serve_args, cfg, dispatcher)
+}
+
+fn serve_with_dispatcher(
+    rt: &tokio::runtime::Runtime,
+    args: &ServeArgs,
+    cfg: ModelConfig,
+    dispatcher: Arc<GrpcDispatcher>,
+) -> Result<()> {
+    let dir = args.model.clone();
+    crate::serve::serve_with(rt, args, move || {
+        let ws = WeightStore::open(&dir)?;
+        let model = Model::from_store(cfg, &ws, dispatcher)?;
+        let tokenizer = Tokenizer::from_dir(&dir)?;
+        let generation = GenerationConfig::from_dir(&dir)?;
+        Ok(Engine::from_parts(model, tokenizer, generation, &dir))
+    })
+}
+
+/// Polls every placed worker's Health until it serves the current placement.
+fn wait_ready(rt: &tokio::runtime::Runtime, d: &GrpcDispatcher, limit: Duration) -> Result<()> {
+    use epserve_proto::pb::HealthRequest;
+    use epserve_proto::pb::expert_service_client::ExpertServiceClient;
+    let route = d.route().context("no route")?;
+    rt.block_on(async {
+        let deadline = Instant::now() + limit;
+        for w in &route.placement.workers {
+            let addr = route
+                .addrs
+                .get(w)
+                .with_context(|| format!("worker {w} is in the placement but not registered"))?;
+            loop {
+                let ok = match ExpertServiceClient::connect(addr.clone()).await {
+                    Ok(mut c) => c
+                        .health(HealthRequest {})
+                        .await
+                        .map(|r| r.into_inner().placement_version >= route.placement.version)
+                        .unwrap_or(false),
+                    Err(_) => false,
+                };
+                if ok {
+                    break;
+                }
+                if Instant::now() > deadline {
+                    bail!(
+                        "expert-worker {w} ({addr}) did not load placement v{} in time",
+                        route.placement.version
+                    );
+                }
+                tokio::time::sleep(Duration::from_millis(200)).await;
+            }
+        }
+        Ok(())
+    })
+}

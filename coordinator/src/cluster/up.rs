@@ -1,0 +1,285 @@
+//! `epserve up`: a whole local cluster on loopback — etcd (on free ports with
+//! a temporary data dir), N expert-workers and the coordinator as child
+//! processes of this one. Ctrl-C / SIGTERM, or any child exiting, stops them
+//! all; children also get SIGTERM if this process dies (PR_SET_PDEATHSIG).
+
+use std::io::{BufRead, BufReader};
+use std::net::TcpListener;
+use std::os::unix::process::CommandExt;
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, mpsc};
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result, bail};
+use clap::Args;
+
+/// `epserve up`.
+#[derive(Debug, Clone, Args)]
+pub struct UpArgs {
+    /// Hugging Face model folder.
+    #[arg(long, env = "EPSERVE_MODEL")]
+    pub model: PathBuf,
+    /// Expert-worker processes.
+    #[arg(long, default_value_t = 2)]
+    pub expert_workers: usize,
+    /// Attention-worker processes (tensor-parallel attention shards). Only 0 is
+    /// supported today: attention runs in the coordinator.
+    #[arg(long, default_value_t = 0)]
+    pub attention_workers: usize,
+    /// OpenAI API address.
+    #[arg(long, default_value = "127.0.0.1")]
+    pub host: String,
+    /// OpenAI API port (0 picks a free one; the URL is printed).
+    #[arg(long, default_value_t = 8000)]
+    pub port: u16,
+    /// Use this etcd instead of starting one.
+    #[arg(long)]
+    pub etcd: Option<String>,
+    /// Activation dtype on the wire (bf16 or f32).
+    #[arg(long, default_value = "bf16", value_parser = ["bf16", "f32"])]
+    pub dispatch_dtype: String,
+    /// Served model name.
+    #[arg(long)]
+    pub served_model_name: Option<String>,
+    /// Extra arguments passed to the coordinator (e.g. `--max-num-seqs 8`).
+    #[arg(last = true)]
+    pub coordinator_args: Vec<String>,
+}
+
+struct Children {
+    list: Vec<(String, Child)>,
+    tmp: Vec<PathBuf>,
+}
+
+impl Drop for Children {
+    fn drop(&mut self) {
+        for (name, c) in self.list.iter_mut().rev() {
+            // SAFETY: kill(2) on our own child's pid; at worst it already exited.
+            unsafe {
+                libc::kill(c.id() as libc::pid_t, libc::SIGTERM);
+            }
+            let deadline = Instant::now() + Duration::from_secs(5);
+            loop {
+                match c.try_wait() {
+                    Ok(Some(_)) => break,
+                    Ok(None) if Instant::now() < deadline => {
+                        std::thread::sleep(Duration::from_millis(50))
+                    }
+                    _ => {
+                        let _ = c.kill();
+                        let _ = c.wait();
+                        break;
+                    }
+                }
+            }
+            tracing::debug!(child = %name, "stopped");
+        }
+        for d in &self.tmp {
+            let _ = std::fs::remove_dir_all(d);
+        }
+    }
+}
+
+fn free_port() -> Result<u16> {
+    let l = TcpListener::bind("127.0.0.1:0").context("cannot find a free port")?;
+    Ok(l.local_addr()?.port())
+}
+
+fn child_cmd(program: &std::path::Path) -> Command {
+    let mut c = Command::new(program);
+    // SAFETY: prctl in the forked child before exec only sets its own parent
+    // death signal; no allocation or locking happens there.
+    unsafe {
+        c.pre_exec(|| {
+            libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGTERM);
+            Ok(())
+        });
+    }
+    c
+}
+
+/// Forwards a child's stdout lines to ours with a prefix; sends lines to `tx`.
+fn forward(name: String, child: &mut Child, tx: mpsc::Sender<(String, String)>) {
+    if let Some(out) = child.stdout.take() {
+        std::thread::spawn(move || {
+            let r = BufReader::new(out);
+            for line in r.lines().map_while(|l| l.ok()) {
+                println!("[{name}] {line}");
+                let _ = tx.send((name.clone(), line));
+            }
+        });
+    }
+}
+
+/// Runs the local cluster until interrupted.
+pub fn run(args: &UpArgs) -> Result<()> {
+    if args.attention_workers > 0 {
+        bail!("--attention-workers > 0 is not supported yet: attention runs in the coordinator");
+    }
+    if args.expert_workers == 0 {
+        bail!("--expert-workers must be at least 1");
+    }
+    if !args.model.join("config.json").is_file() {
+        bail!(
+            "{}: missing from the model folder (config.json)",
+            args.model.display()
+        );
+    }
+    let exe = std::env::current_exe().context("cannot find the epserve binary")?;
+    let mut kids = Children {
+        list: Vec::new(),
+        tmp: Vec::new(),
+    };
+    let (tx, rx) = mpsc::channel::<(String, String)>();
+    let cluster = format!("local-{}", std::process::id());
+    let etcd = match &args.etcd {
+        Some(e) => e.clone(),
+        None => {
+            let etcd_bin = which("etcd").context(
+                "`etcd` is not installed (Debian: apt-get install etcd-server); or pass --etcd HOST:PORT",
+            )?;
+            let (cport, pport) = (free_port()?, free_port()?);
+            let dir = std::env::temp_dir().join(format!("epserve-etcd-{}", std::process::id()));
+            kids.tmp.push(dir.clone());
+            let child = child_cmd(&etcd_bin)
+                .args(["--name", "epserve-up", "--data-dir"])
+                .arg(&dir)
+                .args([
+                    "--listen-client-urls",
+                    &format!("http://127.0.0.1:{cport}"),
+                    "--advertise-client-urls",
+                    &format!("http://127.0.0.1:{cport}"),
+                    "--listen-peer-urls",
+                    &format!("http://127.0.0.1:{pport}"),
+                    "--initial-advertise-peer-urls",
+                    &format!("http://127.0.0.1:{pport}"),
+                    "--initial-cluster",
+                    &format!("epserve-up=http://127.0.0.1:{pport}"),
+                    "--log-level",
+                    "error",
+                ])
+                .stdout(Stdio::null())
+                .stderr(Stdio::null())
+                .spawn()
+                .context("cannot start etcd")?;
+            kids.list.push(("etcd".into(), child));
+            let addr = format!("127.0.0.1:{cport}");
+            wait_tcp(&addr, Duration::from_secs(20)).context("etcd did not start")?;
+            println!("epserve up: etcd at {addr} (data in {})", dir.display());
+            addr
+        }
+    };
+    for i in 0..args.expert_workers {
+        let port = free_port()?;
+        let name = format!("expert-{i}");
+        let mut c = child_cmd(&exe)
+            .args(["expert-worker", "--model"])
+            .arg(&args.model)
+            .args(["--etcd", &etcd, "--cluster", &cluster, "--id", &name])
+            .args(["--listen", &format!("127.0.0.1:{port}")])
+            .stdout(Stdio::piped())
+            .spawn()
+            .with_context(|| format!("cannot start {name}"))?;
+        forward(name.clone(), &mut c, tx.clone());
+        kids.list.push((name, c));
+    }
+    let served = args.served_model_name.clone().unwrap_or_else(|| {
+        args.model
+            .file_name()
+            .and_then(|n| n.to_str())
+            .unwrap_or("model")
+            .to_string()
+    });
+    let mut c = child_cmd(&exe)
+        .args(["coordinator", "--model"])
+        .arg(&args.model)
+        .args(["--etcd", &etcd, "--cluster", &cluster])
+        .args(["--expert-workers", &args.expert_workers.to_string()])
+        .args(["--host", &args.host, "--port", &args.port.to_string()])
+        .args([
+            "--served-model-name",
+            &served,
+            "--dispatch-dtype",
+            &args.dispatch_dtype,
+        ])
+        .args(&args.coordinator_args)
+        .stdout(Stdio::piped())
+        .spawn()
+        .context("cannot start the coordinator")?;
+    forward("coordinator".into(), &mut c, tx.clone());
+    kids.list.push(("coordinator".into(), c));
+    drop(tx);
+
+    let stop = Arc::new(AtomicBool::new(false));
+    for sig in [libc::SIGINT, libc::SIGTERM] {
+        let s = stop.clone();
+        // A plain flag set from the handler thread of signal-hook-free code:
+        // we poll it below.
+        std::thread::spawn(move || wait_signal(sig, s));
+    }
+    let mut announced = false;
+    loop {
+        while let Ok((who, line)) = rx.try_recv() {
+            if who == "coordinator"
+                && !announced
+                && line.contains("serving")
+                && line.contains("http://")
+            {
+                announced = true;
+                if let Some(i) = line.find("http://") {
+                    let url = line[i..].split_whitespace().next().unwrap_or("");
+                    println!(
+                        "epserve up: cluster ready at {url} ({} expert-workers, etcd {etcd})",
+                        args.expert_workers
+                    );
+                }
+            }
+        }
+        if stop.load(Ordering::Relaxed) {
+            println!("epserve up: stopping");
+            return Ok(());
+        }
+        for (name, c) in kids.list.iter_mut() {
+            if let Ok(Some(status)) = c.try_wait() {
+                bail!("{name} exited ({status}); stopping the cluster");
+            }
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
+fn wait_signal(sig: libc::c_int, flag: Arc<AtomicBool>) {
+    // SAFETY: sigwait on a set holding only `sig`, which we block in this
+    // thread first; the mask change is local to this thread.
+    unsafe {
+        let mut set: libc::sigset_t = std::mem::zeroed();
+        libc::sigemptyset(&mut set);
+        libc::sigaddset(&mut set, sig);
+        libc::pthread_sigmask(libc::SIG_BLOCK, &set, std::ptr::null_mut());
+        let mut got: libc::c_int = 0;
+        if libc::sigwait(&set, &mut got) == 0 {
+            flag.store(true, Ordering::Relaxed);
+        }
+    }
+}
+
+fn wait_tcp(addr: &str, limit: Duration) -> Result<()> {
+    let deadline = Instant::now() + limit;
+    while Instant::now() < deadline {
+        if std::net::TcpStream::connect(addr).is_ok() {
+            return Ok(());
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    bail!("nothing listens on {addr}")
+}
+
+fn which(name: &str) -> Option<PathBuf> {
+    std::env::var_os("PATH").and_then(|p| {
+        std::env::split_paths(&p)
+            .map(|d| d.join(name))
+            .find(|f| f.is_file())
+    })
+}
