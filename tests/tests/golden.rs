@@ -123,6 +123,11 @@ fn fixtures_exist() {
         "mixtral",
         "qwen2_moe",
         "olmoe",
+        "gpt_oss",
+        "gemma4",
+        "deepseek_v2",
+        "deepseek_v3",
+        "deepseek_v3_g1",
     ] {
         assert!(
             names.iter().any(|n| n == want),
@@ -143,6 +148,21 @@ fn all_fixtures_bf16_match_transformers() {
     for name in fixture_names() {
         check_fixture(&name, "bf16");
     }
+}
+
+/// Fixtures that also ship their experts quantized as published (GPT-OSS's
+/// MXFP4 `*_blocks` / `*_scales`, dequantized at load) give the same outputs:
+/// the quantized values are exactly the f32 folder's weights.
+#[test]
+fn mxfp4_folders_match_transformers() {
+    let mut seen = 0;
+    for name in fixture_names() {
+        if fixture_dir(&name).join("mxfp4").is_dir() {
+            check_fixture(&name, "mxfp4");
+            seen += 1;
+        }
+    }
+    assert!(seen > 0, "no fixture has an mxfp4/ folder");
 }
 
 /// Prefill in one pass, prefill in chunks, and token-by-token decode give the

@@ -46,7 +46,7 @@ const ITEMS_PER_THREAD: usize = 4;
 /// The gated nonlinearity applied to one (gate, up) pair.
 #[inline]
 fn glu(a: Activation, gate: f32, up: f32) -> f32 {
-    crate::kernels::activate(a, gate) * up
+    crate::kernels::gated(a, gate, up)
 }
 
 /// The experts of one layer held here.

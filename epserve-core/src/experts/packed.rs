@@ -205,7 +205,7 @@ impl PackedExpert {
     pub fn from_mlp(mlp: &GatedMlp, dtype: PackedDtype, exact: bool) -> Result<Self> {
         let inter = mlp.gate.shape()[0];
         let hidden = mlp.gate.shape()[1];
-        Self::from_weights(
+        let mut p = Self::from_weights(
             &mlp.gate,
             &mlp.up,
             &mlp.down,
@@ -214,7 +214,11 @@ impl PackedExpert {
             mlp.activation,
             dtype,
             exact,
-        )
+        )?;
+        p.gate_bias = mlp.gate_bias.clone();
+        p.up_bias = mlp.up_bias.clone();
+        p.down_bias = mlp.down_bias.clone();
+        Ok(p)
     }
 
     /// Packs `[inter, hidden]` gate and up and `[hidden, inter]` down weights.

@@ -43,6 +43,9 @@ fn mlps(rng: &mut StdRng, c: &Case) -> Vec<GatedMlp> {
             up: bf16_weight(rng, c.inter, c.hidden, 0.5),
             down: bf16_weight(rng, c.hidden, c.inter, 0.5),
             activation: Activation::Silu,
+            gate_bias: None,
+            up_bias: None,
+            down_bias: None,
         })
         .collect()
 }
@@ -68,6 +71,9 @@ fn portable(ms: &[GatedMlp], hidden: usize) -> LocalExperts {
         up: m.up.clone(),
         down: m.down.clone(),
         activation: m.activation,
+        gate_bias: m.gate_bias.clone(),
+        up_bias: m.up_bias.clone(),
+        down_bias: m.down_bias.clone(),
     });
     LocalExperts::new(
         vec![

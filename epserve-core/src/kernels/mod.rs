@@ -132,6 +132,21 @@ pub fn activate(a: Activation, x: f32) -> f32 {
             let c = (2.0f32 / std::f32::consts::PI).sqrt();
             0.5 * x * (1.0 + (c * (x + 0.044715 * x * x * x)).tanh())
         }
+        // The gate half of GPT-OSS's clamped SwiGLU; see [`gated`].
+        Activation::SwigluOai { alpha, limit } => {
+            let g = x.min(limit);
+            g * sigmoid(g * alpha)
+        }
+    }
+}
+
+/// The gated-MLP nonlinearity `act(gate) · up`; GPT-OSS's clamped SwiGLU
+/// also clamps `up` to `±limit` and uses `up + 1`.
+#[inline]
+pub fn gated(a: Activation, gate: f32, up: f32) -> f32 {
+    match a {
+        Activation::SwigluOai { limit, .. } => (up.clamp(-limit, limit) + 1.0) * activate(a, gate),
+        _ => activate(a, gate) * up,
     }
 }
 

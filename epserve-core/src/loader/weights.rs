@@ -170,6 +170,34 @@ impl WeightStore {
         Ok(self.get(name, &[len])?.to_f32_vec())
     }
 
+    /// The raw bytes of a `U8` tensor of the given shape (MXFP4 blocks and scales).
+    pub fn get_u8(&self, name: &str, shape: &[usize]) -> Result<&[u8]> {
+        let e = self.entries.get(name).ok_or_else(|| Error::MissingTensor {
+            dir: self.dir.clone(),
+            tensor: name.to_string(),
+        })?;
+        let (path, map) = &self.files[e.file];
+        if e.shape != shape {
+            return Err(Error::ShapeMismatch {
+                path: path.clone(),
+                tensor: name.to_string(),
+                actual: e.shape.clone(),
+                expected: shape.to_vec(),
+            });
+        }
+        match &e.dtype {
+            Err(d) if d == "U8" || d == "I8" => Ok(&map.bytes()[e.offset..e.offset + e.len]),
+            other => Err(Error::UnsupportedDtype {
+                path: path.clone(),
+                tensor: name.to_string(),
+                dtype: match other {
+                    Ok(d) => format!("{d:?} (expected U8)"),
+                    Err(d) => format!("{d} (expected U8)"),
+                },
+            }),
+        }
+    }
+
     /// Like [`get`](Self::get) but `None` when the tensor is absent.
     pub fn get_opt(&self, name: &str, shape: &[usize]) -> Result<Option<Weight>> {
         if self.contains(name) {

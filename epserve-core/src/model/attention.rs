@@ -1,7 +1,9 @@
 //! Grouped-query self-attention with the per-architecture options the
-//! supported models use: q/k/v biases, q/k RMSNorm (per head or over the whole
-//! projection), q/k/v clipping, rotary embeddings, causal and sliding-window
-//! masks, and an incremental KV cache. Heads may be a contiguous subset of the
+//! supported models use: q/k/v/o biases, q/k RMSNorm (per head or over the
+//! whole projection), weightless v RMSNorm and values taken from the key
+//! projection (Gemma 4), q/k/v clipping, rotary embeddings, causal and
+//! sliding-window masks, learned per-head attention sinks (GPT-OSS), a
+//! configurable softmax scale, and an incremental KV cache. Heads may be a contiguous subset of the
 //! model's (a tensor-parallel shard): the output projection then yields a
 //! partial sum that the caller adds across shards.
 
@@ -38,6 +40,12 @@ pub struct Attention {
     o_bias: Option<Vec<f32>>,
     q_norm: Option<Vec<f32>>,
     k_norm: Option<Vec<f32>>,
+    /// Weightless per-head RMSNorm of the values (a vector of ones).
+    v_norm: Option<Vec<f32>>,
+    /// Values are the raw key projection (no `v_proj`).
+    v_from_k: bool,
+    /// Per-head sink logits joining each softmax (GPT-OSS).
+    sinks: Option<Vec<f32>>,
     qk_norm: QkNorm,
     clip_qkv: Option<f32>,
     eps: f32,
@@ -51,11 +59,12 @@ pub struct Attention {
 impl Attention {
     /// Loads layer `layer`'s attention from `prefix` (e.g. `model.layers.3.self_attn`).
     pub fn load(cfg: &ModelConfig, ws: &WeightStore, prefix: &str, layer: usize) -> Result<Self> {
+        let spec = &cfg.layers[layer];
         let (h, hd, nh, nkv) = (
             cfg.hidden_size,
-            cfg.head_dim,
+            spec.head_dim,
             cfg.num_attention_heads,
-            cfg.num_key_value_heads,
+            spec.kv_heads,
         );
         let bias = |name: &str, n: usize, on: bool| -> Result<Option<Vec<f32>>> {
             if on {
@@ -75,25 +84,38 @@ impl Attention {
                 Some(ws.get_vec(&format!("{prefix}.k_norm.weight"), nkv * hd)?),
             ),
         };
+        let k = ws.get(&format!("{prefix}.k_proj.weight"), &[nkv * hd, h])?;
+        let v = if spec.v_from_k {
+            k.clone()
+        } else {
+            ws.get(&format!("{prefix}.v_proj.weight"), &[nkv * hd, h])?
+        };
         Ok(Attention {
             q: ws.get(&format!("{prefix}.q_proj.weight"), &[nh * hd, h])?,
-            k: ws.get(&format!("{prefix}.k_proj.weight"), &[nkv * hd, h])?,
-            v: ws.get(&format!("{prefix}.v_proj.weight"), &[nkv * hd, h])?,
+            k,
+            v,
             o: ws.get(&format!("{prefix}.o_proj.weight"), &[h, nh * hd])?,
             q_bias: bias("q_proj", nh * hd, cfg.qkv_bias)?,
             k_bias: bias("k_proj", nkv * hd, cfg.qkv_bias)?,
-            v_bias: bias("v_proj", nkv * hd, cfg.qkv_bias)?,
+            v_bias: bias("v_proj", nkv * hd, cfg.qkv_bias && !spec.v_from_k)?,
             o_bias: bias("o_proj", h, cfg.o_bias)?,
             q_norm,
             k_norm,
+            v_norm: cfg.v_norm.then(|| vec![1.0; hd]),
+            v_from_k: spec.v_from_k,
+            sinks: if cfg.attn_sinks {
+                Some(ws.get_vec(&format!("{prefix}.sinks"), nh)?)
+            } else {
+                None
+            },
             qk_norm: cfg.qk_norm,
             clip_qkv: cfg.clip_qkv,
             eps: cfg.rms_norm_eps,
             heads: nh,
             kv_heads: nkv,
             head_dim: hd,
-            sliding_window: cfg.layers[layer].sliding_window,
-            scale: (hd as f32).powf(-0.5),
+            sliding_window: spec.sliding_window,
+            scale: cfg.attention_scale.unwrap_or((hd as f32).powf(-0.5)),
         })
     }
 
@@ -121,7 +143,14 @@ impl Attention {
         let mut v = vec![0.0f32; t * nkv * hd];
         linear(x, t, &self.q, self.q_bias.as_deref(), &mut q);
         linear(x, t, &self.k, self.k_bias.as_deref(), &mut k);
-        linear(x, t, &self.v, self.v_bias.as_deref(), &mut v);
+        if self.v_from_k {
+            v.copy_from_slice(&k);
+        } else {
+            linear(x, t, &self.v, self.v_bias.as_deref(), &mut v);
+        }
+        if let Some(vn) = &self.v_norm {
+            rms_norm(&mut v, vn, self.eps);
+        }
         match self.qk_norm {
             QkNorm::None => {}
             QkNorm::PerHead | QkNorm::Full => {
@@ -185,7 +214,10 @@ impl Attention {
                         let r = pool.row(cache, j);
                         dot(qh, &kv.k[r * w + kvh * hd..r * w + (kvh + 1) * hd]) * self.scale
                     }));
-                    softmax(scores);
+                    match &self.sinks {
+                        None => softmax(scores),
+                        Some(sinks) => softmax_with_sink(scores, sinks[h]),
+                    }
                     let out = &mut dst[h * hd..(h + 1) * hd];
                     out.fill(0.0);
                     for (jj, p) in scores.iter().enumerate() {
@@ -201,5 +233,31 @@ impl Attention {
         let mut out = vec![0.0f32; t * hidden];
         linear(&attn, t, &self.o, self.o_bias.as_deref(), &mut out);
         out
+    }
+}
+
+/// Softmax over `scores` plus one extra logit `sink` that takes probability
+/// mass but has no value (GPT-OSS attention sinks).
+fn softmax_with_sink(scores: &mut [f32], sink: f32) {
+    let m = scores.iter().copied().fold(sink, f32::max);
+    let mut sum = (sink - m).exp();
+    for v in scores.iter_mut() {
+        *v = (*v - m).exp();
+        sum += *v;
+    }
+    for v in scores.iter_mut() {
+        *v /= sum;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sink_takes_mass() {
+        let mut s = vec![0.0, 0.0];
+        softmax_with_sink(&mut s, 0.0);
+        assert!((s[0] - 1.0 / 3.0).abs() < 1e-7 && (s[1] - 1.0 / 3.0).abs() < 1e-7);
     }
 }

@@ -5,6 +5,7 @@
 
 pub mod attention;
 pub mod kv_cache;
+pub mod mla;
 pub mod moe;
 pub mod names;
 pub mod rope;
@@ -12,7 +13,7 @@ pub mod rope;
 use std::path::Path;
 use std::sync::Arc;
 
-use crate::config::{FfnKind, ModelConfig};
+use crate::config::{Arch, FfnKind, ModelConfig};
 use crate::error::{Error, Result};
 pub use crate::experts::LoadOptions;
 use crate::kernels::{linear, rms_norm};
@@ -21,21 +22,57 @@ use crate::tensor::Weight;
 
 use attention::{Attention, SeqSpan};
 use kv_cache::{KvPool, SeqCache};
-use moe::{
-    Dispatcher, GatedMlp, LocalDispatcher, MoeBlock, Router, RouterKind, Routing, SharedExpert,
-};
+use mla::Mla;
+use moe::{Dispatcher, GatedMlp, LocalDispatcher, MoeBlock, Routing, SharedExpert};
 use rope::Rope;
 
+// One per layer: the variants' sizes do not matter.
+#[allow(clippy::large_enum_variant)]
 enum Ffn {
     Dense(GatedMlp),
     Moe(MoeBlock),
+    /// Gemma 4: a dense MLP and the experts side by side, each with its own norms.
+    DenseAndMoe(Box<ParallelFfn>),
+}
+
+/// Gemma 4's feed-forward: `norm1(mlp(pre(x))) + norm2(experts(pre2(x)))`,
+/// the router reading the un-normalized residual `x`.
+struct ParallelFfn {
+    mlp: GatedMlp,
+    mlp_out_norm: Vec<f32>,
+    moe: MoeBlock,
+    moe_in_norm: Vec<f32>,
+    moe_out_norm: Vec<f32>,
+}
+
+/// Grouped-query attention or DeepSeek's multi-head latent attention.
+enum LayerAttn {
+    Gqa(Attention),
+    Mla(Mla),
+}
+
+impl LayerAttn {
+    fn kv_widths(&self) -> (usize, usize) {
+        match self {
+            LayerAttn::Gqa(a) => (a.kv_width(), a.kv_width()),
+            LayerAttn::Mla(m) => m.kv_widths(),
+        }
+    }
 }
 
 struct DecoderLayer {
     input_norm: Vec<f32>,
-    attn: Attention,
+    attn: LayerAttn,
+    /// Gemma 4: RMSNorm of the attention output before the residual add.
+    attn_out_norm: Option<Vec<f32>>,
+    /// The norm in front of the feed-forward block.
     post_norm: Vec<f32>,
     ffn: Ffn,
+    /// Gemma 4: RMSNorm of the feed-forward output before the residual add.
+    ffn_out_norm: Option<Vec<f32>>,
+    /// Gemma 4: the residual stream is multiplied by this after the layer.
+    layer_scalar: Option<f32>,
+    rope: Rope,
 }
 
 /// One sequence's share of a forward pass: its new tokens and its cache.
@@ -77,7 +114,6 @@ pub struct Model {
     layers: Vec<DecoderLayer>,
     norm: Vec<f32>,
     lm_head: Weight,
-    rope: Rope,
     dispatcher: Arc<dyn Dispatcher>,
 }
 
@@ -105,65 +141,101 @@ impl Model {
         dispatcher: Arc<dyn Dispatcher>,
     ) -> Result<Self> {
         let (v, h) = (cfg.vocab_size, cfg.hidden_size);
-        let embed = ws.get("model.embed_tokens.weight", &[v, h])?;
+        let wp = cfg.weight_prefix.clone();
+        let embed = ws.get(&format!("{wp}.embed_tokens.weight"), &[v, h])?;
         let lm_head = if cfg.tie_word_embeddings {
             embed.clone()
         } else {
             ws.get("lm_head.weight", &[v, h])?
         };
         let mut layers = Vec::with_capacity(cfg.num_hidden_layers);
+        let gemma = cfg.arch == Arch::Gemma4;
         for i in 0..cfg.num_hidden_layers {
-            let lp = names::layer_prefix(i);
-            let attn = Attention::load(&cfg, ws, &format!("{lp}.self_attn"), i)?;
-            let ffn = match cfg.layers[i].ffn {
-                FfnKind::Dense => Ffn::Dense(GatedMlp::load(
+            let lp = names::layer_prefix_for(&cfg, i);
+            let attn = if cfg.mla.is_some() {
+                LayerAttn::Mla(Mla::load(&cfg, ws, &format!("{lp}.self_attn"), i)?)
+            } else {
+                LayerAttn::Gqa(Attention::load(&cfg, ws, &format!("{lp}.self_attn"), i)?)
+            };
+            let norm = |name: &str| ws.get_vec(&format!("{lp}.{name}.weight"), h);
+            let dense = || {
+                GatedMlp::load_with_bias(
                     ws,
                     &format!("{lp}.mlp"),
                     h,
                     cfg.intermediate_size,
                     cfg.activation,
-                )?),
+                    cfg.mlp_bias,
+                )
+            };
+            let ffn = match cfg.layers[i].ffn {
+                FfnKind::Dense => Ffn::Dense(dense()?),
                 FfnKind::Moe => {
-                    let router = Router::new(
-                        names::router_weight(&cfg, ws, i)?,
-                        RouterKind::SoftmaxTopK {
-                            normalize: cfg.norm_topk_prob,
-                        },
-                        cfg.num_experts_per_tok,
-                    );
+                    let router = names::router(&cfg, ws, i)?;
                     let shared = match cfg.shared_expert_intermediate_size {
-                        Some(si) => Some(SharedExpert {
-                            mlp: GatedMlp::load(
-                                ws,
-                                &format!("{lp}.mlp.shared_expert"),
-                                h,
-                                si,
-                                cfg.activation,
-                            )?,
-                            gate: ws
-                                .get_opt(&format!("{lp}.mlp.shared_expert_gate.weight"), &[1, h])?,
-                        }),
+                        Some(si) => {
+                            let sp = names::shared_expert_prefix(&cfg, i);
+                            Some(SharedExpert {
+                                mlp: GatedMlp::load_with_bias(
+                                    ws,
+                                    &sp,
+                                    h,
+                                    si,
+                                    cfg.activation,
+                                    cfg.mlp_bias,
+                                )?,
+                                gate: ws.get_opt(&format!("{sp}_gate.weight"), &[1, h])?,
+                            })
+                        }
                         None => None,
                     };
-                    Ffn::Moe(MoeBlock { router, shared })
+                    let moe = MoeBlock { router, shared };
+                    if gemma {
+                        Ffn::DenseAndMoe(Box::new(ParallelFfn {
+                            mlp: dense()?,
+                            mlp_out_norm: norm("post_feedforward_layernorm_1")?,
+                            moe,
+                            moe_in_norm: norm("pre_feedforward_layernorm_2")?,
+                            moe_out_norm: norm("post_feedforward_layernorm_2")?,
+                        }))
+                    } else {
+                        Ffn::Moe(moe)
+                    }
                 }
             };
             layers.push(DecoderLayer {
-                input_norm: ws.get_vec(&format!("{lp}.input_layernorm.weight"), h)?,
+                input_norm: norm("input_layernorm")?,
                 attn,
-                post_norm: ws.get_vec(&format!("{lp}.post_attention_layernorm.weight"), h)?,
+                attn_out_norm: if gemma {
+                    Some(norm("post_attention_layernorm")?)
+                } else {
+                    None
+                },
+                post_norm: if gemma {
+                    norm("pre_feedforward_layernorm")?
+                } else {
+                    norm("post_attention_layernorm")?
+                },
                 ffn,
+                ffn_out_norm: if gemma {
+                    Some(norm("post_feedforward_layernorm")?)
+                } else {
+                    None
+                },
+                layer_scalar: match ws.get_opt(&format!("{lp}.layer_scalar"), &[1])? {
+                    Some(w) if gemma => w.to_f32_vec().first().copied(),
+                    _ => None,
+                },
+                rope: Rope::new(&cfg.layers[i].rope),
             });
         }
-        let norm = ws.get_vec("model.norm.weight", h)?;
-        let rope = Rope::new(&cfg.rope);
+        let norm = ws.get_vec(&format!("{wp}.norm.weight"), h)?;
         Ok(Model {
             config: cfg,
             embed,
             layers,
             norm,
             lm_head,
-            rope,
             dispatcher,
         })
     }
@@ -175,10 +247,7 @@ impl Model {
 
     /// Per layer, floats per cached position for keys and for values.
     pub fn kv_layer_widths(&self) -> Vec<(usize, usize)> {
-        self.layers
-            .iter()
-            .map(|l| (l.attn.kv_width(), l.attn.kv_width()))
-            .collect()
+        self.layers.iter().map(|l| l.attn.kv_widths()).collect()
     }
 
     /// A KV pool of `num_blocks` blocks of `block_size` positions.
@@ -245,6 +314,11 @@ impl Model {
             self.embed
                 .row_to_f32(tok as usize, &mut x[row * h..(row + 1) * h]);
         }
+        if let Some(s) = cfg.embed_scale {
+            for v in &mut x {
+                *v *= s;
+            }
+        }
         let caches: Vec<&SeqCache> = seqs.iter().map(|s| &*s.cache).collect();
         let mut trace = Vec::new();
         let mut normed = vec![0.0f32; t * h];
@@ -252,9 +326,13 @@ impl Model {
         for (li, layer) in self.layers.iter().enumerate() {
             normed.copy_from_slice(&x);
             rms_norm(&mut normed, &layer.input_norm, cfg.rms_norm_eps);
-            let a = layer
-                .attn
-                .forward(&normed, &spans, &caches, pool, li, &self.rope);
+            let mut a = match &layer.attn {
+                LayerAttn::Gqa(att) => att.forward(&normed, &spans, &caches, pool, li, &layer.rope),
+                LayerAttn::Mla(att) => att.forward(&normed, &spans, &caches, pool, li, &layer.rope),
+            };
+            if let Some(n) = &layer.attn_out_norm {
+                rms_norm(&mut a, n, cfg.rms_norm_eps);
+            }
             for (xv, av) in x.iter_mut().zip(&a) {
                 *xv += av;
             }
@@ -269,9 +347,40 @@ impl Model {
                         trace.push(RouterTrace { layer: li, routing });
                     }
                 }
+                Ffn::DenseAndMoe(p) => {
+                    p.mlp.forward(&normed, t, &mut ffn_out);
+                    rms_norm(&mut ffn_out, &p.mlp_out_norm, cfg.rms_norm_eps);
+                    let mut moe_in = x.clone();
+                    rms_norm(&mut moe_in, &p.moe_in_norm, cfg.rms_norm_eps);
+                    let mut moe_out = vec![0.0f32; t * h];
+                    let routing = p.moe.forward_split(
+                        li,
+                        &x,
+                        &moe_in,
+                        t,
+                        h,
+                        self.dispatcher.as_ref(),
+                        &mut moe_out,
+                    )?;
+                    rms_norm(&mut moe_out, &p.moe_out_norm, cfg.rms_norm_eps);
+                    for (f, m) in ffn_out.iter_mut().zip(&moe_out) {
+                        *f += m;
+                    }
+                    if trace_router {
+                        trace.push(RouterTrace { layer: li, routing });
+                    }
+                }
+            }
+            if let Some(n) = &layer.ffn_out_norm {
+                rms_norm(&mut ffn_out, n, cfg.rms_norm_eps);
             }
             for (xv, fv) in x.iter_mut().zip(&ffn_out) {
                 *xv += fv;
+            }
+            if let Some(s) = layer.layer_scalar {
+                for xv in x.iter_mut() {
+                    *xv *= s;
+                }
             }
         }
         drop(caches);
@@ -290,6 +399,11 @@ impl Model {
         rms_norm(&mut sel, &self.norm, cfg.rms_norm_eps);
         let mut logits = vec![0.0f32; rows.len() * cfg.vocab_size];
         linear(&sel, rows.len(), &self.lm_head, None, &mut logits);
+        if let Some(cap) = cfg.final_logit_softcapping {
+            for l in &mut logits {
+                *l = (*l / cap).tanh() * cap;
+            }
+        }
         Ok(ForwardOutput {
             logits,
             rows: rows.len(),

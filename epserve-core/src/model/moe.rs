@@ -14,7 +14,7 @@ use rayon::prelude::*;
 
 use crate::config::{Activation, ModelConfig};
 use crate::error::{Error, Result};
-use crate::kernels::{activate, linear, sigmoid, softmax};
+use crate::kernels::{gated, linear, sigmoid, softmax};
 use crate::loader::weights::WeightStore;
 use crate::tensor::Weight;
 
@@ -27,6 +27,29 @@ pub enum RouterKind {
     /// softmax over all experts (f32), top-k, optionally renormalized over
     /// the k (Qwen2/3-MoE, OLMoE, Mixtral).
     SoftmaxTopK { normalize: bool },
+    /// top-k of the raw logits, softmax over the k (GPT-OSS; logits carry the
+    /// router bias).
+    TopKSoftmax,
+    /// softmax; groups ranked by their best expert; experts outside the best
+    /// `topk_group` groups zeroed; top-k; weights times `scaling` (DeepSeek-V2).
+    GroupedSoftmax {
+        n_group: usize,
+        topk_group: usize,
+        scaling: f32,
+    },
+    /// sigmoid; choice scores add the correction bias; groups ranked by the sum
+    /// of their two best choice scores; top-k in the best `topk_group` groups;
+    /// weights are the sigmoid scores, optionally renormalized, times
+    /// `scaling` (DeepSeek-V3).
+    GroupedSigmoid {
+        n_group: usize,
+        topk_group: usize,
+        normalize: bool,
+        scaling: f32,
+    },
+    /// softmax, top-k, renormalized, times a per-expert scale (Gemma 4; the
+    /// input is scaled first, see [`Router::with_input_scale`]).
+    ScaledSoftmax,
 }
 
 /// The result of routing `num_tokens` tokens.
@@ -45,6 +68,16 @@ pub struct Router {
     weight: Weight,
     kind: RouterKind,
     top_k: usize,
+    /// Added to the logits (GPT-OSS).
+    bias: Option<Vec<f32>>,
+    /// Added to the scores when choosing experts, not to the weights
+    /// (DeepSeek-V3 `e_score_correction_bias`).
+    score_bias: Option<Vec<f32>>,
+    /// Gemma 4: the input is RMS-normalized without a weight (`eps`), then
+    /// multiplied by this scale and by `hidden^-0.5`.
+    input_scale: Option<(Vec<f32>, f32)>,
+    /// Gemma 4: multiplies each chosen expert's weight.
+    expert_scale: Option<Vec<f32>>,
 }
 
 impl Router {
@@ -54,7 +87,35 @@ impl Router {
             weight,
             kind,
             top_k,
+            bias: None,
+            score_bias: None,
+            input_scale: None,
+            expert_scale: None,
         }
+    }
+
+    /// Adds a bias to the router logits.
+    pub fn with_bias(mut self, bias: Option<Vec<f32>>) -> Self {
+        self.bias = bias;
+        self
+    }
+
+    /// Adds a bias to the scores used for choosing experts only.
+    pub fn with_score_bias(mut self, bias: Option<Vec<f32>>) -> Self {
+        self.score_bias = bias;
+        self
+    }
+
+    /// Normalizes and scales the router input (Gemma 4).
+    pub fn with_input_scale(mut self, scale: Vec<f32>, eps: f32) -> Self {
+        self.input_scale = Some((scale, eps));
+        self
+    }
+
+    /// Multiplies each chosen expert's weight by its scale (Gemma 4).
+    pub fn with_expert_scale(mut self, scale: Option<Vec<f32>>) -> Self {
+        self.expert_scale = scale;
+        self
     }
 
     /// Number of logical experts.
@@ -65,12 +126,32 @@ impl Router {
     /// Routes a `[rows, hidden]` batch.
     pub fn route(&self, x: &[f32], rows: usize) -> Routing {
         let e = self.num_experts();
+        let scaled;
+        let x = match &self.input_scale {
+            Some((scale, eps)) => {
+                let h = scale.len();
+                let root = (h as f32).powf(-0.5);
+                let mut v = x.to_vec();
+                for row in v.chunks_mut(h) {
+                    let ms = row.iter().map(|a| a * a).sum::<f32>() / h as f32;
+                    let inv = (ms + eps).powf(-0.5);
+                    for (a, s) in row.iter_mut().zip(scale) {
+                        *a = *a * inv * s * root;
+                    }
+                }
+                scaled = v;
+                &scaled[..]
+            }
+            None => x,
+        };
         let mut logits = vec![0.0f32; rows * e];
-        linear(x, rows, &self.weight, None, &mut logits);
+        linear(x, rows, &self.weight, self.bias.as_deref(), &mut logits);
         let k = self.top_k;
         let mut ids = Vec::with_capacity(rows * k);
         let mut weights = Vec::with_capacity(rows * k);
         let mut order: Vec<u32> = Vec::with_capacity(e);
+        let mut groups: Vec<u32> = Vec::new();
+        let mut choice = vec![0.0f32; e];
         for row in logits.chunks_mut(e) {
             match self.kind {
                 RouterKind::SoftmaxTopK { normalize } => {
@@ -83,6 +164,84 @@ impl Router {
                         weights.push(if normalize { p / sum } else { p });
                     }
                 }
+                RouterKind::TopKSoftmax => {
+                    top_k_indices(row, k, &mut order);
+                    let mut top: Vec<f32> = order.iter().map(|&i| row[i as usize]).collect();
+                    softmax(&mut top);
+                    ids.extend_from_slice(&order);
+                    weights.extend_from_slice(&top);
+                }
+                RouterKind::ScaledSoftmax => {
+                    softmax(row);
+                    top_k_indices(row, k, &mut order);
+                    let sum: f32 = order.iter().map(|&i| row[i as usize]).sum();
+                    for &i in &order {
+                        ids.push(i);
+                        let s = self.expert_scale.as_ref().map_or(1.0, |v| v[i as usize]);
+                        weights.push(row[i as usize] / sum * s);
+                    }
+                }
+                RouterKind::GroupedSoftmax {
+                    n_group,
+                    topk_group,
+                    scaling,
+                } => {
+                    softmax(row);
+                    // Group score: its best expert; experts of other groups drop to 0.
+                    let per = e / n_group;
+                    let gs: Vec<f32> = row
+                        .chunks(per)
+                        .map(|g| g.iter().copied().fold(f32::NEG_INFINITY, f32::max))
+                        .collect();
+                    top_k_indices(&gs, topk_group, &mut groups);
+                    choice.copy_from_slice(row);
+                    mask_groups(&mut choice, per, &groups, 0.0);
+                    top_k_indices(&choice, k, &mut order);
+                    for &i in &order {
+                        ids.push(i);
+                        weights.push(choice[i as usize] * scaling);
+                    }
+                }
+                RouterKind::GroupedSigmoid {
+                    n_group,
+                    topk_group,
+                    normalize,
+                    scaling,
+                } => {
+                    for v in row.iter_mut() {
+                        *v = sigmoid(*v);
+                    }
+                    for (i, c) in choice.iter_mut().enumerate() {
+                        *c = row[i] + self.score_bias.as_ref().map_or(0.0, |b| b[i]);
+                    }
+                    // Group score: the sum of its two best choice scores.
+                    let per = e / n_group;
+                    let gs: Vec<f32> = choice
+                        .chunks(per)
+                        .map(|g| {
+                            let (mut a, mut b) = (f32::NEG_INFINITY, f32::NEG_INFINITY);
+                            for &v in g {
+                                if v > a {
+                                    b = a;
+                                    a = v;
+                                } else if v > b {
+                                    b = v;
+                                }
+                            }
+                            a + b
+                        })
+                        .collect();
+                    top_k_indices(&gs, topk_group, &mut groups);
+                    mask_groups(&mut choice, per, &groups, f32::NEG_INFINITY);
+                    top_k_indices(&choice, k, &mut order);
+                    let mut sum: f32 = order.iter().map(|&i| row[i as usize]).sum();
+                    sum += 1e-20;
+                    for &i in &order {
+                        ids.push(i);
+                        let w = row[i as usize];
+                        weights.push(if normalize { w / sum } else { w } * scaling);
+                    }
+                }
             }
         }
         Routing {
@@ -90,6 +249,15 @@ impl Router {
             top_k: k,
             topk_ids: ids,
             topk_weights: weights,
+        }
+    }
+}
+
+/// Sets the experts of groups not in `keep` to `fill`.
+fn mask_groups(v: &mut [f32], per_group: usize, keep: &[u32], fill: f32) {
+    for (g, chunk) in v.chunks_mut(per_group).enumerate() {
+        if !keep.contains(&(g as u32)) {
+            chunk.fill(fill);
         }
     }
 }
@@ -106,12 +274,17 @@ pub fn top_k_indices(v: &[f32], k: usize, out: &mut Vec<u32>) {
     out.sort_by(cmp);
 }
 
-/// A gated feed-forward network: `down(act(gate(x)) * up(x))`.
+/// A gated feed-forward network: `down(act(gate(x)) * up(x))`, with optional
+/// biases on each projection.
 pub struct GatedMlp {
     pub gate: Weight,
     pub up: Weight,
     pub down: Weight,
     pub activation: Activation,
+    /// GPT-OSS experts, DeepSeek-V2 with `mlp_bias`.
+    pub gate_bias: Option<Vec<f32>>,
+    pub up_bias: Option<Vec<f32>>,
+    pub down_bias: Option<Vec<f32>>,
 }
 
 impl GatedMlp {
@@ -123,11 +296,33 @@ impl GatedMlp {
         inter: usize,
         act: Activation,
     ) -> Result<Self> {
+        Self::load_with_bias(ws, prefix, hidden, inter, act, false)
+    }
+
+    /// Like [`load`](Self::load), with `.bias` tensors on every projection when `bias`.
+    pub fn load_with_bias(
+        ws: &WeightStore,
+        prefix: &str,
+        hidden: usize,
+        inter: usize,
+        act: Activation,
+        bias: bool,
+    ) -> Result<Self> {
+        let b = |name: &str, n: usize| -> Result<Option<Vec<f32>>> {
+            if bias {
+                ws.get_vec(&format!("{prefix}.{name}.bias"), n).map(Some)
+            } else {
+                Ok(None)
+            }
+        };
         Ok(GatedMlp {
             gate: ws.get(&format!("{prefix}.gate_proj.weight"), &[inter, hidden])?,
             up: ws.get(&format!("{prefix}.up_proj.weight"), &[inter, hidden])?,
             down: ws.get(&format!("{prefix}.down_proj.weight"), &[hidden, inter])?,
             activation: act,
+            gate_bias: b("gate_proj", inter)?,
+            up_bias: b("up_proj", inter)?,
+            down_bias: b("down_proj", hidden)?,
         })
     }
 
@@ -141,12 +336,12 @@ impl GatedMlp {
         let inter = self.intermediate();
         let mut g = vec![0.0f32; rows * inter];
         let mut u = vec![0.0f32; rows * inter];
-        linear(x, rows, &self.gate, None, &mut g);
-        linear(x, rows, &self.up, None, &mut u);
+        linear(x, rows, &self.gate, self.gate_bias.as_deref(), &mut g);
+        linear(x, rows, &self.up, self.up_bias.as_deref(), &mut u);
         for (gv, uv) in g.iter_mut().zip(&u) {
-            *gv = activate(self.activation, *gv) * uv;
+            *gv = gated(self.activation, *gv, *uv);
         }
-        linear(&g, rows, &self.down, None, out);
+        linear(&g, rows, &self.down, self.down_bias.as_deref(), out);
     }
 }
 
@@ -383,7 +578,24 @@ impl MoeBlock {
         dispatcher: &dyn Dispatcher,
         y: &mut [f32],
     ) -> Result<Routing> {
-        let routing = self.router.route(x, rows);
+        self.forward_split(layer, x, x, rows, hidden, dispatcher, y)
+    }
+
+    /// Like [`forward`](Self::forward), but the router reads `router_x` while
+    /// the experts (and shared expert) read `x` (Gemma 4 routes on the
+    /// un-normalized residual).
+    #[allow(clippy::too_many_arguments)]
+    pub fn forward_split(
+        &self,
+        layer: usize,
+        router_x: &[f32],
+        x: &[f32],
+        rows: usize,
+        hidden: usize,
+        dispatcher: &dyn Dispatcher,
+        y: &mut [f32],
+    ) -> Result<Routing> {
+        let routing = self.router.route(router_x, rows);
         let slots = dispatcher.dispatch(layer, x, hidden, &routing)?;
         combine(&slots, rows, routing.top_k, hidden, y);
         if let Some(sh) = &self.shared {
