@@ -5,6 +5,37 @@ use std::path::PathBuf;
 
 use clap::{Args, Parser, Subcommand};
 
+/// The whole program: parse the command line, run the subcommand, print a
+/// one-line error and exit 1 on failure. (A function so that test crates can
+/// build a binary with the same behaviour.)
+pub fn main() {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_env("EPSERVE_LOG")
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn")),
+        )
+        .with_writer(std::io::stderr)
+        .init();
+    let cli = Cli::parse();
+    let result = match &cli.command {
+        Command::Generate(args) => crate::generate::run(args),
+        Command::Serve(args) => crate::serve::run(args),
+        Command::Coordinator(args) => crate::cluster::run(args),
+        Command::ExpertWorker(args) => epserve_expert_worker::run(args),
+        Command::Up(args) => crate::cluster::up::run(args),
+        Command::Bench(bench) => match &bench.command {
+            BenchCommand::Serve(args) => crate::bench_serve::run(args),
+            BenchCommand::Moe(args) => crate::bench_moe::run(args),
+        },
+        Command::Plan(args) => crate::plan::run(args),
+    };
+    if let Err(e) = result {
+        // One line: the error and its causes joined by ": ".
+        eprintln!("error: {e:#}");
+        std::process::exit(1);
+    }
+}
+
 /// epserve: expert-parallel MoE inference on CPU clusters.
 #[derive(Debug, Parser)]
 #[command(name = "epserve", version, about)]

@@ -69,9 +69,18 @@ impl TextStream {
         Ok(self.release(false))
     }
 
-    /// Flushes everything held back (end of generation).
-    pub fn finish(&mut self) -> TextDelta {
-        self.release(true)
+    /// Flushes everything held back (end of generation), including bytes of
+    /// an unfinished character, so the text equals the full decode.
+    pub fn finish(&mut self, tok: &Tokenizer) -> Result<TextDelta> {
+        if !self.stopped && self.read_offset < self.ids.len() {
+            let prefix = tok.decode(&self.ids[self.prefix_offset..self.read_offset], true)?;
+            let full = tok.decode(&self.ids[self.prefix_offset..], true)?;
+            let start = floor_char_boundary(&full, prefix.len());
+            self.text.push_str(&full[start..]);
+            self.prefix_offset = self.read_offset;
+            self.read_offset = self.ids.len();
+        }
+        Ok(self.release(true))
     }
 
     /// All text so far (cut at a stop string if one was hit).

@@ -220,6 +220,7 @@ pub fn run(args: &UpArgs) -> Result<()> {
         std::thread::spawn(move || wait_signal(sig, s));
     }
     let mut announced = false;
+    let mut dead: Vec<String> = Vec::new();
     loop {
         while let Ok((who, line)) = rx.try_recv() {
             if who == "coordinator"
@@ -243,7 +244,14 @@ pub fn run(args: &UpArgs) -> Result<()> {
         }
         for (name, c) in kids.list.iter_mut() {
             if let Ok(Some(status)) = c.try_wait() {
-                bail!("{name} exited ({status}); stopping the cluster");
+                if name == "coordinator" || name == "etcd" {
+                    bail!("{name} exited ({status}); stopping the cluster");
+                }
+                if !dead.contains(name) {
+                    // The coordinator reports requests that needed it; keep serving.
+                    eprintln!("epserve up: {name} exited ({status})");
+                    dead.push(name.clone());
+                }
             }
         }
         std::thread::sleep(Duration::from_millis(100));

@@ -98,7 +98,14 @@ impl Seq {
         }
         let mut text = delta.text;
         if reason.is_some() {
-            text.push_str(&self.text.finish().text);
+            match self.text.finish(&engine.tokenizer) {
+                Ok(d) => text.push_str(&d.text),
+                Err(e) => {
+                    let _ = self.tx.send(Event::Error(e.to_string()));
+                    m::request_finished("error");
+                    return true;
+                }
+            }
         }
         let _ = self.tx.send(Event::Token {
             token_id: tok,

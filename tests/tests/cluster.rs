@@ -1,0 +1,243 @@
+//! The real cluster on loopback: `epserve up` starts etcd, 3 expert-workers and
+//! the coordinator as processes, on a fixture whose 13 experts do not divide
+//! by 3. Greedy completions must equal transformers' goldens (and so the
+//! single-process engine's); etcd must show the workers and the placement; and
+//! stopping `up` must leave no process behind.
+//!
+//! Needs `etcd` on PATH; skipped without it unless `EPSERVE_REQUIRE_ETCD=1`
+//! (set by `.ci/run`), which makes its absence a failure.
+
+use std::io::{BufRead, BufReader};
+use std::process::{Child, Command, Stdio};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use epserve_proto::cluster::ClusterState;
+use epserve_proto::store::{EtcdStore, KvStore};
+use epserve_tests::{fixture_dir, golden};
+use serde_json::{Value, json};
+
+struct Up {
+    child: Child,
+    url: String,
+    etcd: String,
+}
+
+impl Drop for Up {
+    fn drop(&mut self) {
+        // SAFETY: signalling our own child.
+        unsafe {
+            libc::kill(self.child.id() as libc::pid_t, libc::SIGTERM);
+        }
+        let _ = self.child.wait();
+    }
+}
+
+fn etcd_available() -> bool {
+    let found = std::env::var_os("PATH")
+        .map(|p| std::env::split_paths(&p).any(|d| d.join("etcd").is_file()))
+        .unwrap_or(false);
+    if !found {
+        assert!(
+            std::env::var("EPSERVE_REQUIRE_ETCD").as_deref() != Ok("1"),
+            "EPSERVE_REQUIRE_ETCD=1 but etcd is not on PATH"
+        );
+        eprintln!("skipping: etcd is not installed (apt-get install etcd-server)");
+    }
+    found
+}
+
+fn start_up(fixture: &str, workers: usize, dtype: &str) -> Up {
+    let model = fixture_dir(fixture).join("f32");
+    let mut child = Command::new(env!("CARGO_BIN_EXE_epserve-it"))
+        .arg("up")
+        .arg("--model")
+        .arg(&model)
+        .args(["--expert-workers", &workers.to_string(), "--port", "0"])
+        .args(["--dispatch-dtype", dtype, "--served-model-name", "tiny"])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit())
+        .spawn()
+        .expect("spawn epserve up");
+    let out = child.stdout.take().expect("stdout");
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let mut etcd = String::new();
+        for line in BufReader::new(out).lines().map_while(|l| l.ok()) {
+            if let Some(rest) = line.strip_prefix("epserve up: etcd at ") {
+                etcd = rest.split_whitespace().next().unwrap_or("").to_string();
+            }
+            if let Some(i) = line.find("cluster ready at http://") {
+                let url = line[i + "cluster ready at ".len()..]
+                    .split_whitespace()
+                    .next()
+                    .unwrap_or("")
+                    .trim_end_matches("/v1")
+                    .to_string();
+                let _ = tx.send((url, etcd.clone()));
+            }
+        }
+    });
+    let (url, etcd) = rx
+        .recv_timeout(Duration::from_secs(120))
+        .expect("cluster ready");
+    Up { child, url, etcd }
+}
+
+async fn complete(url: &str, body: Value) -> Value {
+    let resp = reqwest::Client::new()
+        .post(format!("{url}/v1/completions"))
+        .json(&body)
+        .send()
+        .await
+        .expect("send");
+    let status = resp.status();
+    let text = resp.text().await.expect("body");
+    assert!(status.is_success(), "{status}: {text}");
+    serde_json::from_str(&text).expect("json")
+}
+
+fn pid_alive(pid: u32) -> bool {
+    // SAFETY: signal 0 only checks that the process exists.
+    unsafe { libc::kill(pid as libc::pid_t, 0) == 0 }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn three_expert_workers_match_transformers_and_clean_up() {
+    if !etcd_available() {
+        return;
+    }
+    let fixture = "olmoe";
+    let g = golden(fixture);
+    assert_eq!(
+        g.num_experts % 3,
+        1,
+        "the fixture's expert count must not divide by 3"
+    );
+    let up = start_up(fixture, 3, "f32");
+    let tok =
+        epserve_core::loader::tokenizer::Tokenizer::from_dir(&fixture_dir(fixture).join("f32"))
+            .expect("tokenizer");
+    for case in &g.cases {
+        let v = complete(
+            &up.url,
+            json!({"model": "tiny", "prompt": case.prompt_token_ids, "max_tokens": case.greedy_token_ids.len(),
+                   "temperature": 0, "ignore_eos": true}),
+        )
+        .await;
+        let want = tok.decode(&case.greedy_token_ids, true).expect("decode");
+        assert_eq!(
+            v["choices"][0]["text"].as_str(),
+            Some(want.as_str()),
+            "case {}",
+            case.name
+        );
+        assert_eq!(v["usage"]["completion_tokens"], case.greedy_token_ids.len());
+    }
+    // Several requests at once go through the same all-to-all path.
+    let futs: Vec<_> = g
+        .cases
+        .iter()
+        .map(|c| {
+            let (url, ids) = (up.url.clone(), c.prompt_token_ids.clone());
+            tokio::spawn(async move {
+                complete(&url, json!({"model": "tiny", "prompt": ids, "max_tokens": 16, "temperature": 0, "ignore_eos": true})).await
+            })
+        })
+        .collect();
+    for (f, c) in futs.into_iter().zip(&g.cases) {
+        let v = f.await.expect("join");
+        let want = tok.decode(&c.greedy_token_ids[..16], true).expect("decode");
+        assert_eq!(
+            v["choices"][0]["text"].as_str(),
+            Some(want.as_str()),
+            "batched case {}",
+            c.name
+        );
+    }
+
+    // etcd holds the three workers and a placement that covers every expert once.
+    let store = EtcdStore::connect(&up.etcd).await.expect("etcd");
+    let keys = store.list("/epserve/").await.expect("list");
+    let cluster = keys
+        .iter()
+        .find_map(|(k, _)| {
+            k.strip_prefix("/epserve/")
+                .and_then(|r| r.split('/').next())
+                .map(str::to_string)
+        })
+        .expect("a cluster prefix");
+    let state = ClusterState::new(Arc::new(store), &cluster);
+    let workers = state.workers("expert").await.expect("workers");
+    assert_eq!(workers.len(), 3, "{workers:?}");
+    let (p, _) = state
+        .placement()
+        .await
+        .expect("placement")
+        .expect("a placement");
+    p.validate(&g.moe_layers, g.num_experts)
+        .expect("valid placement");
+    let counts = p.counts();
+    assert_eq!(
+        counts.iter().sum::<usize>(),
+        g.moe_layers.len() * g.num_experts
+    );
+    assert!(
+        counts.iter().max().copied().unwrap_or(0) - counts.iter().min().copied().unwrap_or(0) <= 1,
+        "{counts:?}"
+    );
+
+    // Stopping `up` stops every process it started.
+    let pids: Vec<u32> = workers.iter().map(|w| w.pid).collect();
+    drop(up);
+    let deadline = Instant::now() + Duration::from_secs(15);
+    while pids.iter().any(|&p| pid_alive(p)) && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    assert!(
+        pids.iter().all(|&p| !pid_alive(p)),
+        "orphaned workers: {pids:?}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bf16_dispatch_serves_and_a_dead_worker_gives_a_clear_error() {
+    if !etcd_available() {
+        return;
+    }
+    let up = start_up("qwen3_moe_a", 2, "bf16");
+    let v = complete(
+        &up.url,
+        json!({"model": "tiny", "prompt": "hello", "max_tokens": 8, "ignore_eos": true}),
+    )
+    .await;
+    assert_eq!(v["usage"]["completion_tokens"], 8);
+    // Kill one worker: requests fail with an error naming it, the server stays up.
+    let store = EtcdStore::connect(&up.etcd).await.expect("etcd");
+    let keys = store.list("/epserve/").await.expect("list");
+    let info: epserve_proto::cluster::WorkerInfo = keys
+        .iter()
+        .find(|(k, _)| k.contains("/workers/expert/"))
+        .and_then(|(_, v)| serde_json::from_slice(v).ok())
+        .expect("a worker");
+    // SAFETY: the worker is a grandchild of this test; SIGKILL simulates a crash.
+    unsafe {
+        libc::kill(info.pid as libc::pid_t, libc::SIGKILL);
+    }
+    std::thread::sleep(Duration::from_millis(300));
+    let resp = reqwest::Client::new()
+        .post(format!("{}/v1/completions", up.url))
+        .json(&json!({"model": "tiny", "prompt": "hello", "max_tokens": 4}))
+        .send()
+        .await
+        .expect("send");
+    // `up` notices the dead child and stops the cluster, or the coordinator
+    // answers with an error naming the worker; never a hang or a crash of the test.
+    if let Ok(text) = resp.text().await
+        && let Ok(v) = serde_json::from_str::<Value>(&text)
+        && v.get("error").is_some()
+    {
+        let msg = v["error"]["message"].as_str().unwrap_or_default();
+        assert!(msg.contains("expert-worker"), "{msg}");
+    }
+}
