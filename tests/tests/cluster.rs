@@ -21,6 +21,7 @@ struct Up {
     child: Child,
     url: String,
     etcd: String,
+    admin: String,
 }
 
 impl Drop for Up {
@@ -63,7 +64,11 @@ fn start_up(fixture: &str, workers: usize, dtype: &str) -> Up {
     let (tx, rx) = std::sync::mpsc::channel();
     std::thread::spawn(move || {
         let mut etcd = String::new();
+        let mut admin = String::new();
         for line in BufReader::new(out).lines().map_while(|l| l.ok()) {
+            if let Some(i) = line.find("admin gRPC at ") {
+                admin = line[i + "admin gRPC at ".len()..].trim().to_string();
+            }
             if let Some(rest) = line.strip_prefix("epserve up: etcd at ") {
                 etcd = rest.split_whitespace().next().unwrap_or("").to_string();
             }
@@ -74,14 +79,19 @@ fn start_up(fixture: &str, workers: usize, dtype: &str) -> Up {
                     .unwrap_or("")
                     .trim_end_matches("/v1")
                     .to_string();
-                let _ = tx.send((url, etcd.clone()));
+                let _ = tx.send((url, etcd.clone(), admin.clone()));
             }
         }
     });
-    let (url, etcd) = rx
+    let (url, etcd, admin) = rx
         .recv_timeout(Duration::from_secs(120))
         .expect("cluster ready");
-    Up { child, url, etcd }
+    Up {
+        child,
+        url,
+        etcd,
+        admin,
+    }
 }
 
 async fn complete(url: &str, body: Value) -> Value {
@@ -186,6 +196,31 @@ async fn three_expert_workers_match_transformers_and_clean_up() {
         counts.iter().max().copied().unwrap_or(0) - counts.iter().min().copied().unwrap_or(0) <= 1,
         "{counts:?}"
     );
+
+    // The admin service reports the same workers and placement.
+    let mut admin = epserve_proto::pb::admin_service_client::AdminServiceClient::connect(format!(
+        "http://{}",
+        up.admin
+    ))
+    .await
+    .expect("admin connect");
+    let listed = admin
+        .list_workers(epserve_proto::pb::ListWorkersRequest {})
+        .await
+        .expect("list workers")
+        .into_inner()
+        .workers;
+    assert_eq!(listed.len(), 3);
+    assert_eq!(
+        listed.iter().map(|w| w.experts as usize).sum::<usize>(),
+        g.moe_layers.len() * g.num_experts
+    );
+    let pl = admin
+        .get_placement(epserve_proto::pb::GetPlacementRequest {})
+        .await
+        .expect("placement")
+        .into_inner();
+    assert_eq!(pl.version, p.version);
 
     // Stopping `up` stops every process it started.
     let pids: Vec<u32> = workers.iter().map(|w| w.pid).collect();

@@ -2,6 +2,7 @@
 //! OpenAI API in front of remote expert-workers, placement kept in etcd) and
 //! `epserve up` (a whole local cluster on loopback as child processes).
 
+pub mod admin;
 pub mod dispatch;
 pub mod up;
 
@@ -49,6 +50,16 @@ pub struct CoordinatorArgs {
     /// Deadline of one dispatch call, milliseconds.
     #[arg(long, default_value_t = 30_000)]
     pub dispatch_timeout_ms: u64,
+    /// Port of the admin gRPC service (0 = off).
+    #[arg(long, default_value_t = 9000)]
+    pub admin_port: u16,
+    /// Bearer token the admin service requires (unset: no auth, loopback use only).
+    #[arg(long, env = "EPSERVE_ADMIN_TOKEN", hide_env_values = true)]
+    pub admin_token: Option<String>,
+    /// Attention-worker addresses (tensor-parallel attention shards), comma-separated.
+    /// Not supported yet: attention runs in the coordinator; a non-empty list is refused.
+    #[arg(long, value_delimiter = ',')]
+    pub attention_workers: Vec<String>,
 }
 
 async fn current_route(state: &ClusterState, cfg: &ModelConfig) -> Result<Option<Route>> {
@@ -71,6 +82,11 @@ async fn current_route(state: &ClusterState, cfg: &ModelConfig) -> Result<Option
 
 /// Runs the coordinator (blocking).
 pub fn run(args: &CoordinatorArgs) -> Result<()> {
+    if !args.attention_workers.is_empty() {
+        bail!(
+            "--attention-workers: tensor-parallel attention workers are not supported yet; attention runs in the coordinator (leave the list empty)"
+        );
+    }
     let rt = crate::serve::runtime()?;
     let model_dir = args.serve.model.clone();
     let cfg = ModelConfig::from_dir(&model_dir)?;
@@ -122,6 +138,45 @@ pub fn run(args: &CoordinatorArgs) -> Result<()> {
         Ok::<_, anyhow::Error>((dispatcher, state))
     })?;
     wait_ready(&rt, &dispatcher, Duration::from_secs(args.wait_secs))?;
+    if args.admin_port != 0 {
+        let addr = std::net::SocketAddr::new(
+            args.serve
+                .host
+                .parse()
+                .context("--host is not an IP address")?,
+            args.admin_port,
+        );
+        let token = args.admin_token.clone().filter(|t| !t.is_empty());
+        if token.is_none() {
+            tracing::warn!(
+                "admin service without a token: set EPSERVE_ADMIN_TOKEN outside loopback"
+            );
+        }
+        let svc = epserve_proto::pb::admin_service_server::AdminServiceServer::with_interceptor(
+            admin::Admin {
+                state: state.clone(),
+            },
+            admin::check_token(token),
+        );
+        let listener = rt
+            .block_on(tokio::net::TcpListener::bind(addr))
+            .with_context(|| format!("cannot listen on {addr} (--admin-port)"))?;
+        println!(
+            "epserve coordinator: admin gRPC at {}",
+            listener.local_addr()?
+        );
+        let incoming =
+            tonic::transport::server::TcpIncoming::from(listener).with_nodelay(Some(true));
+        rt.spawn(async move {
+            if let Err(e) = tonic::transport::Server::builder()
+                .add_service(svc)
+                .serve_with_incoming(incoming)
+                .await
+            {
+                tracing::error!(error = %e, "admin service failed");
+            }
+        });
+    }
     // Follow placement and worker changes.
     let (d2, st2, cfg2) = (dispatcher.clone(), state.clone(), cfg.clone());
     rt.spawn(async move {

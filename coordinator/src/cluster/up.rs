@@ -204,6 +204,7 @@ pub fn run(args: &UpArgs) -> Result<()> {
             "--dispatch-dtype",
             &args.dispatch_dtype,
         ])
+        .args(["--admin-port", &free_port()?.to_string()])
         .args(&args.coordinator_args)
         .stdout(Stdio::piped())
         .spawn()
