@@ -128,6 +128,9 @@ pub struct GenerateArgs {
     /// Print one JSON object {"prompt_token_ids", "token_ids", "text", ...}.
     #[arg(long)]
     pub json: bool,
+    /// Expert precision: auto (bf16 when exact), bf16, int8 (W8A8).
+    #[arg(long, default_value = "auto")]
+    pub expert_dtype: epserve_core::experts::ExpertDtype,
 }
 
 /// `epserve serve`.

@@ -10,7 +10,11 @@ use crate::cli::GenerateArgs;
 /// Runs the command.
 pub fn run(args: &GenerateArgs) -> Result<()> {
     let start = std::time::Instant::now();
-    let engine = Engine::load(&args.model)?;
+    let opts = epserve_core::experts::LoadOptions {
+        expert_dtype: args.expert_dtype,
+        ..Default::default()
+    };
+    let engine = Engine::load_with(&args.model, &opts)?;
     tracing::info!(
         model = %args.model.display(),
         model_type = %engine.model.config.model_type,
