@@ -11,6 +11,7 @@
 pub mod config;
 pub mod detok;
 pub mod engine;
+pub mod eplb;
 pub mod error;
 pub mod experts;
 pub mod kernels;
