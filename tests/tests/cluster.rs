@@ -166,6 +166,26 @@ async fn three_expert_workers_match_transformers_and_clean_up() {
         );
     }
 
+    // Per-layer balancedness of the worker load over a sliding window is exported.
+    let metrics = reqwest::get(format!("{}/metrics", up.url))
+        .await
+        .expect("metrics")
+        .text()
+        .await
+        .expect("text");
+    for layer in &g.moe_layers {
+        let line = metrics
+            .lines()
+            .find(|l| l.starts_with(&format!("epserve_eplb_balancedness{{layer=\"{layer}\"}}")))
+            .unwrap_or_else(|| panic!("no balancedness for layer {layer}"));
+        let v: f64 = line
+            .rsplit(' ')
+            .next()
+            .and_then(|x| x.parse().ok())
+            .expect("value");
+        assert!(v > 0.0 && v <= 1.0, "{line}");
+    }
+
     // etcd holds the three workers and a placement that covers every expert once.
     let store = EtcdStore::connect(&up.etcd).await.expect("etcd");
     let keys = store.list("/epserve/").await.expect("list");

@@ -25,9 +25,41 @@ pub struct Route {
     pub addrs: HashMap<String, String>,
 }
 
+/// Steps of per-worker load kept for the balancedness gauge.
+const LOAD_WINDOW: usize = 64;
+
+/// Slots sent to each worker per layer over the last [`LOAD_WINDOW`] dispatches.
+#[derive(Default)]
+struct LoadWindow {
+    /// layer → ring of per-worker slot counts (worker id → slots).
+    steps: HashMap<usize, std::collections::VecDeque<HashMap<String, usize>>>,
+}
+
+impl LoadWindow {
+    /// Records one dispatch and returns the layer's balancedness over the
+    /// window: mean worker load / max worker load, over every placed worker.
+    fn record(&mut self, layer: usize, counts: HashMap<String, usize>, workers: &[String]) -> f64 {
+        let ring = self.steps.entry(layer).or_default();
+        if ring.len() == LOAD_WINDOW {
+            ring.pop_front();
+        }
+        ring.push_back(counts);
+        let loads: Vec<f64> = workers
+            .iter()
+            .map(|w| {
+                ring.iter()
+                    .map(|c| c.get(w).copied().unwrap_or(0))
+                    .sum::<usize>() as f64
+            })
+            .collect();
+        epserve_core::eplb::balancedness(&loads)
+    }
+}
+
 /// Dispatches expert work to expert-workers over gRPC.
 pub struct GrpcDispatcher {
     rt: tokio::runtime::Handle,
+    load: std::sync::Mutex<LoadWindow>,
     route: RwLock<Arc<Route>>,
     clients: std::sync::Mutex<HashMap<String, ExpertServiceClient<Channel>>>,
     dtype: Dtype,
@@ -46,6 +78,7 @@ impl GrpcDispatcher {
     pub fn new(rt: tokio::runtime::Handle, route: Route, dtype: Dtype, timeout: Duration) -> Self {
         GrpcDispatcher {
             rt,
+            load: std::sync::Mutex::new(LoadWindow::default()),
             route: RwLock::new(Arc::new(route)),
             clients: std::sync::Mutex::new(HashMap::new()),
             dtype,
@@ -145,6 +178,19 @@ impl Dispatcher for GrpcDispatcher {
             .ok_or_else(|| Error::Dispatch("no route".into()))?;
         let batches = self.plan(&route, layer, routing)?;
         let k = routing.top_k;
+        let counts: HashMap<String, usize> = batches
+            .iter()
+            .map(|b| {
+                (
+                    b.worker.clone(),
+                    b.ids.iter().filter(|&&i| i != SKIP_SLOT).count(),
+                )
+            })
+            .collect();
+        if let Ok(mut w) = self.load.lock() {
+            let bal = w.record(layer, counts, &route.placement.workers);
+            metrics::gauge!("epserve_eplb_balancedness", "layer" => layer.to_string()).set(bal);
+        }
         let version = route.placement.version;
         let mut calls = Vec::with_capacity(batches.len());
         for b in &batches {
