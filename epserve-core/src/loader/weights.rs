@@ -136,8 +136,8 @@ impl WeightStore {
         self.entries.get(name).map(|e| e.shape.as_slice())
     }
 
-    /// A tensor with the given shape, or an error naming the file and tensor.
-    pub fn get(&self, name: &str, shape: &[usize]) -> Result<Weight> {
+    /// The entry of `name`, its file and mapping, checked against `shape`.
+    fn entry(&self, name: &str, shape: &[usize]) -> Result<(&Entry, &PathBuf, &SharedMmap)> {
         let e = self.entries.get(name).ok_or_else(|| Error::MissingTensor {
             dir: self.dir.clone(),
             tensor: name.to_string(),
@@ -151,6 +151,12 @@ impl WeightStore {
                 expected: shape.to_vec(),
             });
         }
+        Ok((e, path, map))
+    }
+
+    /// A tensor with the given shape, or an error naming the file and tensor.
+    pub fn get(&self, name: &str, shape: &[usize]) -> Result<Weight> {
+        let (e, path, map) = self.entry(name, shape)?;
         let dtype = e.dtype.clone().map_err(|d| Error::UnsupportedDtype {
             path: path.clone(),
             tensor: name.to_string(),
@@ -172,19 +178,7 @@ impl WeightStore {
 
     /// The raw bytes of a `U8` tensor of the given shape (MXFP4 blocks and scales).
     pub fn get_u8(&self, name: &str, shape: &[usize]) -> Result<&[u8]> {
-        let e = self.entries.get(name).ok_or_else(|| Error::MissingTensor {
-            dir: self.dir.clone(),
-            tensor: name.to_string(),
-        })?;
-        let (path, map) = &self.files[e.file];
-        if e.shape != shape {
-            return Err(Error::ShapeMismatch {
-                path: path.clone(),
-                tensor: name.to_string(),
-                actual: e.shape.clone(),
-                expected: shape.to_vec(),
-            });
-        }
+        let (e, path, map) = self.entry(name, shape)?;
         match &e.dtype {
             Err(d) if d == "U8" || d == "I8" => Ok(&map.bytes()[e.offset..e.offset + e.len]),
             other => Err(Error::UnsupportedDtype {
