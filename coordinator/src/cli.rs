@@ -28,6 +28,7 @@ pub fn main() {
             BenchCommand::Moe(args) => crate::bench_moe::run(args),
         },
         Command::Plan(args) => crate::plan::run(args),
+        Command::Ctl(args) => crate::ctl::run(args),
     };
     if let Err(e) = result {
         // One line: the error and its causes joined by ": ".
@@ -63,6 +64,9 @@ pub enum Command {
     /// Capacity planner: expert-workers, attention-workers, experts per worker and
     /// expected decode throughput for a model on a Graviton instance type.
     Plan(Box<crate::plan::PlanArgs>),
+    /// Admin client of a running coordinator: placement, expert load (heat map),
+    /// workers, live rebalance, drain.
+    Ctl(Box<crate::ctl::CtlArgs>),
 }
 
 /// `epserve bench`.

@@ -6,6 +6,7 @@ pub mod bench_moe;
 pub mod bench_serve;
 pub mod cli;
 pub mod cluster;
+pub mod ctl;
 pub mod generate;
 pub mod metrics;
 pub mod plan;

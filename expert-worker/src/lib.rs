@@ -18,7 +18,7 @@ use epserve_core::experts::{ExpertDtype, LoadOptions};
 use epserve_core::loader::weights::WeightStore;
 use epserve_core::model::moe::{ExpertExecutor, LocalExperts};
 use epserve_core::placement::Placement;
-use epserve_proto::cluster::{ClusterState, WorkerInfo};
+use epserve_proto::cluster::{ClusterState, Rebalance, WorkerInfo};
 use epserve_proto::pb::expert_service_server::ExpertServiceServer;
 use epserve_proto::store::EtcdStore;
 
@@ -124,17 +124,16 @@ pub fn run(args: &ExpertWorkerArgs) -> Result<()> {
             .with_context(|| format!("cannot listen on {}", args.listen))?;
         let incoming =
             tonic::transport::server::TcpIncoming::from(listener).with_nodelay(Some(true));
-        // Follow the placement: load what is assigned to us.
-        let mut placements = state.watch_placement().await?;
-        let w2 = worker.clone();
-        tokio::spawn(async move {
-            while let Some(p) = placements.recv().await {
-                let Some(p) = p else { continue };
-                if let Err(e) = w2.apply_placement(p).await {
-                    tracing::error!(error = %e, "cannot load the assigned experts");
-                }
-            }
-        });
+        // Follow the placement and any live rebalance: load what is
+        // assigned to us, and report ready for a rebalance once loaded.
+        let placements = state.watch_placement().await?;
+        let rebalances = state.watch_rebalance().await?;
+        tokio::spawn(follow(
+            worker.clone(),
+            state.clone(),
+            placements,
+            rebalances,
+        ));
         let info = WorkerInfo {
             id: id.clone(),
             role: "expert".into(),
@@ -160,6 +159,41 @@ pub fn run(args: &ExpertWorkerArgs) -> Result<()> {
         Ok::<(), anyhow::Error>(())
     })?;
     Ok(())
+}
+
+/// Applies every placement / rebalance change (a burst of changes loads once).
+async fn follow(
+    worker: Arc<ExpertWorker>,
+    state: ClusterState,
+    mut placements: tokio::sync::mpsc::Receiver<Option<Placement>>,
+    mut rebalances: tokio::sync::mpsc::Receiver<Option<Rebalance>>,
+) {
+    let (mut p, mut r) = (None, None);
+    loop {
+        tokio::select! {
+            v = placements.recv() => match v { Some(v) => p = v, None => break },
+            v = rebalances.recv() => match v { Some(v) => r = v, None => break },
+        }
+        while let Ok(v) = placements.try_recv() {
+            p = v;
+        }
+        while let Ok(v) = rebalances.try_recv() {
+            r = v;
+        }
+        let Some(pl) = &p else { continue };
+        match worker.apply(pl, r.as_ref()).await {
+            Ok(()) => {
+                if let Some(rb) = &r
+                    && rb.state.active()
+                    && let Err(e) = state.report_ready(worker.id(), &rb.id).await
+                {
+                    tracing::error!(error = %e, rebalance = %rb.id, "cannot report ready");
+                }
+            }
+            Err(e) => tracing::error!(error = %e, "cannot load the assigned experts"),
+        }
+    }
+    tracing::error!("the placement watch ended; this worker no longer follows placement changes");
 }
 
 /// Resolves on SIGINT or SIGTERM.

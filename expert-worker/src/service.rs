@@ -9,6 +9,7 @@ use epserve_core::experts::{LoadOptions, load_executor_filtered};
 use epserve_core::loader::weights::WeightStore;
 use epserve_core::model::moe::SKIP_SLOT;
 use epserve_core::placement::Placement;
+use epserve_proto::cluster::{Rebalance, desired_experts};
 use epserve_proto::pb::expert_service_server::ExpertService;
 use epserve_proto::pb::{DispatchRequest, DispatchResponse, Dtype, HealthRequest, HealthResponse};
 use epserve_proto::wire;
@@ -37,15 +38,30 @@ impl ExpertWorker {
         }
     }
 
+    /// This worker's id.
+    pub fn id(&self) -> &str {
+        &self.id
+    }
+
     fn current(&self) -> Option<Arc<Loaded>> {
         self.loaded.read().ok().and_then(|g| g.clone())
     }
 
-    /// Loads the experts `p` assigns to this worker (if they changed) and
-    /// switches to them.
-    pub async fn apply_placement(self: &Arc<Self>, p: Placement) -> anyhow::Result<()> {
-        crate::check_placement(&p, &self.cfg)?;
-        let held = p.assigned_to(&self.id);
+    /// Loads the experts this worker must hold under placement `p` and the
+    /// rebalance document `r` (both placements' share while a rebalance is
+    /// active, see [`desired_experts`]) if they changed, and switches to them.
+    /// Requests in flight keep the executor they started with.
+    pub async fn apply(
+        self: &Arc<Self>,
+        p: &Placement,
+        r: Option<&Rebalance>,
+    ) -> anyhow::Result<()> {
+        crate::check_placement(p, &self.cfg)?;
+        if let Some(r) = r {
+            crate::check_placement(&r.target, &self.cfg)?;
+        }
+        let p = p.clone();
+        let held = desired_experts(&self.id, Some(&p), r);
         if let Some(cur) = self.current()
             && cur.held == held
         {
@@ -74,10 +90,14 @@ impl ExpertWorker {
             "experts loaded"
         );
         println!(
-            "epserve expert-worker '{}' holds {} experts (placement v{})",
+            "epserve expert-worker '{}' holds {} experts (placement v{}{})",
             self.id,
             held.len(),
-            p.version
+            p.version,
+            match r {
+                Some(r) if r.state.active() => format!(", rebalance {} {}", r.id, r.state.as_str()),
+                _ => String::new(),
+            }
         );
         if let Ok(mut g) = self.loaded.write() {
             *g = Some(Arc::new(Loaded {

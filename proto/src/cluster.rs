@@ -5,7 +5,11 @@
 //! | `workers/expert/<id>` | [`WorkerInfo`] JSON, under a lease (gone when the worker dies) |
 //! | `workers/attention/<id>` | [`WorkerInfo`] JSON, under a lease |
 //! | `placement` | the versioned [`Placement`] JSON |
+//! | `rebalance` | the live rebalance in progress or last finished ([`Rebalance`] JSON) |
+//! | `rebalance-ready/<worker>` | the rebalance id a worker has loaded its new replicas for |
+//! | `drained` | JSON list of worker ids drained by `DrainWorker` (no experts planned on them) |
 
+use std::collections::BTreeSet;
 use std::sync::Arc;
 
 use epserve_core::placement::Placement;
@@ -32,6 +36,104 @@ pub struct WorkerInfo {
     /// Attention shard `(index, of)`.
     pub shard: Option<(u32, u32)>,
     pub pid: u32,
+}
+
+/// States of a live rebalance, in order. `Proposed`, `Loading`, `Ready` and
+/// `Switched` are active: workers hold the replicas of both placements.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum RebalanceState {
+    /// The target placement is written; workers start loading.
+    Proposed,
+    /// Every worker of the target is registered; waiting for them to load.
+    Loading,
+    /// Every worker with new replicas reported them loaded.
+    Ready,
+    /// The placement key holds the target; steps still routed with the old
+    /// placement may be in flight.
+    Switched,
+    /// No step uses the old placement; workers drop what it alone needed.
+    Done,
+    /// Abandoned before the switch; the old placement stays.
+    RolledBack,
+}
+
+impl RebalanceState {
+    /// True while workers must hold both placements' experts.
+    pub fn active(self) -> bool {
+        matches!(
+            self,
+            Self::Proposed | Self::Loading | Self::Ready | Self::Switched
+        )
+    }
+
+    /// The name used in documents and the admin API.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Proposed => "proposed",
+            Self::Loading => "loading",
+            Self::Ready => "ready",
+            Self::Switched => "switched",
+            Self::Done => "done",
+            Self::RolledBack => "rolled_back",
+        }
+    }
+}
+
+/// One live rebalance, as stored under `rebalance`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Rebalance {
+    pub id: String,
+    pub state: RebalanceState,
+    /// Why: `rebalance`, `set-placement`, `drain <worker>`, `auto`.
+    pub reason: String,
+    /// The placement in force when it started.
+    pub from: Placement,
+    /// The placement it switches to (version = from.version + 1).
+    pub target: Placement,
+    /// Why it rolled back, or notes.
+    #[serde(default)]
+    pub message: String,
+    /// Unix milliseconds of the last state change.
+    #[serde(default)]
+    pub updated_ms: u64,
+}
+
+impl Rebalance {
+    /// Workers that hold a replica under `target` they do not hold under `from`:
+    /// the ones that must load and report ready.
+    pub fn loading_workers(&self) -> Vec<String> {
+        self.target
+            .workers
+            .iter()
+            .filter(|w| {
+                !self
+                    .target
+                    .assigned_to(w)
+                    .is_subset(&self.from.assigned_to(w))
+            })
+            .cloned()
+            .collect()
+    }
+}
+
+/// The `(layer, expert)` pairs worker `id` must hold, given the placement in
+/// force and the rebalance document: the union of both placements' share
+/// while a rebalance is active (new replicas load before the switch, old ones
+/// are dropped only after it is done), the placement's share otherwise.
+pub fn desired_experts(
+    id: &str,
+    placement: Option<&Placement>,
+    rebalance: Option<&Rebalance>,
+) -> BTreeSet<(usize, usize)> {
+    let mut out = placement.map(|p| p.assigned_to(id)).unwrap_or_default();
+    if let Some(r) = rebalance
+        && r.state.active()
+    {
+        out.extend(r.from.assigned_to(id));
+        out.extend(r.target.assigned_to(id));
+    }
+    out
 }
 
 /// Access to one cluster's keys.
@@ -116,16 +218,24 @@ impl ClusterState {
 
     /// The placement now and after every change.
     pub async fn watch_placement(&self) -> StoreResult<mpsc::Receiver<Option<Placement>>> {
-        let mut raw = self.store.watch(&self.placement_key()).await?;
+        self.watch_json(&self.placement_key()).await
+    }
+
+    async fn watch_json<T: serde::de::DeserializeOwned + Send + 'static>(
+        &self,
+        key: &str,
+    ) -> StoreResult<mpsc::Receiver<Option<T>>> {
+        let mut raw = self.store.watch(key).await?;
         let (tx, rx) = mpsc::channel(8);
+        let key = key.to_string();
         tokio::spawn(async move {
             while let Some(v) = raw.recv().await {
                 let p = match v {
                     None => None,
-                    Some(bytes) => match serde_json::from_slice::<Placement>(&bytes) {
+                    Some(bytes) => match serde_json::from_slice::<T>(&bytes) {
                         Ok(p) => Some(p),
                         Err(e) => {
-                            tracing::error!(error = %e, "ignoring a corrupt placement document");
+                            tracing::error!(key = %key, error = %e, "ignoring a corrupt document");
                             continue;
                         }
                     },
@@ -136,6 +246,105 @@ impl ClusterState {
             }
         });
         Ok(rx)
+    }
+
+    /// The rebalance key.
+    pub fn rebalance_key(&self) -> String {
+        format!("{}/rebalance", self.prefix)
+    }
+
+    fn ready_prefix(&self) -> String {
+        format!("{}/rebalance-ready/", self.prefix)
+    }
+
+    /// The rebalance document and its store revision.
+    pub async fn rebalance(&self) -> StoreResult<Option<(Rebalance, i64)>> {
+        match self.store.get(&self.rebalance_key()).await? {
+            None => Ok(None),
+            Some(v) => Ok(Some((
+                serde_json::from_slice(&v.value).map_err(json_err)?,
+                v.mod_revision,
+            ))),
+        }
+    }
+
+    /// Starts a rebalance: writes `r` unless an active one exists. Returns
+    /// the active one's id if there is one (nothing written then).
+    pub async fn start_rebalance(&self, r: &Rebalance) -> StoreResult<Result<(), String>> {
+        let value = serde_json::to_vec(r).map_err(json_err)?;
+        let key = self.rebalance_key();
+        // Ready marks of earlier rebalances must not count for this one.
+        for (k, _) in self.store.list(&self.ready_prefix()).await? {
+            self.store.delete(&k).await?;
+        }
+        match self.rebalance().await? {
+            None => {
+                if self.store.create(&key, value).await? {
+                    Ok(Ok(()))
+                } else {
+                    Ok(Err("(just started by another writer)".into()))
+                }
+            }
+            Some((cur, _)) if cur.state.active() => Ok(Err(cur.id)),
+            Some((cur, rev)) => {
+                if self.store.compare_and_swap(&key, rev, value).await? {
+                    Ok(Ok(()))
+                } else {
+                    Ok(Err(format!(
+                        "(replacing {} raced with another writer)",
+                        cur.id
+                    )))
+                }
+            }
+        }
+    }
+
+    /// Records a state change of the rebalance in progress.
+    pub async fn put_rebalance(&self, r: &Rebalance) -> StoreResult<()> {
+        let value = serde_json::to_vec(r).map_err(json_err)?;
+        self.store.put(&self.rebalance_key(), value).await
+    }
+
+    /// The rebalance document now and after every change.
+    pub async fn watch_rebalance(&self) -> StoreResult<mpsc::Receiver<Option<Rebalance>>> {
+        self.watch_json(&self.rebalance_key()).await
+    }
+
+    /// A worker reports that it holds the new replicas of rebalance `id`.
+    pub async fn report_ready(&self, worker: &str, id: &str) -> StoreResult<()> {
+        let key = format!("{}{worker}", self.ready_prefix());
+        self.store.put(&key, id.as_bytes().to_vec()).await
+    }
+
+    /// Workers that reported ready for rebalance `id`.
+    pub async fn ready_workers(&self, id: &str) -> StoreResult<BTreeSet<String>> {
+        let prefix = self.ready_prefix();
+        Ok(self
+            .store
+            .list(&prefix)
+            .await?
+            .into_iter()
+            .filter(|(_, v)| v.as_slice() == id.as_bytes())
+            .filter_map(|(k, _)| k.strip_prefix(&prefix).map(str::to_string))
+            .collect())
+    }
+
+    fn drained_key(&self) -> String {
+        format!("{}/drained", self.prefix)
+    }
+
+    /// Workers drained by `DrainWorker`: planned placements leave them empty.
+    pub async fn drained(&self) -> StoreResult<BTreeSet<String>> {
+        match self.store.get(&self.drained_key()).await? {
+            None => Ok(BTreeSet::new()),
+            Some(v) => serde_json::from_slice(&v.value).map_err(json_err),
+        }
+    }
+
+    /// Replaces the drained set.
+    pub async fn set_drained(&self, drained: &BTreeSet<String>) -> StoreResult<()> {
+        let value = serde_json::to_vec(drained).map_err(json_err)?;
+        self.store.put(&self.drained_key(), value).await
     }
 }
 
@@ -170,6 +379,63 @@ mod tests {
         assert_eq!(w.recv().await, Some(Some(p.clone())));
         drop(guard);
         assert!(st.workers("expert").await?.is_empty());
+        Ok(())
+    }
+
+    #[tokio::test]
+    async fn rebalance_document_and_desired_sets() -> StoreResult<()> {
+        let st = ClusterState::new(Arc::new(MemoryStore::new()), "t");
+        let ws: Vec<String> = vec!["a".into(), "b".into()];
+        let from =
+            Placement::initial(&[0], 4, &ws).map_err(|e| StoreError::Other(e.to_string()))?;
+        // a: 0, 2; b: 1, 3. Target: a also gets a replica of 1, b loses 3 to a.
+        let mut target = from.clone();
+        target.version = 2;
+        target.layers[0].experts = vec![vec![0], vec![0, 1], vec![0], vec![0]];
+        let mut r = Rebalance {
+            id: "r1".into(),
+            state: RebalanceState::Proposed,
+            reason: "test".into(),
+            from: from.clone(),
+            target: target.clone(),
+            message: String::new(),
+            updated_ms: 0,
+        };
+        assert_eq!(r.loading_workers(), vec!["a".to_string()]);
+        let both: BTreeSet<_> = [(0, 1), (0, 3)].into_iter().collect();
+        assert_eq!(desired_experts("b", Some(&from), Some(&r)), both);
+        assert_eq!(
+            desired_experts("b", Some(&target), Some(&r)),
+            both,
+            "after the switch the old replicas stay until done"
+        );
+        let mut w = st.watch_rebalance().await?;
+        assert_eq!(w.recv().await, Some(None));
+        assert_eq!(st.start_rebalance(&r).await?, Ok(()));
+        assert_eq!(w.recv().await, Some(Some(r.clone())));
+        let mut other = r.clone();
+        other.id = "r2".into();
+        assert_eq!(st.start_rebalance(&other).await?, Err("r1".to_string()));
+        st.report_ready("a", "r1").await?;
+        st.report_ready("b", "r0").await?;
+        assert_eq!(
+            st.ready_workers("r1").await?,
+            ["a".to_string()].into_iter().collect()
+        );
+        r.state = RebalanceState::Done;
+        st.put_rebalance(&r).await?;
+        assert_eq!(
+            desired_experts("b", Some(&target), Some(&r)),
+            [(0, 1)].into_iter().collect()
+        );
+        assert_eq!(st.start_rebalance(&other).await?, Ok(()));
+        assert!(
+            st.ready_workers("r1").await?.is_empty(),
+            "stale marks are cleared"
+        );
+        let d: BTreeSet<String> = ["b".to_string()].into_iter().collect();
+        st.set_drained(&d).await?;
+        assert_eq!(st.drained().await?, d);
         Ok(())
     }
 }

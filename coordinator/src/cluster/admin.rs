@@ -1,19 +1,73 @@
-//! The coordinator's admin gRPC service (its own port): read the placement
-//! and the registered workers. Requests must carry
+//! The coordinator's admin gRPC service (its own port): the placement, the
+//! registered workers, the measured expert load, and live rebalancing
+//! (EPLB plan, explicit placement, drain). Requests must carry
 //! `authorization: Bearer <token>` when a token is configured
 //! (`--admin-token` / `EPSERVE_ADMIN_TOKEN`).
+
+use std::sync::Arc;
 
 use epserve_proto::cluster::ClusterState;
 use epserve_proto::pb::admin_service_server::AdminService;
 use epserve_proto::pb::{
-    GetPlacementRequest, GetPlacementResponse, ListWorkersRequest, ListWorkersResponse,
+    DrainWorkerRequest, GetExpertLoadRequest, GetExpertLoadResponse, GetPlacementRequest,
+    GetPlacementResponse, GetRebalanceRequest, GetRebalanceResponse, LayerLoad, ListWorkersRequest,
+    ListWorkersResponse, RebalanceRequest, RebalanceResponse, ReplicaLoad, SetPlacementRequest,
     WorkerStatus,
 };
 use tonic::{Request, Response, Status};
 
+use super::rebalance::{Controller, Outcome, Plan, RebalanceError};
+
 /// The admin service over the cluster state.
 pub struct Admin {
     pub state: ClusterState,
+    pub controller: Arc<Controller>,
+}
+
+fn status(e: RebalanceError) -> Status {
+    match e {
+        RebalanceError::UnknownWorker(m) => Status::not_found(m),
+        RebalanceError::OverCapacity(m) => Status::resource_exhausted(m),
+        RebalanceError::AlreadyRunning(m) => Status::aborted(m),
+        RebalanceError::Invalid(m) => Status::invalid_argument(m),
+        RebalanceError::Unavailable(m) => Status::unavailable(m),
+    }
+}
+
+fn response(o: Outcome) -> Result<Response<RebalanceResponse>, Status> {
+    Ok(Response::new(RebalanceResponse {
+        id: o.id,
+        state: o.state,
+        from_version: o.from_version,
+        to_version: o.to_version,
+        current_balancedness: o.current,
+        predicted_balancedness: o.predicted,
+        placement_json: serde_json::to_string(&o.placement)
+            .map_err(|e| Status::internal(e.to_string()))?,
+        message: o.message,
+    }))
+}
+
+fn dry_run(plan: Plan) -> Outcome {
+    Outcome {
+        id: String::new(),
+        state: "dry_run".into(),
+        from_version: plan.from.version,
+        to_version: plan.from.version + 1,
+        current: plan.current,
+        predicted: plan.predicted,
+        placement: plan.target,
+        message: String::new(),
+    }
+}
+
+impl Admin {
+    async fn run(&self, plan: Plan, dry: bool, reason: &str) -> Result<Outcome, Status> {
+        if dry {
+            return Ok(dry_run(plan));
+        }
+        self.controller.apply(plan, reason).await.map_err(status)
+    }
 }
 
 fn unavailable(e: impl std::fmt::Display) -> Status {
@@ -68,6 +122,136 @@ impl AdminService for Admin {
         }
         Ok(Response::new(ListWorkersResponse { workers: out }))
     }
+
+    async fn get_expert_load(
+        &self,
+        _r: Request<GetExpertLoadRequest>,
+    ) -> Result<Response<GetExpertLoadResponse>, Status> {
+        let s = self
+            .controller
+            .dispatcher
+            .load_snapshot()
+            .ok_or_else(|| Status::unavailable("no route yet"))?;
+        Ok(Response::new(GetExpertLoadResponse {
+            placement_version: s.placement_version,
+            window_steps: s.window_steps as u64,
+            window_capacity: s.window_capacity as u64,
+            workers: s.workers,
+            layers: s
+                .layers
+                .into_iter()
+                .map(|l| LayerLoad {
+                    layer: l.layer as u32,
+                    expert_tokens: l.expert_tokens,
+                    replicas: l
+                        .replicas
+                        .into_iter()
+                        .map(|(expert, worker, tokens)| ReplicaLoad {
+                            expert,
+                            worker,
+                            tokens,
+                        })
+                        .collect(),
+                    worker_tokens: l.worker_tokens,
+                    balancedness: l.balancedness,
+                })
+                .collect(),
+        }))
+    }
+
+    async fn rebalance(
+        &self,
+        r: Request<RebalanceRequest>,
+    ) -> Result<Response<RebalanceResponse>, Status> {
+        let r = r.into_inner();
+        if !(0.0..=1.0).contains(&r.min_improvement) {
+            return Err(Status::invalid_argument(format!(
+                "min_improvement must be within [0, 1], got {}",
+                r.min_improvement
+            )));
+        }
+        let plan = self
+            .controller
+            .plan_rebalance(r.redundant as usize, r.capacity as usize)
+            .await
+            .map_err(status)?;
+        if !r.dry_run && plan.improvement() < r.min_improvement {
+            let mut o = dry_run(plan);
+            o.state = "unchanged".into();
+            o.message = format!(
+                "predicted improvement {:.3} is below min_improvement {:.3}",
+                mean_gain(&o),
+                r.min_improvement
+            );
+            return response(o);
+        }
+        response(self.run(plan, r.dry_run, "rebalance").await?)
+    }
+
+    async fn set_placement(
+        &self,
+        r: Request<SetPlacementRequest>,
+    ) -> Result<Response<RebalanceResponse>, Status> {
+        let r = r.into_inner();
+        let plan = self
+            .controller
+            .plan_explicit(&r.placement_json)
+            .await
+            .map_err(status)?;
+        response(self.run(plan, r.dry_run, "set-placement").await?)
+    }
+
+    async fn drain_worker(
+        &self,
+        r: Request<DrainWorkerRequest>,
+    ) -> Result<Response<RebalanceResponse>, Status> {
+        let r = r.into_inner();
+        if r.worker.is_empty() {
+            return Err(Status::invalid_argument("worker: empty id"));
+        }
+        let plan = self
+            .controller
+            .plan_drain(&r.worker)
+            .await
+            .map_err(status)?;
+        let o = self
+            .run(plan, r.dry_run, &format!("drain {}", r.worker))
+            .await?;
+        if !r.dry_run && (o.state == "done" || o.state == "unchanged") {
+            self.controller
+                .mark_drained(&r.worker)
+                .await
+                .map_err(status)?;
+        }
+        response(o)
+    }
+
+    async fn get_rebalance(
+        &self,
+        _r: Request<GetRebalanceRequest>,
+    ) -> Result<Response<GetRebalanceResponse>, Status> {
+        let doc = self.state.rebalance().await.map_err(unavailable)?;
+        let json = match doc {
+            None => String::new(),
+            Some((d, _)) => {
+                serde_json::to_string(&d).map_err(|e| Status::internal(e.to_string()))?
+            }
+        };
+        Ok(Response::new(GetRebalanceResponse {
+            rebalance_json: json,
+        }))
+    }
+}
+
+fn mean_gain(o: &Outcome) -> f64 {
+    let m = |v: &[f64]| {
+        if v.is_empty() {
+            1.0
+        } else {
+            v.iter().sum::<f64>() / v.len() as f64
+        }
+    };
+    m(&o.predicted) - m(&o.current)
 }
 
 /// Checks the bearer token of an admin request.

@@ -1,10 +1,19 @@
 //! The gRPC dispatcher: for each MoE layer, groups the routed slots by the
-//! worker holding their expert (replicas chosen per token, balanced), sends one
-//! `Dispatch` per worker concurrently (all-to-all), and scatters the returned
-//! per-slot outputs back. Connections are reused; every call has a deadline.
+//! worker holding their expert, sends one `Dispatch` per worker concurrently
+//! (all-to-all), and scatters the returned per-slot outputs back. Connections
+//! are reused; every call has a deadline.
+//!
+//! - Step boundary: the route (placement snapshot) is taken at the first MoE
+//!   layer of each forward step and used for all its layers, so a placement
+//!   switch never splits a step (a step begins when a layer id does not
+//!   increase over the previous dispatch's; the scheduler runs one forward
+//!   at a time).
+//! - Replicas: the tokens of an expert with several replicas go round-robin
+//!   over them, per (layer, expert) and across steps, so they split evenly.
+//! - Load: every dispatch is recorded in a [`LoadStats`] window.
 
 use std::collections::HashMap;
-use std::sync::{Arc, RwLock};
+use std::sync::{Arc, Mutex, RwLock};
 use std::time::{Duration, Instant};
 
 use epserve_core::model::moe::{Dispatcher, Routing, SKIP_SLOT};
@@ -17,6 +26,8 @@ use futures_util::future::join_all;
 use metrics::{counter, histogram};
 use tonic::transport::{Channel, Endpoint};
 
+use super::load::{LoadSnapshot, LoadStats};
+
 /// Where experts are and how to reach their workers.
 #[derive(Debug, Clone)]
 pub struct Route {
@@ -25,41 +36,23 @@ pub struct Route {
     pub addrs: HashMap<String, String>,
 }
 
-/// Steps of per-worker load kept for the balancedness gauge.
-const LOAD_WINDOW: usize = 64;
-
-/// Slots sent to each worker per layer over the last [`LOAD_WINDOW`] dispatches.
+/// The route one forward step uses for all its MoE layers.
 #[derive(Default)]
-struct LoadWindow {
-    /// layer → ring of per-worker slot counts (worker id → slots).
-    steps: HashMap<usize, std::collections::VecDeque<HashMap<String, usize>>>,
-}
-
-impl LoadWindow {
-    /// Records one dispatch and returns the layer's balancedness over the
-    /// window: mean worker load / max worker load, over every placed worker.
-    fn record(&mut self, layer: usize, counts: HashMap<String, usize>, workers: &[String]) -> f64 {
-        let ring = self.steps.entry(layer).or_default();
-        if ring.len() == LOAD_WINDOW {
-            ring.pop_front();
-        }
-        ring.push_back(counts);
-        let loads: Vec<f64> = workers
-            .iter()
-            .map(|w| {
-                ring.iter()
-                    .map(|c| c.get(w).copied().unwrap_or(0))
-                    .sum::<usize>() as f64
-            })
-            .collect();
-        epserve_core::eplb::balancedness(&loads)
-    }
+struct StepState {
+    route: Option<Arc<Route>>,
+    last_layer: Option<usize>,
+    in_step: bool,
 }
 
 /// Dispatches expert work to expert-workers over gRPC.
 pub struct GrpcDispatcher {
     rt: tokio::runtime::Handle,
-    load: std::sync::Mutex<LoadWindow>,
+    load: Mutex<LoadStats>,
+    step: Mutex<StepState>,
+    /// Next replica per (layer, expert).
+    next_replica: Mutex<HashMap<usize, Vec<u32>>>,
+    expert_metrics: bool,
+    last_expert_metrics: Mutex<Option<Instant>>,
     route: RwLock<Arc<Route>>,
     clients: std::sync::Mutex<HashMap<String, ExpertServiceClient<Channel>>>,
     dtype: Dtype,
@@ -74,11 +67,24 @@ struct WorkerBatch {
 }
 
 impl GrpcDispatcher {
-    /// A dispatcher on `rt` with the given route, wire dtype and per-call deadline.
-    pub fn new(rt: tokio::runtime::Handle, route: Route, dtype: Dtype, timeout: Duration) -> Self {
+    /// A dispatcher on `rt` with the given route, wire dtype and per-call
+    /// deadline; load is kept over `window` steps, and per-expert load gauges
+    /// are exported when `expert_metrics` is set.
+    pub fn new(
+        rt: tokio::runtime::Handle,
+        route: Route,
+        dtype: Dtype,
+        timeout: Duration,
+        window: usize,
+        expert_metrics: bool,
+    ) -> Self {
         GrpcDispatcher {
             rt,
-            load: std::sync::Mutex::new(LoadWindow::default()),
+            load: Mutex::new(LoadStats::new(window)),
+            step: Mutex::new(StepState::default()),
+            next_replica: Mutex::new(HashMap::new()),
+            expert_metrics,
+            last_expert_metrics: Mutex::new(None),
             route: RwLock::new(Arc::new(route)),
             clients: std::sync::Mutex::new(HashMap::new()),
             dtype,
@@ -86,16 +92,143 @@ impl GrpcDispatcher {
         }
     }
 
-    /// Switches to a new route (takes effect at the next layer's dispatch).
+    /// Switches to a new route (takes effect at the next step's first MoE layer).
+    /// A route with an older placement version than the one in force only
+    /// updates the worker addresses: placements never go backwards (a slow
+    /// refresh from etcd must not undo a switch).
     pub fn set_route(&self, route: Route) {
         if let Ok(mut g) = self.route.write() {
-            *g = Arc::new(route);
+            if route.placement.version < g.placement.version {
+                *g = Arc::new(Route {
+                    placement: g.placement.clone(),
+                    addrs: route.addrs,
+                });
+            } else {
+                *g = Arc::new(route);
+            }
         }
     }
 
     /// The route in force.
     pub fn route(&self) -> Option<Arc<Route>> {
         self.route.read().ok().map(|g| g.clone())
+    }
+
+    /// True once no forward step routed with a placement older than
+    /// `version` is in flight.
+    pub fn old_steps_finished(&self, version: u64) -> bool {
+        match self.step.lock() {
+            Ok(s) => {
+                !s.in_step
+                    || s.route
+                        .as_ref()
+                        .is_some_and(|r| r.placement.version >= version)
+            }
+            Err(_) => false,
+        }
+    }
+
+    /// The load window under the placement in force.
+    pub fn load_snapshot(&self) -> Option<LoadSnapshot> {
+        let route = self.route()?;
+        let stats = self.load.lock().ok()?;
+        Some(stats.snapshot(&route.placement))
+    }
+
+    /// Forward steps dispatched since start.
+    pub fn steps_total(&self) -> u64 {
+        self.load.lock().map(|s| s.steps_total()).unwrap_or(0)
+    }
+
+    /// The route for this dispatch: a new snapshot at a step's first MoE layer.
+    fn step_route(&self, layer: usize) -> Result<Arc<Route>> {
+        let mut s = self
+            .step
+            .lock()
+            .map_err(|_| Error::Dispatch("step lock poisoned".into()))?;
+        let new_step = s.route.is_none() || !s.in_step || s.last_layer.is_none_or(|l| layer <= l);
+        if new_step {
+            let route = self
+                .route()
+                .ok_or_else(|| Error::Dispatch("no route".into()))?;
+            if let Ok(mut stats) = self.load.lock() {
+                stats.begin_step(route.placement.version);
+            }
+            s.route = Some(route);
+            s.in_step = true;
+        }
+        s.last_layer = Some(layer);
+        s.route
+            .clone()
+            .ok_or_else(|| Error::Dispatch("no route".into()))
+    }
+
+    /// Marks the step finished after its last MoE layer (or a failure).
+    fn end_layer(&self, layer: usize, route: &Route, failed: bool) {
+        if let Ok(mut s) = self.step.lock()
+            && (failed
+                || route
+                    .placement
+                    .layers
+                    .last()
+                    .is_some_and(|l| l.layer == layer))
+        {
+            s.in_step = false;
+        }
+    }
+
+    fn record_load(&self, layer: usize, route: &Route, batches: &[WorkerBatch]) {
+        let mut triples: Vec<(u32, &str, u32)> = Vec::new();
+        for b in batches {
+            let mut per: HashMap<u32, u32> = HashMap::new();
+            for &e in b.ids.iter().filter(|&&i| i != SKIP_SLOT) {
+                *per.entry(e).or_default() += 1;
+            }
+            let mut per: Vec<_> = per.into_iter().collect();
+            per.sort_unstable();
+            triples.extend(per.into_iter().map(|(e, n)| (e, b.worker.as_str(), n)));
+        }
+        let Ok(mut stats) = self.load.lock() else {
+            return;
+        };
+        stats.record(layer, &triples);
+        let l = stats.layer(layer, &route.placement);
+        metrics::gauge!("epserve_eplb_balancedness", "layer" => layer.to_string())
+            .set(l.balancedness);
+        for (w, t) in route.placement.workers.iter().zip(&l.worker_tokens) {
+            metrics::gauge!("epserve_eplb_worker_tokens", "layer" => layer.to_string(), "worker" => w.clone())
+                .set(*t as f64);
+        }
+        if !self.expert_metrics {
+            return;
+        }
+        // Per-expert series: layers x experts gauges, refreshed at most once a second.
+        let due = match self.last_expert_metrics.lock() {
+            Ok(mut last) => {
+                let due = last.is_none_or(|t| t.elapsed() >= Duration::from_secs(1));
+                if due
+                    && route
+                        .placement
+                        .layers
+                        .last()
+                        .is_some_and(|x| x.layer == layer)
+                {
+                    *last = Some(Instant::now());
+                }
+                due
+            }
+            Err(_) => false,
+        };
+        if due {
+            for (e, t) in l.expert_tokens.iter().enumerate() {
+                metrics::gauge!("epserve_eplb_expert_tokens", "layer" => layer.to_string(), "expert" => e.to_string())
+                    .set(*t as f64);
+            }
+            for (e, w, t) in &l.replicas {
+                metrics::gauge!("epserve_eplb_replica_tokens", "layer" => layer.to_string(), "expert" => e.to_string(), "worker" => w.clone())
+                    .set(*t as f64);
+            }
+        }
     }
 
     fn client(&self, worker: &str, addr: &str) -> Result<ExpertServiceClient<Channel>> {
@@ -129,14 +262,28 @@ impl GrpcDispatcher {
         })?;
         let k = routing.top_k;
         let mut by_worker: HashMap<u32, WorkerBatch> = HashMap::new();
+        let mut rr = self
+            .next_replica
+            .lock()
+            .map_err(|_| Error::Dispatch("replica counter lock poisoned".into()))?;
+        let next = rr.entry(layer).or_default();
+        if next.len() < lp.experts.len() {
+            next.resize(lp.experts.len(), 0);
+        }
         for t in 0..routing.num_tokens {
             for s in 0..k {
                 let e = routing.topk_ids[t * k + s] as usize;
                 let reps = lp.experts.get(e).filter(|r| !r.is_empty()).ok_or_else(|| {
                     Error::Dispatch(format!("layer {layer}: expert {e} has no replica"))
                 })?;
-                // Spread a replicated expert's tokens over its replicas.
-                let w = reps[t % reps.len()];
+                // Spread a replicated expert's tokens over its replicas, round-robin.
+                let w = if reps.len() == 1 {
+                    reps[0]
+                } else {
+                    let i = next[e] as usize % reps.len();
+                    next[e] = next[e].wrapping_add(1);
+                    reps[i]
+                };
                 let b = by_worker.entry(w).or_insert_with(|| WorkerBatch {
                     worker: route
                         .placement
@@ -172,25 +319,26 @@ impl Dispatcher for GrpcDispatcher {
         hidden: usize,
         routing: &Routing,
     ) -> Result<Vec<f32>> {
+        let route = self.step_route(layer)?;
+        let res = self.dispatch_with(&route, layer, x, hidden, routing);
+        self.end_layer(layer, &route, res.is_err());
+        res
+    }
+}
+
+impl GrpcDispatcher {
+    fn dispatch_with(
+        &self,
+        route: &Route,
+        layer: usize,
+        x: &[f32],
+        hidden: usize,
+        routing: &Routing,
+    ) -> Result<Vec<f32>> {
         let started = Instant::now();
-        let route = self
-            .route()
-            .ok_or_else(|| Error::Dispatch("no route".into()))?;
-        let batches = self.plan(&route, layer, routing)?;
+        let batches = self.plan(route, layer, routing)?;
         let k = routing.top_k;
-        let counts: HashMap<String, usize> = batches
-            .iter()
-            .map(|b| {
-                (
-                    b.worker.clone(),
-                    b.ids.iter().filter(|&&i| i != SKIP_SLOT).count(),
-                )
-            })
-            .collect();
-        if let Ok(mut w) = self.load.lock() {
-            let bal = w.record(layer, counts, &route.placement.workers);
-            metrics::gauge!("epserve_eplb_balancedness", "layer" => layer.to_string()).set(bal);
-        }
+        self.record_load(layer, route, &batches);
         let version = route.placement.version;
         let mut calls = Vec::with_capacity(batches.len());
         for b in &batches {

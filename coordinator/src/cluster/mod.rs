@@ -4,6 +4,8 @@
 
 pub mod admin;
 pub mod dispatch;
+pub mod load;
+pub mod rebalance;
 pub mod up;
 
 use std::collections::HashMap;
@@ -56,10 +58,38 @@ pub struct CoordinatorArgs {
     /// Bearer token the admin service requires (unset: no auth, loopback use only).
     #[arg(long, env = "EPSERVE_ADMIN_TOKEN", hide_env_values = true)]
     pub admin_token: Option<String>,
+    #[command(flatten)]
+    pub eplb: EplbArgs,
     /// Attention-worker addresses (tensor-parallel attention shards), comma-separated.
     /// Not supported yet: attention runs in the coordinator; a non-empty list is refused.
     #[arg(long, value_delimiter = ',')]
     pub attention_workers: Vec<String>,
+}
+
+/// Expert load statistics and rebalancing flags of `epserve coordinator`.
+#[derive(Debug, Clone, Args)]
+pub struct EplbArgs {
+    /// Forward steps in the expert-load window (load, balancedness, rebalance plans).
+    #[arg(long, default_value_t = 1000)]
+    pub eplb_window: usize,
+    /// Export per-expert and per-replica load gauges (epserve_eplb_expert_tokens,
+    /// epserve_eplb_replica_tokens; layers x experts series).
+    #[arg(long)]
+    pub expert_load_metrics: bool,
+    /// Rebalance automatically every STEPS forward steps (0 = off).
+    #[arg(long, default_value_t = 0, value_name = "STEPS")]
+    pub eplb_interval: u64,
+    /// Automatic rebalancing applies a plan only if it raises the mean
+    /// predicted balancedness by at least this much (0..1).
+    #[arg(long, default_value_t = 0.05, value_name = "FRAC")]
+    pub eplb_min_improvement: f64,
+    /// Redundant expert replicas per MoE layer for automatic rebalancing.
+    #[arg(long, default_value_t = 0)]
+    pub eplb_redundant_experts: usize,
+    /// How long workers may take to load new replicas before a rebalance
+    /// rolls back, seconds.
+    #[arg(long, default_value_t = 300)]
+    pub rebalance_timeout_secs: u64,
 }
 
 async fn current_route(state: &ClusterState, cfg: &ModelConfig) -> Result<Option<Route>> {
@@ -85,6 +115,12 @@ pub fn run(args: &CoordinatorArgs) -> Result<()> {
     if !args.attention_workers.is_empty() {
         bail!(
             "--attention-workers: tensor-parallel attention workers are not supported yet; attention runs in the coordinator (leave the list empty)"
+        );
+    }
+    if !(0.0..=1.0).contains(&args.eplb.eplb_min_improvement) {
+        bail!(
+            "--eplb-min-improvement must be within [0, 1], got {}",
+            args.eplb.eplb_min_improvement
         );
     }
     let rt = crate::serve::runtime()?;
@@ -134,10 +170,30 @@ pub fn run(args: &CoordinatorArgs) -> Result<()> {
             route,
             dtype,
             Duration::from_millis(args.dispatch_timeout_ms),
+            args.eplb.eplb_window,
+            args.eplb.expert_load_metrics,
         ));
         Ok::<_, anyhow::Error>((dispatcher, state))
     })?;
+    let controller = Arc::new(rebalance::Controller::new(
+        state.clone(),
+        dispatcher.clone(),
+        cfg.moe_layers(),
+        cfg.num_experts,
+        3 * cfg.hidden_size as u64 * cfg.moe_intermediate_size as u64 * 2,
+        Duration::from_secs(args.eplb.rebalance_timeout_secs),
+    ));
+    if let Some(msg) = rt.block_on(controller.resume())? {
+        println!("epserve coordinator: {msg}");
+    }
     wait_ready(&rt, &dispatcher, Duration::from_secs(args.wait_secs))?;
+    if args.eplb.eplb_interval > 0 {
+        rt.spawn(controller.clone().auto(
+            args.eplb.eplb_interval,
+            args.eplb.eplb_redundant_experts,
+            args.eplb.eplb_min_improvement,
+        ));
+    }
     if args.admin_port != 0 {
         let addr = std::net::SocketAddr::new(
             args.serve
@@ -155,6 +211,7 @@ pub fn run(args: &CoordinatorArgs) -> Result<()> {
         let svc = epserve_proto::pb::admin_service_server::AdminServiceServer::with_interceptor(
             admin::Admin {
                 state: state.clone(),
+                controller: controller.clone(),
             },
             admin::check_token(token),
         );

@@ -1,0 +1,651 @@
+//! Live rebalancing, driven by the coordinator as a small state machine whose
+//! every state is written to etcd (`/epserve/<cluster>/rebalance`):
+//!
+//! ```text
+//! proposed ─▶ loading ─▶ ready ─▶ switched ─▶ done
+//!     └──────────┴─────────┴──▶ rolled_back   (timeout, a vanished worker, a lost CAS)
+//! ```
+//!
+//! 1. `proposed`: the target placement (version + 1) and the one in force are
+//!    written. While a rebalance is active every worker holds the union of
+//!    its share of both (`epserve_proto::cluster::desired_experts`), loading
+//!    its new replicas from the model files while it keeps serving the old ones.
+//! 2. `loading`: every worker with new replicas is registered; each reports
+//!    ready under `rebalance-ready/<worker>` once it holds them.
+//! 3. `ready`: all reported. The coordinator swaps the placement key (CAS on
+//!    the revision it started from) and hands the dispatcher the new route,
+//!    which takes it at the next step's first MoE layer (a step never mixes
+//!    placements).
+//! 4. `switched`: waits until no step routed with the old placement is in flight.
+//! 5. `done`: workers drop the replicas only the old placement needed.
+//!
+//! Restarts: workers recompute what to hold from the two keys, so a worker
+//! that restarts mid-way loads the union again and re-reports ready. A
+//! coordinator that restarts finds an active rebalance at start-up
+//! ([`Controller::resume`]): if the placement key already holds the target it
+//! completes it (`done`, nothing routes with the old one any more), otherwise
+//! it rolls back (the old placement never stopped being in force).
+
+use std::collections::BTreeSet;
+use std::sync::Arc;
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use epserve_core::eplb;
+use epserve_core::placement::{LayerPlacement, Placement};
+use epserve_proto::cluster::{ClusterState, Rebalance, RebalanceState, WorkerInfo};
+
+use super::dispatch::{GrpcDispatcher, Route};
+
+/// Why a rebalance request was refused or failed.
+#[derive(Debug, Clone, PartialEq)]
+pub enum RebalanceError {
+    UnknownWorker(String),
+    OverCapacity(String),
+    AlreadyRunning(String),
+    Invalid(String),
+    Unavailable(String),
+}
+
+impl std::fmt::Display for RebalanceError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Self::UnknownWorker(m)
+            | Self::OverCapacity(m)
+            | Self::AlreadyRunning(m)
+            | Self::Invalid(m)
+            | Self::Unavailable(m) => f.write_str(m),
+        }
+    }
+}
+
+type Res<T> = Result<T, RebalanceError>;
+
+fn store_err(e: impl std::fmt::Display) -> RebalanceError {
+    RebalanceError::Unavailable(format!("cluster state: {e}"))
+}
+
+/// What a rebalance request planned or did.
+#[derive(Debug, Clone)]
+pub struct Outcome {
+    pub id: String,
+    /// `done`, `rolled_back`, `dry_run` or `unchanged`.
+    pub state: String,
+    pub from_version: u64,
+    pub to_version: u64,
+    /// Per MoE layer, estimated from the measured window (same model for both).
+    pub current: Vec<f64>,
+    pub predicted: Vec<f64>,
+    pub placement: Placement,
+    pub message: String,
+}
+
+/// A planned placement before it is applied.
+#[derive(Debug, Clone)]
+pub struct Plan {
+    pub from: Placement,
+    pub target: Placement,
+    pub current: Vec<f64>,
+    pub predicted: Vec<f64>,
+}
+
+impl Plan {
+    /// Mean predicted minus mean current balancedness.
+    pub fn improvement(&self) -> f64 {
+        mean(&self.predicted) - mean(&self.current)
+    }
+}
+
+fn mean(v: &[f64]) -> f64 {
+    if v.is_empty() {
+        return 1.0;
+    }
+    v.iter().sum::<f64>() / v.len() as f64
+}
+
+fn now_ms() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_millis() as u64)
+        .unwrap_or(0)
+}
+
+/// Estimated balancedness of each layer of `p` under `loads` (a replicated
+/// expert's load split evenly), over the workers that hold something.
+pub fn estimate(p: &Placement, loads: &[Vec<f64>]) -> Vec<f64> {
+    let counts = p.counts();
+    p.layers
+        .iter()
+        .zip(loads)
+        .map(|(l, ld)| {
+            let w = eplb::worker_loads(l, ld, p.workers.len());
+            let active: Vec<f64> = w
+                .into_iter()
+                .zip(&counts)
+                .filter(|(_, c)| **c > 0)
+                .map(|(x, _)| x)
+                .collect();
+            eplb::balancedness(&active)
+        })
+        .collect()
+}
+
+/// Moves every replica off worker `gone`: replicas it shared are just
+/// removed; experts it alone held go to the least-loaded worker of
+/// `remaining` (indices into `from.workers`) in their layer.
+pub fn drain_plan(
+    from: &Placement,
+    gone: usize,
+    remaining: &[usize],
+    loads: &[Vec<f64>],
+) -> Res<Placement> {
+    if remaining.is_empty() {
+        return Err(RebalanceError::OverCapacity(
+            "no other registered worker to move the experts to".into(),
+        ));
+    }
+    let mut target = from.clone();
+    for (l, ld) in target.layers.iter_mut().zip(loads) {
+        let mut wl = eplb::worker_loads(l, ld, from.workers.len());
+        let mut used = vec![0usize; from.workers.len()];
+        for reps in &l.experts {
+            for &r in reps {
+                if let Some(u) = used.get_mut(r as usize) {
+                    *u += 1;
+                }
+            }
+        }
+        let mut order: Vec<usize> = (0..l.experts.len()).collect();
+        order.sort_by(|&a, &b| {
+            let (la, lb) = (
+                ld.get(a).copied().unwrap_or(0.0),
+                ld.get(b).copied().unwrap_or(0.0),
+            );
+            lb.total_cmp(&la).then(a.cmp(&b))
+        });
+        for e in order {
+            let reps = &mut l.experts[e];
+            if !reps.contains(&(gone as u32)) {
+                continue;
+            }
+            reps.retain(|&r| r as usize != gone);
+            if reps.is_empty() {
+                let w = remaining
+                    .iter()
+                    .copied()
+                    .min_by(|&a, &b| wl[a].total_cmp(&wl[b]).then(used[a].cmp(&used[b])))
+                    .ok_or_else(|| RebalanceError::OverCapacity("no worker left".into()))?;
+                reps.push(w as u32);
+                wl[w] += ld.get(e).copied().unwrap_or(0.0);
+                used[w] += 1;
+            }
+            reps.sort_unstable();
+        }
+    }
+    Ok(target)
+}
+
+/// Runs rebalances for one coordinator.
+pub struct Controller {
+    pub state: ClusterState,
+    pub dispatcher: Arc<GrpcDispatcher>,
+    pub moe_layers: Vec<usize>,
+    pub num_experts: usize,
+    /// Bytes of one expert's weights (bf16), for memory capacity checks.
+    pub expert_bytes: u64,
+    /// How long workers may take to load, and steps to drain.
+    pub timeout: Duration,
+    running: tokio::sync::Mutex<()>,
+}
+
+impl Controller {
+    /// A controller over `state` driving `dispatcher`.
+    pub fn new(
+        state: ClusterState,
+        dispatcher: Arc<GrpcDispatcher>,
+        moe_layers: Vec<usize>,
+        num_experts: usize,
+        expert_bytes: u64,
+        timeout: Duration,
+    ) -> Self {
+        Controller {
+            state,
+            dispatcher,
+            moe_layers,
+            num_experts,
+            expert_bytes,
+            timeout,
+            running: tokio::sync::Mutex::new(()),
+        }
+    }
+
+    async fn current(&self) -> Res<(Placement, i64)> {
+        self.state
+            .placement()
+            .await
+            .map_err(store_err)?
+            .ok_or_else(|| RebalanceError::Unavailable("no placement has been written yet".into()))
+    }
+
+    async fn registered(&self) -> Res<Vec<WorkerInfo>> {
+        self.state.workers("expert").await.map_err(store_err)
+    }
+
+    fn loads(&self) -> Vec<Vec<f64>> {
+        self.dispatcher
+            .load_snapshot()
+            .map(|s| s.expert_loads(&self.moe_layers, self.num_experts))
+            .unwrap_or_else(|| vec![vec![0.0; self.num_experts]; self.moe_layers.len()])
+    }
+
+    /// Checks workers' offered memory (when they report it) against what
+    /// `p` asks them to hold.
+    fn check_memory(&self, p: &Placement, registered: &[WorkerInfo]) -> Res<()> {
+        for (w, &n) in p.workers.iter().zip(&p.counts()) {
+            if let Some(info) = registered.iter().find(|i| &i.id == w)
+                && info.memory_bytes > 0
+                && n as u64 * self.expert_bytes > info.memory_bytes
+            {
+                return Err(RebalanceError::OverCapacity(format!(
+                    "worker {w} would hold {n} experts ({} bytes); it offers {} bytes",
+                    n as u64 * self.expert_bytes,
+                    info.memory_bytes
+                )));
+            }
+        }
+        Ok(())
+    }
+
+    /// Plans a placement with the EPLB policy from the measured load over
+    /// the registered, non-drained workers: `redundant` extra replicas per
+    /// layer, at most `capacity` experts of a layer per worker (0 = as few as fit).
+    pub async fn plan_rebalance(&self, redundant: usize, capacity: usize) -> Res<Plan> {
+        let (from, _) = self.current().await?;
+        let drained = self.state.drained().await.map_err(store_err)?;
+        let registered = self.registered().await?;
+        let workers: Vec<String> = registered
+            .iter()
+            .map(|w| w.id.clone())
+            .filter(|w| !drained.contains(w))
+            .collect();
+        if workers.is_empty() {
+            return Err(RebalanceError::Unavailable(
+                "no registered, undrained expert-worker to place experts on".into(),
+            ));
+        }
+        let n = workers.len();
+        let cap = if capacity == 0 {
+            (self.num_experts + redundant).div_ceil(n)
+        } else {
+            capacity
+        };
+        let loads = self.loads();
+        let (target, predicted) = eplb::plan(0, &workers, &self.moe_layers, &loads, cap, redundant)
+            .map_err(|e| {
+                RebalanceError::OverCapacity(format!(
+                    "{} (redundant {redundant}, capacity {cap} per layer)",
+                    e.0
+                ))
+            })?;
+        self.check_memory(&target, &registered)?;
+        let current = estimate(&from, &loads);
+        Ok(Plan {
+            from,
+            target,
+            current,
+            predicted,
+        })
+    }
+
+    /// Plans draining `worker`.
+    pub async fn plan_drain(&self, worker: &str) -> Res<Plan> {
+        let (from, _) = self.current().await?;
+        let registered = self.registered().await?;
+        let Some(gone) = from.workers.iter().position(|w| w == worker) else {
+            return Err(RebalanceError::UnknownWorker(
+                if registered.iter().any(|w| w.id == worker) {
+                    format!("worker {worker} is registered but holds no experts")
+                } else {
+                    format!(
+                        "unknown worker {worker}: the placement has {:?}",
+                        from.workers
+                    )
+                },
+            ));
+        };
+        let drained = self.state.drained().await.map_err(store_err)?;
+        let remaining: Vec<usize> = from
+            .workers
+            .iter()
+            .enumerate()
+            .filter(|(i, w)| {
+                *i != gone && !drained.contains(*w) && registered.iter().any(|r| &r.id == *w)
+            })
+            .map(|(i, _)| i)
+            .collect();
+        let loads = self.loads();
+        let target = drain_plan(&from, gone, &remaining, &loads)?;
+        self.check_memory(&target, &registered)?;
+        Ok(Plan {
+            current: estimate(&from, &loads),
+            predicted: estimate(&target, &loads),
+            from,
+            target,
+        })
+    }
+
+    /// Plans an explicit placement (validated against the model and the workers).
+    pub async fn plan_explicit(&self, json: &str) -> Res<Plan> {
+        let mut target: Placement = serde_json::from_str(json)
+            .map_err(|e| RebalanceError::Invalid(format!("placement JSON: {e}")))?;
+        target
+            .validate(&self.moe_layers, self.num_experts)
+            .map_err(|e| RebalanceError::Invalid(e.to_string()))?;
+        let (from, _) = self.current().await?;
+        let registered = self.registered().await?;
+        for (w, &n) in target.workers.iter().zip(&target.counts()) {
+            if n > 0 && !registered.iter().any(|r| &r.id == w) {
+                return Err(RebalanceError::UnknownWorker(format!(
+                    "unknown worker {w}: not registered in etcd"
+                )));
+            }
+        }
+        self.check_memory(&target, &registered)?;
+        target.version = 0;
+        let loads = self.loads();
+        Ok(Plan {
+            current: estimate(&from, &loads),
+            predicted: estimate(&target, &loads),
+            from,
+            target,
+        })
+    }
+
+    /// Applies a plan live; returns when it is done or rolled back.
+    pub async fn apply(&self, plan: Plan, reason: &str) -> Res<Outcome> {
+        let _guard = self
+            .running
+            .try_lock()
+            .map_err(|_| RebalanceError::AlreadyRunning("a rebalance is already running".into()))?;
+        let (from, rev) = self.current().await?;
+        if from.version != plan.from.version {
+            return Err(RebalanceError::AlreadyRunning(format!(
+                "the placement changed (v{} → v{}) since this plan was made; plan again",
+                plan.from.version, from.version
+            )));
+        }
+        let mut target = plan.target.clone();
+        target.version = from.version + 1;
+        target
+            .validate(&self.moe_layers, self.num_experts)
+            .map_err(|e| RebalanceError::Invalid(e.to_string()))?;
+        let mut out = Outcome {
+            id: String::new(),
+            state: "unchanged".into(),
+            from_version: from.version,
+            to_version: from.version,
+            current: plan.current.clone(),
+            predicted: plan.predicted.clone(),
+            placement: from.clone(),
+            message: String::new(),
+        };
+        if same_assignment(&from, &target) {
+            out.message = "the planned placement equals the current one".into();
+            return Ok(out);
+        }
+        let mut doc = Rebalance {
+            id: format!("rb-{}-v{}", now_ms(), target.version),
+            state: RebalanceState::Proposed,
+            reason: reason.to_string(),
+            from: from.clone(),
+            target: target.clone(),
+            message: String::new(),
+            updated_ms: now_ms(),
+        };
+        if let Err(active) = self.state.start_rebalance(&doc).await.map_err(store_err)? {
+            return Err(RebalanceError::AlreadyRunning(format!(
+                "rebalance {active} is already running"
+            )));
+        }
+        tracing::info!(id = %doc.id, reason, from = from.version, to = target.version, "rebalance proposed");
+        out.id = doc.id.clone();
+        out.to_version = target.version;
+        out.placement = target.clone();
+        match self.drive(&mut doc, rev).await {
+            Ok(()) => {
+                out.state = "done".into();
+            }
+            Err(msg) => {
+                tracing::warn!(id = %doc.id, message = %msg, "rebalance rolled back");
+                doc.state = RebalanceState::RolledBack;
+                doc.message = msg.clone();
+                self.put(&mut doc).await?;
+                out.state = "rolled_back".into();
+                out.message = msg;
+                out.to_version = from.version;
+                out.placement = from;
+            }
+        }
+        Ok(out)
+    }
+
+    async fn put(&self, doc: &mut Rebalance) -> Res<()> {
+        doc.updated_ms = now_ms();
+        self.state.put_rebalance(doc).await.map_err(store_err)
+    }
+
+    /// proposed → loading → ready → switched → done; `Err` = roll back (before the switch).
+    async fn drive(&self, doc: &mut Rebalance, rev: i64) -> Result<(), String> {
+        let started = Instant::now();
+        let need = doc.loading_workers();
+        let registered = self.registered().await.map_err(|e| e.to_string())?;
+        if let Some(w) = need
+            .iter()
+            .find(|w| !registered.iter().any(|r| &r.id == *w))
+        {
+            return Err(format!("worker {w} is not registered"));
+        }
+        doc.state = RebalanceState::Loading;
+        self.put(doc).await.map_err(|e| e.to_string())?;
+        loop {
+            let ready = self
+                .state
+                .ready_workers(&doc.id)
+                .await
+                .map_err(|e| e.to_string())?;
+            let missing: Vec<&String> = need.iter().filter(|w| !ready.contains(*w)).collect();
+            if missing.is_empty() {
+                break;
+            }
+            if started.elapsed() > self.timeout {
+                return Err(format!(
+                    "workers {missing:?} did not load their new replicas within {} s",
+                    self.timeout.as_secs()
+                ));
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        doc.state = RebalanceState::Ready;
+        self.put(doc).await.map_err(|e| e.to_string())?;
+        // The switch: the placement key first (workers keep both shares
+        // until done), then the dispatcher, which takes it at a step boundary.
+        let swapped = self
+            .state
+            .swap_placement(rev, &doc.target)
+            .await
+            .map_err(|e| e.to_string())?;
+        if !swapped {
+            return Err("the placement was changed by someone else during the rebalance".into());
+        }
+        let addrs = self
+            .registered()
+            .await
+            .map_err(|e| e.to_string())?
+            .into_iter()
+            .map(|w| (w.id, w.addr))
+            .collect();
+        self.dispatcher.set_route(Route {
+            placement: Arc::new(doc.target.clone()),
+            addrs,
+        });
+        doc.state = RebalanceState::Switched;
+        if let Err(e) = self.put(doc).await {
+            // Past the switch there is no going back: a restarted coordinator completes it.
+            tracing::error!(error = %e, "cannot record the switch; the placement is switched");
+        }
+        let t = Instant::now();
+        while !self.dispatcher.old_steps_finished(doc.target.version) {
+            if t.elapsed() > self.timeout {
+                tracing::warn!("a step on the old placement never finished; completing anyway");
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        doc.state = RebalanceState::Done;
+        doc.message = format!("took {:.2} s", started.elapsed().as_secs_f64());
+        if let Err(e) = self.put(doc).await {
+            tracing::error!(error = %e, "cannot record that the rebalance is done");
+        }
+        tracing::info!(id = %doc.id, version = doc.target.version, "rebalance done");
+        Ok(())
+    }
+
+    /// At start-up: finishes or rolls back a rebalance a previous
+    /// coordinator left active (see the module docs).
+    pub async fn resume(&self) -> anyhow::Result<Option<String>> {
+        let Some((mut doc, _)) = self.state.rebalance().await? else {
+            return Ok(None);
+        };
+        if !doc.state.active() {
+            return Ok(None);
+        }
+        let placed = self.state.placement().await?.map(|(p, _)| p.version);
+        let was = doc.state;
+        if placed == Some(doc.target.version) {
+            doc.state = RebalanceState::Done;
+            doc.message = format!(
+                "completed by a restarted coordinator (found in state {})",
+                was.as_str()
+            );
+        } else {
+            doc.state = RebalanceState::RolledBack;
+            doc.message = format!(
+                "rolled back by a restarted coordinator (found in state {}, before the switch)",
+                was.as_str()
+            );
+        }
+        doc.updated_ms = now_ms();
+        self.state.put_rebalance(&doc).await?;
+        Ok(Some(format!("rebalance {}: {}", doc.id, doc.message)))
+    }
+
+    /// Marks `worker` drained after its drain went through.
+    pub async fn mark_drained(&self, worker: &str) -> Res<()> {
+        let mut d: BTreeSet<String> = self.state.drained().await.map_err(store_err)?;
+        d.insert(worker.to_string());
+        self.state.set_drained(&d).await.map_err(store_err)
+    }
+
+    /// Automatic rebalancing: every `interval` forward steps, plans with
+    /// `redundant` extra replicas per layer and applies the plan if it
+    /// improves the mean balancedness by at least `min_improvement`.
+    pub async fn auto(self: Arc<Self>, interval: u64, redundant: usize, min_improvement: f64) {
+        let mut last = self.dispatcher.steps_total();
+        loop {
+            tokio::time::sleep(Duration::from_millis(500)).await;
+            let now = self.dispatcher.steps_total();
+            if now.saturating_sub(last) < interval {
+                continue;
+            }
+            last = now;
+            let plan = match self.plan_rebalance(redundant, 0).await {
+                Ok(p) => p,
+                Err(e) => {
+                    tracing::warn!(error = %e, "automatic rebalance: cannot plan");
+                    continue;
+                }
+            };
+            let gain = plan.improvement();
+            if gain < min_improvement {
+                tracing::debug!(gain, "automatic rebalance: not worth it");
+                continue;
+            }
+            match self.apply(plan, "auto").await {
+                Ok(o) => {
+                    println!(
+                        "epserve coordinator: automatic rebalance {} {} (v{} → v{}, predicted balancedness {:?})",
+                        o.id, o.state, o.from_version, o.to_version, o.predicted
+                    );
+                    last = self.dispatcher.steps_total();
+                }
+                Err(e) => tracing::warn!(error = %e, "automatic rebalance failed"),
+            }
+        }
+    }
+}
+
+fn same_assignment(a: &Placement, b: &Placement) -> bool {
+    let key = |p: &Placement| -> Vec<(usize, Vec<Vec<String>>)> {
+        p.layers
+            .iter()
+            .map(|l: &LayerPlacement| {
+                (
+                    l.layer,
+                    l.experts
+                        .iter()
+                        .map(|reps| {
+                            let mut v: Vec<String> = reps
+                                .iter()
+                                .filter_map(|&r| p.workers.get(r as usize).cloned())
+                                .collect();
+                            v.sort();
+                            v
+                        })
+                        .collect(),
+                )
+            })
+            .collect()
+    };
+    key(a) == key(b)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn ws(n: usize) -> Vec<String> {
+        (0..n).map(|i| format!("w{i}")).collect()
+    }
+
+    #[test]
+    fn drain_moves_sole_replicas_and_drops_shared_ones() {
+        let mut p = Placement::initial(&[0, 1], 5, &ws(3)).expect("placement");
+        // Expert 0 of layer 0 also on w1 and w2.
+        p.layers[0].experts[0] = vec![0, 1, 2];
+        let loads = vec![vec![9.0, 1.0, 1.0, 1.0, 1.0], vec![1.0; 5]];
+        let t = drain_plan(&p, 1, &[0, 2], &loads).expect("drain");
+        t.validate(&[0, 1], 5).expect("valid");
+        assert!(t.assigned_to("w1").is_empty(), "{t:?}");
+        assert_eq!(t.layers[0].experts[0], vec![0, 2]);
+        // Nothing else moved.
+        for w in ["w0", "w2"] {
+            assert!(p.assigned_to(w).is_subset(&t.assigned_to(w)));
+        }
+        assert!(matches!(
+            drain_plan(&p, 1, &[], &loads),
+            Err(RebalanceError::OverCapacity(_))
+        ));
+    }
+
+    #[test]
+    fn estimate_and_same_assignment() {
+        let p = Placement::initial(&[0], 4, &ws(2)).expect("placement");
+        // w0 holds 0 and 2, w1 holds 1 and 3.
+        let b = estimate(&p, &[vec![3.0, 1.0, 1.0, 1.0]]);
+        assert!((b[0] - 3.0 / 4.0).abs() < 1e-12, "{b:?}");
+        let mut q = p.clone();
+        q.version = 7;
+        assert!(same_assignment(&p, &q));
+        q.workers.reverse();
+        assert!(!same_assignment(&p, &q));
+    }
+}

@@ -1,0 +1,395 @@
+//! Hot-expert replication and live rebalancing on the real cluster: `epserve
+//! up` (etcd, 3 expert-workers, the coordinator as processes) on the olmoe
+//! fixture (13 experts, top-3, 2 MoE layers) with f32 dispatch, driven by
+//! `epserve ctl` as an operator would.
+//!
+//! Skewed traffic: prompts that repeat one token. Every position of such a
+//! prompt has the same hidden state in every layer (attention over identical
+//! values returns that value), so all its prefill tokens go to the same 3
+//! experts per layer: a few experts get most of the load.
+//!
+//! Checked: a wrong admin token is refused; `ctl rebalance --dry-run`
+//! predicts a gain and changes nothing; `ctl rebalance --redundant 4` runs
+//! while a bounded set of concurrent requests goes through the switch, and
+//! every request returns exactly the tokens it returned before the
+//! rebalance; measured balancedness rises (printed); `ctl drain` leaves the
+//! worker holding nothing, and after killing it requests still succeed with
+//! the same tokens.
+//!
+//! Needs `etcd` on PATH; skipped without it unless `EPSERVE_REQUIRE_ETCD=1`.
+
+use std::io::{BufRead, BufReader};
+use std::process::{Child, Command, Stdio};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::{Duration, Instant};
+
+use epserve_tests::fixture_dir;
+use serde_json::{Value, json};
+
+const TOKEN: &str = "eplb-test-token";
+
+struct Up {
+    child: Child,
+    url: String,
+    admin: String,
+    etcd: String,
+}
+
+impl Drop for Up {
+    fn drop(&mut self) {
+        // SAFETY: signalling our own child.
+        unsafe {
+            libc::kill(self.child.id() as libc::pid_t, libc::SIGTERM);
+        }
+        let _ = self.child.wait();
+    }
+}
+
+fn etcd_available() -> bool {
+    let found = std::env::var_os("PATH")
+        .map(|p| std::env::split_paths(&p).any(|d| d.join("etcd").is_file()))
+        .unwrap_or(false);
+    if !found {
+        assert!(
+            std::env::var("EPSERVE_REQUIRE_ETCD").as_deref() != Ok("1"),
+            "EPSERVE_REQUIRE_ETCD=1 but etcd is not on PATH"
+        );
+        eprintln!("skipping: etcd is not installed (apt-get install etcd-server)");
+    }
+    found
+}
+
+fn start_up() -> Up {
+    let model = fixture_dir("olmoe").join("f32");
+    let mut child = Command::new(env!("CARGO_BIN_EXE_epserve-it"))
+        .arg("up")
+        .arg("--model")
+        .arg(&model)
+        .args(["--expert-workers", "3", "--port", "0"])
+        .args(["--dispatch-dtype", "f32", "--served-model-name", "tiny"])
+        .args(["--", "--admin-token", TOKEN, "--max-num-seqs", "8"])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit())
+        .spawn()
+        .expect("spawn epserve up");
+    let out = child.stdout.take().expect("stdout");
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let mut admin = String::new();
+        let mut etcd = String::new();
+        for line in BufReader::new(out).lines().map_while(|l| l.ok()) {
+            eprintln!("{line}");
+            if let Some(rest) = line.strip_prefix("epserve up: etcd at ") {
+                etcd = rest.split_whitespace().next().unwrap_or("").to_string();
+            }
+            if let Some(i) = line.find("admin gRPC at ") {
+                admin = line[i + "admin gRPC at ".len()..].trim().to_string();
+            }
+            if let Some(i) = line.find("cluster ready at http://") {
+                let url = line[i + "cluster ready at ".len()..]
+                    .split_whitespace()
+                    .next()
+                    .unwrap_or("")
+                    .trim_end_matches("/v1")
+                    .to_string();
+                let _ = tx.send((url, admin.clone(), etcd.clone()));
+            }
+        }
+    });
+    let (url, admin, etcd) = rx
+        .recv_timeout(Duration::from_secs(120))
+        .expect("cluster ready");
+    Up {
+        child,
+        url,
+        admin,
+        etcd,
+    }
+}
+
+/// Runs `epserve ctl --admin ADDR --token TOKEN ARGS... --json`; returns
+/// (success, stdout JSON or null, stderr).
+fn ctl(admin: &str, token: &str, args: &[&str]) -> (bool, Value, String) {
+    let out = Command::new(env!("CARGO_BIN_EXE_epserve-it"))
+        .args(["ctl", "--admin", admin, "--token", token])
+        .args(args)
+        .arg("--json")
+        .output()
+        .expect("run epserve ctl");
+    let stdout = String::from_utf8_lossy(&out.stdout).to_string();
+    let v = serde_json::from_str(stdout.trim()).unwrap_or(Value::Null);
+    (
+        out.status.success(),
+        v,
+        String::from_utf8_lossy(&out.stderr).to_string(),
+    )
+}
+
+fn ctl_ok(admin: &str, args: &[&str]) -> Value {
+    let (ok, v, err) = ctl(admin, TOKEN, args);
+    assert!(ok, "epserve ctl {args:?} failed: {err}");
+    v
+}
+
+async fn complete(url: &str, prompt: &[u32], max_tokens: usize) -> String {
+    let resp = reqwest::Client::new()
+        .post(format!("{url}/v1/completions"))
+        .json(
+            &json!({"model": "tiny", "prompt": prompt, "max_tokens": max_tokens,
+                      "temperature": 0, "ignore_eos": true}),
+        )
+        .send()
+        .await
+        .expect("send");
+    let status = resp.status();
+    let text = resp.text().await.expect("body");
+    assert!(status.is_success(), "{status}: {text}");
+    let v: Value = serde_json::from_str(&text).expect("json");
+    assert_eq!(v["usage"]["completion_tokens"], max_tokens, "{v}");
+    v["choices"][0]["text"].as_str().expect("text").to_string()
+}
+
+/// The skewed prompt set: 40 copies of one token each.
+fn prompts() -> Vec<Vec<u32>> {
+    [7u32, 42, 100, 211, 300, 377]
+        .iter()
+        .map(|&t| vec![t; 40])
+        .collect()
+}
+
+const MAX_TOKENS: usize = 6;
+
+/// Runs every prompt `rounds` times concurrently; returns texts per prompt.
+async fn traffic(url: &str, rounds: usize) -> Vec<Vec<String>> {
+    debug_assert!(rounds > 0);
+    let mut handles = Vec::new();
+    for p in prompts() {
+        let url = url.to_string();
+        handles.push(tokio::spawn(async move {
+            let mut out = Vec::new();
+            for _ in 0..rounds {
+                out.push(complete(&url, &p, MAX_TOKENS).await);
+            }
+            out
+        }));
+    }
+    let mut all = Vec::new();
+    for h in handles {
+        all.push(h.await.expect("join"));
+    }
+    all
+}
+
+fn balancedness(load: &Value) -> Vec<f64> {
+    load["layers"]
+        .as_array()
+        .expect("layers")
+        .iter()
+        .map(|l| l["balancedness"].as_f64().expect("balancedness"))
+        .collect()
+}
+
+fn mean(v: &[f64]) -> f64 {
+    v.iter().sum::<f64>() / v.len().max(1) as f64
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rebalance_replicates_hot_experts_live_and_drain_empties_a_worker() {
+    if !etcd_available() {
+        return;
+    }
+    let up = start_up();
+
+    // A wrong or missing admin token is refused.
+    let (ok, _, err) = ctl(&up.admin, "wrong-token", &["workers"]);
+    assert!(!ok, "a wrong token was accepted");
+    assert!(err.contains("Unauthenticated"), "{err}");
+    let workers = ctl_ok(&up.admin, &["workers"]);
+    assert_eq!(workers.as_array().map(Vec::len), Some(3), "{workers}");
+
+    // Reference outputs under the initial placement (f32 dispatch: the same
+    // numbers as the single-process engine).
+    let baseline: Vec<String> = traffic(&up.url, 1)
+        .await
+        .into_iter()
+        .map(|mut v| v.remove(0))
+        .collect();
+    let before = ctl_ok(&up.admin, &["load"]);
+    let bal_before = balancedness(&before);
+    assert!(before["window_steps"].as_u64().unwrap_or(0) > 0, "{before}");
+
+    // Dry run: predicted beats current, nothing changes.
+    let dry = ctl_ok(&up.admin, &["rebalance", "--dry-run", "--redundant", "4"]);
+    assert_eq!(dry["state"], "dry_run", "{dry}");
+    let cur: Vec<f64> = serde_json::from_value(dry["current_balancedness"].clone()).expect("cur");
+    let pred: Vec<f64> =
+        serde_json::from_value(dry["predicted_balancedness"].clone()).expect("pred");
+    assert!(mean(&pred) > mean(&cur), "dry run {cur:?} -> {pred:?}");
+    let placement = ctl_ok(&up.admin, &["placement"]);
+    assert_eq!(placement["version"], 1, "a dry run changed the placement");
+
+    // The live rebalance while requests run through the switch: every
+    // prompt is sent again and again (at most 200 times) until the
+    // rebalance has returned, then once more.
+    let stop = Arc::new(AtomicBool::new(false));
+    let mut handles = Vec::new();
+    for p in prompts() {
+        let (url, stop) = (up.url.clone(), stop.clone());
+        handles.push(tokio::spawn(async move {
+            let mut out = Vec::new();
+            for _ in 0..200 {
+                let last = stop.load(Ordering::SeqCst);
+                let t0 = Instant::now();
+                let text = complete(&url, &p, MAX_TOKENS).await;
+                out.push((t0, Instant::now(), text));
+                if last {
+                    break;
+                }
+            }
+            out
+        }));
+    }
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let admin = up.admin.clone();
+    let rb_start = Instant::now();
+    let rb =
+        tokio::task::spawn_blocking(move || ctl_ok(&admin, &["rebalance", "--redundant", "4"]))
+            .await
+            .expect("join");
+    let rb_end = Instant::now();
+    stop.store(true, Ordering::SeqCst);
+    let mut during = Vec::new();
+    for h in handles {
+        during.push(h.await.expect("traffic through the switch"));
+    }
+    let total: usize = during.iter().map(Vec::len).sum();
+    let overlapping = during
+        .iter()
+        .flatten()
+        .filter(|(s, e, _)| *s < rb_end && *e > rb_start)
+        .count();
+    eprintln!(
+        "rebalance took {:.3} s; {total} requests, {overlapping} of them in flight during it",
+        (rb_end - rb_start).as_secs_f64()
+    );
+    assert!(overlapping > 0, "no request ran during the rebalance");
+    assert!(
+        during
+            .iter()
+            .all(|runs| runs.last().is_some_and(|r| r.0 > rb_end)),
+        "every prompt runs again after the switch"
+    );
+    assert_eq!(rb["state"], "done", "{rb}");
+    assert_eq!(rb["to_version"], 2, "{rb}");
+    for (i, runs) in during.iter().enumerate() {
+        for (_, _, r) in runs {
+            assert_eq!(r, &baseline[i], "prompt {i} changed during the rebalance");
+        }
+    }
+    let placement = ctl_ok(&up.admin, &["placement"]);
+    assert_eq!(placement["version"], 2);
+    let replicated = placement["layers"]
+        .as_array()
+        .expect("layers")
+        .iter()
+        .flat_map(|l| l["experts"].as_array().cloned().unwrap_or_default())
+        .filter(|r| r.as_array().map(Vec::len).unwrap_or(0) > 1)
+        .count();
+    assert!(replicated > 0, "no expert was replicated: {placement}");
+    let status = ctl_ok(&up.admin, &["status"]);
+    assert_eq!(status["state"], "done", "{status}");
+
+    // The same traffic again under the new placement: measured balancedness rises.
+    let again = traffic(&up.url, 1).await;
+    for (i, r) in again.iter().enumerate() {
+        assert_eq!(r[0], baseline[i], "prompt {i} after the rebalance");
+    }
+    let after = ctl_ok(&up.admin, &["load"]);
+    let bal_after = balancedness(&after);
+    eprintln!(
+        "balancedness per MoE layer: before {bal_before:?} (mean {:.3}), predicted {pred:?}, after {bal_after:?} (mean {:.3})",
+        mean(&bal_before),
+        mean(&bal_after)
+    );
+    assert!(
+        mean(&bal_after) > mean(&bal_before),
+        "balancedness did not rise: {bal_before:?} -> {bal_after:?}"
+    );
+
+    // The terminal heat map and the picture.
+    let png = std::env::temp_dir().join(format!("epserve-eplb-{}.png", std::process::id()));
+    let out = Command::new(env!("CARGO_BIN_EXE_epserve-it"))
+        .args([
+            "ctl", "--admin", &up.admin, "--token", TOKEN, "load", "--png",
+        ])
+        .arg(&png)
+        .output()
+        .expect("ctl load");
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{text}");
+    assert!(
+        text.contains("balancedness") && text.contains('█'),
+        "{text}"
+    );
+    let bytes = std::fs::read(&png).expect("png written");
+    assert_eq!(&bytes[..4], b"\x89PNG");
+    let _ = std::fs::remove_file(&png);
+
+    // Errors are specific.
+    let (ok, _, err) = ctl(&up.admin, TOKEN, &["drain", "no-such-worker"]);
+    assert!(
+        !ok && err.contains("NotFound") && err.contains("no-such-worker"),
+        "{err}"
+    );
+    let (ok, _, err) = ctl(
+        &up.admin,
+        TOKEN,
+        &["rebalance", "--redundant", "100", "--capacity", "5"],
+    );
+    assert!(!ok && err.contains("ResourceExhausted"), "{err}");
+
+    // Drain one worker: it ends up holding nothing.
+    let gone = "expert-1";
+    let d = ctl_ok(&up.admin, &["drain", gone]);
+    assert_eq!(d["state"], "done", "{d}");
+    let workers = ctl_ok(&up.admin, &["workers"]);
+    let held = workers
+        .as_array()
+        .expect("workers")
+        .iter()
+        .find(|w| w["id"] == gone)
+        .map(|w| w["experts"].as_u64().unwrap_or(99))
+        .expect("drained worker still registered");
+    assert_eq!(held, 0, "{workers}");
+    let pid = workers_pid(&up, gone).await;
+
+    // Stop it: requests still succeed, with the same tokens.
+    // SAFETY: the worker is a grandchild of this test; SIGKILL simulates a crash.
+    unsafe {
+        libc::kill(pid as libc::pid_t, libc::SIGKILL);
+    }
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let after_kill = traffic(&up.url, 1).await;
+    for (i, r) in after_kill.iter().enumerate() {
+        assert_eq!(
+            r[0], baseline[i],
+            "prompt {i} after the drained worker died"
+        );
+    }
+}
+
+/// The pid worker `id` registered in etcd.
+async fn workers_pid(up: &Up, id: &str) -> u32 {
+    use epserve_proto::store::{EtcdStore, KvStore};
+    let store = EtcdStore::connect(&up.etcd).await.expect("etcd");
+    store
+        .list("/epserve/")
+        .await
+        .expect("list")
+        .iter()
+        .filter(|(k, _)| k.ends_with(&format!("/workers/expert/{id}")))
+        .find_map(|(_, v)| serde_json::from_slice::<epserve_proto::cluster::WorkerInfo>(v).ok())
+        .map(|w| w.pid)
+        .unwrap_or_else(|| panic!("worker {id} is not registered"))
+}
