@@ -84,6 +84,10 @@ pub struct BenchServeArgs {
     /// A fixed random prefix of this many tokens before every prompt.
     #[arg(long, default_value_t = 0)]
     pub random_prefix_len: usize,
+    /// epserve extension: draw prompt tokens from only N token ids (chosen by
+    /// the seed) for a skewed expert load; 0 = the whole vocabulary (vLLM's).
+    #[arg(long, default_value_t = 0, value_name = "N")]
+    pub random_token_pool: usize,
     /// Same as --random-input-len (wins over it).
     #[arg(long)]
     pub input_len: Option<usize>,

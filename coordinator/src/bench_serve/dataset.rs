@@ -110,6 +110,9 @@ pub struct RandomParams {
     pub range_ratio: f64,
     pub prefix_len: usize,
     pub seed: u64,
+    /// Draw prompt tokens from only this many token ids (0 = all, as vLLM):
+    /// few distinct tokens route to few experts, a skewed expert load.
+    pub token_pool: usize,
 }
 
 /// The inclusive ranges input and output lengths are drawn from. The input
@@ -211,6 +214,14 @@ pub fn sample_random(
     let offsets: Vec<usize> = (0..p.num_requests)
         .map(|_| rng.random_range(0..vocab.max(1)))
         .collect();
+    // Drawn after everything else so that without a pool the prompts are vLLM's.
+    let allowed: Vec<u32> = if p.token_pool > 0 {
+        (0..p.token_pool)
+            .map(|_| allowed[rng.random_range(0..allowed.len())])
+            .collect()
+    } else {
+        allowed
+    };
 
     let mut requests = Vec::with_capacity(p.num_requests);
     let mut mismatch_total = 0i64;
@@ -272,6 +283,7 @@ mod tests {
             range_ratio: ratio,
             prefix_len: 0,
             seed: 0,
+            token_pool: 0,
         }
     }
 
@@ -331,6 +343,18 @@ mod tests {
         assert_eq!(a, sample_random(&Letters, &p, "").expect("sample"));
         let other = sample_random(&Letters, &RandomParams { seed: 1, ..p }, "").expect("sample");
         assert_ne!(a, other);
+    }
+
+    #[test]
+    fn a_token_pool_limits_the_prompt_tokens() {
+        let p = RandomParams {
+            token_pool: 2,
+            ..params(20, 30, 4, 0.0)
+        };
+        let reqs = sample_random(&Letters, &p, "").expect("sample");
+        let distinct: std::collections::BTreeSet<char> =
+            reqs.iter().flat_map(|r| r.prompt.chars()).collect();
+        assert!(distinct.len() <= 2, "{distinct:?}");
     }
 
     #[test]

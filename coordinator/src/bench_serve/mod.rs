@@ -427,6 +427,7 @@ async fn run_async(args: &BenchServeArgs) -> Result<()> {
         range_ratio: args.random_range_ratio,
         prefix_len: args.random_prefix_len,
         seed: args.seed,
+        token_pool: args.random_token_pool,
     };
     let id_prefix = args
         .request_id_prefix
