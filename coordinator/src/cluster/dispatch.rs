@@ -9,7 +9,8 @@
 //!   increase over the previous dispatch's; the scheduler runs one forward
 //!   at a time).
 //! - Replicas: the tokens of an expert with several replicas go round-robin
-//!   over them, per (layer, expert) and across steps, so they split evenly.
+//!   over them, per (layer, expert) and across steps, so they split evenly;
+//!   replicas on workers that are no longer registered are skipped.
 //! - Load: every dispatch is recorded in a [`LoadStats`] window.
 
 use std::collections::HashMap;
@@ -282,7 +283,19 @@ impl GrpcDispatcher {
                 } else {
                     let i = next[e] as usize % reps.len();
                     next[e] = next[e].wrapping_add(1);
-                    reps[i]
+                    // Skip replicas on workers no longer registered (dead:
+                    // their lease expired) while another replica lives.
+                    let live = |w: u32| {
+                        route
+                            .placement
+                            .workers
+                            .get(w as usize)
+                            .is_some_and(|id| route.addrs.contains_key(id))
+                    };
+                    (0..reps.len())
+                        .map(|j| reps[(i + j) % reps.len()])
+                        .find(|&w| live(w))
+                        .unwrap_or(reps[i])
                 };
                 let b = by_worker.entry(w).or_insert_with(|| WorkerBatch {
                     worker: route
@@ -416,5 +429,105 @@ impl GrpcDispatcher {
         histogram!("epserve_dispatch_seconds", "layer" => layer.to_string())
             .record(started.elapsed().as_secs_f64());
         Ok(out)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn dispatcher(live: &[&str]) -> GrpcDispatcher {
+        // Layer 0: expert 0 on w0 and w1, expert 1 on w1.
+        let mut p = Placement::initial(&[0], 2, &["w0".into(), "w1".into()]).expect("placement");
+        p.layers[0].experts = vec![vec![0, 1], vec![1]];
+        let addrs = live
+            .iter()
+            .map(|w| (w.to_string(), format!("http://127.0.0.1:1/{w}")))
+            .collect();
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .build()
+            .expect("runtime");
+        GrpcDispatcher::new(
+            rt.handle().clone(),
+            Route {
+                placement: Arc::new(p),
+                addrs,
+            },
+            Dtype::F32,
+            Duration::from_secs(1),
+            8,
+            false,
+        )
+    }
+
+    fn routing(ids: &[u32]) -> Routing {
+        Routing {
+            num_tokens: ids.len(),
+            top_k: 1,
+            topk_ids: ids.to_vec(),
+            topk_weights: vec![1.0; ids.len()],
+        }
+    }
+
+    fn slots(batches: &[WorkerBatch]) -> Vec<(String, usize)> {
+        batches
+            .iter()
+            .map(|b| {
+                (
+                    b.worker.clone(),
+                    b.ids.iter().filter(|&&i| i != SKIP_SLOT).count(),
+                )
+            })
+            .collect()
+    }
+
+    #[test]
+    fn replicas_split_tokens_evenly_within_and_across_steps() {
+        let d = dispatcher(&["w0", "w1"]);
+        let route = d.route().expect("route");
+        let b = d.plan(&route, 0, &routing(&[0; 10])).expect("plan");
+        assert_eq!(slots(&b), vec![("w0".into(), 5), ("w1".into(), 5)]);
+        // One token per step (decode) still alternates.
+        let mut per = HashMap::new();
+        for _ in 0..6 {
+            for (w, n) in slots(&d.plan(&route, 0, &routing(&[0])).expect("plan")) {
+                *per.entry(w).or_insert(0) += n;
+            }
+        }
+        assert_eq!(per.get("w0"), Some(&3));
+        assert_eq!(per.get("w1"), Some(&3));
+        // An unreplicated expert goes to its one worker.
+        let b = d.plan(&route, 0, &routing(&[1, 1])).expect("plan");
+        assert_eq!(slots(&b), vec![("w1".into(), 2)]);
+    }
+
+    #[test]
+    fn a_dead_replica_is_skipped() {
+        let d = dispatcher(&["w1"]);
+        let route = d.route().expect("route");
+        let b = d.plan(&route, 0, &routing(&[0; 6])).expect("plan");
+        assert_eq!(slots(&b), vec![("w1".into(), 6)]);
+    }
+
+    #[test]
+    fn a_step_keeps_one_route_and_placements_never_go_back() {
+        let d = dispatcher(&["w0", "w1"]);
+        let v1 = d.route().expect("route");
+        assert_eq!(d.step_route(0).expect("route").placement.version, 1);
+        let mut p2 = (*v1.placement).clone();
+        p2.version = 2;
+        d.set_route(Route {
+            placement: Arc::new(p2),
+            addrs: v1.addrs.clone(),
+        });
+        assert!(!d.old_steps_finished(2), "the step on v1 is in flight");
+        // A slow refresh with the old version only updates addresses.
+        d.set_route((*v1).clone());
+        assert_eq!(d.route().expect("route").placement.version, 2);
+        // The step in flight finishes on v1 (layer 0 is its last MoE layer) ...
+        d.end_layer(0, &v1, false);
+        assert!(d.old_steps_finished(2));
+        // ... and the next one takes v2.
+        assert_eq!(d.step_route(0).expect("route").placement.version, 2);
     }
 }
