@@ -48,6 +48,14 @@ $(POD_NAME) and friends are expanded by Kubernetes from the container's env.
 - --kv-cache-memory={{ . }}
 {{- end }}
 - --block-size={{ $c.blockSize }}
+- --eplb-window={{ $c.eplb.window }}
+{{- if $c.eplb.expertLoadMetrics }}
+- --expert-load-metrics
+{{- end }}
+- --eplb-interval={{ $c.eplb.interval }}
+- --eplb-min-improvement={{ $c.eplb.minImprovement }}
+- --eplb-redundant-experts={{ $c.eplb.redundantExperts }}
+- --rebalance-timeout-secs={{ $c.eplb.rebalanceTimeoutSecs }}
 {{- include "epserve.args.tls" . }}
 {{- range $c.extraArgs }}
 - {{ . }}
