@@ -18,7 +18,9 @@ use epserve_core::experts::{ExpertDtype, LoadOptions};
 use epserve_core::loader::weights::WeightStore;
 use epserve_core::model::moe::{ExpertExecutor, LocalExperts};
 use epserve_core::placement::Placement;
-use epserve_proto::cluster::{ClusterState, Rebalance, WorkerInfo};
+use epserve_proto::cluster::{
+    ClusterState, Rebalance, RebalanceState, WorkerInfo, desired_experts,
+};
 use epserve_proto::pb::expert_service_server::ExpertServiceServer;
 use epserve_proto::store::EtcdStore;
 
@@ -63,9 +65,15 @@ pub struct ExpertWorkerArgs {
     /// Expert precision: auto (bf16 when exact), bf16, int8 (W8A8).
     #[arg(long, default_value = "auto")]
     pub expert_dtype: ExpertDtype,
-    /// Memory offered for experts, bytes (reported in etcd for planning).
+    /// Memory offered for experts, bytes (reported in etcd for planning;
+    /// rebalances that would exceed it are refused).
     #[arg(long, default_value_t = 0)]
     pub memory_bytes: u64,
+    /// After a rebalance is done, keep the replicas only the old placement
+    /// needed this long (ms) before dropping them, so that every coordinator
+    /// has moved to the new placement.
+    #[arg(long, default_value_t = 3000)]
+    pub drop_grace_ms: u64,
 }
 
 /// What the worker serves right now.
@@ -131,6 +139,7 @@ pub fn run(args: &ExpertWorkerArgs) -> Result<()> {
         tokio::spawn(follow(
             worker.clone(),
             state.clone(),
+            std::time::Duration::from_millis(args.drop_grace_ms),
             placements,
             rebalances,
         ));
@@ -165,20 +174,48 @@ pub fn run(args: &ExpertWorkerArgs) -> Result<()> {
 async fn follow(
     worker: Arc<ExpertWorker>,
     state: ClusterState,
+    drop_grace: std::time::Duration,
     mut placements: tokio::sync::mpsc::Receiver<Option<Placement>>,
     mut rebalances: tokio::sync::mpsc::Receiver<Option<Rebalance>>,
 ) {
-    let (mut p, mut r) = (None, None);
+    let (mut p, mut r): (Option<Placement>, Option<Rebalance>) = (None, None);
+    // When this worker first saw each rebalance done (drops wait `drop_grace`).
+    let mut done_seen: Option<(String, tokio::time::Instant)> = None;
     loop {
         tokio::select! {
             v = placements.recv() => match v { Some(v) => p = v, None => break },
             v = rebalances.recv() => match v { Some(v) => r = v, None => break },
         }
-        while let Ok(v) = placements.try_recv() {
-            p = v;
-        }
-        while let Ok(v) = rebalances.try_recv() {
-            r = v;
+        loop {
+            while let Ok(v) = placements.try_recv() {
+                p = v;
+            }
+            while let Ok(v) = rebalances.try_recv() {
+                r = v;
+            }
+            // Keep the old replicas a little after a rebalance is done: other
+            // coordinators pick the new placement up from etcd within a second
+            // and may still finish a step routed with the old one.
+            let Some(rb) = r.as_ref().filter(|rb| rb.state == RebalanceState::Done) else {
+                break;
+            };
+            let desired = desired_experts(worker.id(), p.as_ref(), r.as_ref());
+            if worker.held().is_subset(&desired) {
+                break; // nothing to drop
+            }
+            let since = match &done_seen {
+                Some((id, t)) if *id == rb.id => *t,
+                _ => {
+                    let t = tokio::time::Instant::now();
+                    done_seen = Some((rb.id.clone(), t));
+                    t
+                }
+            };
+            let until = since + drop_grace;
+            if tokio::time::Instant::now() >= until {
+                break;
+            }
+            tokio::time::sleep_until(until).await;
         }
         let Some(pl) = &p else { continue };
         match worker.apply(pl, r.as_ref()).await {

@@ -43,6 +43,11 @@ impl ExpertWorker {
         &self.id
     }
 
+    /// The `(layer, expert)` pairs loaded now.
+    pub fn held(&self) -> std::collections::BTreeSet<(usize, usize)> {
+        self.current().map(|l| l.held.clone()).unwrap_or_default()
+    }
+
     fn current(&self) -> Option<Arc<Loaded>> {
         self.loaded.read().ok().and_then(|g| g.clone())
     }

@@ -60,7 +60,7 @@ fn etcd_available() -> bool {
     found
 }
 
-fn start_up() -> Up {
+fn start_up(extra: &[&str]) -> Up {
     let model = fixture_dir("olmoe").join("f32");
     let mut child = Command::new(env!("CARGO_BIN_EXE_epserve-it"))
         .arg("up")
@@ -69,6 +69,7 @@ fn start_up() -> Up {
         .args(["--expert-workers", "3", "--port", "0"])
         .args(["--dispatch-dtype", "f32", "--served-model-name", "tiny"])
         .args(["--", "--admin-token", TOKEN, "--max-num-seqs", "8"])
+        .args(extra)
         .stdout(Stdio::piped())
         .stderr(Stdio::inherit())
         .spawn()
@@ -199,7 +200,7 @@ async fn rebalance_replicates_hot_experts_live_and_drain_empties_a_worker() {
     if !etcd_available() {
         return;
     }
-    let up = start_up();
+    let up = start_up(&[]);
 
     // A wrong or missing admin token is refused.
     let (ok, _, err) = ctl(&up.admin, "wrong-token", &["workers"]);
@@ -392,4 +393,50 @@ async fn workers_pid(up: &Up, id: &str) -> u32 {
         .find_map(|(_, v)| serde_json::from_slice::<epserve_proto::cluster::WorkerInfo>(v).ok())
         .map(|w| w.pid)
         .unwrap_or_else(|| panic!("worker {id} is not registered"))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn automatic_rebalancing_kicks_in_under_skewed_load() {
+    if !etcd_available() {
+        return;
+    }
+    let up = start_up(&[
+        "--eplb-interval",
+        "20",
+        "--eplb-redundant-experts",
+        "4",
+        "--eplb-min-improvement",
+        "0.1",
+    ]);
+    let baseline: Vec<String> = traffic(&up.url, 1)
+        .await
+        .into_iter()
+        .map(|mut v| v.remove(0))
+        .collect();
+    // Keep the skewed traffic going (bounded) until the coordinator has
+    // rebalanced by itself; every answer stays the same.
+    let mut version = 1;
+    for _ in 0..40 {
+        for (i, r) in traffic(&up.url, 1).await.iter().enumerate() {
+            assert_eq!(r[0], baseline[i], "prompt {i}");
+        }
+        version = ctl_ok(&up.admin, &["placement"])["version"]
+            .as_u64()
+            .unwrap_or(0);
+        if version > 1 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    }
+    assert!(version > 1, "no automatic rebalance happened");
+    let status = ctl_ok(&up.admin, &["status"]);
+    assert_eq!(status["reason"], "auto", "{status}");
+    // Once balanced, it does not churn: the next plans gain too little.
+    for (i, r) in traffic(&up.url, 2).await.iter().enumerate() {
+        assert!(r.iter().all(|t| t == &baseline[i]), "prompt {i}");
+    }
+    eprintln!(
+        "automatic rebalance: {} -> placement v{version}",
+        status["message"]
+    );
 }
