@@ -198,7 +198,14 @@ impl AdminService for Admin {
             .plan_explicit(&r.placement_json)
             .await
             .map_err(status)?;
-        response(self.run(plan, r.dry_run, "set-placement").await?)
+        let o = self.run(plan, r.dry_run, "set-placement").await?;
+        if o.state == "done" {
+            self.controller
+                .undrain_placed(&o.placement)
+                .await
+                .map_err(status)?;
+        }
+        response(o)
     }
 
     async fn drain_worker(

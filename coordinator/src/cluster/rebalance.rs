@@ -538,6 +538,22 @@ impl Controller {
         Ok(Some(format!("rebalance {}: {}", doc.id, doc.message)))
     }
 
+    /// Takes the workers `p` gives experts to out of the drained set (an
+    /// explicit placement is the way back for a drained worker).
+    pub async fn undrain_placed(&self, p: &Placement) -> Res<()> {
+        let mut d: BTreeSet<String> = self.state.drained().await.map_err(store_err)?;
+        let before = d.len();
+        for (w, &n) in p.workers.iter().zip(&p.counts()) {
+            if n > 0 {
+                d.remove(w);
+            }
+        }
+        if d.len() != before {
+            self.state.set_drained(&d).await.map_err(store_err)?;
+        }
+        Ok(())
+    }
+
     /// Marks `worker` drained after its drain went through.
     pub async fn mark_drained(&self, worker: &str) -> Res<()> {
         let mut d: BTreeSet<String> = self.state.drained().await.map_err(store_err)?;
@@ -748,6 +764,22 @@ mod tests {
             Err(RebalanceError::AlreadyRunning(m)) => assert!(m.contains("other"), "{m}"),
             other => panic!("{other:?}"),
         }
+    }
+
+    #[tokio::test]
+    async fn drained_workers_get_nothing_until_placed_explicitly() {
+        let (c, _g) = setup(300).await;
+        c.mark_drained("w1").await.expect("drain");
+        let plan = c.plan_rebalance(1, 0).await.expect("plan");
+        assert!(
+            plan.target.assigned_to("w1").is_empty(),
+            "{:?}",
+            plan.target
+        );
+        plan.target.validate(&[0], 4).expect("valid");
+        let explicit = c.plan_explicit(TARGET).await.expect("plan");
+        c.undrain_placed(&explicit.target).await.expect("undrain");
+        assert!(c.state.drained().await.expect("drained").is_empty());
     }
 
     #[tokio::test]
