@@ -31,6 +31,7 @@ fn status(e: RebalanceError) -> Status {
         RebalanceError::AlreadyRunning(m) => Status::aborted(m),
         RebalanceError::Invalid(m) => Status::invalid_argument(m),
         RebalanceError::Unavailable(m) => Status::unavailable(m),
+        RebalanceError::NoLoad(m) => Status::failed_precondition(m),
     }
 }
 

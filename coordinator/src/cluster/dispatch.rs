@@ -141,6 +141,15 @@ impl GrpcDispatcher {
         self.load.lock().map(|s| s.steps_total()).unwrap_or(0)
     }
 
+    /// Records one step's load of `layer` (tests of the planners).
+    #[cfg(test)]
+    pub fn record_for_test(&self, layer: usize, counts: &[(u32, &str, u32)]) {
+        if let (Some(route), Ok(mut s)) = (self.route(), self.load.lock()) {
+            s.begin_step(route.placement.version);
+            s.record(layer, counts);
+        }
+    }
+
     /// The route for this dispatch: a new snapshot at a step's first MoE layer.
     fn step_route(&self, layer: usize) -> Result<Arc<Route>> {
         let mut s = self

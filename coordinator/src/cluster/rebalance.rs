@@ -44,6 +44,7 @@ pub enum RebalanceError {
     AlreadyRunning(String),
     Invalid(String),
     Unavailable(String),
+    NoLoad(String),
 }
 
 impl std::fmt::Display for RebalanceError {
@@ -53,7 +54,8 @@ impl std::fmt::Display for RebalanceError {
             | Self::OverCapacity(m)
             | Self::AlreadyRunning(m)
             | Self::Invalid(m)
-            | Self::Unavailable(m) => f.write_str(m),
+            | Self::Unavailable(m)
+            | Self::NoLoad(m) => f.write_str(m),
         }
     }
 }
@@ -279,6 +281,11 @@ impl Controller {
             capacity
         };
         let loads = self.loads();
+        if loads.iter().flatten().all(|&x| x == 0.0) {
+            return Err(RebalanceError::NoLoad(
+                "no expert load measured under the current placement yet (the window restarts at every placement change): send traffic first".into(),
+            ));
+        }
         let (target, predicted) = eplb::plan(0, &workers, &self.moe_layers, &loads, cap, redundant)
             .map_err(|e| {
                 RebalanceError::OverCapacity(format!(
@@ -744,6 +751,7 @@ mod tests {
             c.plan_drain("nobody").await,
             Err(RebalanceError::UnknownWorker(_))
         ));
+        c.dispatcher.record_for_test(0, &[(0, "w0", 5)]);
         assert!(matches!(
             c.plan_rebalance(10, 3).await,
             Err(RebalanceError::OverCapacity(_))
@@ -770,6 +778,11 @@ mod tests {
     async fn drained_workers_get_nothing_until_placed_explicitly() {
         let (c, _g) = setup(300).await;
         c.mark_drained("w1").await.expect("drain");
+        assert!(matches!(
+            c.plan_rebalance(1, 0).await,
+            Err(RebalanceError::NoLoad(_))
+        ));
+        c.dispatcher.record_for_test(0, &[(0, "w0", 5)]);
         let plan = c.plan_rebalance(1, 0).await.expect("plan");
         assert!(
             plan.target.assigned_to("w1").is_empty(),
