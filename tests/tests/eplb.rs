@@ -14,7 +14,10 @@
 //! every request returns exactly the tokens it returned before the
 //! rebalance; measured balancedness rises (printed); `ctl drain` leaves the
 //! worker holding nothing, and after killing it requests still succeed with
-//! the same tokens.
+//! the same tokens. Automatic rebalancing (`--eplb-interval`) kicks in under
+//! skewed load. A worker that crashes while a rebalance waits for it, and is
+//! restarted (same id, new address), loads both sets and the rebalance
+//! completes.
 //!
 //! Needs `etcd` on PATH; skipped without it unless `EPSERVE_REQUIRE_ETCD=1`.
 
@@ -439,4 +442,115 @@ async fn automatic_rebalancing_kicks_in_under_skewed_load() {
         "automatic rebalance: {} -> placement v{version}",
         status["message"]
     );
+}
+
+/// A process this test started itself (killed and reaped on drop).
+struct Proc(Child);
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_worker_restarted_mid_rebalance_loads_both_sets_and_it_completes() {
+    if !etcd_available() {
+        return;
+    }
+    let up = start_up(&[]);
+    let baseline: Vec<String> = traffic(&up.url, 1)
+        .await
+        .into_iter()
+        .map(|mut v| v.remove(0))
+        .collect();
+    // The cluster's key prefix.
+    let cluster = {
+        use epserve_proto::store::{EtcdStore, KvStore};
+        let store = EtcdStore::connect(&up.etcd).await.expect("etcd");
+        store
+            .list("/epserve/")
+            .await
+            .expect("list")
+            .iter()
+            .find_map(|(k, _)| {
+                k.strip_prefix("/epserve/")
+                    .and_then(|r| r.split('/').next())
+                    .map(str::to_string)
+            })
+            .expect("a cluster prefix")
+    };
+    // Crash expert-0 (its registration outlives it for the lease TTL).
+    let pid = workers_pid(&up, "expert-0").await;
+    // SAFETY: the worker is a grandchild of this test; SIGKILL simulates a crash.
+    unsafe {
+        libc::kill(pid as libc::pid_t, libc::SIGKILL);
+    }
+    // A placement that gives expert-0 a new replica: the rebalance waits for it.
+    let mut target = ctl_ok(&up.admin, &["placement"]);
+    let workers: Vec<String> = serde_json::from_value(target["workers"].clone()).expect("workers");
+    let w0 = workers
+        .iter()
+        .position(|w| w == "expert-0")
+        .expect("expert-0 placed") as u64;
+    let experts = target["layers"][0]["experts"]
+        .as_array_mut()
+        .expect("experts");
+    let e = experts
+        .iter()
+        .position(|r| !r.as_array().expect("reps").contains(&json!(w0)))
+        .expect("an expert not on expert-0");
+    experts[e].as_array_mut().expect("reps").push(json!(w0));
+    let file =
+        std::env::temp_dir().join(format!("epserve-eplb-target-{}.json", std::process::id()));
+    std::fs::write(&file, target.to_string()).expect("write target");
+    let admin = up.admin.clone();
+    let f2 = file.clone();
+    let rb = tokio::task::spawn_blocking(move || {
+        ctl_ok(&admin, &["set-placement", f2.to_str().expect("utf-8 path")])
+    });
+    // Wait (bounded) until the rebalance waits for the dead worker.
+    let mut state = Value::Null;
+    for _ in 0..100 {
+        state = ctl_ok(&up.admin, &["status"]);
+        if state["state"] == "loading" {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert_eq!(state["state"], "loading", "{state}");
+    // Restart expert-0 (same id, a new port): it reads the active rebalance,
+    // loads its old and new experts, and reports ready.
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .expect("free port")
+        .port();
+    let _restarted = Proc(
+        Command::new(env!("CARGO_BIN_EXE_epserve-it"))
+            .arg("expert-worker")
+            .arg("--model")
+            .arg(fixture_dir("olmoe").join("f32"))
+            .args([
+                "--etcd",
+                &up.etcd,
+                "--cluster",
+                &cluster,
+                "--id",
+                "expert-0",
+            ])
+            .args(["--listen", &format!("127.0.0.1:{port}")])
+            .stdout(Stdio::null())
+            .spawn()
+            .expect("restart expert-0"),
+    );
+    let rb = rb.await.expect("join");
+    let _ = std::fs::remove_file(&file);
+    assert_eq!(rb["state"], "done", "{rb}");
+    assert_eq!(rb["to_version"], 2, "{rb}");
+    // The restarted worker serves the new placement (its new address came
+    // with the switch): the same tokens as before.
+    for (i, r) in traffic(&up.url, 1).await.iter().enumerate() {
+        assert_eq!(r[0], baseline[i], "prompt {i} after the restart");
+    }
 }

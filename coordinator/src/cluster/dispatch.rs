@@ -55,7 +55,9 @@ pub struct GrpcDispatcher {
     expert_metrics: bool,
     last_expert_metrics: Mutex<Option<Instant>>,
     route: RwLock<Arc<Route>>,
-    clients: std::sync::Mutex<HashMap<String, ExpertServiceClient<Channel>>>,
+    /// Worker id → (address, client); a worker that comes back on a new
+    /// address gets a new client.
+    clients: std::sync::Mutex<HashMap<String, (String, ExpertServiceClient<Channel>)>>,
     dtype: Dtype,
     timeout: Duration,
 }
@@ -246,7 +248,9 @@ impl GrpcDispatcher {
             .clients
             .lock()
             .map_err(|_| Error::Dispatch("client cache lock poisoned".into()))?;
-        if let Some(c) = clients.get(worker) {
+        if let Some((a, c)) = clients.get(worker)
+            && a == addr
+        {
             return Ok(c.clone());
         }
         let ep = Endpoint::from_shared(addr.to_string())
@@ -259,7 +263,7 @@ impl GrpcDispatcher {
         let c = ExpertServiceClient::new(ep.connect_lazy())
             .max_decoding_message_size(1 << 30)
             .max_encoding_message_size(1 << 30);
-        clients.insert(worker.to_string(), c.clone());
+        clients.insert(worker.to_string(), (addr.to_string(), c.clone()));
         Ok(c)
     }
 
