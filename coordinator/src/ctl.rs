@@ -22,10 +22,20 @@ use tonic::transport::Channel;
 #[derive(Debug, Args)]
 pub struct CtlArgs {
     /// The coordinator's admin gRPC address (`HOST:PORT` or a URL).
-    #[arg(long, env = "EPSERVE_ADMIN", default_value = "127.0.0.1:9000")]
+    #[arg(
+        long,
+        env = "EPSERVE_ADMIN",
+        default_value = "127.0.0.1:9000",
+        global = true
+    )]
     pub admin: String,
     /// Bearer token of the admin service.
-    #[arg(long, env = "EPSERVE_ADMIN_TOKEN", hide_env_values = true)]
+    #[arg(
+        long,
+        env = "EPSERVE_ADMIN_TOKEN",
+        hide_env_values = true,
+        global = true
+    )]
     pub token: Option<String>,
     /// Print one JSON document instead of tables.
     #[arg(long, global = true)]
