@@ -106,12 +106,19 @@ impl AttentionService for AttentionWorker {
         req: Request<ReleaseRequest>,
     ) -> Result<Response<ReleaseResponse>, Status> {
         let r = req.into_inner();
-        let mut g = self.shard.lock().map_err(|_| self.poisoned())?;
-        if r.all {
-            g.release_all();
-        } else {
-            g.release(&r.seq_ids);
-        }
+        let (shard, poisoned) = (self.shard.clone(), self.poisoned());
+        // The lock may be held by a Forward in progress: wait off the async threads.
+        tokio::task::spawn_blocking(move || {
+            let mut g = shard.lock().map_err(|_| poisoned)?;
+            if r.all {
+                g.release_all();
+            } else {
+                g.release(&r.seq_ids);
+            }
+            Ok::<_, Status>(())
+        })
+        .await
+        .map_err(|e| Status::internal(format!("release task failed: {e}")))??;
         Ok(Response::new(ReleaseResponse {}))
     }
 

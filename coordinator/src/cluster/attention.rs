@@ -323,3 +323,52 @@ impl AttentionBackend for RemoteAttention {
         Some(self.capacity)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn w(id: &str, shard: Option<(u32, u32)>) -> WorkerInfo {
+        WorkerInfo {
+            id: id.into(),
+            role: "attention".into(),
+            addr: format!("http://{id}:1"),
+            cores: vec![],
+            memory_bytes: 0,
+            shard,
+            pid: 1,
+        }
+    }
+
+    #[test]
+    fn shards_are_ordered_and_checked() {
+        let got = order_shards(&[w("b", Some((1, 2))), w("a", Some((0, 2)))], 2)
+            .ok()
+            .flatten()
+            .map(|v| v.into_iter().map(|x| x.id).collect::<Vec<_>>());
+        assert_eq!(got, Some(vec!["a".to_string(), "b".to_string()]));
+        // One missing: keep waiting.
+        assert!(matches!(order_shards(&[w("a", Some((0, 2)))], 2), Ok(None)));
+        let err = |ws: &[WorkerInfo]| order_shards(ws, 2).err().map(|e| e.to_string());
+        assert!(
+            err(&[w("a", Some((0, 2))), w("c", Some((0, 2)))])
+                .is_some_and(|m| m.contains("registered twice"))
+        );
+        assert!(err(&[w("a", Some((0, 3)))]).is_some_and(|m| m.contains("expects 2 shards")));
+        assert!(err(&[w("a", Some((2, 2)))]).is_some_and(|m| m.contains("outside 0..2")));
+        assert!(err(&[w("a", None)]).is_some_and(|m| m.contains("without a shard")));
+    }
+
+    #[test]
+    fn refuses_models_that_cannot_be_split() {
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures");
+        let check = |name: &str| {
+            ModelConfig::from_dir(&dir.join(name).join("f32"))
+                .map_err(anyhow::Error::from)
+                .and_then(|c| check_model(&c))
+        };
+        assert!(check("qwen3_moe_a").is_ok());
+        assert!(check("olmoe").is_err_and(|e| e.to_string().contains("whole projection")));
+        assert!(check("deepseek_v3").is_err_and(|e| e.to_string().contains("latent")));
+    }
+}
