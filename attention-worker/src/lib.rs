@@ -1,26 +1,168 @@
-//! The attention-worker role: will hold a tensor-parallel shard (a contiguous
-//! range of heads) of every attention layer and its KV cache, serving the
-//! coordinator over gRPC. Until the cluster work lands, attention runs in the
-//! coordinator's process through `epserve_core::model::attention`.
+//! The attention-worker role: holds a tensor-parallel shard (a contiguous
+//! range of heads) of every attention layer and the KV cache of those heads,
+//! registers in etcd under a lease as shard I of N, and serves
+//! `AttentionService` to the coordinator, which sums the shards' partial
+//! output projections. The shard itself is `epserve_core::model::attn_shard`.
 
-/// The heads a shard `index` of `of` owns, or an error when the KV heads cannot
-/// be split evenly (every shard must hold whole KV-head groups).
+mod service;
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use anyhow::{Context, Result, bail};
+use clap::Args;
+use epserve_core::config::ModelConfig;
+use epserve_core::loader::weights::WeightStore;
+use epserve_core::model::attention::HeadShard;
+use epserve_core::model::attn_shard::AttentionShard;
+use epserve_expert_worker::cores;
+use epserve_proto::cluster::{ClusterState, WorkerInfo};
+use epserve_proto::pb::attention_service_server::AttentionServiceServer;
+use epserve_proto::store::EtcdStore;
+
+pub use service::AttentionWorker;
+
+/// The heads a shard `index` of `of` owns, or an error when the heads cannot
+/// be split (see [`HeadShard::ranges`]).
 pub fn shard_heads(
     num_heads: usize,
     num_kv_heads: usize,
     index: usize,
     of: usize,
 ) -> Result<std::ops::Range<usize>, String> {
-    if of == 0 || index >= of {
-        return Err(format!("shard {index} of {of} does not exist"));
+    HeadShard { index, of }
+        .ranges(num_heads, num_kv_heads)
+        .map(|(q, _)| q)
+        .map_err(|e| e.to_string())
+}
+
+/// `epserve attention-worker`.
+#[derive(Debug, Clone, Args)]
+pub struct AttentionWorkerArgs {
+    /// Hugging Face model folder (the same files the coordinator uses).
+    #[arg(long, env = "EPSERVE_MODEL")]
+    pub model: PathBuf,
+    /// etcd endpoints, comma-separated (`127.0.0.1:2379`).
+    #[arg(long, env = "EPSERVE_ETCD")]
+    pub etcd: String,
+    /// Cluster name: keys live under `/epserve/<cluster>/`.
+    #[arg(long, default_value = "default", env = "EPSERVE_CLUSTER")]
+    pub cluster: String,
+    /// This worker's shard index, 0..N-1.
+    #[arg(long, env = "EPSERVE_SHARD")]
+    pub shard: usize,
+    /// Number of shards N (the coordinator's --attention-workers).
+    #[arg(long)]
+    pub of: usize,
+    /// Address the gRPC server binds.
+    #[arg(long, default_value = "0.0.0.0:50061")]
+    pub listen: SocketAddr,
+    /// Address the coordinator should dial (default: --listen, with 127.0.0.1 for 0.0.0.0).
+    #[arg(long)]
+    pub advertise: Option<String>,
+    /// Worker id in etcd (default: `attention-<shard>-of-<N>`).
+    #[arg(long)]
+    pub id: Option<String>,
+    /// Cores to run attention on, e.g. `0-15` or `0,2,4-7` (default: all).
+    #[arg(long)]
+    pub cores: Option<String>,
+    /// KV cache of this shard's heads, e.g. `2GiB`, `512MiB`, bytes.
+    #[arg(long, default_value = "1GiB")]
+    pub kv_cache_memory: String,
+    /// Positions per KV block (the coordinator's --block-size must be a multiple).
+    #[arg(long, default_value_t = 16)]
+    pub block_size: usize,
+}
+
+/// Runs the worker until SIGINT/SIGTERM.
+pub fn run(args: &AttentionWorkerArgs) -> Result<()> {
+    if args.of == 0 || args.shard >= args.of {
+        bail!(
+            "--shard {} --of {}: the shard index must be in 0..{}",
+            args.shard,
+            args.of,
+            args.of
+        );
     }
-    if num_kv_heads % of != 0 {
-        return Err(format!(
-            "{num_kv_heads} KV heads cannot be split evenly over {of} attention shards"
-        ));
+    if args.block_size == 0 {
+        bail!("--block-size must be positive");
     }
-    let per = num_heads / of;
-    Ok(index * per..(index + 1) * per)
+    let cores = match &args.cores {
+        Some(spec) => {
+            let c = cores::parse_cores(spec)?;
+            cores::pin_process(&c)?;
+            c
+        }
+        None => (0..std::thread::available_parallelism().map_or(1, |n| n.get())).collect(),
+    };
+    if args.cores.is_some() {
+        // Attention's kernels run on rayon's global pool: one thread per core.
+        let _ = rayon::ThreadPoolBuilder::new()
+            .num_threads(cores.len())
+            .build_global();
+    }
+    let kv_bytes = epserve_core::config::parse_size(&args.kv_cache_memory)
+        .map_err(anyhow::Error::msg)
+        .context("--kv-cache-memory")?;
+    let cfg = ModelConfig::from_dir(&args.model)?;
+    let ws = WeightStore::open(&args.model)?;
+    let shard = HeadShard {
+        index: args.shard,
+        of: args.of,
+    };
+    let loaded = AttentionShard::load(&cfg, &ws, shard, kv_bytes, args.block_size)?;
+    drop(ws);
+    let id = args
+        .id
+        .clone()
+        .unwrap_or_else(|| format!("attention-{}-of-{}", args.shard, args.of));
+    let advertise = match &args.advertise {
+        Some(a) => a.clone(),
+        None if args.listen.ip().is_unspecified() => format!("127.0.0.1:{}", args.listen.port()),
+        None => args.listen.to_string(),
+    };
+    let stats = loaded.stats();
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .context("cannot start the async runtime")?;
+    rt.block_on(async move {
+        let store = EtcdStore::connect(&args.etcd).await?;
+        let state = ClusterState::new(Arc::new(store), &args.cluster);
+        let worker = Arc::new(AttentionWorker::new(id.clone(), loaded));
+        let listener = tokio::net::TcpListener::bind(args.listen)
+            .await
+            .with_context(|| format!("cannot listen on {}", args.listen))?;
+        let incoming =
+            tonic::transport::server::TcpIncoming::from(listener).with_nodelay(Some(true));
+        let info = WorkerInfo {
+            id: id.clone(),
+            role: "attention".into(),
+            addr: format!("http://{advertise}"),
+            cores: cores.clone(),
+            memory_bytes: kv_bytes as u64,
+            shard: Some((args.shard as u32, args.of as u32)),
+            pid: std::process::id(),
+        };
+        let _lease = state.register(&info).await?;
+        println!(
+            "epserve attention-worker '{id}' serving AttentionService at {advertise}: shard {} of {} ({} KV blocks of {} positions, cores {cores:?})",
+            args.shard, args.of, stats.blocks_total, stats.block_size
+        );
+        tonic::transport::Server::builder()
+            .add_service(
+                AttentionServiceServer::from_arc(worker)
+                    .max_decoding_message_size(1 << 30)
+                    .max_encoding_message_size(1 << 30),
+            )
+            .serve_with_incoming_shutdown(incoming, epserve_expert_worker::shutdown())
+            .await
+            .context("gRPC server failed")?;
+        Ok::<(), anyhow::Error>(())
+    })?;
+    Ok(())
 }
 
 #[cfg(test)]
@@ -28,9 +170,11 @@ mod tests {
     use super::*;
 
     #[test]
-    fn splits_whole_kv_groups() {
+    fn splits_whole_kv_groups_or_replicates() {
         assert_eq!(shard_heads(8, 4, 1, 2), Ok(4..8));
-        assert!(shard_heads(8, 2, 0, 4).is_err());
+        // 2 KV heads over 4 shards: each KV head replicated on two shards.
+        assert_eq!(shard_heads(8, 2, 3, 4), Ok(6..8));
+        assert!(shard_heads(8, 4, 0, 3).is_err());
         assert!(shard_heads(8, 2, 2, 2).is_err());
     }
 }

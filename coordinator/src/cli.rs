@@ -22,6 +22,7 @@ pub fn main() {
         Command::Serve(args) => crate::serve::run(args),
         Command::Coordinator(args) => crate::cluster::run(args),
         Command::ExpertWorker(args) => epserve_expert_worker::run(args),
+        Command::AttentionWorker(args) => epserve_attention_worker::run(args),
         Command::Up(args) => crate::cluster::up::run(args),
         Command::Bench(bench) => match &bench.command {
             BenchCommand::Serve(args) => crate::bench_serve::run(args),
@@ -57,7 +58,10 @@ pub enum Command {
     Coordinator(Box<crate::cluster::CoordinatorArgs>),
     /// An expert-worker: holds the experts the placement assigns it, serves them over gRPC.
     ExpertWorker(Box<epserve_expert_worker::ExpertWorkerArgs>),
-    /// A whole local cluster on loopback: etcd, expert-workers, coordinator.
+    /// An attention-worker: shard I of N of every attention layer (its heads) and
+    /// their KV cache, served over gRPC.
+    AttentionWorker(Box<epserve_attention_worker::AttentionWorkerArgs>),
+    /// A whole local cluster on loopback: etcd, expert-workers, attention-workers, coordinator.
     Up(Box<crate::cluster::up::UpArgs>),
     /// Benchmarks: `bench serve` (a twin of `vllm bench serve`).
     Bench(BenchArgs),

@@ -13,27 +13,7 @@ use crate::server::{self, AppState, Ready, ServerConfig};
 
 /// Parses `2GiB`, `512MiB`, `1.5G`, `1000000`.
 pub fn parse_size(s: &str) -> Result<usize> {
-    let t = s.trim();
-    let split = t
-        .find(|c: char| !(c.is_ascii_digit() || c == '.'))
-        .unwrap_or(t.len());
-    let (num, unit) = t.split_at(split);
-    let n: f64 = num
-        .parse()
-        .with_context(|| format!("invalid size '{s}': expected a number with an optional unit"))?;
-    let mult: f64 = match unit.trim().to_ascii_lowercase().as_str() {
-        "" | "b" => 1.0,
-        "k" | "kb" => 1e3,
-        "kib" => 1024.0,
-        "m" | "mb" => 1e6,
-        "mib" => 1024.0 * 1024.0,
-        "g" | "gb" => 1e9,
-        "gib" => 1024.0 * 1024.0 * 1024.0,
-        other => {
-            bail!("invalid size '{s}': unknown unit '{other}' (use B, KiB, MiB, GiB, KB, MB, GB)")
-        }
-    };
-    Ok((n * mult) as usize)
+    epserve_core::config::parse_size(s).map_err(anyhow::Error::msg)
 }
 
 /// Total memory of the machine from /proc/meminfo (None elsewhere).
@@ -68,12 +48,21 @@ pub fn scheduler_config(args: &ServeArgs, engine: &Engine) -> Result<SchedulerCo
             (total_memory().unwrap_or(8 << 30) as f64 * args.kv_cache_fraction) as usize
         }
     };
-    let block_bytes = engine.model.kv_block_bytes(args.block_size).max(1);
-    let num_blocks = kv_bytes / block_bytes;
+    let num_blocks = match engine.model.remote_attention() {
+        // The KV lives on the attention shards: count blocks up to what the
+        // smallest shard holds, so a step the scheduler admits fits there too.
+        Some(a) => {
+            let cap = a
+                .capacity_positions()
+                .context("the attention shards did not report their KV cache capacity")?;
+            cap / args.block_size
+        }
+        None => kv_bytes / engine.model.kv_block_bytes(args.block_size).max(1),
+    };
     let capacity = num_blocks * args.block_size;
     if capacity < max_model_len {
         bail!(
-            "the KV cache ({kv_bytes} bytes = {num_blocks} blocks of {} tokens) holds {capacity} tokens, fewer than --max-model-len {max_model_len}; raise --kv-cache-memory or lower --max-model-len",
+            "the KV cache ({num_blocks} blocks of {} tokens) holds {capacity} tokens, fewer than --max-model-len {max_model_len}; raise --kv-cache-memory (of the attention-workers, when attention is remote) or lower --max-model-len",
             args.block_size
         );
     }

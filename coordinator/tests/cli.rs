@@ -281,3 +281,70 @@ fn stop_strings_cut_the_text() {
     assert!(!cut.contains(&stop), "{cut:?} contains {stop:?}");
     assert!(text.starts_with(cut), "{cut:?} is not a prefix of {text:?}");
 }
+
+#[test]
+fn attention_workers_refuse_what_they_cannot_serve() {
+    let olmoe = fixtures().join("olmoe/f32");
+    let qwen = fixtures().join("qwen3_moe_a/f32");
+    let (olmoe, qwen) = (olmoe.to_str().expect("utf8"), qwen.to_str().expect("utf8"));
+    // Checked before any etcd is contacted (none listens on port 1).
+    let base = ["--etcd", "127.0.0.1:1", "--listen", "127.0.0.1:0"];
+    let r = epserve(
+        &[
+            &[
+                "attention-worker",
+                "--model",
+                olmoe,
+                "--shard",
+                "0",
+                "--of",
+                "2",
+            ][..],
+            &base,
+        ]
+        .concat(),
+    );
+    assert_one_line_error(&r, &["whole projection", "attention-workers"]);
+    let r = epserve(
+        &[
+            &[
+                "attention-worker",
+                "--model",
+                qwen,
+                "--shard",
+                "2",
+                "--of",
+                "2",
+            ][..],
+            &base,
+        ]
+        .concat(),
+    );
+    assert_one_line_error(&r, &["--shard 2 --of 2"]);
+    let r = epserve(
+        &[
+            &[
+                "attention-worker",
+                "--model",
+                qwen,
+                "--shard",
+                "0",
+                "--of",
+                "3",
+            ][..],
+            &base,
+        ]
+        .concat(),
+    );
+    assert_one_line_error(&r, &["cannot be split evenly over 3 attention shards"]);
+    let r = epserve(&[
+        "coordinator",
+        "--model",
+        olmoe,
+        "--etcd",
+        "127.0.0.1:1",
+        "--attention-workers",
+        "2",
+    ]);
+    assert_one_line_error(&r, &["--attention-workers", "whole projection"]);
+}

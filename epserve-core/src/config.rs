@@ -1119,6 +1119,33 @@ fn layer_specs(
     Ok(out)
 }
 
+/// Parses `2GiB`, `512MiB`, `1.5G`, `1000000`.
+pub fn parse_size(s: &str) -> std::result::Result<usize, String> {
+    let t = s.trim();
+    let split = t
+        .find(|c: char| !(c.is_ascii_digit() || c == '.'))
+        .unwrap_or(t.len());
+    let (num, unit) = t.split_at(split);
+    let n: f64 = num
+        .parse()
+        .map_err(|_| format!("invalid size '{s}': expected a number with an optional unit"))?;
+    let mult: f64 = match unit.trim().to_ascii_lowercase().as_str() {
+        "" | "b" => 1.0,
+        "k" | "kb" => 1e3,
+        "kib" => 1024.0,
+        "m" | "mb" => 1e6,
+        "mib" => 1024.0 * 1024.0,
+        "g" | "gb" => 1e9,
+        "gib" => 1024.0 * 1024.0 * 1024.0,
+        other => {
+            return Err(format!(
+                "invalid size '{s}': unknown unit '{other}' (use B, KiB, MiB, GiB, KB, MB, GB)"
+            ));
+        }
+    };
+    Ok((n * mult) as usize)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -171,6 +171,20 @@ impl Weight {
         self.narrow_elems(shape, start * cols, n * cols)
     }
 
+    /// Columns `start..start+n` of a 2-D weight, as an owned copy (columns are
+    /// not contiguous; used for a tensor-parallel shard's slice of `o_proj`).
+    pub fn columns(&self, start: usize, n: usize) -> Weight {
+        let (rows, cols) = (self.shape[0], self.shape[1..].iter().product::<usize>());
+        let es = self.dtype.size();
+        let src = self.bytes();
+        let mut out = Vec::with_capacity(rows * n * es);
+        for r in 0..rows {
+            let at = (r * cols + start) * es;
+            out.extend_from_slice(&src[at..at + n * es]);
+        }
+        Self::from_bytes(self.dtype, vec![rows, n], &out)
+    }
+
     fn narrow_elems(&self, shape: Vec<usize>, start: usize, n: usize) -> Weight {
         let es = self.dtype.size();
         Weight {

@@ -1,8 +1,9 @@
-//! The real cluster on loopback: `epserve up` starts etcd, 3 expert-workers and
-//! the coordinator as processes, on a fixture whose 13 experts do not divide
-//! by 3. Greedy completions must equal transformers' goldens (and so the
-//! single-process engine's); etcd must show the workers and the placement; and
-//! stopping `up` must leave no process behind.
+//! The real cluster on loopback: `epserve up` starts etcd, 3 expert-workers
+//! (and, in one test, 2 attention-workers) and the coordinator as processes, on
+//! fixtures whose expert counts (13, 11) do not divide by 3. Greedy completions
+//! must equal transformers' goldens (and the single-process engine's); etcd
+//! must show the workers and the placement; and stopping `up` must leave no
+//! process behind.
 //!
 //! Needs `etcd` on PATH; skipped without it unless `EPSERVE_REQUIRE_ETCD=1`
 //! (set by `.ci/run`), which makes its absence a failure.
@@ -49,6 +50,11 @@ fn etcd_available() -> bool {
 }
 
 fn start_up(fixture: &str, workers: usize, dtype: &str) -> Up {
+    start_up_with(fixture, workers, dtype, &[])
+}
+
+/// `epserve up` with extra arguments (`--attention-workers 2`, `-- COORDINATOR ARGS`).
+fn start_up_with(fixture: &str, workers: usize, dtype: &str, extra: &[&str]) -> Up {
     let model = fixture_dir(fixture).join("f32");
     let mut child = Command::new(env!("CARGO_BIN_EXE_epserve-it"))
         .arg("up")
@@ -56,6 +62,7 @@ fn start_up(fixture: &str, workers: usize, dtype: &str) -> Up {
         .arg(&model)
         .args(["--expert-workers", &workers.to_string(), "--port", "0"])
         .args(["--dispatch-dtype", dtype, "--served-model-name", "tiny"])
+        .args(extra)
         .stdout(Stdio::piped())
         .stderr(Stdio::inherit())
         .spawn()
@@ -295,4 +302,179 @@ async fn bf16_dispatch_serves_and_a_dead_worker_gives_a_clear_error() {
         let msg = v["error"]["message"].as_str().unwrap_or_default();
         assert!(msg.contains("expert-worker"), "{msg}");
     }
+}
+
+/// Coordinator + 3 expert-workers + 2 attention-workers (tensor-parallel
+/// attention, f32 on the wire) on `qwen3_moe_b` (11 experts; OLMoE's q/k norm
+/// over the whole projection cannot be split by heads and is refused). The
+/// shards' KV caches hold 160 positions, less than the three prompts together
+/// need, so concurrent requests are preempted and recomputed (their remote KV
+/// released and truncated) and must still give the same tokens.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn attention_workers_match_transformers_and_the_single_process_engine() {
+    if !etcd_available() {
+        return;
+    }
+    let fixture = "qwen3_moe_b";
+    let g = golden(fixture);
+    assert_ne!(g.num_experts % 3, 0);
+    let dir = fixture_dir(fixture).join("f32");
+    let engine = epserve_core::engine::Engine::load(&dir).expect("engine");
+    let up = start_up_with(
+        fixture,
+        3,
+        "f32",
+        &[
+            "--attention-workers",
+            "2",
+            "--attention-kv-cache-memory",
+            "160KiB",
+            "--",
+            "--max-model-len",
+            "128",
+        ],
+    );
+    let mut want = Vec::new();
+    for case in &g.cases {
+        let single = engine
+            .generate(&epserve_core::engine::GenerateRequest {
+                prompt_token_ids: case.prompt_token_ids.clone(),
+                max_tokens: case.greedy_token_ids.len(),
+                sampling: epserve_core::sampling::SamplingParams::default(),
+                stop: vec![],
+                ignore_eos: true,
+            })
+            .expect("single process");
+        assert_eq!(
+            single.token_ids, case.greedy_token_ids,
+            "case {}",
+            case.name
+        );
+        let golden_text = engine
+            .tokenizer
+            .decode(&case.greedy_token_ids, true)
+            .expect("decode");
+        assert_eq!(single.text, golden_text);
+        want.push(golden_text);
+    }
+    let body = |ids: &[u32], n: usize| json!({"model": "tiny", "prompt": ids, "max_tokens": n, "temperature": 0, "ignore_eos": true});
+    for (case, want) in g.cases.iter().zip(&want) {
+        let v = complete(
+            &up.url,
+            body(&case.prompt_token_ids, case.greedy_token_ids.len()),
+        )
+        .await;
+        assert_eq!(
+            v["choices"][0]["text"].as_str(),
+            Some(want.as_str()),
+            "case {}",
+            case.name
+        );
+    }
+    // Twice every case at once: 6 sequences on 10 KV blocks per shard.
+    let futs: Vec<_> = g
+        .cases
+        .iter()
+        .chain(&g.cases)
+        .map(|c| {
+            let (url, b) = (
+                up.url.clone(),
+                body(&c.prompt_token_ids, c.greedy_token_ids.len()),
+            );
+            tokio::spawn(async move { complete(&url, b).await })
+        })
+        .collect();
+    for (f, w) in futs.into_iter().zip(want.iter().chain(&want)) {
+        let v = f.await.expect("join");
+        assert_eq!(
+            v["choices"][0]["text"].as_str(),
+            Some(w.as_str()),
+            "concurrent"
+        );
+    }
+    let metrics = reqwest::get(format!("{}/metrics", up.url))
+        .await
+        .expect("metrics")
+        .text()
+        .await
+        .expect("text");
+    let value = |prefix: &str| -> f64 {
+        metrics
+            .lines()
+            .filter(|l| l.starts_with(prefix))
+            .filter_map(|l| l.rsplit(' ').next().and_then(|x| x.parse::<f64>().ok()))
+            .sum()
+    };
+    assert!(
+        value("epserve_num_preemptions_total") > 0.0,
+        "the small shard caches should have forced a preemption"
+    );
+    for w in ["attention-0", "attention-1"] {
+        assert!(
+            value(&format!(
+                "epserve_attention_bytes_sent_total{{worker=\"{w}\"}}"
+            )) > 0.0
+        );
+        assert!(
+            value(&format!(
+                "epserve_attention_bytes_received_total{{worker=\"{w}\"}}"
+            )) > 0.0
+        );
+    }
+    for layer in 0..g.num_layers {
+        assert!(
+            value(&format!(
+                "epserve_attention_seconds_count{{layer=\"{layer}\"}}"
+            )) > 0.0
+        );
+    }
+
+    // etcd lists both shards (and the expert-workers).
+    let store = EtcdStore::connect(&up.etcd).await.expect("etcd");
+    let keys = store.list("/epserve/").await.expect("list");
+    let cluster = keys
+        .iter()
+        .find_map(|(k, _)| {
+            k.strip_prefix("/epserve/")
+                .and_then(|r| r.split('/').next())
+                .map(str::to_string)
+        })
+        .expect("a cluster prefix");
+    let state = ClusterState::new(Arc::new(store), &cluster);
+    let shards = state.workers("attention").await.expect("attention workers");
+    assert_eq!(
+        shards.iter().map(|w| w.shard).collect::<Vec<_>>(),
+        vec![Some((0, 2)), Some((1, 2))],
+        "{shards:?}"
+    );
+    let experts = state.workers("expert").await.expect("expert workers");
+    assert_eq!(experts.len(), 3);
+
+    // The shards hold no sequence once everything finished (releases reached them).
+    for w in &shards {
+        let mut c = epserve_proto::pb::attention_service_client::AttentionServiceClient::connect(
+            w.addr.clone(),
+        )
+        .await
+        .expect("connect shard");
+        let h = c
+            .health(epserve_proto::pb::HealthRequest {})
+            .await
+            .expect("health")
+            .into_inner();
+        assert_eq!(h.sequences, 0, "{} still holds sequences", w.id);
+        assert_eq!(h.kv_blocks_free, h.kv_blocks_total);
+    }
+
+    // Stopping `up` stops every process it started.
+    let pids: Vec<u32> = shards.iter().chain(&experts).map(|w| w.pid).collect();
+    drop(up);
+    let deadline = Instant::now() + Duration::from_secs(15);
+    while pids.iter().any(|&p| pid_alive(p)) && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    assert!(
+        pids.iter().all(|&p| !pid_alive(p)),
+        "orphaned workers: {pids:?}"
+    );
 }

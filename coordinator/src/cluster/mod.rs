@@ -3,6 +3,7 @@
 //! `epserve up` (a whole local cluster on loopback as child processes).
 
 pub mod admin;
+pub mod attention;
 pub mod dispatch;
 pub mod load;
 pub mod rebalance;
@@ -58,12 +59,12 @@ pub struct CoordinatorArgs {
     /// Bearer token the admin service requires (unset: no auth, loopback use only).
     #[arg(long, env = "EPSERVE_ADMIN_TOKEN", hide_env_values = true)]
     pub admin_token: Option<String>,
+    /// Attention-workers (tensor-parallel attention shards 0..N-1) to wait for in
+    /// etcd and run attention on; 0 runs attention in the coordinator.
+    #[arg(long, default_value_t = 0)]
+    pub attention_workers: usize,
     #[command(flatten)]
     pub eplb: EplbArgs,
-    /// Attention-worker addresses (tensor-parallel attention shards), comma-separated.
-    /// Not supported yet: attention runs in the coordinator; a non-empty list is refused.
-    #[arg(long, value_delimiter = ',')]
-    pub attention_workers: Vec<String>,
 }
 
 /// Expert load statistics and rebalancing flags of `epserve coordinator`.
@@ -112,11 +113,6 @@ async fn current_route(state: &ClusterState, cfg: &ModelConfig) -> Result<Option
 
 /// Runs the coordinator (blocking).
 pub fn run(args: &CoordinatorArgs) -> Result<()> {
-    if !args.attention_workers.is_empty() {
-        bail!(
-            "--attention-workers: tensor-parallel attention workers are not supported yet; attention runs in the coordinator (leave the list empty)"
-        );
-    }
     if !(0.0..=1.0).contains(&args.eplb.eplb_min_improvement) {
         bail!(
             "--eplb-min-improvement must be within [0, 1], got {}",
@@ -126,12 +122,15 @@ pub fn run(args: &CoordinatorArgs) -> Result<()> {
     let rt = crate::serve::runtime()?;
     let model_dir = args.serve.model.clone();
     let cfg = ModelConfig::from_dir(&model_dir)?;
+    if args.attention_workers > 0 {
+        attention::check_model(&cfg)?;
+    }
     let dtype = if args.dispatch_dtype == "f32" {
         Dtype::F32
     } else {
         Dtype::Bf16
     };
-    let (dispatcher, state) = rt.block_on(async {
+    let (dispatcher, state, remote_attention) = rt.block_on(async {
         let store = EtcdStore::connect(&args.etcd).await?;
         let state = ClusterState::new(Arc::new(store), &args.cluster);
         // Wait for the expert-workers.
@@ -173,7 +172,32 @@ pub fn run(args: &CoordinatorArgs) -> Result<()> {
             args.eplb.eplb_window,
             args.eplb.expert_load_metrics,
         ));
-        Ok::<_, anyhow::Error>((dispatcher, state))
+        let remote_attention = if args.attention_workers > 0 {
+            let shards =
+                wait_attention_workers(&state, args.attention_workers, args.wait_secs).await?;
+            let a = attention::RemoteAttention::connect(
+                &shards,
+                &cfg,
+                args.serve.block_size,
+                dtype,
+                Duration::from_millis(args.dispatch_timeout_ms),
+                Duration::from_secs(args.wait_secs),
+            )
+            .await?;
+            println!(
+                "epserve coordinator: attention on {} attention-workers ({})",
+                shards.len(),
+                shards
+                    .iter()
+                    .map(|w| w.id.as_str())
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            );
+            Some(Arc::new(a))
+        } else {
+            None
+        };
+        Ok::<_, anyhow::Error>((dispatcher, state, remote_attention))
     })?;
     let controller = Arc::new(rebalance::Controller::new(
         state.clone(),
@@ -247,7 +271,30 @@ pub fn run(args: &CoordinatorArgs) -> Result<()> {
         }
     });
     let serve_args = args.serve.clone();
-    serve_with_dispatcher(&rt, &serve_args, cfg, dispatcher)
+    serve_with_dispatcher(&rt, &serve_args, cfg, dispatcher, remote_attention)
+}
+
+/// Waits until shards 0..n-1 of n are registered in etcd, each exactly once.
+async fn wait_attention_workers(
+    state: &ClusterState,
+    n: usize,
+    wait_secs: u64,
+) -> Result<Vec<epserve_proto::cluster::WorkerInfo>> {
+    let deadline = Instant::now() + Duration::from_secs(wait_secs);
+    loop {
+        let w = state.workers("attention").await?;
+        if let Some(ordered) = attention::order_shards(&w, n)? {
+            return Ok(ordered);
+        }
+        if Instant::now() > deadline {
+            bail!(
+                "only {} of {n} attention-workers registered in etcd under {} after {wait_secs} s",
+                w.len(),
+                state.prefix()
+            );
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
 }
 
 fn serve_with_dispatcher(
@@ -255,11 +302,14 @@ fn serve_with_dispatcher(
     args: &ServeArgs,
     cfg: ModelConfig,
     dispatcher: Arc<GrpcDispatcher>,
+    attention: Option<Arc<attention::RemoteAttention>>,
 ) -> Result<()> {
     let dir = args.model.clone();
     crate::serve::serve_with(rt, args, move || {
         let ws = WeightStore::open(&dir)?;
-        let model = Model::from_store(cfg, &ws, dispatcher)?;
+        let attention =
+            attention.map(|a| a as Arc<dyn epserve_core::model::attn_shard::AttentionBackend>);
+        let model = Model::from_store_with(cfg, &ws, dispatcher, attention)?;
         let tokenizer = Tokenizer::from_dir(&dir)?;
         let generation = GenerationConfig::from_dir(&dir)?;
         Ok(Engine::from_parts(model, tokenizer, generation, &dir))

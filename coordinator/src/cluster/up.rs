@@ -1,5 +1,6 @@
 //! `epserve up`: a whole local cluster on loopback — etcd (on free ports with
-//! a temporary data dir), N expert-workers and the coordinator as child
+//! a temporary data dir), N expert-workers, M attention-workers (shards 0..M-1)
+//! and the coordinator as child
 //! processes of this one. Ctrl-C / SIGTERM, or any child exiting, stops them
 //! all; children also get SIGTERM if this process dies (PR_SET_PDEATHSIG).
 
@@ -24,10 +25,13 @@ pub struct UpArgs {
     /// Expert-worker processes.
     #[arg(long, default_value_t = 2)]
     pub expert_workers: usize,
-    /// Attention-worker processes (tensor-parallel attention shards). Only 0 is
-    /// supported today: attention runs in the coordinator.
+    /// Attention-worker processes (tensor-parallel attention shards over the
+    /// heads); 0 runs attention in the coordinator.
     #[arg(long, default_value_t = 0)]
     pub attention_workers: usize,
+    /// KV cache of each attention-worker (`2GiB`, `512MiB`, bytes).
+    #[arg(long, default_value = "1GiB")]
+    pub attention_kv_cache_memory: String,
     /// OpenAI API address.
     #[arg(long, default_value = "127.0.0.1")]
     pub host: String,
@@ -115,9 +119,6 @@ fn forward(name: String, child: &mut Child, tx: mpsc::Sender<(String, String)>) 
 
 /// Runs the local cluster until interrupted.
 pub fn run(args: &UpArgs) -> Result<()> {
-    if args.attention_workers > 0 {
-        bail!("--attention-workers > 0 is not supported yet: attention runs in the coordinator");
-    }
     if args.expert_workers == 0 {
         bail!("--expert-workers must be at least 1");
     }
@@ -185,6 +186,23 @@ pub fn run(args: &UpArgs) -> Result<()> {
         forward(name.clone(), &mut c, tx.clone());
         kids.list.push((name, c));
     }
+    for i in 0..args.attention_workers {
+        let port = free_port()?;
+        let name = format!("attention-{i}");
+        let mut c = child_cmd(&exe)
+            .args(["attention-worker", "--model"])
+            .arg(&args.model)
+            .args(["--etcd", &etcd, "--cluster", &cluster, "--id", &name])
+            .args(["--shard", &i.to_string(), "--of"])
+            .arg(args.attention_workers.to_string())
+            .args(["--listen", &format!("127.0.0.1:{port}")])
+            .args(["--kv-cache-memory", &args.attention_kv_cache_memory])
+            .stdout(Stdio::piped())
+            .spawn()
+            .with_context(|| format!("cannot start {name}"))?;
+        forward(name.clone(), &mut c, tx.clone());
+        kids.list.push((name, c));
+    }
     let served = args.served_model_name.clone().unwrap_or_else(|| {
         args.model
             .file_name()
@@ -197,6 +215,7 @@ pub fn run(args: &UpArgs) -> Result<()> {
         .arg(&args.model)
         .args(["--etcd", &etcd, "--cluster", &cluster])
         .args(["--expert-workers", &args.expert_workers.to_string()])
+        .args(["--attention-workers", &args.attention_workers.to_string()])
         .args(["--host", &args.host, "--port", &args.port.to_string()])
         .args([
             "--served-model-name",
@@ -233,8 +252,8 @@ pub fn run(args: &UpArgs) -> Result<()> {
                 if let Some(i) = line.find("http://") {
                     let url = line[i..].split_whitespace().next().unwrap_or("");
                     println!(
-                        "epserve up: cluster ready at {url} ({} expert-workers, etcd {etcd})",
-                        args.expert_workers
+                        "epserve up: cluster ready at {url} ({} expert-workers, {} attention-workers, etcd {etcd})",
+                        args.expert_workers, args.attention_workers
                     );
                 }
             }

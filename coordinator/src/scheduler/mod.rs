@@ -186,6 +186,8 @@ impl Scheduler {
     fn run(&mut self) {
         loop {
             if self.running.is_empty() && self.waiting.is_empty() {
+                // Idle: free what remote attention shards still hold for us.
+                self.engine.model.flush_releases();
                 match self.rx.recv() {
                     Ok(msg) => self.handle(msg),
                     Err(_) => return,
@@ -215,10 +217,11 @@ impl Scheduler {
     /// Requests whose client went away are dropped and their blocks freed.
     fn drop_cancelled(&mut self) {
         let pool = &mut self.pool;
+        let model = &self.engine.model;
         let mut removed_waiting = 0;
         self.waiting.retain_mut(|s| {
             if s.tx.is_closed() {
-                pool.release(&mut s.cache);
+                model.release(pool, &mut s.cache);
                 removed_waiting += 1;
                 m::request_finished("cancelled");
                 false
@@ -230,7 +233,7 @@ impl Scheduler {
             .fetch_sub(removed_waiting, Ordering::Relaxed);
         self.running.retain_mut(|s| {
             if s.tx.is_closed() {
-                pool.release(&mut s.cache);
+                model.release(pool, &mut s.cache);
                 m::request_finished("cancelled");
                 false
             } else {
@@ -243,7 +246,7 @@ impl Scheduler {
     /// the head of the waiting queue (recompute preemption).
     fn preempt_last(&mut self) {
         if let Some(mut s) = self.running.pop() {
-            self.pool.release(&mut s.cache);
+            self.engine.model.release(&mut self.pool, &mut s.cache);
             s.num_computed = 0;
             s.step_take = 0;
             s.preemptions += 1;
@@ -364,7 +367,7 @@ impl Scheduler {
                 tracing::error!(error = %e, "forward pass failed");
                 let msg = e.to_string();
                 for mut s in std::mem::take(&mut self.running) {
-                    self.pool.release(&mut s.cache);
+                    self.engine.model.release(&mut self.pool, &mut s.cache);
                     let _ = s.tx.send(Event::Error(msg.clone()));
                     m::request_finished("error");
                 }
@@ -398,7 +401,7 @@ impl Scheduler {
         }
         for idx in finished.into_iter().rev() {
             let mut s = self.running.remove(idx);
-            self.pool.release(&mut s.cache);
+            self.engine.model.release(&mut self.pool, &mut s.cache);
         }
     }
 }

@@ -10,7 +10,7 @@
 use rayon::prelude::*;
 
 use crate::config::{ModelConfig, QkNorm};
-use crate::error::Result;
+use crate::error::{Error, Result};
 use crate::kernels::{dot, linear, rms_norm, softmax};
 use crate::loader::weights::WeightStore;
 use crate::model::kv_cache::{KvPool, SeqCache};
@@ -56,9 +56,77 @@ pub struct Attention {
     scale: f32,
 }
 
+/// Which heads of a layer a tensor-parallel shard holds.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct HeadShard {
+    /// This shard's index, `0..of`.
+    pub index: usize,
+    /// Number of shards.
+    pub of: usize,
+}
+
+impl HeadShard {
+    /// Query heads and KV heads of shard `index` of `of`. Query heads split
+    /// evenly; each shard holds either whole KV-head groups (KV heads a
+    /// multiple of the shards) or a part of one group whose KV head it then
+    /// replicates (shards a multiple of the KV heads, as vLLM does); anything
+    /// else is an error.
+    pub fn ranges(
+        self,
+        num_heads: usize,
+        num_kv_heads: usize,
+    ) -> Result<(std::ops::Range<usize>, std::ops::Range<usize>)> {
+        let HeadShard { index, of } = self;
+        if of == 0 || index >= of {
+            return Err(Error::InvalidInput(format!(
+                "attention shard {index} of {of} does not exist"
+            )));
+        }
+        let even = num_kv_heads > 0
+            && num_heads % num_kv_heads == 0
+            && num_heads % of == 0
+            && (num_kv_heads % of == 0 || of % num_kv_heads == 0);
+        if !even {
+            return Err(Error::InvalidInput(format!(
+                "{num_kv_heads} KV heads ({num_heads} query heads) cannot be split evenly over {of} attention shards (the shard count must divide the KV heads or be a multiple of them, and divide the query heads)"
+            )));
+        }
+        let (per, group) = (num_heads / of, num_heads / num_kv_heads);
+        let q = index * per..(index + 1) * per;
+        let kv = q.start / group..(q.end - 1) / group + 1;
+        Ok((q, kv))
+    }
+}
+
 impl Attention {
     /// Loads layer `layer`'s attention from `prefix` (e.g. `model.layers.3.self_attn`).
     pub fn load(cfg: &ModelConfig, ws: &WeightStore, prefix: &str, layer: usize) -> Result<Self> {
+        Self::load_heads(cfg, ws, prefix, layer, None)
+    }
+
+    /// Loads only `shard`'s heads of layer `layer`: the q/k/v rows of its
+    /// query and KV heads, the `o_proj` columns of its query heads, its slices of
+    /// biases and sinks (per-head q/k norm weights are shared). The output
+    /// projection then gives this shard's partial sum, without the `o_proj`
+    /// bias (the caller adds it once after summing the shards). A q/k norm over
+    /// the whole projection (OLMoE) needs every head's values and is refused.
+    pub fn load_shard(
+        cfg: &ModelConfig,
+        ws: &WeightStore,
+        prefix: &str,
+        layer: usize,
+        shard: HeadShard,
+    ) -> Result<Self> {
+        Self::load_heads(cfg, ws, prefix, layer, Some(shard))
+    }
+
+    fn load_heads(
+        cfg: &ModelConfig,
+        ws: &WeightStore,
+        prefix: &str,
+        layer: usize,
+        shard: Option<HeadShard>,
+    ) -> Result<Self> {
         let spec = &cfg.layers[layer];
         let (h, hd, nh, nkv) = (
             cfg.hidden_size,
@@ -66,9 +134,28 @@ impl Attention {
             cfg.num_attention_heads,
             spec.kv_heads,
         );
-        let bias = |name: &str, n: usize, on: bool| -> Result<Option<Vec<f32>>> {
+        let (qr, kvr) = match shard {
+            None => (0..nh, 0..nkv),
+            Some(s) => {
+                if cfg.qk_norm == QkNorm::Full {
+                    return Err(Error::InvalidInput(format!(
+                        "{}: the q/k RMSNorm of this architecture ({:?}) runs over the whole projection of all heads, which a tensor-parallel attention shard does not have; serve it with attention in the coordinator (no attention-workers)",
+                        ws.dir().display(),
+                        cfg.arch
+                    )));
+                }
+                s.ranges(nh, nkv)?
+            }
+        };
+        let (snh, snkv) = (qr.len(), kvr.len());
+        let bias = |name: &str,
+                    n: usize,
+                    range: &std::ops::Range<usize>,
+                    on: bool|
+         -> Result<Option<Vec<f32>>> {
             if on {
-                ws.get_vec(&format!("{prefix}.{name}.bias"), n).map(Some)
+                let b = ws.get_vec(&format!("{prefix}.{name}.bias"), n)?;
+                Ok(Some(b[range.start * hd..range.end * hd].to_vec()))
             } else {
                 Ok(None)
             }
@@ -84,39 +171,69 @@ impl Attention {
                 Some(ws.get_vec(&format!("{prefix}.k_norm.weight"), nkv * hd)?),
             ),
         };
-        let k = ws.get(&format!("{prefix}.k_proj.weight"), &[nkv * hd, h])?;
+        let k = ws
+            .get(&format!("{prefix}.k_proj.weight"), &[nkv * hd, h])?
+            .rows(kvr.start * hd, snkv * hd);
         let v = if spec.v_from_k {
             k.clone()
         } else {
             ws.get(&format!("{prefix}.v_proj.weight"), &[nkv * hd, h])?
+                .rows(kvr.start * hd, snkv * hd)
+        };
+        let o = ws.get(&format!("{prefix}.o_proj.weight"), &[h, nh * hd])?;
+        let o = if shard.is_some() {
+            o.columns(qr.start * hd, snh * hd)
+        } else {
+            o
         };
         Ok(Attention {
-            q: ws.get(&format!("{prefix}.q_proj.weight"), &[nh * hd, h])?,
+            q: ws
+                .get(&format!("{prefix}.q_proj.weight"), &[nh * hd, h])?
+                .rows(qr.start * hd, snh * hd),
             k,
             v,
-            o: ws.get(&format!("{prefix}.o_proj.weight"), &[h, nh * hd])?,
-            q_bias: bias("q_proj", nh * hd, cfg.qkv_bias)?,
-            k_bias: bias("k_proj", nkv * hd, cfg.qkv_bias)?,
-            v_bias: bias("v_proj", nkv * hd, cfg.qkv_bias && !spec.v_from_k)?,
-            o_bias: bias("o_proj", h, cfg.o_bias)?,
+            o,
+            q_bias: bias("q_proj", nh * hd, &qr, cfg.qkv_bias)?,
+            k_bias: bias("k_proj", nkv * hd, &kvr, cfg.qkv_bias)?,
+            v_bias: bias("v_proj", nkv * hd, &kvr, cfg.qkv_bias && !spec.v_from_k)?,
+            o_bias: if cfg.o_bias && shard.is_none() {
+                Some(ws.get_vec(&format!("{prefix}.o_proj.bias"), h)?)
+            } else {
+                None
+            },
             q_norm,
             k_norm,
             v_norm: cfg.v_norm.then(|| vec![1.0; hd]),
             v_from_k: spec.v_from_k,
             sinks: if cfg.attn_sinks {
-                Some(ws.get_vec(&format!("{prefix}.sinks"), nh)?)
+                Some(ws.get_vec(&format!("{prefix}.sinks"), nh)?[qr.clone()].to_vec())
             } else {
                 None
             },
             qk_norm: cfg.qk_norm,
             clip_qkv: cfg.clip_qkv,
             eps: cfg.rms_norm_eps,
-            heads: nh,
-            kv_heads: nkv,
+            heads: snh,
+            kv_heads: snkv,
             head_dim: hd,
             sliding_window: spec.sliding_window,
             scale: cfg.attention_scale.unwrap_or((hd as f32).powf(-0.5)),
         })
+    }
+
+    /// The `o_proj` bias of layer `layer` (added once, after summing the
+    /// shards' partial outputs), if the architecture has one.
+    pub fn load_o_bias(
+        cfg: &ModelConfig,
+        ws: &WeightStore,
+        prefix: &str,
+    ) -> Result<Option<Vec<f32>>> {
+        if cfg.o_bias {
+            ws.get_vec(&format!("{prefix}.o_proj.bias"), cfg.hidden_size)
+                .map(Some)
+        } else {
+            Ok(None)
+        }
     }
 
     /// Floats per cached position (keys or values).

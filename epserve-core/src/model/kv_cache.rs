@@ -4,6 +4,8 @@
 //! sequences of any length share one memory budget without fragmentation, and
 //! a finished or preempted sequence gives its blocks back at once.
 
+use std::sync::atomic::{AtomicU64, Ordering};
+
 use crate::error::{Error, Result};
 
 /// Storage of one layer: keys and values, `[num_blocks * block_size, width]`.
@@ -25,16 +27,36 @@ pub struct KvPool {
 }
 
 /// One sequence's view of the pool.
-#[derive(Debug, Clone, Default)]
+#[derive(Debug, Clone)]
 pub struct SeqCache {
     blocks: Vec<u32>,
     len: usize,
+    /// Unique in this process: names the sequence's KV on attention-workers.
+    id: u64,
+}
+
+/// Source of [`SeqCache`] ids.
+static NEXT_SEQ_ID: AtomicU64 = AtomicU64::new(1);
+
+impl Default for SeqCache {
+    fn default() -> Self {
+        Self::new()
+    }
 }
 
 impl SeqCache {
-    /// An empty cache (no blocks yet).
+    /// An empty cache (no blocks yet) with a fresh id.
     pub fn new() -> Self {
-        Self::default()
+        SeqCache {
+            blocks: Vec::new(),
+            len: 0,
+            id: NEXT_SEQ_ID.fetch_add(1, Ordering::Relaxed),
+        }
+    }
+    /// The sequence's id, unique in this process (remote attention shards
+    /// keep their KV under it).
+    pub fn id(&self) -> u64 {
+        self.id
     }
     /// Positions cached.
     pub fn len(&self) -> usize {

@@ -4,6 +4,7 @@
 //! mixed), as continuous batching needs.
 
 pub mod attention;
+pub mod attn_shard;
 pub mod kv_cache;
 pub mod mla;
 pub mod moe;
@@ -21,6 +22,7 @@ use crate::loader::weights::WeightStore;
 use crate::tensor::Weight;
 
 use attention::{Attention, SeqSpan};
+use attn_shard::{AttentionBackend, SeqChunk};
 use kv_cache::{KvPool, SeqCache};
 use mla::Mla;
 use moe::{Dispatcher, GatedMlp, LocalDispatcher, MoeBlock, Routing, SharedExpert};
@@ -49,6 +51,11 @@ struct ParallelFfn {
 enum LayerAttn {
     Gqa(Attention),
     Mla(Mla),
+    /// Attention on tensor-parallel shards (the model's [`AttentionBackend`]);
+    /// only the `o_proj` bias lives here, added once after the shards' sum.
+    Remote {
+        o_bias: Option<Vec<f32>>,
+    },
 }
 
 impl LayerAttn {
@@ -56,6 +63,8 @@ impl LayerAttn {
         match self {
             LayerAttn::Gqa(a) => (a.kv_width(), a.kv_width()),
             LayerAttn::Mla(m) => m.kv_widths(),
+            // The KV lives on the shards; this process only counts blocks.
+            LayerAttn::Remote { .. } => (0, 0),
         }
     }
 }
@@ -115,6 +124,8 @@ pub struct Model {
     norm: Vec<f32>,
     lm_head: Weight,
     dispatcher: Arc<dyn Dispatcher>,
+    /// Set when attention runs on tensor-parallel shards.
+    attention: Option<Arc<dyn AttentionBackend>>,
 }
 
 impl Model {
@@ -140,6 +151,25 @@ impl Model {
         ws: &WeightStore,
         dispatcher: Arc<dyn Dispatcher>,
     ) -> Result<Self> {
+        Self::from_store_with(cfg, ws, dispatcher, None)
+    }
+
+    /// Loads the non-expert weights and uses `dispatcher` for the experts;
+    /// with `attention`, the attention layers run there (tensor-parallel
+    /// shards) and no attention weights but the `o_proj` biases are loaded.
+    pub fn from_store_with(
+        cfg: ModelConfig,
+        ws: &WeightStore,
+        dispatcher: Arc<dyn Dispatcher>,
+        attention: Option<Arc<dyn AttentionBackend>>,
+    ) -> Result<Self> {
+        if attention.is_some() && cfg.mla.is_some() {
+            return Err(Error::InvalidInput(format!(
+                "{}: multi-head latent attention ({:?}) cannot run on attention-workers yet",
+                ws.dir().display(),
+                cfg.arch
+            )));
+        }
         let (v, h) = (cfg.vocab_size, cfg.hidden_size);
         let wp = cfg.weight_prefix.clone();
         let embed = ws.get(&format!("{wp}.embed_tokens.weight"), &[v, h])?;
@@ -152,7 +182,11 @@ impl Model {
         let gemma = cfg.arch == Arch::Gemma4;
         for i in 0..cfg.num_hidden_layers {
             let lp = names::layer_prefix_for(&cfg, i);
-            let attn = if cfg.mla.is_some() {
+            let attn = if attention.is_some() {
+                LayerAttn::Remote {
+                    o_bias: Attention::load_o_bias(&cfg, ws, &format!("{lp}.self_attn"))?,
+                }
+            } else if cfg.mla.is_some() {
                 LayerAttn::Mla(Mla::load(&cfg, ws, &format!("{lp}.self_attn"), i)?)
             } else {
                 LayerAttn::Gqa(Attention::load(&cfg, ws, &format!("{lp}.self_attn"), i)?)
@@ -237,7 +271,29 @@ impl Model {
             norm,
             lm_head,
             dispatcher,
+            attention,
         })
+    }
+
+    /// Whether attention runs on tensor-parallel shards.
+    pub fn remote_attention(&self) -> Option<&Arc<dyn AttentionBackend>> {
+        self.attention.as_ref()
+    }
+
+    /// Frees a sequence's KV blocks here and, with remote attention, on the
+    /// shards (finished, cancelled or preempted sequences).
+    pub fn release(&self, pool: &mut KvPool, cache: &mut SeqCache) {
+        pool.release(cache);
+        if let Some(a) = &self.attention {
+            a.release(&[cache.id()]);
+        }
+    }
+
+    /// Sends deferred releases to remote attention shards (call when idle).
+    pub fn flush_releases(&self) {
+        if let Some(a) = &self.attention {
+            a.flush();
+        }
     }
 
     /// An empty KV cache for one sequence (a block table into a [`KvPool`]).
@@ -320,6 +376,15 @@ impl Model {
             }
         }
         let caches: Vec<&SeqCache> = seqs.iter().map(|s| &*s.cache).collect();
+        let chunks: Vec<SeqChunk> = spans
+            .iter()
+            .zip(&caches)
+            .map(|(sp, c)| SeqChunk {
+                id: c.id(),
+                past: sp.past,
+                len: sp.len,
+            })
+            .collect();
         let mut trace = Vec::new();
         let mut normed = vec![0.0f32; t * h];
         let mut ffn_out = vec![0.0f32; t * h];
@@ -329,6 +394,26 @@ impl Model {
             let mut a = match &layer.attn {
                 LayerAttn::Gqa(att) => att.forward(&normed, &spans, &caches, pool, li, &layer.rope),
                 LayerAttn::Mla(att) => att.forward(&normed, &spans, &caches, pool, li, &layer.rope),
+                LayerAttn::Remote { o_bias } => {
+                    let backend = self.attention.as_ref().ok_or_else(|| {
+                        Error::Dispatch("remote attention layer without a backend".into())
+                    })?;
+                    let mut a = backend.forward(li, &normed, &chunks)?;
+                    if a.len() != t * h {
+                        return Err(Error::Dispatch(format!(
+                            "attention shards returned {} values for {t} tokens of hidden size {h}",
+                            a.len()
+                        )));
+                    }
+                    if let Some(b) = o_bias {
+                        for row in a.chunks_exact_mut(h) {
+                            for (v, bb) in row.iter_mut().zip(b) {
+                                *v += bb;
+                            }
+                        }
+                    }
+                    a
+                }
             };
             if let Some(n) = &layer.attn_out_norm {
                 rms_norm(&mut a, n, cfg.rms_norm_eps);

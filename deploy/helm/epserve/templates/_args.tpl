@@ -34,7 +34,7 @@ $(POD_NAME) and friends are expanded by Kubernetes from the container's env.
 - --admin-port={{ $c.adminPort }}
 - --expert-workers={{ .Values.expertWorkers.replicas }}
 {{- if gt (int .Values.attentionWorkers.replicas) 0 }}
-- --attention-workers={{ include "epserve.attentionWorkerAddresses" . }}
+- --attention-workers={{ .Values.attentionWorkers.replicas }}
 {{- end }}
 {{- range .Values.model.servedModelName }}
 - --served-model-name={{ . }}
@@ -107,6 +107,10 @@ $(POD_NAME) and friends are expanded by Kubernetes from the container's env.
 {{- else }}
 {{- fail (printf "attentionWorkers.advertise must be dns or podIP (got %s)" $w.advertise) }}
 {{- end }}
+{{- with $w.kvCacheMemory }}
+- --kv-cache-memory={{ . }}
+{{- end }}
+- --block-size={{ .Values.coordinator.blockSize }}
 {{- if gt (int .Values.metrics.workerPort) 0 }}
 - --metrics-port={{ .Values.metrics.workerPort }}
 {{- end }}

@@ -80,17 +80,6 @@ app.kubernetes.io/part-of: epserve
 {{- printf "%s.%s.svc.%s" .name .ctx.Release.Namespace .ctx.Values.clusterDomain }}
 {{- end }}
 
-{{/* Comma-separated attention-worker addresses for the coordinator (pod DNS names, ordinal order). */}}
-{{- define "epserve.attentionWorkerAddresses" -}}
-{{- $name := include "epserve.attentionWorker.fullname" . }}
-{{- $domain := include "epserve.headlessDomain" (dict "ctx" . "name" $name) }}
-{{- $addrs := list }}
-{{- range $i := until (int .Values.attentionWorkers.replicas) }}
-{{- $addrs = append $addrs (printf "%s-%d.%s:%v" $name $i $domain $.Values.attentionWorkers.port) }}
-{{- end }}
-{{- join "," $addrs }}
-{{- end }}
-
 {{/* Secret names and keys. */}}
 {{- define "epserve.apiKeySecretName" -}}
 {{- default (printf "%s-api-key" (include "epserve.fullname" .)) .Values.auth.apiKey.existingSecret }}

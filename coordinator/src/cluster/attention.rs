@@ -1,0 +1,374 @@
+//! Remote tensor-parallel attention: the coordinator's [`AttentionBackend`]
+//! over attention-workers. Per layer it sends the normalized input to every
+//! shard concurrently (reused connections, TCP_NODELAY, a deadline per call),
+//! and sums their partial output projections in shard order. Releases of
+//! finished / cancelled / preempted sequences ride on the next step's first
+//! call (so they reach a shard before it allocates for new work), or go out as
+//! a `Release` call when the scheduler is idle.
+
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, bail};
+use epserve_core::config::{ModelConfig, QkNorm};
+use epserve_core::model::attn_shard::{AttentionBackend, SeqChunk};
+use epserve_core::{Error, Result};
+use epserve_proto::cluster::WorkerInfo;
+use epserve_proto::pb::attention_service_client::AttentionServiceClient;
+use epserve_proto::pb::{self, AttentionRequest, Dtype, HealthRequest, ReleaseRequest};
+use epserve_proto::wire;
+use futures_util::future::join_all;
+use metrics::{counter, histogram};
+use tonic::transport::{Channel, Endpoint};
+
+/// One shard's connection.
+struct ShardConn {
+    id: String,
+    addr: String,
+    client: AttentionServiceClient<Channel>,
+}
+
+/// Attention on remote shards.
+pub struct RemoteAttention {
+    rt: tokio::runtime::Handle,
+    shards: Vec<ShardConn>,
+    dtype: Dtype,
+    timeout: Duration,
+    pending: Mutex<Vec<u64>>,
+    capacity: usize,
+}
+
+/// Errors for models whose attention cannot be split over shards.
+pub fn check_model(cfg: &ModelConfig) -> anyhow::Result<()> {
+    if cfg.mla.is_some() {
+        bail!(
+            "--attention-workers: multi-head latent attention ({:?}) cannot run on attention-workers yet; serve it with attention in the coordinator (--attention-workers 0)",
+            cfg.arch
+        );
+    }
+    if cfg.qk_norm == QkNorm::Full {
+        bail!(
+            "--attention-workers: the q/k RMSNorm of {:?} runs over the whole projection of all heads, which one attention shard does not have; serve it with attention in the coordinator (--attention-workers 0)",
+            cfg.arch
+        );
+    }
+    Ok(())
+}
+
+/// Checks that `workers` are shards 0..n-1 of n, each exactly once, and
+/// returns them in shard order. `Ok(None)`: some are still missing.
+pub fn order_shards(workers: &[WorkerInfo], n: usize) -> anyhow::Result<Option<Vec<WorkerInfo>>> {
+    let mut slots: Vec<Option<WorkerInfo>> = vec![None; n];
+    for w in workers {
+        let Some((i, of)) = w.shard else {
+            bail!("attention-worker {} registered without a shard index", w.id);
+        };
+        if of as usize != n {
+            bail!(
+                "attention-worker {} is shard {i} of {of}, but the coordinator expects {n} shards (--attention-workers {n})",
+                w.id
+            );
+        }
+        let slot = slots.get_mut(i as usize).with_context(|| {
+            format!(
+                "attention-worker {} has shard index {i}, outside 0..{n}",
+                w.id
+            )
+        })?;
+        if let Some(other) = slot {
+            bail!(
+                "attention shard {i} of {n} is registered twice: by {} ({}) and {} ({})",
+                other.id,
+                other.addr,
+                w.id,
+                w.addr
+            );
+        }
+        *slot = Some(w.clone());
+    }
+    Ok(slots.into_iter().collect())
+}
+
+impl RemoteAttention {
+    /// Connects to `workers` (shards 0..n-1 in order), waits until each
+    /// answers Health, checks it serves this model's shape and a block size
+    /// dividing `block_size`, and frees whatever they held from an earlier
+    /// coordinator.
+    pub async fn connect(
+        workers: &[WorkerInfo],
+        cfg: &ModelConfig,
+        block_size: usize,
+        dtype: Dtype,
+        timeout: Duration,
+        wait: Duration,
+    ) -> anyhow::Result<Self> {
+        let deadline = Instant::now() + wait;
+        let mut shards = Vec::with_capacity(workers.len());
+        let mut capacity = usize::MAX;
+        for (i, w) in workers.iter().enumerate() {
+            let ep = Endpoint::from_shared(w.addr.clone())
+                .with_context(|| format!("attention-worker {}: bad address {}", w.id, w.addr))?
+                .tcp_nodelay(true)
+                .connect_timeout(Duration::from_secs(5))
+                .timeout(timeout);
+            let mut client = AttentionServiceClient::new(ep.connect_lazy())
+                .max_decoding_message_size(1 << 30)
+                .max_encoding_message_size(1 << 30);
+            let h = loop {
+                match client.health(HealthRequest {}).await {
+                    Ok(r) => break r.into_inner(),
+                    Err(e) if Instant::now() > deadline => {
+                        bail!(
+                            "attention-worker {} ({}) did not answer in time: {}",
+                            w.id,
+                            w.addr,
+                            e.message()
+                        )
+                    }
+                    Err(_) => tokio::time::sleep(Duration::from_millis(200)).await,
+                }
+            };
+            if h.shard as usize != i || h.of as usize != workers.len() {
+                bail!(
+                    "attention-worker {} ({}) says it is shard {} of {}, but etcd lists it as shard {i} of {}",
+                    w.id,
+                    w.addr,
+                    h.shard,
+                    h.of,
+                    workers.len()
+                );
+            }
+            if h.num_layers as usize != cfg.num_hidden_layers
+                || h.hidden_size as usize != cfg.hidden_size
+            {
+                bail!(
+                    "attention-worker {} ({}) loaded a model with {} layers of hidden size {}; the coordinator's has {} of {} (same --model on every process?)",
+                    w.id,
+                    w.addr,
+                    h.num_layers,
+                    h.hidden_size,
+                    cfg.num_hidden_layers,
+                    cfg.hidden_size
+                );
+            }
+            let wb = h.kv_block_size as usize;
+            if wb == 0 || block_size % wb != 0 {
+                bail!(
+                    "attention-worker {} uses KV blocks of {wb} positions; the coordinator's --block-size {block_size} must be a multiple of it",
+                    w.id
+                );
+            }
+            capacity = capacity.min(h.kv_blocks_total as usize * wb);
+            client
+                .release(ReleaseRequest {
+                    seq_ids: Vec::new(),
+                    all: true,
+                })
+                .await
+                .with_context(|| format!("attention-worker {}: Release", w.id))?;
+            shards.push(ShardConn {
+                id: w.id.clone(),
+                addr: w.addr.clone(),
+                client,
+            });
+        }
+        if shards.is_empty() {
+            bail!("no attention-workers to connect to");
+        }
+        Ok(RemoteAttention {
+            rt: tokio::runtime::Handle::current(),
+            shards,
+            dtype,
+            timeout,
+            pending: Mutex::new(Vec::new()),
+            capacity,
+        })
+    }
+
+    fn take_pending(&self) -> Vec<u64> {
+        self.pending
+            .lock()
+            .map(|mut p| std::mem::take(&mut *p))
+            .unwrap_or_default()
+    }
+
+    fn put_back(&self, ids: Vec<u64>) {
+        if let Ok(mut p) = self.pending.lock() {
+            p.extend(ids);
+        }
+    }
+}
+
+impl AttentionBackend for RemoteAttention {
+    fn forward(&self, layer: usize, x: &[f32], chunks: &[SeqChunk]) -> Result<Vec<f32>> {
+        let started = Instant::now();
+        let rows: usize = chunks.iter().map(|c| c.len).sum();
+        let hidden = x.len().checked_div(rows).unwrap_or(0);
+        let release = self.take_pending();
+        let tensor = wire::encode(x, rows, hidden, self.dtype);
+        let seqs: Vec<pb::SeqChunk> = chunks
+            .iter()
+            .map(|c| pb::SeqChunk {
+                seq_id: c.id,
+                past: c.past as u32,
+                len: c.len as u32,
+            })
+            .collect();
+        let mut calls = Vec::with_capacity(self.shards.len());
+        for s in &self.shards {
+            let req = AttentionRequest {
+                layer: layer as u32,
+                seqs: seqs.clone(),
+                hidden: Some(tensor.clone()),
+                release_first: release.clone(),
+                output_dtype: self.dtype as i32,
+            };
+            counter!("epserve_attention_bytes_sent_total", "worker" => s.id.clone())
+                .increment(tensor.data.len() as u64);
+            let mut client = s.client.clone();
+            let timeout = self.timeout;
+            calls.push(async move {
+                let mut r = tonic::Request::new(req);
+                r.set_timeout(timeout);
+                client.forward(r).await
+            });
+        }
+        let results = self.rt.block_on(join_all(calls));
+        let mut sum: Vec<f32> = Vec::new();
+        let mut failed = None;
+        for (s, res) in self.shards.iter().zip(results) {
+            let part = res
+                .map_err(|st| {
+                    Error::Dispatch(format!(
+                        "attention-worker {} ({}) failed at layer {layer}: {}",
+                        s.id,
+                        s.addr,
+                        st.message()
+                    ))
+                })
+                .and_then(|r| {
+                    let r = r.into_inner();
+                    histogram!("epserve_attention_worker_compute_seconds", "worker" => s.id.clone())
+                        .record(r.compute_us as f64 / 1e6);
+                    let t = r.partial.ok_or_else(|| {
+                        Error::Dispatch(format!("attention-worker {}: empty response", s.id))
+                    })?;
+                    counter!("epserve_attention_bytes_received_total", "worker" => s.id.clone())
+                        .increment(t.data.len() as u64);
+                    let v = wire::decode(&t)
+                        .map_err(|e| Error::Dispatch(format!("attention-worker {}: {e}", s.id)))?;
+                    if v.len() != x.len() {
+                        return Err(Error::Dispatch(format!(
+                            "attention-worker {} returned {} values for {} inputs",
+                            s.id,
+                            v.len(),
+                            x.len()
+                        )));
+                    }
+                    Ok(v)
+                });
+            match part {
+                Err(e) => {
+                    failed.get_or_insert(e);
+                }
+                Ok(v) if sum.is_empty() => sum = v,
+                Ok(v) => {
+                    for (a, b) in sum.iter_mut().zip(&v) {
+                        *a += b;
+                    }
+                }
+            }
+        }
+        histogram!("epserve_attention_seconds", "layer" => layer.to_string())
+            .record(started.elapsed().as_secs_f64());
+        if let Some(e) = failed {
+            // Releases are idempotent: send them again with the next call.
+            self.put_back(release);
+            return Err(e);
+        }
+        Ok(sum)
+    }
+
+    fn release(&self, ids: &[u64]) {
+        self.put_back(ids.to_vec());
+    }
+
+    fn flush(&self) {
+        let ids = self.take_pending();
+        if ids.is_empty() {
+            return;
+        }
+        let calls = self.shards.iter().map(|s| {
+            let mut client = s.client.clone();
+            let mut r = tonic::Request::new(ReleaseRequest {
+                seq_ids: ids.clone(),
+                all: false,
+            });
+            r.set_timeout(self.timeout);
+            async move { (s, client.release(r).await) }
+        });
+        let mut retry = false;
+        for (s, res) in self.rt.block_on(join_all(calls)) {
+            if let Err(e) = res {
+                tracing::warn!(worker = %s.id, error = %e.message(), "attention Release failed; retried with the next step");
+                retry = true;
+            }
+        }
+        if retry {
+            self.put_back(ids);
+        }
+    }
+
+    fn capacity_positions(&self) -> Option<usize> {
+        Some(self.capacity)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn w(id: &str, shard: Option<(u32, u32)>) -> WorkerInfo {
+        WorkerInfo {
+            id: id.into(),
+            role: "attention".into(),
+            addr: format!("http://{id}:1"),
+            cores: vec![],
+            memory_bytes: 0,
+            shard,
+            pid: 1,
+        }
+    }
+
+    #[test]
+    fn shards_are_ordered_and_checked() {
+        let got = order_shards(&[w("b", Some((1, 2))), w("a", Some((0, 2)))], 2)
+            .ok()
+            .flatten()
+            .map(|v| v.into_iter().map(|x| x.id).collect::<Vec<_>>());
+        assert_eq!(got, Some(vec!["a".to_string(), "b".to_string()]));
+        // One missing: keep waiting.
+        assert!(matches!(order_shards(&[w("a", Some((0, 2)))], 2), Ok(None)));
+        let err = |ws: &[WorkerInfo]| order_shards(ws, 2).err().map(|e| e.to_string());
+        assert!(
+            err(&[w("a", Some((0, 2))), w("c", Some((0, 2)))])
+                .is_some_and(|m| m.contains("registered twice"))
+        );
+        assert!(err(&[w("a", Some((0, 3)))]).is_some_and(|m| m.contains("expects 2 shards")));
+        assert!(err(&[w("a", Some((2, 2)))]).is_some_and(|m| m.contains("outside 0..2")));
+        assert!(err(&[w("a", None)]).is_some_and(|m| m.contains("without a shard")));
+    }
+
+    #[test]
+    fn refuses_models_that_cannot_be_split() {
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures");
+        let check = |name: &str| {
+            ModelConfig::from_dir(&dir.join(name).join("f32"))
+                .map_err(anyhow::Error::from)
+                .and_then(|c| check_model(&c))
+        };
+        assert!(check("qwen3_moe_a").is_ok());
+        assert!(check("olmoe").is_err_and(|e| e.to_string().contains("whole projection")));
+        assert!(check("deepseek_v3").is_err_and(|e| e.to_string().contains("latent")));
+    }
+}
