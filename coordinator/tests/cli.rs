@@ -284,27 +284,10 @@ fn stop_strings_cut_the_text() {
 
 #[test]
 fn attention_workers_refuse_what_they_cannot_serve() {
-    let olmoe = fixtures().join("olmoe/f32");
     let qwen = fixtures().join("qwen3_moe_a/f32");
-    let (olmoe, qwen) = (olmoe.to_str().expect("utf8"), qwen.to_str().expect("utf8"));
+    let qwen = qwen.to_str().expect("utf8");
     // Checked before any etcd is contacted (none listens on port 1).
     let base = ["--etcd", "127.0.0.1:1", "--listen", "127.0.0.1:0"];
-    let r = epserve(
-        &[
-            &[
-                "attention-worker",
-                "--model",
-                olmoe,
-                "--shard",
-                "0",
-                "--of",
-                "2",
-            ][..],
-            &base,
-        ]
-        .concat(),
-    );
-    assert_one_line_error(&r, &["whole projection", "attention-workers"]);
     let r = epserve(
         &[
             &[
@@ -337,14 +320,15 @@ fn attention_workers_refuse_what_they_cannot_serve() {
         .concat(),
     );
     assert_one_line_error(&r, &["cannot be split evenly over 3 attention shards"]);
+    // 4 query heads over 3 shards, refused by the coordinator too.
     let r = epserve(&[
         "coordinator",
         "--model",
-        olmoe,
+        qwen,
         "--etcd",
         "127.0.0.1:1",
         "--attention-workers",
-        "2",
+        "3",
     ]);
-    assert_one_line_error(&r, &["--attention-workers", "whole projection"]);
+    assert_one_line_error(&r, &["--attention-workers 3", "cannot be split evenly"]);
 }

@@ -305,8 +305,7 @@ async fn bf16_dispatch_serves_and_a_dead_worker_gives_a_clear_error() {
 }
 
 /// Coordinator + 3 expert-workers + 2 attention-workers (tensor-parallel
-/// attention, f32 on the wire) on `qwen3_moe_b` (11 experts; OLMoE's q/k norm
-/// over the whole projection cannot be split by heads and is refused). The
+/// attention, f32 on the wire) on `qwen3_moe_b` (11 experts). The
 /// shards' KV caches hold 160 positions, less than the three prompts together
 /// need, so concurrent requests are preempted and recomputed (their remote KV
 /// released and truncated) and must still give the same tokens.
@@ -477,4 +476,45 @@ async fn attention_workers_match_transformers_and_the_single_process_engine() {
         pids.iter().all(|&p| !pid_alive(p)),
         "orphaned workers: {pids:?}"
     );
+}
+
+/// The architectures whose attention needs more than slicing GQA heads, on 2
+/// attention-workers with the coordinator's `--block-size 8` passed on by
+/// `up`: OLMoE (q/k norm over the whole projection; 13 experts over 3
+/// expert-workers) and DeepSeek-V3 (multi-head latent attention). Greedy text
+/// equals the transformers goldens.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn attention_workers_serve_olmoe_and_latent_attention() {
+    if !etcd_available() {
+        return;
+    }
+    for fixture in ["olmoe", "deepseek_v3"] {
+        let g = golden(fixture);
+        let dir = fixture_dir(fixture).join("f32");
+        let tok = epserve_core::engine::Engine::load(&dir).expect("engine");
+        let up = start_up_with(
+            fixture,
+            3,
+            "f32",
+            &["--attention-workers", "2", "--", "--block-size", "8"],
+        );
+        for case in &g.cases {
+            let want = tok
+                .tokenizer
+                .decode(&case.greedy_token_ids, true)
+                .expect("decode");
+            let v = complete(
+                &up.url,
+                json!({"model": "tiny", "prompt": case.prompt_token_ids, "max_tokens": case.greedy_token_ids.len(), "temperature": 0, "ignore_eos": true}),
+            )
+            .await;
+            assert_eq!(
+                v["choices"][0]["text"].as_str(),
+                Some(want.as_str()),
+                "{fixture} case {}",
+                case.name
+            );
+        }
+        drop(up);
+    }
 }

@@ -10,7 +10,8 @@ use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, bail};
-use epserve_core::config::{ModelConfig, QkNorm};
+use epserve_core::config::ModelConfig;
+use epserve_core::model::attention::HeadShard;
 use epserve_core::model::attn_shard::{AttentionBackend, SeqChunk};
 use epserve_core::{Error, Result};
 use epserve_proto::cluster::WorkerInfo;
@@ -38,19 +39,15 @@ pub struct RemoteAttention {
     capacity: usize,
 }
 
-/// Errors for models whose attention cannot be split over shards.
-pub fn check_model(cfg: &ModelConfig) -> anyhow::Result<()> {
-    if cfg.mla.is_some() {
-        bail!(
-            "--attention-workers: multi-head latent attention ({:?}) cannot run on attention-workers yet; serve it with attention in the coordinator (--attention-workers 0)",
-            cfg.arch
-        );
-    }
-    if cfg.qk_norm == QkNorm::Full {
-        bail!(
-            "--attention-workers: the q/k RMSNorm of {:?} runs over the whole projection of all heads, which one attention shard does not have; serve it with attention in the coordinator (--attention-workers 0)",
-            cfg.arch
-        );
+/// Errors for models whose heads cannot be split evenly over `n` shards.
+pub fn check_model(cfg: &ModelConfig, n: usize) -> anyhow::Result<()> {
+    let nh = cfg.num_attention_heads;
+    for (i, spec) in cfg.layers.iter().enumerate() {
+        // MLA: every head shares the latent, so any divisor of the heads works.
+        let nkv = if cfg.mla.is_some() { nh } else { spec.kv_heads };
+        HeadShard { index: 0, of: n }
+            .ranges(nh, nkv)
+            .with_context(|| format!("--attention-workers {n}: layer {i} of {:?}", cfg.arch))?;
     }
     Ok(())
 }
@@ -362,13 +359,18 @@ mod tests {
     #[test]
     fn refuses_models_that_cannot_be_split() {
         let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures");
-        let check = |name: &str| {
+        let check = |name: &str, n: usize| {
             ModelConfig::from_dir(&dir.join(name).join("f32"))
                 .map_err(anyhow::Error::from)
-                .and_then(|c| check_model(&c))
+                .and_then(|c| check_model(&c, n))
         };
-        assert!(check("qwen3_moe_a").is_ok());
-        assert!(check("olmoe").is_err_and(|e| e.to_string().contains("whole projection")));
-        assert!(check("deepseek_v3").is_err_and(|e| e.to_string().contains("latent")));
+        assert!(check("qwen3_moe_a", 2).is_ok());
+        assert!(check("olmoe", 2).is_ok());
+        assert!(check("deepseek_v3", 4).is_ok());
+        assert!(
+            check("qwen3_moe_a", 3)
+                .is_err_and(|e| format!("{e:#}").contains("cannot be split evenly"))
+        );
+        assert!(check("deepseek_v3", 3).is_err());
     }
 }

@@ -123,7 +123,7 @@ pub fn run(args: &CoordinatorArgs) -> Result<()> {
     let model_dir = args.serve.model.clone();
     let cfg = ModelConfig::from_dir(&model_dir)?;
     if args.attention_workers > 0 {
-        attention::check_model(&cfg)?;
+        attention::check_model(&cfg, args.attention_workers)?;
     }
     let dtype = if args.dispatch_dtype == "f32" {
         Dtype::F32

@@ -117,6 +117,21 @@ fn forward(name: String, child: &mut Child, tx: mpsc::Sender<(String, String)>) 
     }
 }
 
+/// The coordinator's `--block-size` among its extra arguments (attention-workers
+/// must use the same, or a divisor).
+fn block_size_arg(coordinator_args: &[String]) -> Option<String> {
+    let mut found = None;
+    let mut it = coordinator_args.iter();
+    while let Some(a) = it.next() {
+        if a == "--block-size" {
+            found = it.next().cloned();
+        } else if let Some(v) = a.strip_prefix("--block-size=") {
+            found = Some(v.to_string());
+        }
+    }
+    found
+}
+
 /// Runs the local cluster until interrupted.
 pub fn run(args: &UpArgs) -> Result<()> {
     if args.expert_workers == 0 {
@@ -197,6 +212,11 @@ pub fn run(args: &UpArgs) -> Result<()> {
             .arg(args.attention_workers.to_string())
             .args(["--listen", &format!("127.0.0.1:{port}")])
             .args(["--kv-cache-memory", &args.attention_kv_cache_memory])
+            .args(
+                block_size_arg(&args.coordinator_args)
+                    .map(|b| vec!["--block-size".to_string(), b])
+                    .unwrap_or_default(),
+            )
             .stdout(Stdio::piped())
             .spawn()
             .with_context(|| format!("cannot start {name}"))?;
@@ -310,4 +330,21 @@ fn which(name: &str) -> Option<PathBuf> {
             .map(|d| d.join(name))
             .find(|f| f.is_file())
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::block_size_arg;
+
+    #[test]
+    fn block_size_reaches_the_attention_workers() {
+        let v = |a: &[&str]| block_size_arg(&a.iter().map(|s| s.to_string()).collect::<Vec<_>>());
+        assert_eq!(v(&["--max-num-seqs", "4"]), None);
+        assert_eq!(v(&["--block-size", "8"]), Some("8".into()));
+        assert_eq!(v(&["--x", "1", "--block-size=32"]), Some("32".into()));
+        assert_eq!(
+            v(&["--block-size", "8", "--block-size", "4"]),
+            Some("4".into())
+        );
+    }
 }

@@ -47,6 +47,10 @@ pub struct Attention {
     /// Per-head sink logits joining each softmax (GPT-OSS).
     sinks: Option<Vec<f32>>,
     qk_norm: QkNorm,
+    /// A shard of a model whose q/k norm runs over the whole projection: `q`
+    /// and `k` (and their biases and norms) are whole, and after the norm
+    /// only these ranges (floats per token) of q and k are kept.
+    whole_qk: Option<(std::ops::Range<usize>, std::ops::Range<usize>)>,
     clip_qkv: Option<f32>,
     eps: f32,
     heads: usize,
@@ -109,7 +113,11 @@ impl Attention {
     /// biases and sinks (per-head q/k norm weights are shared). The output
     /// projection then gives this shard's partial sum, without the `o_proj`
     /// bias (the caller adds it once after summing the shards). A q/k norm over
-    /// the whole projection (OLMoE) needs every head's values and is refused.
+    /// the whole projection (OLMoE) needs every head's values for its
+    /// statistic: such a shard keeps the whole `q_proj` / `k_proj`, projects
+    /// every head, normalizes exactly as the unsplit layer does and keeps its
+    /// heads' slice (one round trip per layer; the q/k projections are not
+    /// split, v and o are).
     pub fn load_shard(
         cfg: &ModelConfig,
         ws: &WeightStore,
@@ -136,18 +144,17 @@ impl Attention {
         );
         let (qr, kvr) = match shard {
             None => (0..nh, 0..nkv),
-            Some(s) => {
-                if cfg.qk_norm == QkNorm::Full {
-                    return Err(Error::InvalidInput(format!(
-                        "{}: the q/k RMSNorm of this architecture ({:?}) runs over the whole projection of all heads, which a tensor-parallel attention shard does not have; serve it with attention in the coordinator (no attention-workers)",
-                        ws.dir().display(),
-                        cfg.arch
-                    )));
-                }
-                s.ranges(nh, nkv)?
-            }
+            Some(s) => s.ranges(nh, nkv)?,
         };
         let (snh, snkv) = (qr.len(), kvr.len());
+        let whole_qk = (shard.is_some() && cfg.qk_norm == QkNorm::Full)
+            .then(|| (qr.start * hd..qr.end * hd, kvr.start * hd..kvr.end * hd));
+        // Rows of q and k projected (all of them when the norm needs them).
+        let (pqr, pkvr) = if whole_qk.is_some() {
+            (0..nh, 0..nkv)
+        } else {
+            (qr.clone(), kvr.clone())
+        };
         let bias = |name: &str,
                     n: usize,
                     range: &std::ops::Range<usize>,
@@ -171,11 +178,10 @@ impl Attention {
                 Some(ws.get_vec(&format!("{prefix}.k_norm.weight"), nkv * hd)?),
             ),
         };
-        let k = ws
-            .get(&format!("{prefix}.k_proj.weight"), &[nkv * hd, h])?
-            .rows(kvr.start * hd, snkv * hd);
+        let k_all = ws.get(&format!("{prefix}.k_proj.weight"), &[nkv * hd, h])?;
+        let k = k_all.rows(pkvr.start * hd, pkvr.len() * hd);
         let v = if spec.v_from_k {
-            k.clone()
+            k_all.rows(kvr.start * hd, snkv * hd)
         } else {
             ws.get(&format!("{prefix}.v_proj.weight"), &[nkv * hd, h])?
                 .rows(kvr.start * hd, snkv * hd)
@@ -189,12 +195,12 @@ impl Attention {
         Ok(Attention {
             q: ws
                 .get(&format!("{prefix}.q_proj.weight"), &[nh * hd, h])?
-                .rows(qr.start * hd, snh * hd),
+                .rows(pqr.start * hd, pqr.len() * hd),
             k,
             v,
             o,
-            q_bias: bias("q_proj", nh * hd, &qr, cfg.qkv_bias)?,
-            k_bias: bias("k_proj", nkv * hd, &kvr, cfg.qkv_bias)?,
+            q_bias: bias("q_proj", nh * hd, &pqr, cfg.qkv_bias)?,
+            k_bias: bias("k_proj", nkv * hd, &pkvr, cfg.qkv_bias)?,
             v_bias: bias("v_proj", nkv * hd, &kvr, cfg.qkv_bias && !spec.v_from_k)?,
             o_bias: if cfg.o_bias && shard.is_none() {
                 Some(ws.get_vec(&format!("{prefix}.o_proj.bias"), h)?)
@@ -211,6 +217,7 @@ impl Attention {
                 None
             },
             qk_norm: cfg.qk_norm,
+            whole_qk,
             clip_qkv: cfg.clip_qkv,
             eps: cfg.rms_norm_eps,
             heads: snh,
@@ -255,13 +262,16 @@ impl Attention {
         let hidden = self.o.shape()[0];
         let t = x.len() / self.q.shape()[1];
         let (nh, nkv, hd) = (self.heads, self.kv_heads, self.head_dim);
-        let mut q = vec![0.0f32; t * nh * hd];
-        let mut k = vec![0.0f32; t * nkv * hd];
+        let mut q = vec![0.0f32; t * self.q.shape()[0]];
+        let mut k = vec![0.0f32; t * self.k.shape()[0]];
         let mut v = vec![0.0f32; t * nkv * hd];
         linear(x, t, &self.q, self.q_bias.as_deref(), &mut q);
         linear(x, t, &self.k, self.k_bias.as_deref(), &mut k);
         if self.v_from_k {
-            v.copy_from_slice(&k);
+            match &self.whole_qk {
+                Some((_, kk)) => v = keep_columns(&k, t, kk),
+                None => v.copy_from_slice(&k),
+            }
         } else {
             linear(x, t, &self.v, self.v_bias.as_deref(), &mut v);
         }
@@ -276,6 +286,10 @@ impl Attention {
                     rms_norm(&mut k, kn, self.eps);
                 }
             }
+        }
+        if let Some((qk, kk)) = &self.whole_qk {
+            q = keep_columns(&q, t, qk);
+            k = keep_columns(&k, t, kk);
         }
         if let Some(c) = self.clip_qkv {
             for val in q.iter_mut().chain(k.iter_mut()).chain(v.iter_mut()) {
@@ -351,6 +365,16 @@ impl Attention {
         linear(&attn, t, &self.o, self.o_bias.as_deref(), &mut out);
         out
     }
+}
+
+/// Columns `keep` of a row-major `[rows, _]` matrix.
+fn keep_columns(m: &[f32], rows: usize, keep: &std::ops::Range<usize>) -> Vec<f32> {
+    let w = m.len() / rows.max(1);
+    let mut out = Vec::with_capacity(rows * keep.len());
+    for r in 0..rows {
+        out.extend_from_slice(&m[r * w + keep.start..r * w + keep.end]);
+    }
+    out
 }
 
 /// Softmax over `scores` plus one extra logit `sink` that takes probability

@@ -14,6 +14,7 @@ use crate::error::{Error, Result};
 use crate::loader::weights::WeightStore;
 use crate::model::attention::{Attention, HeadShard, SeqSpan};
 use crate::model::kv_cache::{KvPool, SeqCache};
+use crate::model::mla::Mla;
 use crate::model::names;
 use crate::model::rope::Rope;
 
@@ -52,11 +53,26 @@ struct ShardSeq {
     lens: Vec<usize>,
 }
 
+/// One layer's heads on a shard.
+enum ShardAttn {
+    Gqa(Attention),
+    Mla(Mla),
+}
+
+impl ShardAttn {
+    fn kv_widths(&self) -> (usize, usize) {
+        match self {
+            ShardAttn::Gqa(a) => (a.kv_width(), a.kv_width()),
+            ShardAttn::Mla(m) => m.kv_widths(),
+        }
+    }
+}
+
 /// A shard of every attention layer plus the KV cache of its heads.
 pub struct AttentionShard {
     shard: HeadShard,
     hidden: usize,
-    layers: Vec<(Attention, Rope)>,
+    layers: Vec<(ShardAttn, Rope)>,
     pool: KvPool,
     seqs: HashMap<u64, ShardSeq>,
 }
@@ -73,8 +89,7 @@ pub struct ShardStats {
 impl AttentionShard {
     /// Loads shard `shard` of every attention layer of `cfg` from `ws`, with
     /// a KV cache of at most `kv_bytes` in blocks of `block_size` positions.
-    /// Refuses architectures whose attention cannot be split by heads (MLA,
-    /// q/k norm over the whole projection).
+    /// Refuses head counts that cannot be split evenly over the shards.
     pub fn load(
         cfg: &ModelConfig,
         ws: &WeightStore,
@@ -82,23 +97,18 @@ impl AttentionShard {
         kv_bytes: usize,
         block_size: usize,
     ) -> Result<Self> {
-        if cfg.mla.is_some() {
-            return Err(Error::InvalidInput(format!(
-                "{}: multi-head latent attention ({:?}) cannot run on tensor-parallel attention-workers yet; serve it with attention in the coordinator",
-                ws.dir().display(),
-                cfg.arch
-            )));
-        }
         let mut layers = Vec::with_capacity(cfg.num_hidden_layers);
         for i in 0..cfg.num_hidden_layers {
             let lp = names::layer_prefix_for(cfg, i);
-            let att = Attention::load_shard(cfg, ws, &format!("{lp}.self_attn"), i, shard)?;
+            let prefix = format!("{lp}.self_attn");
+            let att = if cfg.mla.is_some() {
+                ShardAttn::Mla(Mla::load_shard(cfg, ws, &prefix, shard)?)
+            } else {
+                ShardAttn::Gqa(Attention::load_shard(cfg, ws, &prefix, i, shard)?)
+            };
             layers.push((att, Rope::new(&cfg.layers[i].rope)));
         }
-        let widths: Vec<(usize, usize)> = layers
-            .iter()
-            .map(|(a, _)| (a.kv_width(), a.kv_width()))
-            .collect();
+        let widths: Vec<(usize, usize)> = layers.iter().map(|(a, _)| a.kv_widths()).collect();
         let block_size = block_size.max(1);
         let num_blocks = kv_bytes / KvPool::block_bytes(&widths, block_size).max(1);
         if num_blocks == 0 {
@@ -269,7 +279,10 @@ impl AttentionShard {
             .collect();
         let refs: Vec<&SeqCache> = caches.iter().collect();
         let (att, rope) = &self.layers[layer];
-        let out = att.forward(x, &spans, &refs, &mut self.pool, layer, rope);
+        let out = match att {
+            ShardAttn::Gqa(a) => a.forward(x, &spans, &refs, &mut self.pool, layer, rope),
+            ShardAttn::Mla(m) => m.forward(x, &spans, &refs, &mut self.pool, layer, rope),
+        };
         for c in chunks {
             if let Some(s) = self.seqs.get_mut(&c.id) {
                 s.lens[layer] = c.past + c.len;
@@ -420,6 +433,14 @@ mod tests {
             ("gpt_oss", 2),
             ("gpt_oss", 4),
             ("gemma4", 2),
+            ("deepseek_v2", 2),
+            ("deepseek_v2", 4),
+            ("deepseek_v3", 2),
+            ("deepseek_v3", 4),
+            ("deepseek_v3_g1", 2),
+            ("deepseek_v3_g1", 4),
+            ("olmoe", 2),
+            ("olmoe", 4),
         ] {
             let dir = fixture(name);
             let whole = run(&Model::load(&dir)?)?;
@@ -443,17 +464,6 @@ mod tests {
 
     #[test]
     fn refuses_what_cannot_be_split() {
-        let e = LocalShards::load(&fixture("olmoe"), 2, 1 << 20, 4)
-            .err()
-            .map(|e| e.to_string());
-        assert!(
-            e.as_deref().is_some_and(|m| m.contains("whole projection")),
-            "{e:?}"
-        );
-        let e = LocalShards::load(&fixture("deepseek_v2"), 2, 1 << 20, 4)
-            .err()
-            .map(|e| e.to_string());
-        assert!(e.as_deref().is_some_and(|m| m.contains("latent")), "{e:?}");
         // 4 query heads over 3 shards.
         let e = LocalShards::load(&fixture("qwen3_moe_a"), 3, 1 << 20, 4)
             .err()
@@ -538,11 +548,7 @@ mod tests {
         let ws = WeightStore::open(&dir)?;
         let h = cfg.hidden_size;
         let probe = AttentionShard::load(&cfg, &ws, HeadShard { index: 0, of: 2 }, 1 << 20, 4)?;
-        let widths: Vec<(usize, usize)> = probe
-            .layers
-            .iter()
-            .map(|(a, _)| (a.kv_width(), a.kv_width()))
-            .collect();
+        let widths: Vec<(usize, usize)> = probe.layers.iter().map(|(a, _)| a.kv_widths()).collect();
         // Room for exactly two blocks of 4 positions.
         let bytes = 2 * KvPool::block_bytes(&widths, 4);
         let mut sh = AttentionShard::load(&cfg, &ws, HeadShard { index: 0, of: 2 }, bytes, 4)?;

@@ -18,7 +18,7 @@ use crate::config::{MlaConfig, ModelConfig};
 use crate::error::{Error, Result};
 use crate::kernels::{dot, linear, rms_norm, softmax};
 use crate::loader::weights::WeightStore;
-use crate::model::attention::SeqSpan;
+use crate::model::attention::{HeadShard, SeqSpan};
 use crate::model::kv_cache::{KvPool, SeqCache};
 use crate::model::rope::Rope;
 use crate::tensor::Weight;
@@ -54,6 +54,31 @@ pub struct Mla {
 impl Mla {
     /// Loads layer `layer`'s attention from `prefix` (e.g. `model.layers.3.self_attn`).
     pub fn load(cfg: &ModelConfig, ws: &WeightStore, prefix: &str, _layer: usize) -> Result<Self> {
+        Self::load_heads(cfg, ws, prefix, None)
+    }
+
+    /// Loads only `shard`'s heads (a tensor-parallel shard): the shared
+    /// low-rank path (`q_a_proj` + norm, `kv_a_proj_with_mqa` + norm, the
+    /// RoPE key) whole, since every head needs it and it is small; the
+    /// per-head rows of `q_proj` / `q_b_proj` and `kv_b_proj` and the
+    /// `o_proj` columns of its heads. Every shard caches the whole latent of
+    /// each position (duplicated; `kv_lora_rank + qk_rope_head_dim` floats).
+    /// The output is the shard's partial sum, without the `o_proj` bias.
+    pub fn load_shard(
+        cfg: &ModelConfig,
+        ws: &WeightStore,
+        prefix: &str,
+        shard: HeadShard,
+    ) -> Result<Self> {
+        Self::load_heads(cfg, ws, prefix, Some(shard))
+    }
+
+    fn load_heads(
+        cfg: &ModelConfig,
+        ws: &WeightStore,
+        prefix: &str,
+        shard: Option<HeadShard>,
+    ) -> Result<Self> {
         let m = cfg.mla.clone().ok_or_else(|| {
             Error::config(
                 ws.dir().join("config.json"),
@@ -61,7 +86,14 @@ impl Mla {
             )
         })?;
         let (h, nh) = (cfg.hidden_size, cfg.num_attention_heads);
+        // Every head shares the latent: heads split like GQA with one KV
+        // head per query head.
+        let heads = match shard {
+            None => 0..nh,
+            Some(s) => s.ranges(nh, nh)?.0,
+        };
         let qk = m.qk_nope_head_dim + m.qk_rope_head_dim;
+        let kvb = m.qk_nope_head_dim + m.v_head_dim;
         let rank = m.kv_lora_rank;
         // `attention_bias` adds biases to q_a, kv_a and o only (transformers).
         let bias = |name: &str, n: usize| -> Result<Option<Vec<f32>>> {
@@ -73,13 +105,23 @@ impl Mla {
             }
         };
         let q = match m.q_lora_rank {
-            None => QProj::Direct(ws.get(&format!("{prefix}.q_proj.weight"), &[nh * qk, h])?),
+            None => QProj::Direct(
+                ws.get(&format!("{prefix}.q_proj.weight"), &[nh * qk, h])?
+                    .rows(heads.start * qk, heads.len() * qk),
+            ),
             Some(r) => QProj::Lora {
                 a: ws.get(&format!("{prefix}.q_a_proj.weight"), &[r, h])?,
                 a_bias: bias("q_a_proj", r)?,
                 norm: ws.get_vec(&format!("{prefix}.q_a_layernorm.weight"), r)?,
-                b: ws.get(&format!("{prefix}.q_b_proj.weight"), &[nh * qk, r])?,
+                b: ws
+                    .get(&format!("{prefix}.q_b_proj.weight"), &[nh * qk, r])?
+                    .rows(heads.start * qk, heads.len() * qk),
             },
+        };
+        let o = ws.get(&format!("{prefix}.o_proj.weight"), &[h, nh * m.v_head_dim])?;
+        let o = match shard {
+            None => o,
+            Some(_) => o.columns(heads.start * m.v_head_dim, heads.len() * m.v_head_dim),
         };
         Ok(Mla {
             q,
@@ -89,15 +131,28 @@ impl Mla {
             )?,
             kv_a_bias: bias("kv_a_proj_with_mqa", rank + m.qk_rope_head_dim)?,
             kv_norm: ws.get_vec(&format!("{prefix}.kv_a_layernorm.weight"), rank)?,
-            kv_b: ws.get(
-                &format!("{prefix}.kv_b_proj.weight"),
-                &[nh * (m.qk_nope_head_dim + m.v_head_dim), rank],
-            )?,
-            o: ws.get(&format!("{prefix}.o_proj.weight"), &[h, nh * m.v_head_dim])?,
-            o_bias: bias("o_proj", h)?,
-            heads: nh,
+            kv_b: ws
+                .get(&format!("{prefix}.kv_b_proj.weight"), &[nh * kvb, rank])?
+                .rows(heads.start * kvb, heads.len() * kvb),
+            o,
+            o_bias: if shard.is_none() {
+                bias("o_proj", h)?
+            } else {
+                None
+            },
+            heads: heads.len(),
             m,
         })
+    }
+
+    /// The `o_proj` bias of an MLA layer (added once after summing shards).
+    pub fn load_o_bias(ws: &WeightStore, prefix: &str, hidden: usize) -> Result<Option<Vec<f32>>> {
+        let full = format!("{prefix}.o_proj.bias");
+        if ws.contains(&full) {
+            ws.get_vec(&full, hidden).map(Some)
+        } else {
+            Ok(None)
+        }
     }
 
     /// Floats per cached position: (latent + RoPE key, nothing for values).

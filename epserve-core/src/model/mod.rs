@@ -163,13 +163,6 @@ impl Model {
         dispatcher: Arc<dyn Dispatcher>,
         attention: Option<Arc<dyn AttentionBackend>>,
     ) -> Result<Self> {
-        if attention.is_some() && cfg.mla.is_some() {
-            return Err(Error::InvalidInput(format!(
-                "{}: multi-head latent attention ({:?}) cannot run on attention-workers yet",
-                ws.dir().display(),
-                cfg.arch
-            )));
-        }
         let (v, h) = (cfg.vocab_size, cfg.hidden_size);
         let wp = cfg.weight_prefix.clone();
         let embed = ws.get(&format!("{wp}.embed_tokens.weight"), &[v, h])?;
@@ -183,8 +176,13 @@ impl Model {
         for i in 0..cfg.num_hidden_layers {
             let lp = names::layer_prefix_for(&cfg, i);
             let attn = if attention.is_some() {
+                let prefix = format!("{lp}.self_attn");
                 LayerAttn::Remote {
-                    o_bias: Attention::load_o_bias(&cfg, ws, &format!("{lp}.self_attn"))?,
+                    o_bias: if cfg.mla.is_some() {
+                        Mla::load_o_bias(ws, &prefix, h)?
+                    } else {
+                        Attention::load_o_bias(&cfg, ws, &prefix)?
+                    },
                 }
             } else if cfg.mla.is_some() {
                 LayerAttn::Mla(Mla::load(&cfg, ws, &format!("{lp}.self_attn"), i)?)
