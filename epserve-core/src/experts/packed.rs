@@ -58,7 +58,7 @@ impl<T: Pod> AlignedBuf<T> {
 /// Element storage of a packed matrix.
 #[derive(Clone)]
 pub enum PackedData {
-    /// bf16 bit patterns, `panels · K · 16`.
+    /// bf16 bit patterns, `panels · bf16_padded_k(K) · 16`.
     Bf16(AlignedBuf<u16>),
     /// int8 values, `panels · Kp · 16`, and one scale per logical channel
     /// (`panels · 16`).
@@ -196,6 +196,12 @@ pub struct PackedExpert {
     pub up_bias: Option<Vec<f32>>,
     pub down_bias: Option<Vec<f32>>,
     pub activation: Activation,
+    /// bf16 experts only: round the activations to bf16 too and use the
+    /// tier's bf16 dot-product tile where it has one (`vdpbf16ps`, `bfdot`;
+    /// the "bf16 weights and activations, f32 accumulation"). Off,
+    /// activations stay f32 (exact bf16 experts: only summation order differs
+    /// from the reference).
+    pub bf16_activations: bool,
 }
 
 impl PackedExpert {
@@ -264,7 +270,14 @@ impl PackedExpert {
             up_bias: None,
             down_bias: None,
             activation,
+            bf16_activations: false,
         })
+    }
+
+    /// Sets [`bf16_activations`](Self::bf16_activations).
+    pub fn with_bf16_activations(mut self, on: bool) -> Self {
+        self.bf16_activations = on;
+        self
     }
 
     /// The expert's precision.

@@ -176,6 +176,60 @@ fn experts_packed_bf16_matches_portable_on_every_tier() {
 }
 
 #[test]
+fn experts_packed_bf16_activations_are_close_on_every_tier() {
+    // bf16 activations round x and h to 8 significant bits: `‖Δ‖∞ ≤ 2% of
+    // ‖ref‖∞` per slot. Tiers without a bf16 dot tile keep f32 activations.
+    let pool = Arc::new(ExpertPool::new(Some(2), false).expect("pool"));
+    let mut rng = StdRng::seed_from_u64(15);
+    for c in CASES {
+        let ms = mlps(&mut rng, c);
+        let reference = portable(&ms, c.hidden);
+        for rows in [1usize, 3, 40] {
+            let x: Vec<f32> = (0..rows * c.hidden)
+                .map(|_| rng.random_range(-1.0f32..1.0))
+                .collect();
+            let (ids, w) = routing(&mut rng, rows, c);
+            let want = run(&reference, &x, &ids, &w, c);
+            for tier in Tier::available() {
+                let k = Kernels::for_tier(tier).expect("tier");
+                let experts = ms
+                    .iter()
+                    .map(|m| {
+                        PackedExpert::from_mlp(m, PackedDtype::Bf16, false)
+                            .map(|e| Some(e.with_bf16_activations(true)))
+                    })
+                    .collect::<crate::Result<Vec<_>>>()
+                    .expect("pack");
+                let ex = PackedExperts::new(vec![None, Some(experts)], c.hidden, pool.clone())
+                    .expect("executor")
+                    .with_kernels(k);
+                let got = run(&ex, &x, &ids, &w, c);
+                for (s, id) in ids.iter().enumerate() {
+                    let (a, b) = (
+                        &got[s * c.hidden..(s + 1) * c.hidden],
+                        &want[s * c.hidden..(s + 1) * c.hidden],
+                    );
+                    if *id == SKIP_SLOT {
+                        assert!(a.iter().all(|&v| v == 7.0), "skipped slot written");
+                        continue;
+                    }
+                    let norm = b.iter().fold(0.0f32, |m, v| m.max(v.abs()));
+                    let err = a
+                        .iter()
+                        .zip(b)
+                        .fold(0.0f32, |m, (p, q)| m.max((p - q).abs()));
+                    assert!(
+                        err <= 0.02 * norm + 1e-6,
+                        "{} rows={rows} slot {s}: err {err} vs norm {norm}",
+                        tier.name()
+                    );
+                }
+            }
+        }
+    }
+}
+
+#[test]
 fn experts_packed_int8_is_close_and_identical_across_tiers() {
     let pool = Arc::new(ExpertPool::new(Some(2), false).expect("pool"));
     let mut rng = StdRng::seed_from_u64(12);
