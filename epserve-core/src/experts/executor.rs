@@ -187,8 +187,13 @@ impl PackedExperts {
                     if !keep(i, e) {
                         return Ok(None);
                     }
-                    let mlp = names.load(cfg, ws, e)?;
                     let asked = opts.dtype_for(i, e);
+                    if asked != ExpertDtype::Bf16
+                        && let Some(p) = load_int8_expert(cfg, ws, &names, e)?
+                    {
+                        return Ok(Some(p));
+                    }
+                    let mlp = names.load(cfg, ws, e)?;
                     let (dt, exact) = match asked {
                         ExpertDtype::Auto => (PackedDtype::Bf16, true),
                         ExpertDtype::Bf16 => (PackedDtype::Bf16, false),
@@ -530,6 +535,41 @@ impl ExpertExecutor for PackedExperts {
             Ok(())
         })
     }
+}
+
+/// Expert `e` straight from a checkpoint that stores it as channel-wise int8
+/// (compressed-tensors W8A8, one tensor per expert and projection), or `None`
+/// when its weights are floats.
+fn load_int8_expert(
+    cfg: &ModelConfig,
+    ws: &WeightStore,
+    names: &ExpertNames<'_>,
+    e: usize,
+) -> Result<Option<PackedExpert>> {
+    let ExpertNames::PerExpert {
+        prefix,
+        gate,
+        up,
+        down,
+    } = names
+    else {
+        return Ok(None);
+    };
+    let (h, inter) = (cfg.hidden_size, cfg.moe_intermediate_size);
+    let get = |proj: &str, shape: [usize; 2]| {
+        ws.get_i8_channelwise(&format!("{prefix}.{e}.{proj}.weight"), &shape)
+    };
+    let Some(g) = get(gate, [inter, h])? else {
+        return Ok(None);
+    };
+    let missing = |proj: &str| {
+        Error::Dispatch(format!(
+            "{prefix}.{e}: gate_proj is int8 but {proj} is not (mixed precision within one expert)"
+        ))
+    };
+    let u = get(up, [inter, h])?.ok_or_else(|| missing(up))?;
+    let d = get(down, [h, inter])?.ok_or_else(|| missing(down))?;
+    PackedExpert::from_i8(&g, &u, &d, cfg.activation).map(Some)
 }
 
 /// Splits each active expert's `panels(e)` into runs so that every thread
