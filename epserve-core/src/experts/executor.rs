@@ -13,6 +13,10 @@
 //!    epilogue multiplies by the slot's combine weight and writes straight
 //!    into the slot's output row (the weighted scatter).
 //!
+//! Experts loaded with bf16 activations (`--expert-dtype bf16`) get their
+//! inputs rounded to bf16 once per row (step 2 and 4) and run the tier's bf16
+//! dot-product tile (`vdpbf16ps`, `bfdot`) on the decode path.
+//!
 //! Per expert, a token count no larger than the kernel's tile (`mr`) takes the
 //! *decode* path (one tile, the whole `K` per panel: weights stream once,
 //! bandwidth bound); more tokens take the *prefill* path (the panel is cut in
@@ -661,38 +665,45 @@ fn run_panels(
     mut epi: impl FnMut(usize, usize, &dyn Fn(usize) -> f32),
 ) {
     match *data {
-        DataView::Bf16(w) if bf16x => ACC_F32.with_borrow_mut(|acc| {
-            acc.resize(n * NR, 0.0);
-            let mr = k.bf16x_mr().unwrap_or(1);
-            let kp = bf16_padded_k(kdim);
-            let step = if n <= mr { kp.max(2) } else { KC_BF16 };
-            let panel_len = kp * NR;
-            for p in it.p0 as usize..it.p1 as usize {
-                acc.fill(0.0);
-                let panel = &w[p * panel_len..(p + 1) * panel_len];
-                let mut k0 = 0;
-                while k0 < kp {
-                    let kc = step.min(kp - k0);
-                    let wc = &panel[k0 * NR..(k0 + kc) * NR];
-                    let mut t0 = 0;
-                    while t0 < n {
-                        let tn = mr.min(n - t0);
-                        let mut rows: [&[u16]; MAX_MR] = [&[]; MAX_MR];
-                        for (i, r) in rows.iter_mut().enumerate().take(tn) {
-                            let base = row(t0 + i) * src.b16_stride + k0;
-                            *r = &src.b16_rows[base..base + kc];
+        // bf16 activations: the dot-product tile on the decode path only. On
+        // the prefill path the widening f32 FMA tile runs instead (with the f32
+        // activations, which are only more exact): measured on Sapphire-Rapids
+        // class x86, `vdpbf16ps` retires at half the FLOP rate of zmm FMA, so
+        // it only pays where weights stream (decode).
+        DataView::Bf16(w) if bf16x && n <= k.bf16x_mr().unwrap_or(0) => {
+            ACC_F32.with_borrow_mut(|acc| {
+                acc.resize(n * NR, 0.0);
+                let kp = bf16_padded_k(kdim);
+                let step = kp.max(2);
+                let mr = n.max(1);
+                let panel_len = kp * NR;
+                for p in it.p0 as usize..it.p1 as usize {
+                    acc.fill(0.0);
+                    let panel = &w[p * panel_len..(p + 1) * panel_len];
+                    let mut k0 = 0;
+                    while k0 < kp {
+                        let kc = step.min(kp - k0);
+                        let wc = &panel[k0 * NR..(k0 + kc) * NR];
+                        let mut t0 = 0;
+                        while t0 < n {
+                            let tn = mr.min(n - t0);
+                            let mut rows: [&[u16]; MAX_MR] = [&[]; MAX_MR];
+                            for (i, r) in rows.iter_mut().enumerate().take(tn) {
+                                let base = row(t0 + i) * src.b16_stride + k0;
+                                *r = &src.b16_rows[base..base + kc];
+                            }
+                            k.bf16x_tile(wc, &rows[..tn], &mut acc[t0 * NR..(t0 + tn) * NR]);
+                            t0 += tn;
                         }
-                        k.bf16x_tile(wc, &rows[..tn], &mut acc[t0 * NR..(t0 + tn) * NR]);
-                        t0 += tn;
+                        k0 += kc;
                     }
-                    k0 += kc;
+                    for i in 0..n {
+                        let a = &acc[i * NR..(i + 1) * NR];
+                        epi(i, p, &|c| a[c]);
+                    }
                 }
-                for i in 0..n {
-                    let a = &acc[i * NR..(i + 1) * NR];
-                    epi(i, p, &|c| a[c]);
-                }
-            }
-        }),
+            })
+        }
         DataView::Bf16(w) => ACC_F32.with_borrow_mut(|acc| {
             acc.resize(n * NR, 0.0);
             let mr = k.bf16_mr();
