@@ -3,7 +3,9 @@
 //! executor for several token counts, bf16 and int8, on one and on all cores.
 //!
 //! Everything is measured in the same run, as ratios: the machine's streaming
-//! read bandwidth and f32 FMA peak (per thread count), the executor's time,
+//! read bandwidth, f32 FMA peak with the widest FMA the CPU has and, where it
+//! has one, the bf16 dot-product peak (`vdpbf16ps`, `bfdot`), per thread
+//! count; the executor's time,
 //! the weight bytes it streamed per second and their share of the bandwidth,
 //! GFLOP/s and share of FMA peak, the speedup over the scalar twin kernels
 //! and int8 over bf16. The targets are printed, never asserted.
@@ -117,6 +119,12 @@ pub struct Machine {
     pub bandwidth_gbps: f64,
     /// f32 FMA peak, GFLOP/s.
     pub fma_peak_gflops: f64,
+    /// Which instruction the FMA peak was measured with.
+    pub fma_peak_with: String,
+    /// bf16 dot-product peak (two FLOPs per multiply-add), GFLOP/s, where
+    /// the CPU has such an instruction.
+    pub bf16_dot_peak_gflops: Option<f64>,
+    pub bf16_dot_peak_with: Option<String>,
 }
 
 /// One measured configuration.
@@ -134,6 +142,10 @@ pub struct Row {
     pub bandwidth_pct: f64,
     pub gflops: f64,
     pub fma_peak_pct: f64,
+    /// bf16 rows on a tier with a bf16 dot tile: percent of the bf16 dot peak
+    /// (informational; the target is against the FMA peak, and the executor
+    /// uses the dot tile on the decode path only).
+    pub bf16_dot_peak_pct: Option<f64>,
     pub scalar_time_ms: Option<f64>,
     pub speedup_vs_scalar: Option<f64>,
     /// bf16 time / int8 time at the same tokens and threads (int8 rows).
@@ -217,6 +229,8 @@ fn build_experts(
                     let up = random_bf16(sh.inter, sh.hidden, base + 2);
                     let down = random_bf16(sh.hidden, sh.inter, base + 3);
                     for (di, &dt) in dtypes.iter().enumerate() {
+                        // bf16 rows: bf16 weights and activations (what
+                        // `--expert-dtype bf16` loads).
                         let r = PackedExpert::from_weights(
                             &gate,
                             &up,
@@ -226,7 +240,8 @@ fn build_experts(
                             Activation::Silu,
                             dt,
                             false,
-                        );
+                        )
+                        .map(|p| p.with_bf16_activations(dt == PackedDtype::Bf16));
                         results
                             .lock()
                             .unwrap_or_else(|p| p.into_inner())
@@ -281,6 +296,26 @@ fn measure_fma_peak(pool: &ExpertPool, k: &Kernels) -> f64 {
         best = best.max(flops / secs / 1e9);
     }
     best
+}
+
+/// bf16 dot-product peak of `pool`'s threads, in GFLOP/s, if the tier has one.
+fn measure_bf16_dot_peak(pool: &ExpertPool, k: &Kernels) -> Option<(f64, &'static str)> {
+    let iters = 10_000_000;
+    let mut best = 0.0f64;
+    let mut name = None;
+    for _ in 0..3 {
+        let start = Instant::now();
+        let r = pool.broadcast(|_| k.bf16_dot_probe(iters));
+        let secs = start.elapsed().as_secs_f64();
+        let mut flops = 0.0;
+        for (f, v, n) in r.iter().flatten() {
+            flops += f;
+            std::hint::black_box(v);
+            name = Some(*n);
+        }
+        best = best.max(flops / secs / 1e9);
+    }
+    name.map(|n| (best, n))
 }
 
 /// Routings for `tokens` tokens that rotate through a shuffled expert order.
@@ -379,6 +414,9 @@ pub fn run(args: &BenchMoeArgs) -> Result<()> {
         .collect();
     thread_counts.dedup();
     let k = *kernels();
+    // Peaks are the machine's: measured with its best tier even when
+    // EPSERVE_KERNEL forces a slower one for the rows.
+    let best = Kernels::best();
     let log = |s: String| {
         if !args.json {
             eprintln!("{s}");
@@ -398,11 +436,15 @@ pub fn run(args: &BenchMoeArgs) -> Result<()> {
         for &t in &thread_counts {
             let pool = Arc::new(ExpertPool::new(Some(t), true)?);
             let bw = measure_bandwidth(&pool, &buf);
-            let peak = measure_fma_peak(&pool, &k);
+            let peak = measure_fma_peak(&pool, &best);
+            let dot = measure_bf16_dot_peak(&pool, &best);
             machine.push(Machine {
                 threads: t,
                 bandwidth_gbps: bw,
                 fma_peak_gflops: peak,
+                fma_peak_with: best.fma_probe_name().into(),
+                bf16_dot_peak_gflops: dot.map(|d| d.0),
+                bf16_dot_peak_with: dot.map(|d| d.1.to_string()),
             });
             pools.insert(t, pool);
         }
@@ -476,6 +518,10 @@ pub fn run(args: &BenchMoeArgs) -> Result<()> {
                         bandwidth_pct: m.map_or(0.0, |m| 100.0 * gbps / m.bandwidth_gbps),
                         gflops,
                         fma_peak_pct: m.map_or(0.0, |m| 100.0 * gflops / m.fma_peak_gflops),
+                        bf16_dot_peak_pct: (dt == PackedDtype::Bf16 && k.bf16x_mr().is_some())
+                            .then(|| m.and_then(|m| m.bf16_dot_peak_gflops))
+                            .flatten()
+                            .map(|p| 100.0 * gflops / p),
                         scalar_time_ms: scalar.map(|s| s * 1e3),
                         speedup_vs_scalar: scalar.map(|s| s / secs),
                         int8_over_bf16: None,
@@ -588,19 +634,26 @@ fn print_tables(k: &Kernels, machine: &[Machine], rows: &[Row], targets: &[Targe
     println!("kernel tier: {}", k.tier().name());
     for m in machine {
         println!(
-            "machine, {} thread(s): read bandwidth {:.1} GB/s, f32 FMA peak {:.1} GFLOP/s",
-            m.threads, m.bandwidth_gbps, m.fma_peak_gflops
+            "machine, {} thread(s): read bandwidth {:.1} GB/s, FMA peak {:.1} GFLOP/s ({}){}",
+            m.threads,
+            m.bandwidth_gbps,
+            m.fma_peak_gflops,
+            m.fma_peak_with,
+            match (&m.bf16_dot_peak_gflops, &m.bf16_dot_peak_with) {
+                (Some(p), Some(w)) => format!(", bf16 dot peak {p:.1} GFLOP/s ({w})"),
+                _ => String::new(),
+            }
         );
     }
     println!();
     println!(
-        "| shape | tokens | dtype | threads | time ms | weight GB/s | % bw | GFLOP/s | % FMA peak | x scalar | int8/bf16 |"
+        "| shape | tokens | dtype | threads | time ms | weight GB/s | % bw | GFLOP/s | % FMA peak | % bf16 dot peak | x scalar | int8/bf16 |"
     );
-    println!("|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|");
+    println!("|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|");
     let opt = |v: Option<f64>| v.map_or("-".to_string(), |v| format!("{v:.2}"));
     for r in rows {
         println!(
-            "| {} | {} | {} | {} | {:.3} | {:.1} | {:.1} | {:.1} | {:.1} | {} | {} |",
+            "| {} | {} | {} | {} | {:.3} | {:.1} | {:.1} | {:.1} | {:.1} | {} | {} | {} |",
             r.shape,
             r.tokens,
             r.dtype,
@@ -610,6 +663,8 @@ fn print_tables(k: &Kernels, machine: &[Machine], rows: &[Row], targets: &[Targe
             r.bandwidth_pct,
             r.gflops,
             r.fma_peak_pct,
+            r.bf16_dot_peak_pct
+                .map_or("-".to_string(), |v| format!("{v:.1}")),
             opt(r.speedup_vs_scalar),
             opt(r.int8_over_bf16)
         );

@@ -1,5 +1,7 @@
 //! The packed expert executor on every fixture model:
 //!
+//! - compressed-tensors W8A8 (`qwen3_moe_b/w8a8`) vs the same checkpoint
+//!   dequantized, and bf16 activations vs f32: the same agreement rule.
 //! - bf16 packed vs the portable `LocalExperts` twin: logits at every position
 //!   of prompt + transformers' greedy continuation agree to 1e-4 (weights are
 //!   bf16-exact and activations stay f32; only summation order differs).
@@ -67,7 +69,9 @@ fn sequences(name: &str) -> Vec<(String, Vec<u32>, usize)> {
 fn packed_bf16_matches_portable_on_fixtures() {
     for name in fixture_names() {
         let v = golden(&name).vocab_size;
-        let fast = load(&name, ExecutorKind::Packed, ExpertDtype::Bf16);
+        // Auto: the bf16 folder is bf16-exact, so the experts are packed bf16
+        // with f32 activations (ExpertDtype::Bf16 would round activations too).
+        let fast = load(&name, ExecutorKind::Packed, ExpertDtype::Auto);
         let slow = load(&name, ExecutorKind::Portable, ExpertDtype::Auto);
         for (case, ids, _) in sequences(&name) {
             let (a, b) = (all_logits(&fast, &ids), all_logits(&slow, &ids));
@@ -83,46 +87,101 @@ fn packed_bf16_matches_portable_on_fixtures() {
     }
 }
 
+/// Teacher-forced on every golden sequence of `name`: the next-token argmax
+/// of `cand` agrees with `reference` on at least 90% of the generation
+/// positions and always at the first; returns (agreeing, positions, Σ KL).
+fn agreement(name: &str, what: &str, reference: &Model, cand: &Model) -> (usize, usize, f64) {
+    let v = golden(name).vocab_size;
+    let (mut agree_all, mut total_all, mut kl_all) = (0usize, 0usize, 0.0f64);
+    for (case, ids, start) in sequences(name) {
+        let (a, b) = (all_logits(reference, &ids), all_logits(cand, &ids));
+        let (mut agree, mut kl) = (0usize, 0.0f64);
+        let positions = ids.len() - 1 - start;
+        for pos in start..ids.len() - 1 {
+            let (ra, rb) = (&a[pos * v..(pos + 1) * v], &b[pos * v..(pos + 1) * v]);
+            let same = argmax(ra) == argmax(rb);
+            if pos == start {
+                assert!(same, "{name}/{case}: {what} changes the first greedy token");
+            }
+            agree += same as usize;
+            let (la, lb) = (log_softmax(ra), log_softmax(rb));
+            kl += la
+                .iter()
+                .zip(&lb)
+                .map(|(p, q)| p.exp() * (p - q))
+                .sum::<f64>();
+        }
+        let rate = agree as f64 / positions as f64;
+        eprintln!(
+            "{name}/{case}: {what} greedy agreement {agree}/{positions} ({:.1}%), mean KL {:.2e} nats/token",
+            100.0 * rate,
+            kl / positions as f64
+        );
+        assert!(rate >= 0.9, "{name}/{case}: {what} agreement {rate}");
+        agree_all += agree;
+        total_all += positions;
+        kl_all += kl;
+    }
+    (agree_all, total_all, kl_all)
+}
+
 #[test]
 fn int8_agrees_with_bf16_on_fixtures_and_reports_kl() {
     let (mut agree_all, mut total_all, mut kl_all) = (0usize, 0usize, 0.0f64);
     for name in fixture_names() {
-        let v = golden(&name).vocab_size;
-        let bf = load(&name, ExecutorKind::Packed, ExpertDtype::Bf16);
+        let bf = load(&name, ExecutorKind::Packed, ExpertDtype::Auto);
         let q = load(&name, ExecutorKind::Packed, ExpertDtype::Int8);
-        for (case, ids, start) in sequences(&name) {
-            let (a, b) = (all_logits(&bf, &ids), all_logits(&q, &ids));
-            let (mut agree, mut kl) = (0usize, 0.0f64);
-            let positions = ids.len() - 1 - start;
-            for pos in start..ids.len() - 1 {
-                let (ra, rb) = (&a[pos * v..(pos + 1) * v], &b[pos * v..(pos + 1) * v]);
-                let same = argmax(ra) == argmax(rb);
-                if pos == start {
-                    assert!(same, "{name}/{case}: int8 changes the first greedy token");
-                }
-                agree += same as usize;
-                let (la, lb) = (log_softmax(ra), log_softmax(rb));
-                kl += la
-                    .iter()
-                    .zip(&lb)
-                    .map(|(p, q)| p.exp() * (p - q))
-                    .sum::<f64>();
-            }
-            let rate = agree as f64 / positions as f64;
-            eprintln!(
-                "{name}/{case}: int8 vs bf16 greedy agreement {agree}/{positions} ({:.1}%), mean KL {:.2e} nats/token",
-                100.0 * rate,
-                kl / positions as f64
-            );
-            assert!(rate >= 0.9, "{name}/{case}: agreement {rate}");
-            agree_all += agree;
-            total_all += positions;
-            kl_all += kl;
-        }
+        let (a, t, k) = agreement(&name, "int8 vs bf16", &bf, &q);
+        agree_all += a;
+        total_all += t;
+        kl_all += k;
     }
     eprintln!(
         "all fixtures: int8 vs bf16 greedy agreement {agree_all}/{total_all} ({:.1}%), mean KL {:.2e} nats/token",
         100.0 * agree_all as f64 / total_all.max(1) as f64,
         kl_all / total_all.max(1) as f64
+    );
+}
+
+/// `--expert-dtype bf16`: bf16 activations on tiers with a bf16 dot
+/// instruction (f32 elsewhere, where this is exact), against f32 activations.
+#[test]
+fn bf16_activations_agree_with_f32_activations_on_fixtures() {
+    let tier = epserve_core::kernels::dispatch::kernels();
+    if tier.bf16x_mr().is_none() {
+        eprintln!(
+            "note: kernel tier {} has no bf16 dot tile; bf16 experts keep f32 activations here",
+            tier.tier().name()
+        );
+    }
+    for name in fixture_names() {
+        let exact = load(&name, ExecutorKind::Packed, ExpertDtype::Auto);
+        let b = load(&name, ExecutorKind::Packed, ExpertDtype::Bf16);
+        agreement(&name, "bf16 activations vs f32", &exact, &b);
+    }
+}
+
+/// compressed-tensors W8A8 (`qwen3_moe_b/w8a8`, made by make_fixtures.py as
+/// llm-compressor lays out RedHatAI's Qwen3-30B-A3B-quantized.w8a8): the int8
+/// experts load straight into the int8 packed form and run W8A8, the int8
+/// attention and dense-MLP projections are dequantized at load. Reference:
+/// the same checkpoint entirely dequantized (`q · scale`, portable executor,
+/// f32 activations).
+#[test]
+fn compressed_tensors_w8a8_agrees_with_its_dequantized_model() {
+    let dir = fixture_dir("qwen3_moe_b").join("w8a8");
+    let open = |executor| {
+        let opts = LoadOptions {
+            executor,
+            ..LoadOptions::default()
+        };
+        Model::load_with(&dir, &opts).unwrap_or_else(|e| panic!("w8a8: {e}"))
+    };
+    let w8a8 = open(ExecutorKind::Packed);
+    let dequantized = open(ExecutorKind::Portable);
+    let (a, t, k) = agreement("qwen3_moe_b", "w8a8 vs dequantized", &dequantized, &w8a8);
+    eprintln!(
+        "qwen3_moe_b/w8a8: greedy agreement {a}/{t}, mean KL {:.2e} nats/token",
+        k / t.max(1) as f64
     );
 }

@@ -13,6 +13,10 @@
 //!    epilogue multiplies by the slot's combine weight and writes straight
 //!    into the slot's output row (the weighted scatter).
 //!
+//! Experts loaded with bf16 activations (`--expert-dtype bf16`) get their
+//! inputs rounded to bf16 once per row (step 2 and 4) and run the tier's bf16
+//! dot-product tile (`vdpbf16ps`, `bfdot`) on the decode path.
+//!
 //! Per expert, a token count no larger than the kernel's tile (`mr`) takes the
 //! *decode* path (one tile, the whole `K` per panel: weights stream once,
 //! bandwidth bound); more tokens take the *prefill* path (the panel is cut in
@@ -31,7 +35,9 @@ use crate::experts::packed::{PackedData, PackedDtype, PackedExpert};
 use crate::experts::pool::ExpertPool;
 use crate::experts::{ExpertDtype, LoadOptions};
 use crate::kernels::dispatch::{Kernels, MAX_MR, kernels};
-use crate::kernels::layout::{I8_GROUP_BYTES, KG, NR, i8_padded_k, quantize_row_i8};
+use crate::kernels::layout::{
+    I8_GROUP_BYTES, KG, NR, bf16_padded_k, f32_to_bf16_bits, i8_padded_k, quantize_row_i8,
+};
 use crate::loader::weights::WeightStore;
 use crate::model::moe::{ExpertExecutor, SKIP_SLOT};
 use crate::model::names::ExpertNames;
@@ -75,6 +81,9 @@ struct Workspace {
     hq: Vec<i8>,
     hs: Vec<f32>,
     row_i8: Vec<bool>,
+    xb: Vec<u16>,
+    hb: Vec<u16>,
+    row_b16: Vec<bool>,
     items: Vec<Item>,
 }
 
@@ -182,14 +191,20 @@ impl PackedExperts {
                     if !keep(i, e) {
                         return Ok(None);
                     }
+                    let asked = opts.dtype_for(i, e);
+                    if asked != ExpertDtype::Bf16
+                        && let Some(p) = load_int8_expert(cfg, ws, &names, e)?
+                    {
+                        return Ok(Some(p));
+                    }
                     let mlp = names.load(cfg, ws, e)?;
-                    let (dt, exact) = match opts.dtype_for(i, e) {
+                    let (dt, exact) = match asked {
                         ExpertDtype::Auto => (PackedDtype::Bf16, true),
                         ExpertDtype::Bf16 => (PackedDtype::Bf16, false),
                         ExpertDtype::Int8 => (PackedDtype::Int8, false),
                     };
                     PackedExpert::from_mlp(&mlp, dt, exact)
-                        .map(Some)
+                        .map(|p| Some(p.with_bf16_activations(asked == ExpertDtype::Bf16)))
                         .map_err(|err| match err {
                             Error::Dispatch(m) => {
                                 Error::Dispatch(format!("{m} (layer {i}, expert {e})"))
@@ -322,12 +337,15 @@ impl ExpertExecutor for PackedExperts {
         }
         wsp.active.clear();
         let mut any_i8 = false;
+        let mut any_b16 = false;
+        let k = &self.kernels;
         for e in 0..ne {
             if wsp.offsets[e + 1] > wsp.offsets[e] {
                 wsp.active.push(e as u32);
                 any_i8 |= set.experts[e]
                     .as_ref()
                     .is_some_and(|x| x.dtype() == PackedDtype::Int8);
+                any_b16 |= set.experts[e].as_ref().is_some_and(|x| uses_bf16x(k, x));
             }
         }
         if total == 0 {
@@ -336,7 +354,7 @@ impl ExpertExecutor for PackedExperts {
 
         let inter = set.inter;
         let (hp, ip) = (i8_padded_k(h), i8_padded_k(inter));
-        let k = &self.kernels;
+        let (hp2, ip2) = (bf16_padded_k(h), bf16_padded_k(inter));
         let threads = self.pool.threads();
         let Workspace {
             offsets,
@@ -348,6 +366,9 @@ impl ExpertExecutor for PackedExperts {
             hq,
             hs,
             row_i8,
+            xb,
+            hb: hb16,
+            row_b16,
             items,
             ..
         } = wsp;
@@ -365,6 +386,13 @@ impl ExpertExecutor for PackedExperts {
                     .zip(x.par_chunks(h))
                     .for_each(|((q, s), xr)| *s = quantize_row_i8(xr, q));
             }
+            // ... and bf16 rounding for experts with bf16 activations.
+            if any_b16 {
+                xb.resize(rows * hp2, 0);
+                xb.par_chunks_mut(hp2)
+                    .zip(x.par_chunks(h))
+                    .for_each(|(d, xr)| to_bf16_row(xr, d));
+            }
             let (offsets, order) = (&offsets[..], &order[..]);
 
             // 3. Gate/up phase.
@@ -372,7 +400,7 @@ impl ExpertExecutor for PackedExperts {
                 set.experts[e].as_ref().map_or(0, |x| x.gate_up.panels())
             });
             let hout = Out::new(hbuf);
-            let (xq_r, xs_r) = (&xq[..], &xs[..]);
+            let (xq_r, xs_r, xb_r) = (&xq[..], &xs[..], &xb[..]);
             items.par_iter().for_each(|it| {
                 let e = it.e as usize;
                 let Some(ex) = set.experts[e].as_ref() else {
@@ -386,9 +414,12 @@ impl ExpertExecutor for PackedExperts {
                     i8_rows: xq_r,
                     i8_stride: hp,
                     i8_scales: xs_r,
+                    b16_rows: xb_r,
+                    b16_stride: hp2,
                 };
                 run_panels(
                     k,
+                    uses_bf16x(k, ex),
                     &ex.gate_up.data_view(),
                     ex.gate_up.k(),
                     s1 - s0,
@@ -437,13 +468,33 @@ impl ExpertExecutor for PackedExperts {
                         }
                     });
             }
+            // ... and bf16 rounding of those of experts with bf16 activations.
+            if any_b16 {
+                row_b16.clear();
+                row_b16.resize(total, false);
+                for &e in active.iter() {
+                    let e = e as usize;
+                    if set.experts[e].as_ref().is_some_and(|x| uses_bf16x(k, x)) {
+                        row_b16[offsets[e]..offsets[e + 1]].fill(true);
+                    }
+                }
+                hb16.resize(total * ip2, 0);
+                hb16.par_chunks_mut(ip2.max(1))
+                    .zip(hbuf.par_chunks(inter.max(1)))
+                    .zip(row_b16.par_iter())
+                    .for_each(|((d, hr), &on)| {
+                        if on {
+                            to_bf16_row(hr, d);
+                        }
+                    });
+            }
 
             // 5. Down phase with the weighted scatter.
             build_items(items, active, threads, |e| {
                 set.experts[e].as_ref().map_or(0, |x| x.down.panels())
             });
             let yout = Out::new(out);
-            let (hb, hq_r, hs_r) = (&hbuf[..], &hq[..], &hs[..]);
+            let (hb, hq_r, hs_r, hb16_r) = (&hbuf[..], &hq[..], &hs[..], &hb16[..]);
             items.par_iter().for_each(|it| {
                 let e = it.e as usize;
                 let Some(ex) = set.experts[e].as_ref() else {
@@ -457,9 +508,12 @@ impl ExpertExecutor for PackedExperts {
                     i8_rows: hq_r,
                     i8_stride: ip,
                     i8_scales: hs_r,
+                    b16_rows: hb16_r,
+                    b16_stride: ip2,
                 };
                 run_panels(
                     k,
+                    uses_bf16x(k, ex),
                     &ex.down.data_view(),
                     ex.down.k(),
                     s1 - s0,
@@ -485,6 +539,41 @@ impl ExpertExecutor for PackedExperts {
             Ok(())
         })
     }
+}
+
+/// Expert `e` straight from a checkpoint that stores it as channel-wise int8
+/// (compressed-tensors W8A8, one tensor per expert and projection), or `None`
+/// when its weights are floats.
+fn load_int8_expert(
+    cfg: &ModelConfig,
+    ws: &WeightStore,
+    names: &ExpertNames<'_>,
+    e: usize,
+) -> Result<Option<PackedExpert>> {
+    let ExpertNames::PerExpert {
+        prefix,
+        gate,
+        up,
+        down,
+    } = names
+    else {
+        return Ok(None);
+    };
+    let (h, inter) = (cfg.hidden_size, cfg.moe_intermediate_size);
+    let get = |proj: &str, shape: [usize; 2]| {
+        ws.get_i8_channelwise(&format!("{prefix}.{e}.{proj}.weight"), &shape)
+    };
+    let Some(g) = get(gate, [inter, h])? else {
+        return Ok(None);
+    };
+    let missing = |proj: &str| {
+        Error::Dispatch(format!(
+            "{prefix}.{e}: gate_proj is int8 but {proj} is not (mixed precision within one expert)"
+        ))
+    };
+    let u = get(up, [inter, h])?.ok_or_else(|| missing(up))?;
+    let d = get(down, [h, inter])?.ok_or_else(|| missing(down))?;
+    PackedExpert::from_i8(&g, &u, &d, cfg.activation).map(Some)
 }
 
 /// Splits each active expert's `panels(e)` into runs so that every thread
@@ -520,6 +609,26 @@ struct Src<'a> {
     i8_rows: &'a [i8],
     i8_stride: usize,
     i8_scales: &'a [f32],
+    /// bf16 copies (zero-padded to an even length), for bf16 × bf16 tiles.
+    b16_rows: &'a [u16],
+    b16_stride: usize,
+}
+
+/// Whether expert `ex` runs on the bf16 × bf16 tile of `k`.
+#[inline]
+fn uses_bf16x(k: &Kernels, ex: &PackedExpert) -> bool {
+    ex.bf16_activations && ex.dtype() == PackedDtype::Bf16 && k.bf16x_mr().is_some()
+}
+
+/// Rounds `src` to bf16 into `dst` (round to nearest even), zero-padding the
+/// rest of `dst`.
+fn to_bf16_row(src: &[f32], dst: &mut [u16]) {
+    for (d, &v) in dst.iter_mut().zip(src) {
+        *d = f32_to_bf16_bits(v);
+    }
+    for d in dst.iter_mut().skip(src.len()) {
+        *d = 0;
+    }
 }
 
 /// A borrowed view of a packed matrix's elements.
@@ -546,6 +655,7 @@ impl crate::experts::packed::PackedMatrix {
 #[allow(clippy::too_many_arguments)]
 fn run_panels(
     k: &Kernels,
+    bf16x: bool,
     data: &DataView<'_>,
     kdim: usize,
     n: usize,
@@ -555,19 +665,58 @@ fn run_panels(
     mut epi: impl FnMut(usize, usize, &dyn Fn(usize) -> f32),
 ) {
     match *data {
+        // bf16 activations: the dot-product tile on the decode path only. On
+        // the prefill path the widening f32 FMA tile runs instead (with the f32
+        // activations, which are only more exact): measured on Sapphire-Rapids
+        // class x86, `vdpbf16ps` retires at half the FLOP rate of zmm FMA, so
+        // it only pays where weights stream (decode).
+        DataView::Bf16(w) if bf16x && n <= k.bf16x_mr().unwrap_or(0) => {
+            ACC_F32.with_borrow_mut(|acc| {
+                acc.resize(n * NR, 0.0);
+                let kp = bf16_padded_k(kdim);
+                let step = kp.max(2);
+                let mr = n.max(1);
+                let panel_len = kp * NR;
+                for p in it.p0 as usize..it.p1 as usize {
+                    acc.fill(0.0);
+                    let panel = &w[p * panel_len..(p + 1) * panel_len];
+                    let mut k0 = 0;
+                    while k0 < kp {
+                        let kc = step.min(kp - k0);
+                        let wc = &panel[k0 * NR..(k0 + kc) * NR];
+                        let mut t0 = 0;
+                        while t0 < n {
+                            let tn = mr.min(n - t0);
+                            let mut rows: [&[u16]; MAX_MR] = [&[]; MAX_MR];
+                            for (i, r) in rows.iter_mut().enumerate().take(tn) {
+                                let base = row(t0 + i) * src.b16_stride + k0;
+                                *r = &src.b16_rows[base..base + kc];
+                            }
+                            k.bf16x_tile(wc, &rows[..tn], &mut acc[t0 * NR..(t0 + tn) * NR]);
+                            t0 += tn;
+                        }
+                        k0 += kc;
+                    }
+                    for i in 0..n {
+                        let a = &acc[i * NR..(i + 1) * NR];
+                        epi(i, p, &|c| a[c]);
+                    }
+                }
+            })
+        }
         DataView::Bf16(w) => ACC_F32.with_borrow_mut(|acc| {
             acc.resize(n * NR, 0.0);
             let mr = k.bf16_mr();
             // Decode: one tile and the whole K; prefill: K blocks kept in L1.
             let step = if n <= mr { kdim.max(1) } else { KC_BF16 };
-            let panel_len = kdim * NR;
+            let panel_len = bf16_padded_k(kdim) * NR;
             for p in it.p0 as usize..it.p1 as usize {
                 acc.fill(0.0);
                 let panel = &w[p * panel_len..(p + 1) * panel_len];
                 let mut k0 = 0;
                 while k0 < kdim {
                     let kc = step.min(kdim - k0);
-                    let wc = &panel[k0 * NR..(k0 + kc) * NR];
+                    let wc = &panel[k0 * NR..(k0 + bf16_padded_k(kc)) * NR];
                     let mut t0 = 0;
                     while t0 < n {
                         let tn = mr.min(n - t0);
@@ -576,7 +725,7 @@ fn run_panels(
                             let base = row(t0 + i) * src.f32_stride + k0;
                             *r = &src.f32_rows[base..base + kc];
                         }
-                        k.bf16_tile(wc, &rows[..tn], &mut acc[t0 * NR..(t0 + tn) * NR]);
+                        k.bf16_tile(wc, kc, &rows[..tn], &mut acc[t0 * NR..(t0 + tn) * NR]);
                         t0 += tn;
                     }
                     k0 += kc;

@@ -35,7 +35,10 @@ pub enum ExpertDtype {
     /// checkpoint's own dtype.
     #[default]
     Auto,
-    /// bf16 weights (rounded if the checkpoint is f32/f16), f32 accumulation.
+    /// bf16 weights (rounded if the checkpoint is f32/f16) and bf16
+    /// activations on tiers with a bf16 dot-product instruction
+    /// (`avx512-bf16`, `neon-bf16`; f32 activations elsewhere), f32
+    /// accumulation.
     Bf16,
     /// int8 per-output-channel symmetric weights, int8 per-token activations,
     /// i32 accumulation (W8A8).

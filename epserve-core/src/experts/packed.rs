@@ -11,6 +11,7 @@ use crate::kernels::layout::{
     NR, bf16_bits_to_f32, f32_to_bf16_bits, i8_padded_k, pack_bf16_panel, pack_i8_panel,
     quantize_row_i8,
 };
+use crate::loader::weights::I8Matrix;
 use crate::model::moe::GatedMlp;
 use crate::tensor::Weight;
 
@@ -58,7 +59,7 @@ impl<T: Pod> AlignedBuf<T> {
 /// Element storage of a packed matrix.
 #[derive(Clone)]
 pub enum PackedData {
-    /// bf16 bit patterns, `panels · K · 16`.
+    /// bf16 bit patterns, `panels · bf16_padded_k(K) · 16`.
     Bf16(AlignedBuf<u16>),
     /// int8 values, `panels · Kp · 16`, and one scale per logical channel
     /// (`panels · 16`).
@@ -150,6 +151,34 @@ impl PackedMatrix {
         })
     }
 
+    /// Packs already-quantized int8 rows without touching their values:
+    /// `source(p, c)` gives logical channel `c` of panel `p` as (`k` int8
+    /// values in `[-127, 127]`, scale), or `None` for padding. How checkpoints
+    /// that ship int8 weights (compressed-tensors W8A8) load with no float
+    /// round trip.
+    pub fn pack_i8<'a>(
+        k: usize,
+        panels: usize,
+        source: impl Fn(usize, usize) -> Option<(&'a [i8], f32)>,
+    ) -> Self {
+        let mut out = Vec::with_capacity(panels * i8_padded_k(k) * NR);
+        let mut scales = vec![0.0f32; panels * NR];
+        for p in 0..panels {
+            for (c, s) in scales[p * NR..(p + 1) * NR].iter_mut().enumerate() {
+                *s = source(p, c).map_or(0.0, |r| r.1);
+            }
+            pack_i8_panel(k, |c| source(p, c).map(|r| r.0), &mut out);
+        }
+        PackedMatrix {
+            k,
+            panels,
+            data: PackedData::I8 {
+                data: AlignedBuf::from_slice(&out),
+                scales,
+            },
+        }
+    }
+
     /// Inputs per channel.
     pub fn k(&self) -> usize {
         self.k
@@ -196,6 +225,12 @@ pub struct PackedExpert {
     pub up_bias: Option<Vec<f32>>,
     pub down_bias: Option<Vec<f32>>,
     pub activation: Activation,
+    /// bf16 experts only: round the activations to bf16 too and use the
+    /// tier's bf16 dot-product tile where it has one (`vdpbf16ps`, `bfdot`;
+    /// the "bf16 weights and activations, f32 accumulation"). Off,
+    /// activations stay f32 (exact bf16 experts: only summation order differs
+    /// from the reference).
+    pub bf16_activations: bool,
 }
 
 impl PackedExpert {
@@ -264,7 +299,56 @@ impl PackedExpert {
             up_bias: None,
             down_bias: None,
             activation,
+            bf16_activations: false,
         })
+    }
+
+    /// Packs an expert whose weights are already channel-wise int8 (`[inter,
+    /// hidden]` gate and up, `[hidden, inter]` down): the int8 values and
+    /// scales go into the panels as they are.
+    pub fn from_i8(
+        gate: &I8Matrix,
+        up: &I8Matrix,
+        down: &I8Matrix,
+        activation: Activation,
+    ) -> Result<Self> {
+        let (inter, hidden) = (gate.rows, gate.cols);
+        if (up.rows, up.cols) != (inter, hidden) || (down.rows, down.cols) != (hidden, inter) {
+            return Err(Error::Dispatch(format!(
+                "int8 expert shapes disagree: gate {inter}x{hidden}, up {}x{}, down {}x{}",
+                up.rows, up.cols, down.rows, down.cols
+            )));
+        }
+        let half = NR / 2;
+        let gate_up = PackedMatrix::pack_i8(hidden, inter.div_ceil(half), |p, c| {
+            let (m, j) = if c < half {
+                (gate, p * half + c)
+            } else {
+                (up, p * half + c - half)
+            };
+            (j < inter).then(|| (m.row(j), m.scales[j]))
+        });
+        let down_m = PackedMatrix::pack_i8(inter, hidden.div_ceil(NR), |p, c| {
+            let j = p * NR + c;
+            (j < hidden).then(|| (down.row(j), down.scales[j]))
+        });
+        Ok(PackedExpert {
+            hidden,
+            inter,
+            gate_up,
+            down: down_m,
+            gate_bias: None,
+            up_bias: None,
+            down_bias: None,
+            activation,
+            bf16_activations: false,
+        })
+    }
+
+    /// Sets [`bf16_activations`](Self::bf16_activations).
+    pub fn with_bf16_activations(mut self, on: bool) -> Self {
+        self.bf16_activations = on;
+        self
     }
 
     /// The expert's precision.

@@ -176,6 +176,60 @@ fn experts_packed_bf16_matches_portable_on_every_tier() {
 }
 
 #[test]
+fn experts_packed_bf16_activations_are_close_on_every_tier() {
+    // bf16 activations round x and h to 8 significant bits: `‖Δ‖∞ ≤ 2% of
+    // ‖ref‖∞` per slot. Tiers without a bf16 dot tile keep f32 activations.
+    let pool = Arc::new(ExpertPool::new(Some(2), false).expect("pool"));
+    let mut rng = StdRng::seed_from_u64(15);
+    for c in CASES {
+        let ms = mlps(&mut rng, c);
+        let reference = portable(&ms, c.hidden);
+        for rows in [1usize, 3, 40] {
+            let x: Vec<f32> = (0..rows * c.hidden)
+                .map(|_| rng.random_range(-1.0f32..1.0))
+                .collect();
+            let (ids, w) = routing(&mut rng, rows, c);
+            let want = run(&reference, &x, &ids, &w, c);
+            for tier in Tier::available() {
+                let k = Kernels::for_tier(tier).expect("tier");
+                let experts = ms
+                    .iter()
+                    .map(|m| {
+                        PackedExpert::from_mlp(m, PackedDtype::Bf16, false)
+                            .map(|e| Some(e.with_bf16_activations(true)))
+                    })
+                    .collect::<crate::Result<Vec<_>>>()
+                    .expect("pack");
+                let ex = PackedExperts::new(vec![None, Some(experts)], c.hidden, pool.clone())
+                    .expect("executor")
+                    .with_kernels(k);
+                let got = run(&ex, &x, &ids, &w, c);
+                for (s, id) in ids.iter().enumerate() {
+                    let (a, b) = (
+                        &got[s * c.hidden..(s + 1) * c.hidden],
+                        &want[s * c.hidden..(s + 1) * c.hidden],
+                    );
+                    if *id == SKIP_SLOT {
+                        assert!(a.iter().all(|&v| v == 7.0), "skipped slot written");
+                        continue;
+                    }
+                    let norm = b.iter().fold(0.0f32, |m, v| m.max(v.abs()));
+                    let err = a
+                        .iter()
+                        .zip(b)
+                        .fold(0.0f32, |m, (p, q)| m.max((p - q).abs()));
+                    assert!(
+                        err <= 0.02 * norm + 1e-6,
+                        "{} rows={rows} slot {s}: err {err} vs norm {norm}",
+                        tier.name()
+                    );
+                }
+            }
+        }
+    }
+}
+
+#[test]
 fn experts_packed_int8_is_close_and_identical_across_tiers() {
     let pool = Arc::new(ExpertPool::new(Some(2), false).expect("pool"));
     let mut rng = StdRng::seed_from_u64(12);
@@ -346,4 +400,91 @@ fn experts_auto_dtype_refuses_to_round() {
     );
     assert_eq!(ExpertDtype::parse("INT8"), Some(ExpertDtype::Int8));
     assert_eq!(ExpertDtype::parse("fp8"), None);
+}
+
+#[test]
+fn compressed_tensors_int8_experts_load_without_a_float_round_trip() {
+    // The committed fixture `qwen3_moe_b/w8a8` (layer 1 is the first MoE layer).
+    let dir =
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/qwen3_moe_b/w8a8");
+    let cfg = crate::config::ModelConfig::from_dir(&dir).expect("config");
+    let ws = WeightStore::open(&dir).expect("weights");
+    let opts = LoadOptions {
+        threads: Some(1),
+        ..LoadOptions::default()
+    };
+    let ex = PackedExperts::load_filtered(&cfg, &ws, &opts, &|_, _| true).expect("load");
+    let (h, inter) = (cfg.hidden_size, cfg.moe_intermediate_size);
+    for e in 0..cfg.num_experts {
+        let p = ex.expert(1, e).expect("expert");
+        assert_eq!(p.dtype(), PackedDtype::Int8, "expert {e}");
+        let q = ws
+            .get_i8_channelwise(
+                &format!("model.layers.1.mlp.experts.{e}.down_proj.weight"),
+                &[h, inter],
+            )
+            .expect("read")
+            .expect("int8");
+        let packed::PackedData::I8 { data, scales } = p.down.data() else {
+            panic!("down is not int8");
+        };
+        // Scales exactly as stored; every int8 value in its panel slot.
+        assert_eq!(&scales[..h], &q.scales[..]);
+        let kp = crate::kernels::layout::i8_padded_k(inter);
+        let d = data.as_slice();
+        for c in 0..h {
+            let (pn, cc) = (c / 16, c % 16);
+            for k in 0..inter {
+                let at = pn * kp * 16 + (k / 8) * 128 + cc * 8 + k % 8;
+                assert_eq!(d[at], q.row(c)[k], "expert {e} ch {c} k {k}");
+            }
+        }
+    }
+    // Asked for bf16, the same checkpoint is dequantized and packed bf16.
+    let opts = LoadOptions {
+        threads: Some(1),
+        expert_dtype: ExpertDtype::Bf16,
+        ..LoadOptions::default()
+    };
+    let ex = PackedExperts::load_filtered(&cfg, &ws, &opts, &|_, _| true).expect("load bf16");
+    assert_eq!(ex.expert(1, 0).map(|p| p.dtype()), Some(PackedDtype::Bf16));
+}
+
+#[test]
+fn int8_tensors_without_channel_scales_are_refused_clearly() {
+    let dir = std::env::temp_dir().join(format!("epserve-i8-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("tmp");
+    let q: Vec<u8> = vec![1, 2, 255, 4, 5, 6];
+    let s = [0.5f32, 0.25, 1.0];
+    let mut tensors = std::collections::HashMap::new();
+    let sbytes: Vec<u8> = s.iter().flat_map(|v| v.to_le_bytes()).collect();
+    tensors.insert(
+        "a.weight".to_string(),
+        safetensors::tensor::TensorView::new(safetensors::Dtype::I8, vec![2, 3], &q).expect("view"),
+    );
+    tensors.insert(
+        "b.weight".to_string(),
+        safetensors::tensor::TensorView::new(safetensors::Dtype::I8, vec![3, 2], &q).expect("view"),
+    );
+    tensors.insert(
+        "b.weight_scale".to_string(),
+        safetensors::tensor::TensorView::new(safetensors::Dtype::F32, vec![3, 1], &sbytes)
+            .expect("view"),
+    );
+    safetensors::serialize_to_file(&tensors, None, &dir.join("model.safetensors")).expect("write");
+    let ws = WeightStore::open(&dir).expect("open");
+    let err = ws
+        .get("a.weight", &[2, 3])
+        .expect_err("no scale")
+        .to_string();
+    assert!(
+        err.contains("a.weight") && err.contains("weight_scale"),
+        "{err}"
+    );
+    let b = ws
+        .get("b.weight", &[3, 2])
+        .expect("dequantized")
+        .to_f32_vec();
+    assert_eq!(b, vec![0.5, 1.0, -0.25, 1.0, 5.0, 6.0]);
+    let _ = std::fs::remove_dir_all(&dir);
 }

@@ -1,7 +1,8 @@
 //! Picks the MoE micro-kernel tier once per process: CPU features are
 //! detected at run time (never from `target-cpu`), the best tier is cached,
-//! and `EPSERVE_KERNEL=generic|avx2|neon|neon-dot|neon-i8mm` forces one
-//! (falling back, with a warning, when the CPU lacks it).
+//! and `EPSERVE_KERNEL=generic|avx2|avx512|avx512-vnni|avx512-bf16|neon|
+//! neon-dot|neon-i8mm|neon-bf16` forces one (falling back, with a warning,
+//! when the CPU lacks it).
 //!
 //! A [`Kernels`] value can only be obtained for a tier the CPU supports,
 //! which is what makes calling its SIMD functions sound.
@@ -9,7 +10,7 @@
 use std::sync::OnceLock;
 
 use super::generic;
-use super::layout::{I8_GROUP_BYTES, KG, NR};
+use super::layout::{I8_GROUP_BYTES, KG, NR, bf16_padded_k};
 
 /// A set of micro-kernels for one instruction-set level.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -18,22 +19,34 @@ pub enum Tier {
     Generic,
     /// x86_64 AVX2 + FMA.
     Avx2,
+    /// x86_64 AVX-512 F/BW (bf16 widened to f32 in zmm; int8 as AVX2).
+    Avx512,
+    /// x86_64 AVX-512 + VNNI (int8 through `vpdpbusd`).
+    Avx512Vnni,
+    /// x86_64 AVX-512 + VNNI + BF16 (bf16 activations through `vdpbf16ps`).
+    Avx512Bf16,
     /// aarch64 NEON (bf16 widened to f32; int8 by widening multiply).
     Neon,
     /// aarch64 NEON + SDOT for int8.
     NeonDot,
     /// aarch64 NEON + SMMLA (i8mm) for int8.
     NeonI8mm,
+    /// aarch64 NEON + SMMLA for int8 + BFDOT for bf16 activations.
+    NeonBf16,
 }
 
 impl Tier {
-    /// Every tier, slowest first.
-    pub const ALL: [Tier; 5] = [
+    /// Every tier, slowest first within each architecture.
+    pub const ALL: [Tier; 9] = [
         Tier::Generic,
         Tier::Avx2,
+        Tier::Avx512,
+        Tier::Avx512Vnni,
+        Tier::Avx512Bf16,
         Tier::Neon,
         Tier::NeonDot,
         Tier::NeonI8mm,
+        Tier::NeonBf16,
     ];
 
     /// The name `EPSERVE_KERNEL` accepts.
@@ -41,10 +54,19 @@ impl Tier {
         match self {
             Tier::Generic => "generic",
             Tier::Avx2 => "avx2",
+            Tier::Avx512 => "avx512",
+            Tier::Avx512Vnni => "avx512-vnni",
+            Tier::Avx512Bf16 => "avx512-bf16",
             Tier::Neon => "neon",
             Tier::NeonDot => "neon-dot",
             Tier::NeonI8mm => "neon-i8mm",
+            Tier::NeonBf16 => "neon-bf16",
         }
+    }
+
+    /// Every accepted name, for messages.
+    pub fn names() -> String {
+        Tier::ALL.map(Tier::name).join("|")
     }
 
     /// Parses a tier name.
@@ -54,10 +76,27 @@ impl Tier {
 
     /// Whether this CPU can run the tier.
     pub fn supported(self) -> bool {
+        #[cfg(target_arch = "x86_64")]
+        let avx512 = || {
+            is_x86_feature_detected!("avx2")
+                && is_x86_feature_detected!("fma")
+                && is_x86_feature_detected!("avx512f")
+                && is_x86_feature_detected!("avx512bw")
+        };
         match self {
             Tier::Generic => true,
             #[cfg(target_arch = "x86_64")]
             Tier::Avx2 => is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma"),
+            #[cfg(target_arch = "x86_64")]
+            Tier::Avx512 => avx512(),
+            #[cfg(target_arch = "x86_64")]
+            Tier::Avx512Vnni => avx512() && is_x86_feature_detected!("avx512vnni"),
+            #[cfg(target_arch = "x86_64")]
+            Tier::Avx512Bf16 => {
+                avx512()
+                    && is_x86_feature_detected!("avx512vnni")
+                    && is_x86_feature_detected!("avx512bf16")
+            }
             #[cfg(target_arch = "aarch64")]
             Tier::Neon => std::arch::is_aarch64_feature_detected!("neon"),
             #[cfg(target_arch = "aarch64")]
@@ -70,6 +109,12 @@ impl Tier {
                 std::arch::is_aarch64_feature_detected!("neon")
                     && std::arch::is_aarch64_feature_detected!("i8mm")
             }
+            #[cfg(target_arch = "aarch64")]
+            Tier::NeonBf16 => {
+                std::arch::is_aarch64_feature_detected!("neon")
+                    && std::arch::is_aarch64_feature_detected!("i8mm")
+                    && std::arch::is_aarch64_feature_detected!("bf16")
+            }
             #[allow(unreachable_patterns)]
             _ => false,
         }
@@ -79,9 +124,23 @@ impl Tier {
     pub fn available() -> Vec<Tier> {
         Tier::ALL.into_iter().filter(|t| t.supported()).collect()
     }
+
+    /// The tiers of this build's architecture that this CPU lacks (tests
+    /// report them as skipped).
+    pub fn unavailable() -> Vec<Tier> {
+        let arch: &[Tier] = if cfg!(target_arch = "x86_64") {
+            &[Tier::Avx2, Tier::Avx512, Tier::Avx512Vnni, Tier::Avx512Bf16]
+        } else if cfg!(target_arch = "aarch64") {
+            &[Tier::Neon, Tier::NeonDot, Tier::NeonI8mm, Tier::NeonBf16]
+        } else {
+            &[]
+        };
+        arch.iter().copied().filter(|t| !t.supported()).collect()
+    }
 }
 
-type Bf16Tile = unsafe fn(&[u16], &[&[f32]], &mut [f32]);
+type Bf16Tile = unsafe fn(&[u16], usize, &[&[f32]], &mut [f32]);
+type Bf16xTile = unsafe fn(&[u16], &[&[u16]], &mut [f32]);
 type I8Tile = unsafe fn(&[i8], &[&[i8]], &mut [i32]);
 
 /// The micro-kernels of one supported tier.
@@ -90,6 +149,8 @@ pub struct Kernels {
     tier: Tier,
     bf16_mr: usize,
     bf16: Bf16Tile,
+    /// A native bf16 × bf16 dot-product tile, where the tier has one.
+    bf16x: Option<(usize, Bf16xTile)>,
     i8_mr: usize,
     i8: I8Tile,
 }
@@ -99,18 +160,19 @@ impl std::fmt::Debug for Kernels {
         f.debug_struct("Kernels")
             .field("tier", &self.tier)
             .field("bf16_mr", &self.bf16_mr)
+            .field("bf16x_mr", &self.bf16x.map(|b| b.0))
             .field("i8_mr", &self.i8_mr)
             .finish()
     }
 }
 
 /// Most tokens any tier takes per tile (sizes stack arrays of row slices).
-pub const MAX_MR: usize = 8;
+pub const MAX_MR: usize = 12;
 
 // SAFETY (for both): the scalar twins have no preconditions beyond what the
 // `Kernels` methods assert, so wrapping them as `unsafe fn` is trivially sound.
-unsafe fn generic_bf16(w: &[u16], x: &[&[f32]], acc: &mut [f32]) {
-    generic::bf16_tile(w, x, acc)
+unsafe fn generic_bf16(w: &[u16], kc: usize, x: &[&[f32]], acc: &mut [f32]) {
+    generic::bf16_tile(w, kc, x, acc)
 }
 unsafe fn generic_i8(w: &[i8], x: &[&[i8]], acc: &mut [i32]) {
     generic::i8_tile(w, x, acc)
@@ -123,13 +185,7 @@ impl Kernels {
             return None;
         }
         let k = match tier {
-            Tier::Generic => Kernels {
-                tier,
-                bf16_mr: 4,
-                bf16: generic_bf16,
-                i8_mr: 4,
-                i8: generic_i8,
-            },
+            Tier::Generic => Kernels::generic(),
             #[cfg(target_arch = "x86_64")]
             Tier::Avx2 => {
                 use super::x86::avx2;
@@ -137,15 +193,33 @@ impl Kernels {
                     tier,
                     bf16_mr: avx2::BF16_MR,
                     bf16: avx2::bf16_tile,
+                    bf16x: None,
                     i8_mr: avx2::I8_MR,
                     i8: avx2::i8_tile,
                 }
             }
+            #[cfg(target_arch = "x86_64")]
+            Tier::Avx512 | Tier::Avx512Vnni | Tier::Avx512Bf16 => {
+                use super::x86::{avx2, avx512};
+                let (i8_mr, i8): (usize, I8Tile) = match tier {
+                    Tier::Avx512 => (avx2::I8_MR, avx2::i8_tile),
+                    _ => (avx512::I8_MR, avx512::i8_tile_vnni),
+                };
+                Kernels {
+                    tier,
+                    bf16_mr: avx512::BF16_MR,
+                    bf16: avx512::bf16_tile,
+                    bf16x: (tier == Tier::Avx512Bf16)
+                        .then_some((avx512::BF16X_MR, avx512::bf16x_tile as Bf16xTile)),
+                    i8_mr,
+                    i8,
+                }
+            }
             #[cfg(target_arch = "aarch64")]
-            Tier::Neon | Tier::NeonDot | Tier::NeonI8mm => {
+            Tier::Neon | Tier::NeonDot | Tier::NeonI8mm | Tier::NeonBf16 => {
                 use super::aarch64::neon;
                 let (i8_mr, i8): (usize, I8Tile) = match tier {
-                    Tier::NeonI8mm => (neon::I8MM_MR, neon::i8_tile_mmla),
+                    Tier::NeonI8mm | Tier::NeonBf16 => (neon::I8MM_MR, neon::i8_tile_mmla),
                     Tier::NeonDot => (neon::I8_MR, neon::i8_tile_dot),
                     _ => (neon::I8_MR, neon::i8_tile),
                 };
@@ -153,6 +227,8 @@ impl Kernels {
                     tier,
                     bf16_mr: neon::BF16_MR,
                     bf16: neon::bf16_tile,
+                    bf16x: (tier == Tier::NeonBf16)
+                        .then_some((neon::BF16_MR, neon::bf16x_tile_bfdot as Bf16xTile)),
                     i8_mr,
                     i8,
                 }
@@ -161,15 +237,17 @@ impl Kernels {
             _ => return None,
         };
         debug_assert!(k.bf16_mr <= MAX_MR && k.i8_mr <= MAX_MR);
+        debug_assert!(k.bf16x.is_none_or(|b| b.0 <= MAX_MR));
         Some(k)
     }
 
-    /// The scalar twins.
+    /// The scalar twins (bf16 experts keep f32 activations: no bf16 dot tile).
     pub fn generic() -> Kernels {
         Kernels {
             tier: Tier::Generic,
             bf16_mr: 4,
             bf16: generic_bf16,
+            bf16x: None,
             i8_mr: 4,
             i8: generic_i8,
         }
@@ -199,16 +277,38 @@ impl Kernels {
         self.i8_mr
     }
 
-    /// `acc[t·16 + c] += Σ_k x[t][k] · W[k, c]` over a bf16 panel chunk `w`
-    /// (`kc · 16` words); `1 ≤ x.len() ≤ bf16_mr`, each row ≥ `kc` long.
+    /// `acc[t·16 + c] += Σ_{k<kc} x[t][k] · W[k, c]` over a bf16 panel chunk
+    /// `w` (`bf16_padded_k(kc) · 16` words); `1 ≤ x.len() ≤ bf16_mr`, each row
+    /// ≥ `kc` long.
     #[inline]
-    pub fn bf16_tile(&self, w: &[u16], x: &[&[f32]], acc: &mut [f32]) {
-        let kc = w.len() / NR;
-        assert!(w.len() % NR == 0 && !x.is_empty() && x.len() <= self.bf16_mr);
+    pub fn bf16_tile(&self, w: &[u16], kc: usize, x: &[&[f32]], acc: &mut [f32]) {
+        assert!(w.len() == bf16_padded_k(kc) * NR && !x.is_empty() && x.len() <= self.bf16_mr);
         assert!(acc.len() >= x.len() * NR && x.iter().all(|r| r.len() >= kc));
         // SAFETY: this tier was checked as supported when `self` was built,
         // and the lengths were just asserted.
-        unsafe { (self.bf16)(w, x, acc) }
+        unsafe { (self.bf16)(w, kc, x, acc) }
+    }
+
+    /// Most tokens per bf16 × bf16 tile, if this tier has a native one.
+    pub fn bf16x_mr(&self) -> Option<usize> {
+        self.bf16x.map(|b| b.0)
+    }
+
+    /// `acc[t·16 + c] += Σ_k x[t][k] · W[k, c]` with **bf16** activations over
+    /// a bf16 panel chunk `w` (`pairs · 32` words); each row ≥ `2 · pairs`
+    /// long (zero-padded past the real `K`); `1 ≤ x.len() ≤ bf16x_mr`. On a
+    /// tier without a native tile this is the scalar twin.
+    #[inline]
+    pub fn bf16x_tile(&self, w: &[u16], x: &[&[u16]], acc: &mut [f32]) {
+        let kp = w.len() / NR;
+        let mr = self.bf16x_mr().unwrap_or(MAX_MR);
+        assert!(w.len() % (2 * NR) == 0 && !x.is_empty() && x.len() <= mr);
+        assert!(acc.len() >= x.len() * NR && x.iter().all(|r| r.len() >= kp));
+        match self.bf16x {
+            // SAFETY: as in `bf16_tile`.
+            Some((_, f)) => unsafe { f(w, x, acc) },
+            None => generic::bf16x_tile(w, x, acc),
+        }
     }
 
     /// `acc[t·16 + c] += Σ_k x[t][k] · W[k, c]` over an int8 panel chunk `w`
@@ -239,8 +339,14 @@ impl Kernels {
                 let r = unsafe { super::x86::avx2::fma_probe(iters, seed) };
                 ((iters * 12 * 8 * 2) as f64, r)
             }
+            #[cfg(target_arch = "x86_64")]
+            Tier::Avx512 | Tier::Avx512Vnni | Tier::Avx512Bf16 => {
+                // SAFETY: every AVX-512 tier requires AVX-512 F.
+                let r = unsafe { super::x86::avx512::fma_probe(iters, seed) };
+                ((iters * 16 * 16 * 2) as f64, r)
+            }
             #[cfg(target_arch = "aarch64")]
-            Tier::Neon | Tier::NeonDot | Tier::NeonI8mm => {
+            Tier::Neon | Tier::NeonDot | Tier::NeonI8mm | Tier::NeonBf16 => {
                 // SAFETY: NEON is part of every supported aarch64 tier.
                 let r = unsafe { super::aarch64::neon::fma_probe(iters, seed) };
                 ((iters * 24 * 4 * 2) as f64, r)
@@ -253,6 +359,45 @@ impl Kernels {
                     }
                 }
                 ((iters * 16 * 2) as f64, c.iter().sum())
+            }
+        }
+    }
+
+    /// The instruction [`fma_probe`](Self::fma_probe) measures.
+    pub fn fma_probe_name(&self) -> &'static str {
+        match self.tier {
+            Tier::Avx2 => "f32 FMA, AVX2 (ymm vfmadd)",
+            Tier::Avx512 | Tier::Avx512Vnni | Tier::Avx512Bf16 => "f32 FMA, AVX-512 (zmm vfmadd)",
+            Tier::Neon | Tier::NeonDot | Tier::NeonI8mm | Tier::NeonBf16 => "f32 FMA, NEON (fmla)",
+            Tier::Generic => "f32 multiply-add, scalar code",
+        }
+    }
+
+    /// Measures the native bf16 dot-product throughput (`vdpbf16ps`, `bfdot`)
+    /// like [`fma_probe`](Self::fma_probe), counting two FLOPs per
+    /// multiply-add; `None` on tiers without one.
+    pub fn bf16_dot_probe(&self, iters: usize) -> Option<(f64, f32, &'static str)> {
+        let seed = std::hint::black_box(1.0f32);
+        match self.tier {
+            #[cfg(target_arch = "x86_64")]
+            Tier::Avx512Bf16 => {
+                // SAFETY: this tier requires AVX-512 F, BW and BF16.
+                let r = unsafe { super::x86::avx512::dpbf16_probe(iters, seed) };
+                Some((
+                    (iters * 16 * 16 * 4) as f64,
+                    r,
+                    "bf16 dot, AVX-512 BF16 (zmm vdpbf16ps)",
+                ))
+            }
+            #[cfg(target_arch = "aarch64")]
+            Tier::NeonBf16 => {
+                // SAFETY: this tier requires the bf16 feature.
+                let r = unsafe { super::aarch64::neon::bfdot_probe(iters, seed) };
+                Some(((iters * 24 * 4 * 4) as f64, r, "bf16 dot, NEON BFDOT"))
+            }
+            _ => {
+                let _ = (iters, seed);
+                None
             }
         }
     }
@@ -272,7 +417,8 @@ pub fn kernels() -> &'static Kernels {
                 },
                 None => tracing::warn!(
                     value = name,
-                    "unknown EPSERVE_KERNEL (generic|avx2|neon|neon-dot|neon-i8mm); using the best supported tier"
+                    accepted = %Tier::names(),
+                    "unknown EPSERVE_KERNEL; using the best supported tier"
                 ),
             }
         }

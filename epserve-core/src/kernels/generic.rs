@@ -5,18 +5,34 @@
 //! A *tile* multiplies `T` activation rows by one packed panel chunk (see
 //! [`super::layout`]) and adds into `acc[t · 16 + c]`, logical channel order.
 
-use super::layout::{I8_GROUP_BYTES, KG, NR, bf16_bits_to_f32, bf16_pos};
+use super::layout::{I8_GROUP_BYTES, KG, NR, bf16_bits_to_f32, bf16_index};
 
-/// `acc[t·16 + c] += Σ_k x[t][k] · W[k, c]` for a bf16 panel chunk `w`
-/// (`kc · 16` words), f32 activations, f32 accumulation in `k` order.
-pub fn bf16_tile(w: &[u16], x: &[&[f32]], acc: &mut [f32]) {
-    let kc = w.len() / NR;
+/// `acc[t·16 + c] += Σ_{k<kc} x[t][k] · W[k, c]` for a bf16 panel chunk `w`
+/// (`bf16_padded_k(kc) · 16` words), f32 activations, f32 accumulation in
+/// `k` order.
+pub fn bf16_tile(w: &[u16], kc: usize, x: &[&[f32]], acc: &mut [f32]) {
     for (t, xr) in x.iter().enumerate() {
         let a = &mut acc[t * NR..(t + 1) * NR];
         for (k, &xv) in xr.iter().enumerate().take(kc) {
-            let wk = &w[k * NR..(k + 1) * NR];
             for (c, av) in a.iter_mut().enumerate() {
-                *av += xv * bf16_bits_to_f32(wk[bf16_pos(c)]);
+                *av += xv * bf16_bits_to_f32(w[bf16_index(k, c)]);
+            }
+        }
+    }
+}
+
+/// `acc[t·16 + c] += Σ_k x[t][k] · W[k, c]` for a bf16 panel chunk `w`
+/// (`pairs · 32` words) and **bf16** activations (`2 · pairs` values per row,
+/// zero-padded): the twin of the bf16 dot-product tiles (`vdpbf16ps`,
+/// `bfdot`). Products of two bf16 are exact in f32; sums are f32 in `k` order.
+pub fn bf16x_tile(w: &[u16], x: &[&[u16]], acc: &mut [f32]) {
+    let kp = w.len() / NR;
+    for (t, xr) in x.iter().enumerate() {
+        let a = &mut acc[t * NR..(t + 1) * NR];
+        for (k, &xv) in xr.iter().enumerate().take(kp) {
+            let xv = bf16_bits_to_f32(xv);
+            for (c, av) in a.iter_mut().enumerate() {
+                *av += xv * bf16_bits_to_f32(w[bf16_index(k, c)]);
             }
         }
     }

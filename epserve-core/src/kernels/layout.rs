@@ -7,11 +7,16 @@
 //! contiguously, panel after panel, so a sweep over consecutive panels is one
 //! sequential stream of memory (what the decode path wants).
 //!
-//! - **BF16 panel**: for each `k` in `0..K`, 16 bf16 words (32 bytes) holding
-//!   logical channels in the order `[c0, c8, c1, c9, …, c7, c15]`. Seen as
-//!   eight 32-bit words, shifting each left by 16 gives channels 0..8 as f32
-//!   and masking the low half away gives channels 8..16: one ALU op per eight
-//!   widened weights, on AVX2 and NEON alike.
+//! - **BF16 panel**: `K` is padded to an even count with zeros; for each
+//!   *pair* of `k`s, the 16 channels' two words in channel order: word
+//!   `2c + (k & 1)` of the pair's 32 (64 bytes). Seen as 32-bit words, word
+//!   `c` holds channel `c` at `k` (low half) and `k + 1` (high half): a shift
+//!   left by 16 widens the `k` values to f32 and a mask the `k + 1` values, one
+//!   ALU op per vector of widened weights on AVX2, AVX-512 and NEON alike; and
+//!   the pair is exactly the operand of the bf16 dot instructions (x86
+//!   `vdpbf16ps`, Arm `bfdot`), which multiply two adjacent bf16 of each lane
+//!   by a broadcast pair of activations. 16 pairs (32 `k`s) of a panel are also
+//!   an AMX-BF16 `B` tile (16 rows of 64 bytes).
 //! - **INT8 panel**: `K` is padded to a multiple of [`KG`] = 8 with zeros; for
 //!   each group of 8 `k`s, the 16 channels' 8 bytes in channel order (128
 //!   bytes). One 16-byte row pair is exactly an SMMLA `B` operand and an SDOT
@@ -31,10 +36,17 @@ pub const KG: usize = 8;
 /// Bytes of one int8 k-group of a panel.
 pub const I8_GROUP_BYTES: usize = NR * KG;
 
-/// Where logical channel `c` (0..16) of a bf16 panel sits among the 16 words.
+/// Where `(k, c)` sits in a bf16 panel (or a chunk of one starting at an
+/// even `k`): pair `k / 2`, word `2c + (k & 1)` of its 32.
 #[inline]
-pub const fn bf16_pos(c: usize) -> usize {
-    if c < 8 { 2 * c } else { 2 * (c - 8) + 1 }
+pub const fn bf16_index(k: usize, c: usize) -> usize {
+    (k / 2) * 2 * NR + 2 * c + (k & 1)
+}
+
+/// `K` rounded up to a whole number of bf16 pairs.
+#[inline]
+pub const fn bf16_padded_k(k: usize) -> usize {
+    k.div_ceil(2) * 2
 }
 
 /// `K` rounded up to a whole number of int8 groups.
@@ -57,16 +69,15 @@ pub fn f32_to_bf16_bits(v: f32) -> u16 {
 
 /// Packs one bf16 panel: `row(c)` gives logical channel `c`'s `K` values
 /// (already bf16 bits), or `None` for a zero (padding) channel. Appends
-/// `K · 16` words to `dst`.
+/// `bf16_padded_k(K) · 16` words to `dst`.
 pub fn pack_bf16_panel<'a>(k: usize, row: impl Fn(usize) -> Option<&'a [u16]>, dst: &mut Vec<u16>) {
     let start = dst.len();
-    dst.resize(start + k * NR, 0);
+    dst.resize(start + bf16_padded_k(k) * NR, 0);
     let panel = &mut dst[start..];
     for c in 0..NR {
         if let Some(r) = row(c) {
-            let pos = bf16_pos(c);
             for (kk, &v) in r.iter().enumerate().take(k) {
-                panel[kk * NR + pos] = v;
+                panel[bf16_index(kk, c)] = v;
             }
         }
     }
@@ -113,13 +124,18 @@ mod tests {
     use super::*;
 
     #[test]
-    fn bf16_positions_interleave_halves() {
-        let pos: Vec<usize> = (0..NR).map(bf16_pos).collect();
-        assert_eq!(pos[..4], [0, 2, 4, 6]);
-        assert_eq!(pos[8..12], [1, 3, 5, 7]);
-        let mut seen = pos.clone();
+    fn bf16_pairs_cover_the_panel_once() {
+        assert_eq!(bf16_index(0, 0), 0);
+        assert_eq!(bf16_index(1, 0), 1);
+        assert_eq!(bf16_index(0, 1), 2);
+        assert_eq!(bf16_index(2, 0), 32);
+        let mut seen: Vec<usize> = (0..6)
+            .flat_map(|k| (0..NR).map(move |c| bf16_index(k, c)))
+            .collect();
         seen.sort_unstable();
-        assert_eq!(seen, (0..NR).collect::<Vec<_>>());
+        assert_eq!(seen, (0..6 * NR).collect::<Vec<_>>());
+        assert_eq!(bf16_padded_k(5), 6);
+        assert_eq!(bf16_padded_k(6), 6);
     }
 
     #[test]

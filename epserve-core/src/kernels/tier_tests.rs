@@ -2,8 +2,10 @@
 //! and adversarial shapes, plus the packing layouts against a naive matmul.
 //!
 //! Tolerances: int8 tiles accumulate exactly in i32, so they must equal the
-//! twin bit for bit. bf16 tiles sum the same f32 products in a different order
-//! (split accumulators), so `|fast − twin| ≤ 1e-5 · Σ|x·w| + 1e-30`.
+//! twin bit for bit. bf16 tiles (f32 or bf16 activations) sum the same exact
+//! f32 products in a different order (split accumulators; `vdpbf16ps` and
+//! `bfdot` add two products per step), so `|fast − twin| ≤ 1e-5 · Σ|x·w| +
+//! 1e-30`. Tiers this CPU lacks are listed on stderr as SKIPPED.
 
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
@@ -29,23 +31,55 @@ fn tiers() -> Vec<Kernels> {
         "tiers under test: {:?}",
         t.iter().map(|k| k.tier().name()).collect::<Vec<_>>()
     );
+    for s in Tier::unavailable() {
+        eprintln!(
+            "SKIPPED: kernel tier {} is not supported by this CPU; its tests did not run here",
+            s.name()
+        );
+    }
     t
 }
 
-fn check_bf16(k: &Kernels, w: &[u16], rows: &[Vec<f32>]) {
-    let kc = w.len() / NR;
+fn check_bf16x(k: &Kernels, w: &[u16], rows: &[Vec<u16>]) {
+    let kp = w.len() / NR;
+    let x: Vec<&[u16]> = rows.iter().map(|r| &r[..]).collect();
+    let t = x.len();
+    let init: Vec<f32> = (0..t * NR).map(|i| i as f32 * 0.25).collect();
+    let mut want = init.clone();
+    generic::bf16x_tile(w, &x, &mut want);
+    let mut got = init.clone();
+    k.bf16x_tile(w, &x, &mut got);
+    for tt in 0..t {
+        for c in 0..NR {
+            let mag: f32 = (0..kp)
+                .map(|kk| {
+                    (bf16_bits_to_f32(x[tt][kk]) * bf16_bits_to_f32(w[bf16_index(kk, c)])).abs()
+                })
+                .sum::<f32>()
+                + init[tt * NR + c].abs();
+            let (a, b) = (got[tt * NR + c], want[tt * NR + c]);
+            assert!(
+                (a - b).abs() <= 1e-5 * mag + 1e-30,
+                "{:?} bf16x kp={kp} t={t} row {tt} ch {c}: {a} vs {b}",
+                k.tier()
+            );
+        }
+    }
+}
+
+fn check_bf16(k: &Kernels, w: &[u16], kc: usize, rows: &[Vec<f32>]) {
     let x: Vec<&[f32]> = rows.iter().map(|r| &r[..]).collect();
     let t = x.len();
     // Start from a non-zero accumulator: tiles add into it.
     let init: Vec<f32> = (0..t * NR).map(|i| i as f32 * 0.25).collect();
     let mut want = init.clone();
-    generic::bf16_tile(w, &x, &mut want);
+    generic::bf16_tile(w, kc, &x, &mut want);
     let mut got = init.clone();
-    k.bf16_tile(w, &x, &mut got);
+    k.bf16_tile(w, kc, &x, &mut got);
     for tt in 0..t {
         for c in 0..NR {
             let mag: f32 = (0..kc)
-                .map(|kk| (x[tt][kk] * bf16_bits_to_f32(w[kk * NR + bf16_pos(c)])).abs())
+                .map(|kk| (x[tt][kk] * bf16_bits_to_f32(w[bf16_index(kk, c)])).abs())
                 .sum::<f32>()
                 + init[tt * NR + c].abs();
             let (a, b) = (got[tt * NR + c], want[tt * NR + c]);
@@ -80,17 +114,19 @@ fn bf16_tiles_match_twin_on_random_shapes() {
     let mut rng = StdRng::seed_from_u64(1);
     for k in tiers() {
         for &kc in KCS {
-            let w = rand_bf16(&mut rng, kc * NR);
+            let w = rand_bf16(&mut rng, bf16_padded_k(kc) * NR);
             for t in 1..=k.bf16_mr() {
-                // Rows longer than kc: tiles must read only the first kc.
+                // Rows longer than kc: tiles must read only the first kc
+                // (a NaN past the end would poison the sums).
                 let rows: Vec<Vec<f32>> = (0..t)
                     .map(|_| {
-                        (0..kc + 3)
+                        (0..kc)
                             .map(|_| rng.random_range(-2.0f32..2.0))
+                            .chain([f32::NAN; 3])
                             .collect()
                     })
                     .collect();
-                check_bf16(&k, &w, &rows);
+                check_bf16(&k, &w, kc, &rows);
             }
         }
     }
@@ -102,16 +138,60 @@ fn bf16_tiles_on_adversarial_values() {
     let vals = [0.0f32, -0.0, 1e30, -1e30, 1e-30, 3.0, -3.0, 65504.0];
     for k in tiers() {
         for &kc in &[1usize, 5, 17] {
-            let w: Vec<u16> = (0..kc * NR)
+            let w: Vec<u16> = (0..bf16_padded_k(kc) * NR)
                 .map(|i| f32_to_bf16_bits(vals[i % vals.len()]))
                 .collect();
             for t in 1..=k.bf16_mr() {
                 let rows: Vec<Vec<f32>> = (0..t)
                     .map(|r| (0..kc).map(|i| vals[(i + r) % 3 + 5]).collect())
                     .collect();
-                check_bf16(&k, &w, &rows);
+                check_bf16(&k, &w, kc, &rows);
+            }
+            if let Some(mr) = k.bf16x_mr() {
+                for t in 1..=mr {
+                    let rows: Vec<Vec<u16>> = (0..t)
+                        .map(|r| {
+                            (0..bf16_padded_k(kc))
+                                .map(|i| f32_to_bf16_bits(vals[(i + r) % 4 + 4]))
+                                .collect()
+                        })
+                        .collect();
+                    check_bf16x(&k, &w, &rows);
+                }
             }
         }
+    }
+}
+
+#[test]
+fn bf16x_tiles_match_twin_on_random_shapes() {
+    let mut rng = StdRng::seed_from_u64(4);
+    let mut ran = false;
+    for k in tiers() {
+        let Some(mr) = k.bf16x_mr() else { continue };
+        ran = true;
+        for &kc in KCS {
+            let kp = bf16_padded_k(kc);
+            let w = rand_bf16(&mut rng, kp * NR);
+            for t in 1..=mr {
+                // Zero padding past kc, as the executor lays rows out.
+                let rows: Vec<Vec<u16>> = (0..t)
+                    .map(|_| {
+                        let mut r = rand_bf16(&mut rng, kp + 2);
+                        r[kc..].fill(0);
+                        r
+                    })
+                    .collect();
+                check_bf16x(&k, &w, &rows);
+            }
+        }
+    }
+    // The generic entry point falls back to the twin on other tiers.
+    let g = Kernels::generic();
+    let w = rand_bf16(&mut rng, 6 * NR);
+    check_bf16x(&g, &w, &[rand_bf16(&mut rng, 6)]);
+    if !ran {
+        eprintln!("SKIPPED: no tier with a native bf16 dot-product tile on this CPU");
     }
 }
 
@@ -187,10 +267,11 @@ fn packed_layouts_compute_the_matmul() {
         };
         let mut pb = Vec::new();
         pack_bf16_panel(kk, row_b, &mut pb);
+        assert_eq!(pb.len(), bf16_padded_k(kk) * NR);
         let mut pq = Vec::new();
         pack_i8_panel(kk, row_q, &mut pq);
         let mut acc = vec![0.0f32; NR];
-        generic::bf16_tile(&pb, &[&x], &mut acc);
+        generic::bf16_tile(&pb, kk, &[&x], &mut acc);
         let mut acci = vec![0i32; NR];
         generic::i8_tile(&pq, &[&xq], &mut acci);
         for c in 0..NR {
@@ -217,5 +298,12 @@ fn tier_names_round_trip() {
         assert_eq!(Tier::parse(t.name()), Some(t));
     }
     assert!(Tier::Generic.supported());
-    assert_eq!(Tier::parse("avx512"), None);
+    assert_eq!(Tier::parse("avx512"), Some(Tier::Avx512));
+    assert_eq!(Tier::parse("avx512-bf16"), Some(Tier::Avx512Bf16));
+    assert_eq!(Tier::parse("neon-bf16"), Some(Tier::NeonBf16));
+    assert_eq!(Tier::parse("sve"), None);
+    // The best tier is supported, and is the last supported one.
+    let best = Kernels::best().tier();
+    assert!(best.supported());
+    assert_eq!(Tier::available().last().copied(), Some(best));
 }

@@ -21,6 +21,33 @@ struct Entry {
     len: usize,
 }
 
+/// A channel-wise int8 matrix `[rows, cols]` with one scale per row:
+/// `W[r, c] ≈ data[r·cols + c] · scales[r]`.
+#[derive(Debug, Clone)]
+pub struct I8Matrix {
+    pub data: Vec<i8>,
+    pub scales: Vec<f32>,
+    pub rows: usize,
+    pub cols: usize,
+}
+
+impl I8Matrix {
+    /// Row `r`'s int8 values.
+    pub fn row(&self, r: usize) -> &[i8] {
+        &self.data[r * self.cols..(r + 1) * self.cols]
+    }
+
+    /// `q · scale`, row-major f32.
+    pub fn dequantize(&self) -> Vec<f32> {
+        let mut v = Vec::with_capacity(self.data.len());
+        for r in 0..self.rows {
+            let s = self.scales[r];
+            v.extend(self.row(r).iter().map(|&q| q as f32 * s));
+        }
+        v
+    }
+}
+
 /// All tensors of a model folder, by name.
 pub struct WeightStore {
     dir: PathBuf,
@@ -155,8 +182,16 @@ impl WeightStore {
     }
 
     /// A tensor with the given shape, or an error naming the file and tensor.
+    /// Channel-wise int8 weights (compressed-tensors W8A8 checkpoints) come
+    /// back dequantized to f32 (`q · scale`); the expert loader takes them as
+    /// int8 instead ([`get_i8_channelwise`](Self::get_i8_channelwise)).
     pub fn get(&self, name: &str, shape: &[usize]) -> Result<Weight> {
         let (e, path, map) = self.entry(name, shape)?;
+        if matches!(&e.dtype, Err(d) if d == "I8") {
+            if let Some(m) = self.get_i8_channelwise(name, shape)? {
+                return Ok(Weight::from_f32(shape.to_vec(), &m.dequantize()));
+            }
+        }
         let dtype = e.dtype.clone().map_err(|d| Error::UnsupportedDtype {
             path: path.clone(),
             tensor: name.to_string(),
@@ -169,6 +204,63 @@ impl WeightStore {
             e.offset,
             e.len,
         ))
+    }
+
+    /// A channel-wise int8 matrix as compressed-tensors stores it: an `I8`
+    /// tensor `name` (`…weight`, `[out, in]`) beside an f32/bf16/f16
+    /// `…weight_scale` of shape `[out, 1]` or `[out]` (symmetric: no zero
+    /// point). `Ok(None)` when `name` is a float tensor; an error naming the
+    /// tensor for any other int8 layout. `-128` is clamped to `-127` (the int8
+    /// kernels' symmetric range; at most one quantization step).
+    pub fn get_i8_channelwise(&self, name: &str, shape: &[usize]) -> Result<Option<I8Matrix>> {
+        let (e, path, map) = self.entry(name, shape)?;
+        match &e.dtype {
+            Ok(_) => return Ok(None),
+            Err(d) if d == "I8" => {}
+            Err(d) => {
+                return Err(Error::UnsupportedDtype {
+                    path: path.clone(),
+                    tensor: name.to_string(),
+                    dtype: d.clone(),
+                });
+            }
+        }
+        let bad = |why: String| Error::UnsupportedDtype {
+            path: path.clone(),
+            tensor: name.to_string(),
+            dtype: format!(
+                "I8 ({why}; only compressed-tensors channel-wise symmetric int8 is supported)"
+            ),
+        };
+        let stem = name
+            .strip_suffix("weight")
+            .filter(|_| shape.len() == 2)
+            .ok_or_else(|| bad("not a 2-D `weight`".into()))?;
+        if self.contains(&format!("{stem}weight_zero_point")) {
+            return Err(bad("asymmetric: has a weight_zero_point".into()));
+        }
+        let sname = format!("{stem}weight_scale");
+        let sshape = self
+            .shape_of(&sname)
+            .ok_or_else(|| bad(format!("no {sname}")))?
+            .to_vec();
+        if sshape != [shape[0], 1] && sshape != [shape[0]] {
+            return Err(bad(format!(
+                "{sname} has shape {sshape:?}, expected [{}, 1] (one scale per output channel)",
+                shape[0]
+            )));
+        }
+        let scales = self.get(&sname, &sshape)?.to_f32_vec();
+        if let Some(s) = scales.iter().find(|s| !(s.is_finite() && **s >= 0.0)) {
+            return Err(bad(format!("{sname} holds {s}")));
+        }
+        let raw = &map.bytes()[e.offset..e.offset + e.len];
+        Ok(Some(I8Matrix {
+            data: raw.iter().map(|&b| (b as i8).max(-127)).collect(),
+            scales,
+            rows: shape[0],
+            cols: shape[1],
+        }))
     }
 
     /// A 1-D tensor converted to f32 (norm weights, biases).

@@ -1,16 +1,18 @@
 //! NEON micro-kernels, with SDOT (`dotprod`) and SMMLA (`i8mm`) variants of
 //! the int8 tile.
 //!
-//! - bf16: 32 bytes per `k` = two 16-byte loads; a shift and a mask per load
-//!   widen them to four f32 vectors (channels 0..4, 8..12, then 4..8, 12..16);
+//! - bf16: 64 bytes per pair of `k`s = four 16-byte loads; a shift per load
+//!   widens the `k` values of four channels to f32, a mask the `k + 1` values;
 //!   each token's activation is broadcast and FMA'd. Up to [`BF16_MR`] tokens
 //!   (24 accumulators of the 32 vector registers).
+//! - bf16 with bf16 activations (`bf16` feature): BFDOT straight on the
+//!   packed pairs, no widening (tier `neon-bf16`).
 //! - int8 baseline: `smull` of each channel's eight weights with the eight
 //!   activations, `addp` pairs into i16 (2·127² fits), `sadalp` into i32.
 //! - int8 SDOT: one `sdot` per pair of channels and token.
 //! - int8 SMMLA: one `smmla` per pair of channels and pair of tokens.
 //!
-//! SDOT and SMMLA are issued with inline assembly (their intrinsics are not
+//! SDOT, SMMLA and BFDOT are issued with inline assembly (their intrinsics are not
 //! stable Rust); the functions carrying them enable the matching target
 //! feature, and callers check it once in [`crate::kernels::dispatch`].
 
@@ -40,11 +42,10 @@ fn ptrs<T, const N: usize>(x: &[&[T]]) -> [*const T; N] {
 /// bf16 tile, any `x.len()` in `1..=BF16_MR`.
 ///
 /// # Safety
-/// NEON is present on every aarch64 Linux CPU; `w.len()` is a multiple of 16,
-/// every `x[t]` holds at least `w.len() / 16` values and `acc` at least
-/// `16 · x.len()`.
-pub unsafe fn bf16_tile(w: &[u16], x: &[&[f32]], acc: &mut [f32]) {
-    let kc = w.len() / NR;
+/// NEON is present on every aarch64 Linux CPU; `w.len()` is
+/// `16 · bf16_padded_k(kc)`, every `x[t]` holds at least `kc` values and `acc`
+/// at least `16 · x.len()`.
+pub unsafe fn bf16_tile(w: &[u16], kc: usize, x: &[&[f32]], acc: &mut [f32]) {
     let p = ptrs::<f32, BF16_MR>(x);
     let (w, acc) = (w.as_ptr(), acc.as_mut_ptr());
     // SAFETY: the caller guarantees the lengths above.
@@ -61,6 +62,15 @@ pub unsafe fn bf16_tile(w: &[u16], x: &[&[f32]], acc: &mut [f32]) {
     }
 }
 
+/// FMAs `xb` times the four widened weight vectors `wv` into `a`.
+macro_rules! fma4 {
+    ($a:expr, $xb:expr, $wv:expr) => {
+        for q in 0..4 {
+            $a[q] = vfmaq_f32($a[q], $xb, $wv[q]);
+        }
+    };
+}
+
 #[target_feature(enable = "neon")]
 unsafe fn bf16_t<const T: usize>(
     w: *const u16,
@@ -70,22 +80,39 @@ unsafe fn bf16_t<const T: usize>(
 ) {
     let mask = vdupq_n_u32(0xFFFF_0000);
     let mut a = [[vdupq_n_f32(0.0); 4]; T];
-    // SAFETY: `k < kc` keeps reads inside `w` and every activation row.
+    // SAFETY: pair `i` reads words `32i..32i+32` of `w` (inside its
+    // `16 · bf16_padded_k(kc)`) and values `2i` and, when `2i + 1 < kc`,
+    // `2i + 1` of each row.
     unsafe {
-        for k in 0..kc {
-            let p = w.add(k * NR);
-            let r0 = vreinterpretq_u32_u16(vld1q_u16(p));
-            let r1 = vreinterpretq_u32_u16(vld1q_u16(p.add(8)));
-            let wv = [
-                vreinterpretq_f32_u32(vshlq_n_u32::<16>(r0)),
-                vreinterpretq_f32_u32(vshlq_n_u32::<16>(r1)),
-                vreinterpretq_f32_u32(vandq_u32(r0, mask)),
-                vreinterpretq_f32_u32(vandq_u32(r1, mask)),
+        for i in 0..kc.div_ceil(2) {
+            let p = w.add(i * 2 * NR);
+            // Word q of the pair: channels 4q..4q+4 at k (low) and k+1 (high).
+            let r = [
+                vreinterpretq_u32_u16(vld1q_u16(p)),
+                vreinterpretq_u32_u16(vld1q_u16(p.add(8))),
+                vreinterpretq_u32_u16(vld1q_u16(p.add(16))),
+                vreinterpretq_u32_u16(vld1q_u16(p.add(24))),
+            ];
+            let w0 = [
+                vreinterpretq_f32_u32(vshlq_n_u32::<16>(r[0])),
+                vreinterpretq_f32_u32(vshlq_n_u32::<16>(r[1])),
+                vreinterpretq_f32_u32(vshlq_n_u32::<16>(r[2])),
+                vreinterpretq_f32_u32(vshlq_n_u32::<16>(r[3])),
             ];
             for t in 0..T {
-                let xb = vld1q_dup_f32(x[t].add(k));
-                for q in 0..4 {
-                    a[t][q] = vfmaq_f32(a[t][q], xb, wv[q]);
+                let xb = vld1q_dup_f32(x[t].add(2 * i));
+                fma4!(a[t], xb, w0);
+            }
+            if 2 * i + 1 < kc {
+                let w1 = [
+                    vreinterpretq_f32_u32(vandq_u32(r[0], mask)),
+                    vreinterpretq_f32_u32(vandq_u32(r[1], mask)),
+                    vreinterpretq_f32_u32(vandq_u32(r[2], mask)),
+                    vreinterpretq_f32_u32(vandq_u32(r[3], mask)),
+                ];
+                for t in 0..T {
+                    let xb = vld1q_dup_f32(x[t].add(2 * i + 1));
+                    fma4!(a[t], xb, w1);
                 }
             }
         }
@@ -96,6 +123,107 @@ unsafe fn bf16_t<const T: usize>(
             }
         }
     }
+}
+
+/// bf16 tile with **bf16** activations through BFDOT, any `x.len()` in
+/// `1..=BF16_MR`: per pair of `k`s, four 16-byte weight loads (four channels
+/// × two `k`s each) and, per token, one `bfdot` per load against the token's
+/// activation pair duplicated into every lane.
+///
+/// # Safety
+/// The CPU must support `bf16`; `w.len()` is a multiple of 32, every `x[t]`
+/// holds at least `w.len() / 16` values and `acc` at least `16 · x.len()`.
+pub unsafe fn bf16x_tile_bfdot(w: &[u16], x: &[&[u16]], acc: &mut [f32]) {
+    let pairs = w.len() / (2 * NR);
+    let p = ptrs::<u16, BF16_MR>(x);
+    let (w, acc) = (w.as_ptr(), acc.as_mut_ptr());
+    // SAFETY: the caller guarantees the features and the lengths above.
+    unsafe {
+        match x.len() {
+            1 => bf16x_t::<1>(w, pairs, &p, acc),
+            2 => bf16x_t::<2>(w, pairs, &p, acc),
+            3 => bf16x_t::<3>(w, pairs, &p, acc),
+            4 => bf16x_t::<4>(w, pairs, &p, acc),
+            5 => bf16x_t::<5>(w, pairs, &p, acc),
+            6 => bf16x_t::<6>(w, pairs, &p, acc),
+            _ => {}
+        }
+    }
+}
+
+#[target_feature(enable = "neon,bf16")]
+unsafe fn bf16x_t<const T: usize>(
+    w: *const u16,
+    pairs: usize,
+    x: &[*const u16; BF16_MR],
+    acc: *mut f32,
+) {
+    let mut a = [[vdupq_n_f32(0.0); 4]; T];
+    // SAFETY: pair `i < pairs` reads words `32i..32i+32` of `w` and values
+    // `2i, 2i+1` of each row (unaligned reads); `bfdot` only touches the
+    // named registers.
+    unsafe {
+        for i in 0..pairs {
+            let p = w.add(i * 2 * NR);
+            let wv = [
+                vld1q_u16(p),
+                vld1q_u16(p.add(8)),
+                vld1q_u16(p.add(16)),
+                vld1q_u16(p.add(24)),
+            ];
+            for t in 0..T {
+                let pair = std::ptr::read_unaligned(x[t].add(2 * i) as *const u32);
+                let xv = vreinterpretq_u16_u32(vdupq_n_u32(pair));
+                for q in 0..4 {
+                    asm!(
+                        "bfdot {acc:v}.4s, {w:v}.8h, {x:v}.8h",
+                        acc = inout(vreg) a[t][q],
+                        w = in(vreg) wv[q],
+                        x = in(vreg) xv,
+                        options(pure, nomem, nostack),
+                    );
+                }
+            }
+        }
+        for t in 0..T {
+            for q in 0..4 {
+                let d = acc.add(t * NR + 4 * q);
+                vst1q_f32(d, vaddq_f32(vld1q_f32(d), a[t][q]));
+            }
+        }
+    }
+}
+
+/// Runs `iters` rounds of 24 independent BFDOTs (four lanes × two
+/// multiply-adds each) and returns a value that depends on all of them; the
+/// FLOPs are `iters · 24 · 4 · 4`. Used by `epserve bench moe` for the bf16
+/// dot-product peak.
+///
+/// # Safety
+/// The CPU must support `bf16`.
+#[target_feature(enable = "neon,bf16")]
+pub unsafe fn bfdot_probe(iters: usize, seed: f32) -> f32 {
+    let one = vreinterpretq_u16_u32(vdupq_n_u32(0x3F80_3F80));
+    let mut c = [vdupq_n_f32(seed); 24];
+    for _ in 0..iters {
+        for v in c.iter_mut() {
+            // SAFETY: register-only instruction.
+            unsafe {
+                asm!(
+                    "bfdot {acc:v}.4s, {w:v}.8h, {x:v}.8h",
+                    acc = inout(vreg) *v,
+                    w = in(vreg) one,
+                    x = in(vreg) one,
+                    options(pure, nomem, nostack),
+                );
+            }
+        }
+    }
+    let mut s = vdupq_n_f32(0.0);
+    for v in c {
+        s = vaddq_f32(s, v);
+    }
+    vaddvq_f32(s)
 }
 
 /// Adds accumulator lanes `[c, c, c+1, c+1]` of eight channel pairs to `acc`.

@@ -1,10 +1,10 @@
 //! AVX2 + FMA micro-kernels (Haswell and later, Zen).
 //!
-//! - bf16: one 32-byte load per `k` gives all 16 channels; a shift and a mask
-//!   widen them to two f32 vectors (see [`crate::kernels::layout`]); each
-//!   token's activation is broadcast and FMA'd into two accumulators. Up to
-//!   [`BF16_MR`] tokens per tile (12 accumulators); with one or two tokens the
-//!   `k` loop is unrolled by two into separate accumulators to hide FMA latency.
+//! - bf16: two 32-byte loads per pair of `k`s give all 16 channels; a shift
+//!   and a mask widen each to two f32 vectors (see [`crate::kernels::layout`]);
+//!   each token's two activations are broadcast and FMA'd. Up to [`BF16_MR`]
+//!   tokens per tile (12 accumulators); with one or two tokens the `k` and
+//!   `k + 1` products go to separate accumulators to hide FMA latency.
 //! - int8: `vpmaddubsw` wants an unsigned operand, so each weight byte takes
 //!   the sign of its activation (`vpsignb`) and multiplies `|a|`; with both in
 //!   `[-127, 127]` the i16 pair sums cannot saturate (2·127² < 2¹⁵). `vpmaddwd`
@@ -28,10 +28,9 @@ pub const I8_MR: usize = 3;
 /// bf16 tile, any `x.len()` in `1..=BF16_MR`.
 ///
 /// # Safety
-/// The CPU must support AVX2 and FMA; `w.len()` is a multiple of 16, every
-/// `x[t]` holds at least `w.len() / 16` values and `acc` at least `16 · x.len()`.
-pub unsafe fn bf16_tile(w: &[u16], x: &[&[f32]], acc: &mut [f32]) {
-    let kc = w.len() / NR;
+/// The CPU must support AVX2 and FMA; `w.len()` is `16 · bf16_padded_k(kc)`,
+/// every `x[t]` holds at least `kc` values and `acc` at least `16 · x.len()`.
+pub unsafe fn bf16_tile(w: &[u16], kc: usize, x: &[&[f32]], acc: &mut [f32]) {
     let mut p = [std::ptr::null::<f32>(); BF16_MR];
     for (d, r) in p.iter_mut().zip(x) {
         *d = r.as_ptr();
@@ -40,20 +39,20 @@ pub unsafe fn bf16_tile(w: &[u16], x: &[&[f32]], acc: &mut [f32]) {
     // SAFETY: the caller guarantees the features and the lengths above.
     unsafe {
         match x.len() {
-            1 => bf16_t2::<1>(w, kc, &p, acc),
-            2 => bf16_t2::<2>(w, kc, &p, acc),
-            3 => bf16_t::<3>(w, kc, &p, acc),
-            4 => bf16_t::<4>(w, kc, &p, acc),
-            5 => bf16_t::<5>(w, kc, &p, acc),
-            6 => bf16_t::<6>(w, kc, &p, acc),
+            1 => bf16_t::<1, 2>(w, kc, &p, acc),
+            2 => bf16_t::<2, 2>(w, kc, &p, acc),
+            3 => bf16_t::<3, 1>(w, kc, &p, acc),
+            4 => bf16_t::<4, 1>(w, kc, &p, acc),
+            5 => bf16_t::<5, 1>(w, kc, &p, acc),
+            6 => bf16_t::<6, 1>(w, kc, &p, acc),
             _ => {}
         }
     }
 }
 
-/// Widens the 16 bf16 weights at `$w` into (channels 0..8, channels 8..16).
-/// A macro, not a function: a helper without `#[target_feature]` would keep
-/// the intrinsics out of line.
+/// Widens the 8 channels × 2 `k`s at `$w` (one k-pair's half panel) into
+/// (channels at `k`, channels at `k + 1`). A macro, not a function: a helper
+/// without `#[target_feature]` would keep the intrinsics out of line.
 macro_rules! widen {
     ($w:expr, $mask:expr) => {{
         let raw = _mm256_loadu_si256($w as *const __m256i);
@@ -83,78 +82,54 @@ macro_rules! store_add {
     }};
 }
 
+/// `T` tokens; `S` accumulator sets (2: the `k` and `k + 1` products go to
+/// separate accumulators, so with few tokens the FMA latency chain does not
+/// bind; 1: enough tokens for independent chains).
 #[target_feature(enable = "avx2,fma")]
-unsafe fn bf16_t<const T: usize>(
+unsafe fn bf16_t<const T: usize, const S: usize>(
     w: *const u16,
     kc: usize,
     x: &[*const f32; BF16_MR],
     acc: *mut f32,
 ) {
     let mask = _mm256_set1_epi32(0xFFFF_0000u32 as i32);
-    let mut lo = [_mm256_setzero_ps(); T];
-    let mut hi = [_mm256_setzero_ps(); T];
-    // SAFETY: `k < kc` keeps every read inside `w` (kc·16 words) and each
-    // activation row (≥ kc values), as the caller guarantees.
+    let mut lo = [[_mm256_setzero_ps(); S]; T];
+    let mut hi = [[_mm256_setzero_ps(); S]; T];
+    // SAFETY: pair `i < kc / 2` reads words `32i..32i+32` of `w` and values
+    // `2i, 2i+1 < kc` of each row; the odd tail reads only value `kc - 1`.
     unsafe {
-        for k in 0..kc {
-            if k % 2 == 0 {
-                prefetch!(w.add(k * NR));
-            }
-            let (wl, wh) = widen!(w.add(k * NR), mask);
+        for i in 0..kc / 2 {
+            let wp = w.add(i * 2 * NR);
+            prefetch!(wp);
+            let (l0, l1) = widen!(wp, mask);
+            let (h0, h1) = widen!(wp.add(NR), mask);
             for t in 0..T {
-                let xb = _mm256_broadcast_ss(&*x[t].add(k));
-                lo[t] = _mm256_fmadd_ps(xb, wl, lo[t]);
-                hi[t] = _mm256_fmadd_ps(xb, wh, hi[t]);
-            }
-        }
-        for t in 0..T {
-            store_add!(acc.add(t * NR), lo[t]);
-            store_add!(acc.add(t * NR + 8), hi[t]);
-        }
-    }
-}
-
-/// Like [`bf16_t`] with the `k` loop unrolled by two into separate
-/// accumulators: with few tokens the FMA latency chain would otherwise bind.
-#[target_feature(enable = "avx2,fma")]
-unsafe fn bf16_t2<const T: usize>(
-    w: *const u16,
-    kc: usize,
-    x: &[*const f32; BF16_MR],
-    acc: *mut f32,
-) {
-    let mask = _mm256_set1_epi32(0xFFFF_0000u32 as i32);
-    let mut lo = [[_mm256_setzero_ps(); 2]; T];
-    let mut hi = [[_mm256_setzero_ps(); 2]; T];
-    let pairs = kc / 2;
-    // SAFETY: as in `bf16_t`; `2·i + 1 < kc` for every pair.
-    unsafe {
-        for i in 0..pairs {
-            let k = 2 * i;
-            prefetch!(w.add(k * NR));
-            let (wl0, wh0) = widen!(w.add(k * NR), mask);
-            let (wl1, wh1) = widen!(w.add((k + 1) * NR), mask);
-            for t in 0..T {
-                let x0 = _mm256_broadcast_ss(&*x[t].add(k));
-                let x1 = _mm256_broadcast_ss(&*x[t].add(k + 1));
-                lo[t][0] = _mm256_fmadd_ps(x0, wl0, lo[t][0]);
-                hi[t][0] = _mm256_fmadd_ps(x0, wh0, hi[t][0]);
-                lo[t][1] = _mm256_fmadd_ps(x1, wl1, lo[t][1]);
-                hi[t][1] = _mm256_fmadd_ps(x1, wh1, hi[t][1]);
+                let x0 = _mm256_broadcast_ss(&*x[t].add(2 * i));
+                let x1 = _mm256_broadcast_ss(&*x[t].add(2 * i + 1));
+                lo[t][0] = _mm256_fmadd_ps(x0, l0, lo[t][0]);
+                hi[t][0] = _mm256_fmadd_ps(x0, h0, hi[t][0]);
+                lo[t][S - 1] = _mm256_fmadd_ps(x1, l1, lo[t][S - 1]);
+                hi[t][S - 1] = _mm256_fmadd_ps(x1, h1, hi[t][S - 1]);
             }
         }
         if kc % 2 == 1 {
-            let k = kc - 1;
-            let (wl, wh) = widen!(w.add(k * NR), mask);
+            let wp = w.add((kc / 2) * 2 * NR);
+            let (l0, _) = widen!(wp, mask);
+            let (h0, _) = widen!(wp.add(NR), mask);
             for t in 0..T {
-                let xb = _mm256_broadcast_ss(&*x[t].add(k));
-                lo[t][0] = _mm256_fmadd_ps(xb, wl, lo[t][0]);
-                hi[t][0] = _mm256_fmadd_ps(xb, wh, hi[t][0]);
+                let x0 = _mm256_broadcast_ss(&*x[t].add(kc - 1));
+                lo[t][0] = _mm256_fmadd_ps(x0, l0, lo[t][0]);
+                hi[t][0] = _mm256_fmadd_ps(x0, h0, hi[t][0]);
             }
         }
         for t in 0..T {
-            store_add!(acc.add(t * NR), _mm256_add_ps(lo[t][0], lo[t][1]));
-            store_add!(acc.add(t * NR + 8), _mm256_add_ps(hi[t][0], hi[t][1]));
+            let (mut l, mut h) = (lo[t][0], hi[t][0]);
+            if S > 1 {
+                l = _mm256_add_ps(l, lo[t][S - 1]);
+                h = _mm256_add_ps(h, hi[t][S - 1]);
+            }
+            store_add!(acc.add(t * NR), l);
+            store_add!(acc.add(t * NR + 8), h);
         }
     }
 }

@@ -1,0 +1,334 @@
+//! AVX-512 micro-kernels (Skylake-SP and later, Zen 4), in three tiers that
+//! [`crate::kernels::dispatch`] picks at run time:
+//!
+//! - `avx512` (F + BW): bf16 weights widened to f32 (one 64-byte load per pair
+//!   of `k`s is all 16 channels at `k` and `k + 1`: a shift and a mask give
+//!   two zmm of f32) and FMA'd with f32 activations; up to [`BF16_MR`] tokens.
+//!   int8 uses the AVX2 tile.
+//! - `avx512-vnni` (+ VNNI): int8 through `vpdpbusd`, four u8 × s8 products
+//!   per i32 lane. The activations are signed, so they go in as `x + 128`
+//!   (an XOR with 0x80) and the tile subtracts `128 · Σ w` per channel, which
+//!   it sums in-register with a second `vpdpbusd` against ones: exact, and the
+//!   same i32 as the scalar twin. Up to [`I8_MR`] tokens.
+//! - `avx512-bf16` (+ BF16 + VNNI): bf16 weights *and* bf16 activations
+//!   through `vdpbf16ps`, which multiplies each lane's adjacent bf16 pair (the
+//!   packed `k`, `k + 1` of one channel) by a broadcast activation pair and
+//!   adds both products in f32 — no widening at all. Used for experts loaded
+//!   with bf16 activations (`--expert-dtype bf16`); exact bf16 experts keep
+//!   f32 activations and the widening tile.
+//!
+//! The functions are `unsafe`: callers must have checked the features (done
+//! once in [`crate::kernels::dispatch`]) and the slice lengths.
+
+// Explicit token/lane indices read better than iterator chains in kernels.
+#![allow(clippy::needless_range_loop)]
+
+use std::arch::x86_64::*;
+
+use crate::kernels::layout::{I8_GROUP_BYTES, KG, NR};
+
+/// Most tokens per bf16 tile (f32 activations).
+pub const BF16_MR: usize = 12;
+/// Most tokens per bf16 tile with bf16 activations.
+pub const BF16X_MR: usize = 12;
+/// Most tokens per int8 (VNNI) tile.
+pub const I8_MR: usize = 8;
+
+/// Bytes ahead of the current weights to prefetch (the panels are one
+/// sequential stream).
+const PREFETCH: usize = 1024;
+
+/// Hints the line `PREFETCH` bytes past `$p` into L1 (never faults).
+macro_rules! prefetch {
+    ($p:expr) => {
+        _mm_prefetch::<_MM_HINT_T0>(($p as *const i8).wrapping_add(PREFETCH))
+    };
+}
+
+/// `*acc[0..16] += v`.
+macro_rules! store_add {
+    ($acc:expr, $v:expr) => {{
+        let p = $acc;
+        _mm512_storeu_ps(p, _mm512_add_ps(_mm512_loadu_ps(p), $v));
+    }};
+}
+
+fn ptrs<T, const N: usize>(x: &[&[T]]) -> [*const T; N] {
+    let mut p = [std::ptr::null::<T>(); N];
+    for (d, r) in p.iter_mut().zip(x) {
+        *d = r.as_ptr();
+    }
+    p
+}
+
+/// bf16 tile with f32 activations, any `x.len()` in `1..=BF16_MR`.
+///
+/// # Safety
+/// The CPU must support AVX-512 F and BW; `w.len()` is
+/// `16 · bf16_padded_k(kc)`, every `x[t]` holds at least `kc` values and
+/// `acc` at least `16 · x.len()`.
+pub unsafe fn bf16_tile(w: &[u16], kc: usize, x: &[&[f32]], acc: &mut [f32]) {
+    let p = ptrs::<f32, BF16_MR>(x);
+    let (w, acc) = (w.as_ptr(), acc.as_mut_ptr());
+    // SAFETY: the caller guarantees the features and the lengths above.
+    unsafe {
+        match x.len() {
+            1 => bf16_t::<1, 2>(w, kc, &p, acc),
+            2 => bf16_t::<2, 2>(w, kc, &p, acc),
+            3 => bf16_t::<3, 2>(w, kc, &p, acc),
+            4 => bf16_t::<4, 2>(w, kc, &p, acc),
+            5 => bf16_t::<5, 2>(w, kc, &p, acc),
+            6 => bf16_t::<6, 2>(w, kc, &p, acc),
+            7 => bf16_t::<7, 1>(w, kc, &p, acc),
+            8 => bf16_t::<8, 1>(w, kc, &p, acc),
+            9 => bf16_t::<9, 1>(w, kc, &p, acc),
+            10 => bf16_t::<10, 1>(w, kc, &p, acc),
+            11 => bf16_t::<11, 1>(w, kc, &p, acc),
+            12 => bf16_t::<12, 1>(w, kc, &p, acc),
+            _ => {}
+        }
+    }
+}
+
+/// `T` tokens, `S` accumulator sets (2: the `k` and `k + 1` products go to
+/// separate accumulators so few tokens still give enough independent FMA
+/// chains).
+#[target_feature(enable = "avx512f,avx512bw,fma")]
+unsafe fn bf16_t<const T: usize, const S: usize>(
+    w: *const u16,
+    kc: usize,
+    x: &[*const f32; BF16_MR],
+    acc: *mut f32,
+) {
+    let mask = _mm512_set1_epi32(0xFFFF_0000u32 as i32);
+    let mut a = [[_mm512_setzero_ps(); S]; T];
+    // SAFETY: pair `i < kc / 2` reads words `32i..32i+32` of `w` and values
+    // `2i, 2i+1 < kc` of each row; the odd tail reads only value `kc - 1`.
+    unsafe {
+        for i in 0..kc / 2 {
+            let wp = w.add(i * 2 * NR);
+            prefetch!(wp);
+            let raw = _mm512_loadu_si512(wp as *const __m512i);
+            let w0 = _mm512_castsi512_ps(_mm512_slli_epi32::<16>(raw));
+            let w1 = _mm512_castsi512_ps(_mm512_and_si512(raw, mask));
+            for t in 0..T {
+                let x0 = _mm512_set1_ps(*x[t].add(2 * i));
+                let x1 = _mm512_set1_ps(*x[t].add(2 * i + 1));
+                a[t][0] = _mm512_fmadd_ps(x0, w0, a[t][0]);
+                a[t][S - 1] = _mm512_fmadd_ps(x1, w1, a[t][S - 1]);
+            }
+        }
+        if kc % 2 == 1 {
+            let raw = _mm512_loadu_si512(w.add((kc / 2) * 2 * NR) as *const __m512i);
+            let w0 = _mm512_castsi512_ps(_mm512_slli_epi32::<16>(raw));
+            for t in 0..T {
+                let x0 = _mm512_set1_ps(*x[t].add(kc - 1));
+                a[t][0] = _mm512_fmadd_ps(x0, w0, a[t][0]);
+            }
+        }
+        for t in 0..T {
+            let mut v = a[t][0];
+            if S > 1 {
+                v = _mm512_add_ps(v, a[t][S - 1]);
+            }
+            store_add!(acc.add(t * NR), v);
+        }
+    }
+}
+
+/// bf16 tile with bf16 activations (`vdpbf16ps`), any `x.len()` in
+/// `1..=BF16X_MR`.
+///
+/// # Safety
+/// The CPU must support AVX-512 F, BW and BF16; `w.len()` is a multiple of
+/// 32, every `x[t]` holds at least `w.len() / 16` values and `acc` at least
+/// `16 · x.len()`.
+pub unsafe fn bf16x_tile(w: &[u16], x: &[&[u16]], acc: &mut [f32]) {
+    let pairs = w.len() / (2 * NR);
+    let p = ptrs::<u16, BF16X_MR>(x);
+    let (w, acc) = (w.as_ptr(), acc.as_mut_ptr());
+    // SAFETY: the caller guarantees the features and the lengths above.
+    unsafe {
+        match x.len() {
+            1 => bf16x_t::<1, 4>(w, pairs, &p, acc),
+            2 => bf16x_t::<2, 4>(w, pairs, &p, acc),
+            3 => bf16x_t::<3, 2>(w, pairs, &p, acc),
+            4 => bf16x_t::<4, 2>(w, pairs, &p, acc),
+            5 => bf16x_t::<5, 2>(w, pairs, &p, acc),
+            6 => bf16x_t::<6, 2>(w, pairs, &p, acc),
+            7 => bf16x_t::<7, 1>(w, pairs, &p, acc),
+            8 => bf16x_t::<8, 1>(w, pairs, &p, acc),
+            9 => bf16x_t::<9, 1>(w, pairs, &p, acc),
+            10 => bf16x_t::<10, 1>(w, pairs, &p, acc),
+            11 => bf16x_t::<11, 1>(w, pairs, &p, acc),
+            12 => bf16x_t::<12, 1>(w, pairs, &p, acc),
+            _ => {}
+        }
+    }
+}
+
+/// `T` tokens, `S` accumulator sets used round-robin over the pairs.
+#[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
+unsafe fn bf16x_t<const T: usize, const S: usize>(
+    w: *const u16,
+    pairs: usize,
+    x: &[*const u16; BF16X_MR],
+    acc: *mut f32,
+) {
+    let mut a = [[_mm512_setzero_ps(); S]; T];
+    // SAFETY: pair `i < pairs` reads words `32i..32i+32` of `w` and values
+    // `2i, 2i+1` of each row (as one unaligned u32).
+    unsafe {
+        macro_rules! step {
+            ($i:expr, $s:expr) => {{
+                let i = $i;
+                let wp = w.add(i * 2 * NR);
+                prefetch!(wp);
+                let wv: __m512bh = std::mem::transmute(_mm512_loadu_si512(wp as *const __m512i));
+                for t in 0..T {
+                    let pair = std::ptr::read_unaligned(x[t].add(2 * i) as *const i32);
+                    let xv: __m512bh = std::mem::transmute(_mm512_set1_epi32(pair));
+                    a[t][$s] = _mm512_dpbf16_ps(a[t][$s], xv, wv);
+                }
+            }};
+        }
+        let mut i = 0;
+        while i + S <= pairs {
+            for s in 0..S {
+                step!(i + s, s);
+            }
+            i += S;
+        }
+        while i < pairs {
+            step!(i, 0);
+            i += 1;
+        }
+        for t in 0..T {
+            let mut v = a[t][0];
+            for s in 1..S {
+                v = _mm512_add_ps(v, a[t][s]);
+            }
+            store_add!(acc.add(t * NR), v);
+        }
+    }
+}
+
+/// int8 tile through VNNI, any `x.len()` in `1..=I8_MR`.
+///
+/// # Safety
+/// The CPU must support AVX-512 F, BW and VNNI; `w.len()` is a multiple of
+/// 128, every `x[t]` holds at least `8 · w.len() / 128` values, and `acc` at
+/// least `16 · x.len()`. Any i8 values are exact (no saturation: `vpdpbusd`
+/// sums four u8 × s8 products into i32).
+pub unsafe fn i8_tile_vnni(w: &[i8], x: &[&[i8]], acc: &mut [i32]) {
+    let groups = w.len() / I8_GROUP_BYTES;
+    let p = ptrs::<i8, I8_MR>(x);
+    let (w, acc) = (w.as_ptr(), acc.as_mut_ptr());
+    // SAFETY: the caller guarantees the features and the lengths above.
+    unsafe {
+        match x.len() {
+            1 => i8_vnni_t::<1>(w, groups, &p, acc),
+            2 => i8_vnni_t::<2>(w, groups, &p, acc),
+            3 => i8_vnni_t::<3>(w, groups, &p, acc),
+            4 => i8_vnni_t::<4>(w, groups, &p, acc),
+            5 => i8_vnni_t::<5>(w, groups, &p, acc),
+            6 => i8_vnni_t::<6>(w, groups, &p, acc),
+            7 => i8_vnni_t::<7>(w, groups, &p, acc),
+            8 => i8_vnni_t::<8>(w, groups, &p, acc),
+            _ => {}
+        }
+    }
+}
+
+#[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
+unsafe fn i8_vnni_t<const T: usize>(
+    w: *const i8,
+    groups: usize,
+    x: &[*const i8; I8_MR],
+    acc: *mut i32,
+) {
+    let ones = _mm512_set1_epi8(1);
+    let flip = _mm512_set1_epi8(-128);
+    // Lane j of a weight vector is channel j/2 (of its eight), k-half j%2.
+    let mut c = [[_mm512_setzero_si512(); 2]; T];
+    let mut ws = [_mm512_setzero_si512(); 2];
+    // SAFETY: `g < groups` keeps reads inside `w` (groups·128 bytes) and each
+    // activation row (groups·8 bytes); unaligned loads throughout.
+    unsafe {
+        for g in 0..groups {
+            let wp = w.add(g * I8_GROUP_BYTES);
+            prefetch!(wp);
+            prefetch!(wp.add(64));
+            let w0 = _mm512_loadu_si512(wp as *const __m512i);
+            let w1 = _mm512_loadu_si512(wp.add(64) as *const __m512i);
+            ws[0] = _mm512_dpbusd_epi32(ws[0], ones, w0);
+            ws[1] = _mm512_dpbusd_epi32(ws[1], ones, w1);
+            for t in 0..T {
+                let a8 = std::ptr::read_unaligned(x[t].add(g * KG) as *const i64);
+                let au = _mm512_xor_si512(_mm512_set1_epi64(a8), flip);
+                c[t][0] = _mm512_dpbusd_epi32(c[t][0], au, w0);
+                c[t][1] = _mm512_dpbusd_epi32(c[t][1], au, w1);
+            }
+        }
+        // Σ (x + 128)·w − 128·Σ w, then lanes 2c and 2c+1 summed into channel c.
+        let even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+        let odd = _mm512_setr_epi32(1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+        let corr = [_mm512_slli_epi32::<7>(ws[0]), _mm512_slli_epi32::<7>(ws[1])];
+        for t in 0..T {
+            let v0 = _mm512_sub_epi32(c[t][0], corr[0]);
+            let v1 = _mm512_sub_epi32(c[t][1], corr[1]);
+            let s = _mm512_add_epi32(
+                _mm512_permutex2var_epi32(v0, even, v1),
+                _mm512_permutex2var_epi32(v0, odd, v1),
+            );
+            let d = acc.add(t * NR) as *mut __m512i;
+            _mm512_storeu_si512(d, _mm512_add_epi32(_mm512_loadu_si512(d), s));
+        }
+    }
+}
+
+/// Runs `iters` rounds of 16 independent 16-wide FMAs and returns a value
+/// that depends on all of them; the FLOPs are `iters · 16 · 16 · 2`.
+///
+/// # Safety
+/// The CPU must support AVX-512 F.
+#[target_feature(enable = "avx512f")]
+pub unsafe fn fma_probe(iters: usize, seed: f32) -> f32 {
+    let m = _mm512_set1_ps(0.999_999);
+    let a = _mm512_set1_ps(1e-7);
+    let mut c = [_mm512_set1_ps(seed); 16];
+    for _ in 0..iters {
+        for v in c.iter_mut() {
+            *v = _mm512_fmadd_ps(*v, m, a);
+        }
+    }
+    let mut s = _mm512_setzero_ps();
+    for v in c {
+        s = _mm512_add_ps(s, v);
+    }
+    _mm512_reduce_add_ps(s)
+}
+
+/// Runs `iters` rounds of 16 independent `vdpbf16ps` (16 lanes × two
+/// multiply-adds) and returns a value that depends on all of them; the FLOPs
+/// are `iters · 16 · 16 · 4`.
+///
+/// # Safety
+/// The CPU must support AVX-512 F and BF16.
+#[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
+pub unsafe fn dpbf16_probe(iters: usize, seed: f32) -> f32 {
+    // bf16 pairs (1e-3, 1e-3) and (1, 1): the sums grow slowly, stay finite.
+    let a: __m512bh = _mm512_cvtne2ps_pbh(_mm512_set1_ps(1e-3), _mm512_set1_ps(1e-3));
+    let b: __m512bh = _mm512_cvtne2ps_pbh(_mm512_set1_ps(1.0), _mm512_set1_ps(1.0));
+    let mut c = [_mm512_set1_ps(seed); 16];
+    for _ in 0..iters {
+        for v in c.iter_mut() {
+            *v = _mm512_dpbf16_ps(*v, a, b);
+        }
+    }
+    let mut s = _mm512_setzero_ps();
+    for v in c {
+        s = _mm512_add_ps(s, v);
+    }
+    _mm512_reduce_add_ps(s)
+}
