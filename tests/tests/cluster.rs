@@ -521,7 +521,8 @@ async fn attention_workers_serve_olmoe_and_latent_attention() {
 
 /// An attention-worker that restarts on another port (same id, a new
 /// registration in etcd) is picked up by the running coordinator: the next
-/// request goes to the new address and gives the golden text.
+/// request goes to the new address and gives the golden text. (Same KV
+/// budget as `up` gave it: a smaller one is refused.)
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn restarted_attention_worker_is_followed() {
     if !etcd_available() {
@@ -584,7 +585,7 @@ async fn restarted_attention_worker_is_followed() {
             .args(["attention-worker", "--model"])
             .arg(&dir)
             .args(["--etcd", &up.etcd, "--cluster", &cluster, "--id", &old.id])
-            .args(["--shard", "1", "--of", "2", "--kv-cache-memory", "64MiB"])
+            .args(["--shard", "1", "--of", "2", "--kv-cache-memory", "1GiB"])
             .args(["--listen", &format!("127.0.0.1:{port}")])
             .stdout(Stdio::null())
             .spawn()

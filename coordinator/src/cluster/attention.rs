@@ -36,6 +36,8 @@ pub struct RemoteAttention {
     /// In shard order; replaced when a shard re-registers elsewhere
     /// ([`RemoteAttention::update_shards`]).
     shards: RwLock<Vec<ShardConn>>,
+    /// What every shard must match.
+    shape: Shape,
     dtype: Dtype,
     timeout: Duration,
     pending: Mutex<Vec<u64>>,
@@ -53,6 +55,56 @@ pub fn check_model(cfg: &ModelConfig, n: usize) -> anyhow::Result<()> {
             .with_context(|| format!("--attention-workers {n}: layer {i} of {:?}", cfg.arch))?;
     }
     Ok(())
+}
+
+/// The model shape and block size a shard must serve.
+#[derive(Debug, Clone, Copy)]
+struct Shape {
+    layers: usize,
+    hidden: usize,
+    block_size: usize,
+}
+
+impl Shape {
+    /// Checks a worker's Health against shard `i` of `n` and this shape;
+    /// returns the positions of KV it holds.
+    fn check(
+        &self,
+        h: &pb::AttentionHealthResponse,
+        w: &WorkerInfo,
+        i: usize,
+        n: usize,
+    ) -> anyhow::Result<usize> {
+        if h.shard as usize != i || h.of as usize != n {
+            bail!(
+                "attention-worker {} ({}) says it is shard {} of {}, but etcd lists it as shard {i} of {n}",
+                w.id,
+                w.addr,
+                h.shard,
+                h.of
+            );
+        }
+        if h.num_layers as usize != self.layers || h.hidden_size as usize != self.hidden {
+            bail!(
+                "attention-worker {} ({}) loaded a model with {} layers of hidden size {}; the coordinator's has {} of {} (same --model on every process?)",
+                w.id,
+                w.addr,
+                h.num_layers,
+                h.hidden_size,
+                self.layers,
+                self.hidden
+            );
+        }
+        let wb = h.kv_block_size as usize;
+        if wb == 0 || self.block_size % wb != 0 {
+            bail!(
+                "attention-worker {} uses KV blocks of {wb} positions; the coordinator's --block-size {} must be a multiple of it",
+                w.id,
+                self.block_size
+            );
+        }
+        Ok(h.kv_blocks_total as usize * wb)
+    }
 }
 
 /// A lazily connecting client for one attention-worker.
@@ -136,37 +188,13 @@ impl RemoteAttention {
                     Err(_) => tokio::time::sleep(Duration::from_millis(200)).await,
                 }
             };
-            if h.shard as usize != i || h.of as usize != workers.len() {
-                bail!(
-                    "attention-worker {} ({}) says it is shard {} of {}, but etcd lists it as shard {i} of {}",
-                    w.id,
-                    w.addr,
-                    h.shard,
-                    h.of,
-                    workers.len()
-                );
-            }
-            if h.num_layers as usize != cfg.num_hidden_layers
-                || h.hidden_size as usize != cfg.hidden_size
-            {
-                bail!(
-                    "attention-worker {} ({}) loaded a model with {} layers of hidden size {}; the coordinator's has {} of {} (same --model on every process?)",
-                    w.id,
-                    w.addr,
-                    h.num_layers,
-                    h.hidden_size,
-                    cfg.num_hidden_layers,
-                    cfg.hidden_size
-                );
-            }
-            let wb = h.kv_block_size as usize;
-            if wb == 0 || block_size % wb != 0 {
-                bail!(
-                    "attention-worker {} uses KV blocks of {wb} positions; the coordinator's --block-size {block_size} must be a multiple of it",
-                    w.id
-                );
-            }
-            capacity = capacity.min(h.kv_blocks_total as usize * wb);
+            let shape = Shape {
+                layers: cfg.num_hidden_layers,
+                hidden: cfg.hidden_size,
+                block_size,
+            };
+            let cap = shape.check(&h, w, i, workers.len())?;
+            capacity = capacity.min(cap);
             client
                 .release(ReleaseRequest {
                     seq_ids: Vec::new(),
@@ -185,6 +213,11 @@ impl RemoteAttention {
         }
         Ok(RemoteAttention {
             rt: tokio::runtime::Handle::current(),
+            shape: Shape {
+                layers: cfg.num_hidden_layers,
+                hidden: cfg.hidden_size,
+                block_size,
+            },
             shards: RwLock::new(shards),
             dtype,
             timeout,
@@ -250,6 +283,7 @@ impl RemoteAttention {
     pub fn follow(self: &Arc<Self>, state: ClusterState) {
         let me = Arc::downgrade(self);
         self.rt.spawn(async move {
+            let mut warned = std::collections::HashSet::new();
             loop {
                 tokio::time::sleep(Duration::from_secs(1)).await;
                 let Some(me) = me.upgrade() else {
@@ -257,6 +291,7 @@ impl RemoteAttention {
                 };
                 match state.workers("attention").await {
                     Ok(ws) => {
+                        let ws = me.vet(ws, &mut warned).await;
                         for c in me.update_shards(&ws) {
                             tracing::warn!("{c}");
                             println!("epserve coordinator: {c}");
@@ -266,6 +301,70 @@ impl RemoteAttention {
                 }
             }
         });
+    }
+
+    /// Keeps the registrations in use and those of new workers that answer
+    /// Health as the right shard of this model with enough KV (freeing
+    /// whatever they hold); a mismatch is left out with one warning, one that
+    /// does not answer yet is asked again next time.
+    async fn vet(
+        &self,
+        workers: Vec<WorkerInfo>,
+        warned: &mut std::collections::HashSet<(String, String)>,
+    ) -> Vec<WorkerInfo> {
+        let current: Vec<(String, String)> = self
+            .shard_list()
+            .map(|l| l.into_iter().map(|s| (s.id, s.addr)).collect())
+            .unwrap_or_default();
+        let n = current.len();
+        let mut ok = Vec::with_capacity(workers.len());
+        for w in workers {
+            let key = (w.id.clone(), w.addr.clone());
+            if current.contains(&key) {
+                ok.push(w);
+                continue;
+            }
+            let Some((i, of)) = w.shard else { continue };
+            if of as usize != n || i as usize >= n || warned.contains(&key) {
+                continue;
+            }
+            let Ok(mut client) = shard_client(&w, self.timeout) else {
+                continue;
+            };
+            let mut r = tonic::Request::new(HealthRequest {});
+            r.set_timeout(Duration::from_secs(2));
+            // Not answering yet: try again next time.
+            let Ok(h) = client.health(r).await.map(|r| r.into_inner()) else {
+                continue;
+            };
+            let checked = async {
+                let cap = self.shape.check(&h, &w, i as usize, n)?;
+                if cap < self.capacity {
+                    bail!(
+                        "attention-worker {} holds KV for {cap} positions; the coordinator was sized for {}",
+                        w.id,
+                        self.capacity
+                    );
+                }
+                client
+                    .release(ReleaseRequest {
+                        seq_ids: Vec::new(),
+                        all: true,
+                    })
+                    .await
+                    .map_err(|e| anyhow::anyhow!("Release: {}", e.message()))?;
+                Ok::<(), anyhow::Error>(())
+            }
+            .await;
+            match checked {
+                Ok(()) => ok.push(w),
+                Err(e) => {
+                    tracing::warn!(worker = %w.id, addr = %w.addr, error = %e, "not using this attention-worker");
+                    warned.insert(key);
+                }
+            }
+        }
+        ok
     }
 
     fn take_pending(&self) -> Vec<u64> {
@@ -463,6 +562,11 @@ mod tests {
         let (a, b) = (w("a", Some((0, 2))), w("b", Some((1, 2))));
         let ra = RemoteAttention {
             rt: rt.handle().clone(),
+            shape: Shape {
+                layers: 1,
+                hidden: 1,
+                block_size: 1,
+            },
             shards: RwLock::new(vec![conn(&a)?, conn(&b)?]),
             dtype: Dtype::F32,
             timeout: Duration::from_secs(1),
