@@ -518,3 +518,99 @@ async fn attention_workers_serve_olmoe_and_latent_attention() {
         drop(up);
     }
 }
+
+/// An attention-worker that restarts on another port (same id, a new
+/// registration in etcd) is picked up by the running coordinator: the next
+/// request goes to the new address and gives the golden text. (Same KV
+/// budget as `up` gave it: a smaller one is refused.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn restarted_attention_worker_is_followed() {
+    if !etcd_available() {
+        return;
+    }
+    let fixture = "qwen3_moe_b";
+    let g = golden(fixture);
+    let dir = fixture_dir(fixture).join("f32");
+    let tok = epserve_core::engine::Engine::load(&dir).expect("engine");
+    let case = &g.cases[0];
+    let want = tok
+        .tokenizer
+        .decode(&case.greedy_token_ids, true)
+        .expect("decode");
+    let body = json!({"model": "tiny", "prompt": case.prompt_token_ids, "max_tokens": case.greedy_token_ids.len(), "temperature": 0, "ignore_eos": true});
+    let up = start_up_with(fixture, 2, "f32", &["--attention-workers", "2"]);
+    let v = complete(&up.url, body.clone()).await;
+    assert_eq!(v["choices"][0]["text"].as_str(), Some(want.as_str()));
+
+    let store = EtcdStore::connect(&up.etcd).await.expect("etcd");
+    let keys = store.list("/epserve/").await.expect("list");
+    let cluster = keys
+        .iter()
+        .find_map(|(k, _)| {
+            k.strip_prefix("/epserve/")
+                .and_then(|r| r.split('/').next())
+                .map(str::to_string)
+        })
+        .expect("a cluster prefix");
+    let state = ClusterState::new(Arc::new(store), &cluster);
+    let old = state
+        .workers("attention")
+        .await
+        .expect("attention workers")
+        .into_iter()
+        .find(|w| w.shard == Some((1, 2)))
+        .expect("shard 1");
+    // SAFETY: signalling a worker process this test's `up` started.
+    unsafe {
+        libc::kill(old.pid as libc::pid_t, libc::SIGTERM);
+    }
+    let deadline = Instant::now() + Duration::from_secs(15);
+    while pid_alive(old.pid) && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .expect("free port")
+        .port();
+    /// Stops the restarted worker however the test ends.
+    struct Kill(Child);
+    impl Drop for Kill {
+        fn drop(&mut self) {
+            let _ = self.0.kill();
+            let _ = self.0.wait();
+        }
+    }
+    let _again = Kill(
+        Command::new(env!("CARGO_BIN_EXE_epserve-it"))
+            .args(["attention-worker", "--model"])
+            .arg(&dir)
+            .args(["--etcd", &up.etcd, "--cluster", &cluster, "--id", &old.id])
+            .args(["--shard", "1", "--of", "2", "--kv-cache-memory", "1GiB"])
+            .args(["--listen", &format!("127.0.0.1:{port}")])
+            .stdout(Stdio::null())
+            .spawn()
+            .expect("restart the attention-worker"),
+    );
+    // The coordinator polls etcd every second: retry until it follows.
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let mut last = Value::Null;
+    while Instant::now() < deadline {
+        let r = reqwest::Client::new()
+            .post(format!("{}/v1/completions", up.url))
+            .json(&body)
+            .send()
+            .await
+            .expect("send");
+        last = serde_json::from_str(&r.text().await.expect("body")).unwrap_or(Value::Null);
+        if last["choices"][0]["text"].as_str() == Some(want.as_str()) {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+    assert_eq!(
+        last["choices"][0]["text"].as_str(),
+        Some(want.as_str()),
+        "{last}"
+    );
+    drop(up);
+}

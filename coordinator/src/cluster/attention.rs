@@ -6,7 +6,7 @@
 //! call (so they reach a shard before it allocates for new work), or go out as
 //! a `Release` call when the scheduler is idle.
 
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex, RwLock};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, bail};
@@ -14,7 +14,7 @@ use epserve_core::config::ModelConfig;
 use epserve_core::model::attention::HeadShard;
 use epserve_core::model::attn_shard::{AttentionBackend, SeqChunk};
 use epserve_core::{Error, Result};
-use epserve_proto::cluster::WorkerInfo;
+use epserve_proto::cluster::{ClusterState, WorkerInfo};
 use epserve_proto::pb::attention_service_client::AttentionServiceClient;
 use epserve_proto::pb::{self, AttentionRequest, Dtype, HealthRequest, ReleaseRequest};
 use epserve_proto::wire;
@@ -23,6 +23,7 @@ use metrics::{counter, histogram};
 use tonic::transport::{Channel, Endpoint};
 
 /// One shard's connection.
+#[derive(Clone)]
 struct ShardConn {
     id: String,
     addr: String,
@@ -32,7 +33,11 @@ struct ShardConn {
 /// Attention on remote shards.
 pub struct RemoteAttention {
     rt: tokio::runtime::Handle,
-    shards: Vec<ShardConn>,
+    /// In shard order; replaced when a shard re-registers elsewhere
+    /// ([`RemoteAttention::update_shards`]).
+    shards: RwLock<Vec<ShardConn>>,
+    /// What every shard must match.
+    shape: Shape,
     dtype: Dtype,
     timeout: Duration,
     pending: Mutex<Vec<u64>>,
@@ -50,6 +55,71 @@ pub fn check_model(cfg: &ModelConfig, n: usize) -> anyhow::Result<()> {
             .with_context(|| format!("--attention-workers {n}: layer {i} of {:?}", cfg.arch))?;
     }
     Ok(())
+}
+
+/// The model shape and block size a shard must serve.
+#[derive(Debug, Clone, Copy)]
+struct Shape {
+    layers: usize,
+    hidden: usize,
+    block_size: usize,
+}
+
+impl Shape {
+    /// Checks a worker's Health against shard `i` of `n` and this shape;
+    /// returns the positions of KV it holds.
+    fn check(
+        &self,
+        h: &pb::AttentionHealthResponse,
+        w: &WorkerInfo,
+        i: usize,
+        n: usize,
+    ) -> anyhow::Result<usize> {
+        if h.shard as usize != i || h.of as usize != n {
+            bail!(
+                "attention-worker {} ({}) says it is shard {} of {}, but etcd lists it as shard {i} of {n}",
+                w.id,
+                w.addr,
+                h.shard,
+                h.of
+            );
+        }
+        if h.num_layers as usize != self.layers || h.hidden_size as usize != self.hidden {
+            bail!(
+                "attention-worker {} ({}) loaded a model with {} layers of hidden size {}; the coordinator's has {} of {} (same --model on every process?)",
+                w.id,
+                w.addr,
+                h.num_layers,
+                h.hidden_size,
+                self.layers,
+                self.hidden
+            );
+        }
+        let wb = h.kv_block_size as usize;
+        if wb == 0 || self.block_size % wb != 0 {
+            bail!(
+                "attention-worker {} uses KV blocks of {wb} positions; the coordinator's --block-size {} must be a multiple of it",
+                w.id,
+                self.block_size
+            );
+        }
+        Ok(h.kv_blocks_total as usize * wb)
+    }
+}
+
+/// A lazily connecting client for one attention-worker.
+fn shard_client(
+    w: &WorkerInfo,
+    timeout: Duration,
+) -> anyhow::Result<AttentionServiceClient<Channel>> {
+    let ep = Endpoint::from_shared(w.addr.clone())
+        .with_context(|| format!("attention-worker {}: bad address {}", w.id, w.addr))?
+        .tcp_nodelay(true)
+        .connect_timeout(Duration::from_secs(5))
+        .timeout(timeout);
+    Ok(AttentionServiceClient::new(ep.connect_lazy())
+        .max_decoding_message_size(1 << 30)
+        .max_encoding_message_size(1 << 30))
 }
 
 /// Checks that `workers` are shards 0..n-1 of n, each exactly once, and
@@ -103,14 +173,7 @@ impl RemoteAttention {
         let mut shards = Vec::with_capacity(workers.len());
         let mut capacity = usize::MAX;
         for (i, w) in workers.iter().enumerate() {
-            let ep = Endpoint::from_shared(w.addr.clone())
-                .with_context(|| format!("attention-worker {}: bad address {}", w.id, w.addr))?
-                .tcp_nodelay(true)
-                .connect_timeout(Duration::from_secs(5))
-                .timeout(timeout);
-            let mut client = AttentionServiceClient::new(ep.connect_lazy())
-                .max_decoding_message_size(1 << 30)
-                .max_encoding_message_size(1 << 30);
+            let mut client = shard_client(w, timeout)?;
             let h = loop {
                 match client.health(HealthRequest {}).await {
                     Ok(r) => break r.into_inner(),
@@ -125,37 +188,13 @@ impl RemoteAttention {
                     Err(_) => tokio::time::sleep(Duration::from_millis(200)).await,
                 }
             };
-            if h.shard as usize != i || h.of as usize != workers.len() {
-                bail!(
-                    "attention-worker {} ({}) says it is shard {} of {}, but etcd lists it as shard {i} of {}",
-                    w.id,
-                    w.addr,
-                    h.shard,
-                    h.of,
-                    workers.len()
-                );
-            }
-            if h.num_layers as usize != cfg.num_hidden_layers
-                || h.hidden_size as usize != cfg.hidden_size
-            {
-                bail!(
-                    "attention-worker {} ({}) loaded a model with {} layers of hidden size {}; the coordinator's has {} of {} (same --model on every process?)",
-                    w.id,
-                    w.addr,
-                    h.num_layers,
-                    h.hidden_size,
-                    cfg.num_hidden_layers,
-                    cfg.hidden_size
-                );
-            }
-            let wb = h.kv_block_size as usize;
-            if wb == 0 || block_size % wb != 0 {
-                bail!(
-                    "attention-worker {} uses KV blocks of {wb} positions; the coordinator's --block-size {block_size} must be a multiple of it",
-                    w.id
-                );
-            }
-            capacity = capacity.min(h.kv_blocks_total as usize * wb);
+            let shape = Shape {
+                layers: cfg.num_hidden_layers,
+                hidden: cfg.hidden_size,
+                block_size,
+            };
+            let cap = shape.check(&h, w, i, workers.len())?;
+            capacity = capacity.min(cap);
             client
                 .release(ReleaseRequest {
                     seq_ids: Vec::new(),
@@ -174,12 +213,158 @@ impl RemoteAttention {
         }
         Ok(RemoteAttention {
             rt: tokio::runtime::Handle::current(),
-            shards,
+            shape: Shape {
+                layers: cfg.num_hidden_layers,
+                hidden: cfg.hidden_size,
+                block_size,
+            },
+            shards: RwLock::new(shards),
             dtype,
             timeout,
             pending: Mutex::new(Vec::new()),
             capacity,
         })
+    }
+
+    /// The current connections, in shard order.
+    fn shard_list(&self) -> Result<Vec<ShardConn>> {
+        self.shards
+            .read()
+            .map(|g| g.clone())
+            .map_err(|_| Error::Dispatch("attention shard list lock poisoned".into()))
+    }
+
+    /// Follows re-registrations: a shard whose current worker is no longer
+    /// registered in etcd (its lease ended, or it re-registered under the
+    /// same id with a new address) is reconnected to the worker now
+    /// registered for that shard index. Later requests go there; sequences
+    /// whose KV lived on the old one fail with the shard's "holds only N
+    /// positions" error. Returns what changed, for the log.
+    pub fn update_shards(&self, workers: &[WorkerInfo]) -> Vec<String> {
+        let mut changed = Vec::new();
+        let Ok(mut shards) = self.shards.write() else {
+            return changed;
+        };
+        let n = shards.len();
+        for (i, cur) in shards.iter_mut().enumerate() {
+            let mut cands: Vec<&WorkerInfo> = workers
+                .iter()
+                .filter(|w| w.shard == Some((i as u32, n as u32)))
+                .collect();
+            if cands.iter().any(|w| w.id == cur.id && w.addr == cur.addr) {
+                continue;
+            }
+            cands.sort_by(|a, b| a.id.cmp(&b.id));
+            let Some(w) = cands.first() else {
+                continue;
+            };
+            match shard_client(w, self.timeout) {
+                Ok(client) => {
+                    changed.push(format!(
+                        "attention shard {i} of {n}: {} ({}) -> {} ({})",
+                        cur.id, cur.addr, w.id, w.addr
+                    ));
+                    *cur = ShardConn {
+                        id: w.id.clone(),
+                        addr: w.addr.clone(),
+                        client,
+                    };
+                }
+                Err(e) => {
+                    tracing::warn!(worker = %w.id, error = %e, "cannot use re-registered attention-worker")
+                }
+            }
+        }
+        changed
+    }
+
+    /// Polls etcd every second for re-registered shards (see
+    /// [`update_shards`](Self::update_shards)) while the coordinator runs.
+    pub fn follow(self: &Arc<Self>, state: ClusterState) {
+        let me = Arc::downgrade(self);
+        self.rt.spawn(async move {
+            let mut warned = std::collections::HashSet::new();
+            loop {
+                tokio::time::sleep(Duration::from_secs(1)).await;
+                let Some(me) = me.upgrade() else {
+                    return;
+                };
+                match state.workers("attention").await {
+                    Ok(ws) => {
+                        let ws = me.vet(ws, &mut warned).await;
+                        for c in me.update_shards(&ws) {
+                            tracing::warn!("{c}");
+                            println!("epserve coordinator: {c}");
+                        }
+                    }
+                    Err(e) => tracing::debug!(error = %e, "listing attention-workers failed"),
+                }
+            }
+        });
+    }
+
+    /// Keeps the registrations in use and those of new workers that answer
+    /// Health as the right shard of this model with enough KV (freeing
+    /// whatever they hold); a mismatch is left out with one warning, one that
+    /// does not answer yet is asked again next time.
+    async fn vet(
+        &self,
+        workers: Vec<WorkerInfo>,
+        warned: &mut std::collections::HashSet<(String, String)>,
+    ) -> Vec<WorkerInfo> {
+        let current: Vec<(String, String)> = self
+            .shard_list()
+            .map(|l| l.into_iter().map(|s| (s.id, s.addr)).collect())
+            .unwrap_or_default();
+        let n = current.len();
+        let mut ok = Vec::with_capacity(workers.len());
+        for w in workers {
+            let key = (w.id.clone(), w.addr.clone());
+            if current.contains(&key) {
+                ok.push(w);
+                continue;
+            }
+            let Some((i, of)) = w.shard else { continue };
+            if of as usize != n || i as usize >= n || warned.contains(&key) {
+                continue;
+            }
+            let Ok(mut client) = shard_client(&w, self.timeout) else {
+                continue;
+            };
+            let mut r = tonic::Request::new(HealthRequest {});
+            r.set_timeout(Duration::from_secs(2));
+            // Not answering yet: try again next time.
+            let Ok(h) = client.health(r).await.map(|r| r.into_inner()) else {
+                continue;
+            };
+            let checked = async {
+                let cap = self.shape.check(&h, &w, i as usize, n)?;
+                if cap < self.capacity {
+                    bail!(
+                        "attention-worker {} holds KV for {cap} positions; the coordinator was sized for {}",
+                        w.id,
+                        self.capacity
+                    );
+                }
+                client
+                    .release(ReleaseRequest {
+                        seq_ids: Vec::new(),
+                        all: true,
+                    })
+                    .await
+                    .map_err(|e| anyhow::anyhow!("Release: {}", e.message()))?;
+                Ok::<(), anyhow::Error>(())
+            }
+            .await;
+            match checked {
+                Ok(()) => ok.push(w),
+                Err(e) => {
+                    tracing::warn!(worker = %w.id, addr = %w.addr, error = %e, "not using this attention-worker");
+                    warned.insert(key);
+                }
+            }
+        }
+        ok
     }
 
     fn take_pending(&self) -> Vec<u64> {
@@ -211,8 +396,9 @@ impl AttentionBackend for RemoteAttention {
                 len: c.len as u32,
             })
             .collect();
-        let mut calls = Vec::with_capacity(self.shards.len());
-        for s in &self.shards {
+        let shards = self.shard_list()?;
+        let mut calls = Vec::with_capacity(shards.len());
+        for s in &shards {
             let req = AttentionRequest {
                 layer: layer as u32,
                 seqs: seqs.clone(),
@@ -233,7 +419,7 @@ impl AttentionBackend for RemoteAttention {
         let results = self.rt.block_on(join_all(calls));
         let mut sum: Vec<f32> = Vec::new();
         let mut failed = None;
-        for (s, res) in self.shards.iter().zip(results) {
+        for (s, res) in shards.iter().zip(results) {
             let part = res
                 .map_err(|st| {
                     Error::Dispatch(format!(
@@ -295,7 +481,11 @@ impl AttentionBackend for RemoteAttention {
         if ids.is_empty() {
             return;
         }
-        let calls = self.shards.iter().map(|s| {
+        let Ok(shards) = self.shard_list() else {
+            self.put_back(ids);
+            return;
+        };
+        let calls = shards.iter().map(|s| {
             let mut client = s.client.clone();
             let mut r = tonic::Request::new(ReleaseRequest {
                 seq_ids: ids.clone(),
@@ -354,6 +544,59 @@ mod tests {
         assert!(err(&[w("a", Some((0, 3)))]).is_some_and(|m| m.contains("expects 2 shards")));
         assert!(err(&[w("a", Some((2, 2)))]).is_some_and(|m| m.contains("outside 0..2")));
         assert!(err(&[w("a", None)]).is_some_and(|m| m.contains("without a shard")));
+    }
+
+    #[test]
+    fn follows_shards_that_register_again() -> anyhow::Result<()> {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()?;
+        let _g = rt.enter();
+        let conn = |x: &WorkerInfo| -> anyhow::Result<ShardConn> {
+            Ok(ShardConn {
+                id: x.id.clone(),
+                addr: x.addr.clone(),
+                client: shard_client(x, Duration::from_secs(1))?,
+            })
+        };
+        let (a, b) = (w("a", Some((0, 2))), w("b", Some((1, 2))));
+        let ra = RemoteAttention {
+            rt: rt.handle().clone(),
+            shape: Shape {
+                layers: 1,
+                hidden: 1,
+                block_size: 1,
+            },
+            shards: RwLock::new(vec![conn(&a)?, conn(&b)?]),
+            dtype: Dtype::F32,
+            timeout: Duration::from_secs(1),
+            pending: Mutex::new(Vec::new()),
+            capacity: 1,
+        };
+        let addrs = |ra: &RemoteAttention| -> Vec<String> {
+            ra.shard_list()
+                .map(|l| l.into_iter().map(|s| s.addr).collect())
+                .unwrap_or_default()
+        };
+        // Nothing changed, or shard 1 not registered at the moment: keep it.
+        assert!(ra.update_shards(&[a.clone(), b.clone()]).is_empty());
+        assert!(ra.update_shards(std::slice::from_ref(&a)).is_empty());
+        // The old registration of shard 1 still there beside a new one: keep
+        // the old until its lease ends.
+        let mut b2 = w("b2", Some((1, 2)));
+        assert!(
+            ra.update_shards(&[a.clone(), b.clone(), b2.clone()])
+                .is_empty()
+        );
+        let changed = ra.update_shards(&[a.clone(), b2.clone()]);
+        assert_eq!(changed.len(), 1, "{changed:?}");
+        assert_eq!(addrs(&ra), vec![a.addr.clone(), b2.addr.clone()]);
+        // Same id, new address; a shard of another count is ignored.
+        b2.addr = "http://b2:2".into();
+        let stray = w("c", Some((0, 3)));
+        assert_eq!(ra.update_shards(&[a.clone(), b2.clone(), stray]).len(), 1);
+        assert_eq!(addrs(&ra), vec![a.addr.clone(), "http://b2:2".to_string()]);
+        Ok(())
     }
 
     #[test]

@@ -193,7 +193,9 @@ pub fn run(args: &CoordinatorArgs) -> Result<()> {
                     .collect::<Vec<_>>()
                     .join(", ")
             );
-            Some(Arc::new(a))
+            let a = Arc::new(a);
+            a.follow(state.clone());
+            Some(a)
         } else {
             None
         };
