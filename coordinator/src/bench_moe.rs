@@ -354,7 +354,11 @@ fn time_calls(
 ) -> Result<f64> {
     let mut n = 0usize;
     if fixed.is_none() {
-        ex.execute(0, x, &rs[0].0, &rs[0].1, top_k, out)?;
+        // Warm up with one pass over every routing (each expert touched once),
+        // so first-touch costs of freshly built weights stay out of the row.
+        for (ids, w) in rs {
+            ex.execute(0, x, ids, w, top_k, out)?;
+        }
     }
     let start = Instant::now();
     loop {

@@ -96,7 +96,7 @@ fn handle(stream: TcpStream, seen: &Seen) -> std::io::Result<()> {
     seen.bodies.lock().expect("lock").push(req.clone());
     seen.auth.lock().expect("lock").push(auth);
     let n = seen.requests.fetch_add(1, Ordering::SeqCst) + 1;
-    if n % 5 == 0 {
+    if n.is_multiple_of(5) {
         let b = r#"{"error":{"message":"mock failure","type":"server_error"}}"#;
         write!(
             out,

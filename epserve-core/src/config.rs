@@ -1097,9 +1097,12 @@ fn layer_specs(
                     }
                 }
                 if spec.head_dim == 0
-                    || spec.head_dim % 2 != 0
+                    || !spec.head_dim.is_multiple_of(2)
                     || spec.kv_heads == 0
-                    || raw.num_attention_heads.unwrap_or(0) % spec.kv_heads != 0
+                    || !raw
+                        .num_attention_heads
+                        .unwrap_or(0)
+                        .is_multiple_of(spec.kv_heads)
                 {
                     return Err(Error::config(
                         path,

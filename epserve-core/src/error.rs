@@ -60,6 +60,9 @@ pub enum Error {
     /// Failures of the expert dispatch path (remote workers, missing experts).
     #[error("expert dispatch failed: {0}")]
     Dispatch(String),
+    /// Failures of remote attention (attention-workers of a tensor-parallel cluster).
+    #[error("remote attention failed: {0}")]
+    Attention(String),
 }
 
 /// Result alias for the core library.

@@ -92,7 +92,7 @@ impl Weight {
         offset: usize,
         len: usize,
     ) -> Self {
-        let aligned = (map.bytes().as_ptr() as usize + offset) % dtype.size() == 0;
+        let aligned = (map.bytes().as_ptr() as usize + offset).is_multiple_of(dtype.size());
         if aligned {
             Weight {
                 dtype,

@@ -96,7 +96,7 @@ impl Shape {
             );
         }
         let wb = h.kv_block_size as usize;
-        if wb == 0 || self.block_size % wb != 0 {
+        if wb == 0 || !self.block_size.is_multiple_of(wb) {
             bail!(
                 "attention-worker {} uses KV blocks of {wb} positions; the coordinator's --block-size {} must be a multiple of it",
                 w.id,
@@ -231,7 +231,7 @@ impl RemoteAttention {
         self.shards
             .read()
             .map(|g| g.clone())
-            .map_err(|_| Error::Dispatch("attention shard list lock poisoned".into()))
+            .map_err(|_| Error::Attention("attention shard list lock poisoned".into()))
     }
 
     /// Follows re-registrations: a shard whose current worker is no longer
@@ -422,7 +422,7 @@ impl AttentionBackend for RemoteAttention {
         for (s, res) in shards.iter().zip(results) {
             let part = res
                 .map_err(|st| {
-                    Error::Dispatch(format!(
+                    Error::Attention(format!(
                         "attention-worker {} ({}) failed at layer {layer}: {}",
                         s.id,
                         s.addr,
@@ -434,14 +434,14 @@ impl AttentionBackend for RemoteAttention {
                     histogram!("epserve_attention_worker_compute_seconds", "worker" => s.id.clone())
                         .record(r.compute_us as f64 / 1e6);
                     let t = r.partial.ok_or_else(|| {
-                        Error::Dispatch(format!("attention-worker {}: empty response", s.id))
+                        Error::Attention(format!("attention-worker {}: empty response", s.id))
                     })?;
                     counter!("epserve_attention_bytes_received_total", "worker" => s.id.clone())
                         .increment(t.data.len() as u64);
                     let v = wire::decode(&t)
-                        .map_err(|e| Error::Dispatch(format!("attention-worker {}: {e}", s.id)))?;
+                        .map_err(|e| Error::Attention(format!("attention-worker {}: {e}", s.id)))?;
                     if v.len() != x.len() {
-                        return Err(Error::Dispatch(format!(
+                        return Err(Error::Attention(format!(
                             "attention-worker {} returned {} values for {} inputs",
                             s.id,
                             v.len(),

@@ -235,7 +235,7 @@ pub fn make_plan(
     let kv_pool = batch as f64 * m.kv_bytes_for_context(a.context_len, a.kv_dtype) as f64;
     // Attention in the coordinator, or split over shards that divide the KV heads.
     let mut shard_options = vec![0u64];
-    shard_options.extend((1..=m.kv_heads).filter(|d| m.kv_heads % d == 0));
+    shard_options.extend((1..=m.kv_heads).filter(|d| m.kv_heads.is_multiple_of(*d)));
 
     // Every layout that fits in memory, with its estimate at the operating batch.
     let mut layouts = Vec::new();

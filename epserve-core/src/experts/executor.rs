@@ -275,7 +275,7 @@ impl ExpertExecutor for PackedExperts {
         out: &mut [f32],
     ) -> Result<()> {
         let h = self.hidden;
-        if h == 0 || x.len() % h != 0 {
+        if h == 0 || !x.len().is_multiple_of(h) {
             return Err(Error::Dispatch(format!(
                 "activations of length {} are not rows of hidden size {h}",
                 x.len()

@@ -302,7 +302,7 @@ impl Kernels {
     pub fn bf16x_tile(&self, w: &[u16], x: &[&[u16]], acc: &mut [f32]) {
         let kp = w.len() / NR;
         let mr = self.bf16x_mr().unwrap_or(MAX_MR);
-        assert!(w.len() % (2 * NR) == 0 && !x.is_empty() && x.len() <= mr);
+        assert!(w.len().is_multiple_of(2 * NR) && !x.is_empty() && x.len() <= mr);
         assert!(acc.len() >= x.len() * NR && x.iter().all(|r| r.len() >= kp));
         match self.bf16x {
             // SAFETY: as in `bf16_tile`.
@@ -317,7 +317,7 @@ impl Kernels {
     #[inline]
     pub fn i8_tile(&self, w: &[i8], x: &[&[i8]], acc: &mut [i32]) {
         let groups = w.len() / I8_GROUP_BYTES;
-        assert!(w.len() % I8_GROUP_BYTES == 0 && !x.is_empty() && x.len() <= self.i8_mr);
+        assert!(w.len().is_multiple_of(I8_GROUP_BYTES) && !x.is_empty() && x.len() <= self.i8_mr);
         assert!(acc.len() >= x.len() * NR && x.iter().all(|r| r.len() >= groups * KG));
         // SAFETY: as in `bf16_tile`; the value range is the quantizer's
         // contract (violating it can only change results, never memory).

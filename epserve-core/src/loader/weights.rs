@@ -187,10 +187,10 @@ impl WeightStore {
     /// int8 instead ([`get_i8_channelwise`](Self::get_i8_channelwise)).
     pub fn get(&self, name: &str, shape: &[usize]) -> Result<Weight> {
         let (e, path, map) = self.entry(name, shape)?;
-        if matches!(&e.dtype, Err(d) if d == "I8") {
-            if let Some(m) = self.get_i8_channelwise(name, shape)? {
-                return Ok(Weight::from_f32(shape.to_vec(), &m.dequantize()));
-            }
+        if matches!(&e.dtype, Err(d) if d == "I8")
+            && let Some(m) = self.get_i8_channelwise(name, shape)?
+        {
+            return Ok(Weight::from_f32(shape.to_vec(), &m.dequantize()));
         }
         let dtype = e.dtype.clone().map_err(|d| Error::UnsupportedDtype {
             path: path.clone(),

@@ -87,9 +87,9 @@ impl HeadShard {
             )));
         }
         let even = num_kv_heads > 0
-            && num_heads % num_kv_heads == 0
-            && num_heads % of == 0
-            && (num_kv_heads % of == 0 || of % num_kv_heads == 0);
+            && num_heads.is_multiple_of(num_kv_heads)
+            && num_heads.is_multiple_of(of)
+            && (num_kv_heads.is_multiple_of(of) || of % num_kv_heads == 0);
         if !even {
             return Err(Error::InvalidInput(format!(
                 "{num_kv_heads} KV heads ({num_heads} query heads) cannot be split evenly over {of} attention shards (the shard count must divide the KV heads or be a multiple of them, and divide the query heads)"
