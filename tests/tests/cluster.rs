@@ -8,46 +8,15 @@
 //! Needs `etcd` on PATH; skipped without it unless `EPSERVE_REQUIRE_ETCD=1`
 //! (set by `.ci/run`), which makes its absence a failure.
 
-use std::io::{BufRead, BufReader};
 use std::process::{Child, Command, Stdio};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use epserve_proto::cluster::ClusterState;
 use epserve_proto::store::{EtcdStore, KvStore};
+use epserve_tests::up::{Up, etcd_available};
 use epserve_tests::{fixture_dir, golden};
 use serde_json::{Value, json};
-
-struct Up {
-    child: Child,
-    url: String,
-    etcd: String,
-    admin: String,
-}
-
-impl Drop for Up {
-    fn drop(&mut self) {
-        // SAFETY: signalling our own child.
-        unsafe {
-            libc::kill(self.child.id() as libc::pid_t, libc::SIGTERM);
-        }
-        let _ = self.child.wait();
-    }
-}
-
-fn etcd_available() -> bool {
-    let found = std::env::var_os("PATH")
-        .map(|p| std::env::split_paths(&p).any(|d| d.join("etcd").is_file()))
-        .unwrap_or(false);
-    if !found {
-        assert!(
-            std::env::var("EPSERVE_REQUIRE_ETCD").as_deref() != Ok("1"),
-            "EPSERVE_REQUIRE_ETCD=1 but etcd is not on PATH"
-        );
-        eprintln!("skipping: etcd is not installed (apt-get install etcd-server)");
-    }
-    found
-}
 
 fn start_up(fixture: &str, workers: usize, dtype: &str) -> Up {
     start_up_with(fixture, workers, dtype, &[])
@@ -56,49 +25,19 @@ fn start_up(fixture: &str, workers: usize, dtype: &str) -> Up {
 /// `epserve up` with extra arguments (`--attention-workers 2`, `-- COORDINATOR ARGS`).
 fn start_up_with(fixture: &str, workers: usize, dtype: &str, extra: &[&str]) -> Up {
     let model = fixture_dir(fixture).join("f32");
-    let mut child = Command::new(env!("CARGO_BIN_EXE_epserve-it"))
-        .arg("up")
-        .arg("--model")
-        .arg(&model)
-        .args(["--expert-workers", &workers.to_string(), "--port", "0"])
-        .args(["--dispatch-dtype", dtype, "--served-model-name", "tiny"])
-        .args(extra)
-        .stdout(Stdio::piped())
-        .stderr(Stdio::inherit())
-        .spawn()
-        .expect("spawn epserve up");
-    let out = child.stdout.take().expect("stdout");
-    let (tx, rx) = std::sync::mpsc::channel();
-    std::thread::spawn(move || {
-        let mut etcd = String::new();
-        let mut admin = String::new();
-        for line in BufReader::new(out).lines().map_while(|l| l.ok()) {
-            if let Some(i) = line.find("admin gRPC at ") {
-                admin = line[i + "admin gRPC at ".len()..].trim().to_string();
-            }
-            if let Some(rest) = line.strip_prefix("epserve up: etcd at ") {
-                etcd = rest.split_whitespace().next().unwrap_or("").to_string();
-            }
-            if let Some(i) = line.find("cluster ready at http://") {
-                let url = line[i + "cluster ready at ".len()..]
-                    .split_whitespace()
-                    .next()
-                    .unwrap_or("")
-                    .trim_end_matches("/v1")
-                    .to_string();
-                let _ = tx.send((url, etcd.clone(), admin.clone()));
-            }
-        }
-    });
-    let (url, etcd, admin) = rx
-        .recv_timeout(Duration::from_secs(120))
-        .expect("cluster ready");
-    Up {
-        child,
-        url,
-        etcd,
-        admin,
-    }
+    let model = model.to_str().expect("utf-8 fixture path");
+    let workers = workers.to_string();
+    let mut args = vec![
+        "--model",
+        model,
+        "--expert-workers",
+        &workers,
+        "--port",
+        "0",
+    ];
+    args.extend(["--dispatch-dtype", dtype, "--served-model-name", "tiny"]);
+    args.extend_from_slice(extra);
+    Up::start(env!("CARGO_BIN_EXE_epserve-it"), &args, false)
 }
 
 async fn complete(url: &str, body: Value) -> Value {

@@ -21,95 +21,25 @@
 //!
 //! Needs `etcd` on PATH; skipped without it unless `EPSERVE_REQUIRE_ETCD=1`.
 
-use std::io::{BufRead, BufReader};
 use std::process::{Child, Command, Stdio};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use epserve_tests::fixture_dir;
+use epserve_tests::up::{Up, etcd_available};
 use serde_json::{Value, json};
 
 const TOKEN: &str = "eplb-test-token";
 
-struct Up {
-    child: Child,
-    url: String,
-    admin: String,
-    etcd: String,
-}
-
-impl Drop for Up {
-    fn drop(&mut self) {
-        // SAFETY: signalling our own child.
-        unsafe {
-            libc::kill(self.child.id() as libc::pid_t, libc::SIGTERM);
-        }
-        let _ = self.child.wait();
-    }
-}
-
-fn etcd_available() -> bool {
-    let found = std::env::var_os("PATH")
-        .map(|p| std::env::split_paths(&p).any(|d| d.join("etcd").is_file()))
-        .unwrap_or(false);
-    if !found {
-        assert!(
-            std::env::var("EPSERVE_REQUIRE_ETCD").as_deref() != Ok("1"),
-            "EPSERVE_REQUIRE_ETCD=1 but etcd is not on PATH"
-        );
-        eprintln!("skipping: etcd is not installed (apt-get install etcd-server)");
-    }
-    found
-}
-
 fn start_up(extra: &[&str]) -> Up {
     let model = fixture_dir("olmoe").join("f32");
-    let mut child = Command::new(env!("CARGO_BIN_EXE_epserve-it"))
-        .arg("up")
-        .arg("--model")
-        .arg(&model)
-        .args(["--expert-workers", "3", "--port", "0"])
-        .args(["--dispatch-dtype", "f32", "--served-model-name", "tiny"])
-        .args(["--", "--admin-token", TOKEN, "--max-num-seqs", "8"])
-        .args(extra)
-        .stdout(Stdio::piped())
-        .stderr(Stdio::inherit())
-        .spawn()
-        .expect("spawn epserve up");
-    let out = child.stdout.take().expect("stdout");
-    let (tx, rx) = std::sync::mpsc::channel();
-    std::thread::spawn(move || {
-        let mut admin = String::new();
-        let mut etcd = String::new();
-        for line in BufReader::new(out).lines().map_while(|l| l.ok()) {
-            eprintln!("{line}");
-            if let Some(rest) = line.strip_prefix("epserve up: etcd at ") {
-                etcd = rest.split_whitespace().next().unwrap_or("").to_string();
-            }
-            if let Some(i) = line.find("admin gRPC at ") {
-                admin = line[i + "admin gRPC at ".len()..].trim().to_string();
-            }
-            if let Some(i) = line.find("cluster ready at http://") {
-                let url = line[i + "cluster ready at ".len()..]
-                    .split_whitespace()
-                    .next()
-                    .unwrap_or("")
-                    .trim_end_matches("/v1")
-                    .to_string();
-                let _ = tx.send((url, admin.clone(), etcd.clone()));
-            }
-        }
-    });
-    let (url, admin, etcd) = rx
-        .recv_timeout(Duration::from_secs(120))
-        .expect("cluster ready");
-    Up {
-        child,
-        url,
-        admin,
-        etcd,
-    }
+    let model = model.to_str().expect("utf-8 fixture path");
+    let mut args = vec!["--model", model, "--expert-workers", "3", "--port", "0"];
+    args.extend(["--dispatch-dtype", "f32", "--served-model-name", "tiny"]);
+    args.extend(["--", "--admin-token", TOKEN, "--max-num-seqs", "8"]);
+    args.extend_from_slice(extra);
+    Up::start(env!("CARGO_BIN_EXE_epserve-it"), &args, true)
 }
 
 /// Runs `epserve ctl --admin ADDR --token TOKEN ARGS... --json`; returns
