@@ -162,6 +162,17 @@ fn erf(x: f32) -> f32 {
     (if x >= 0.0 { y } else { -y }) as f32
 }
 
+/// The first-element pointers of up to `N` token rows (the rest null): what
+/// the arch tiers' tile kernels take instead of a slice of slices.
+#[cfg(any(target_arch = "x86_64", target_arch = "aarch64"))]
+pub(crate) fn row_ptrs<T, const N: usize>(x: &[&[T]]) -> [*const T; N] {
+    let mut p = [std::ptr::null::<T>(); N];
+    for (d, r) in p.iter_mut().zip(x) {
+        *d = r.as_ptr();
+    }
+    p
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

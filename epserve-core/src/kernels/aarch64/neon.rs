@@ -23,6 +23,7 @@ use std::arch::aarch64::*;
 use std::arch::asm;
 
 use crate::kernels::layout::{I8_GROUP_BYTES, KG, NR};
+use crate::kernels::row_ptrs as ptrs;
 
 /// Most tokens per bf16 tile.
 pub const BF16_MR: usize = 6;
@@ -30,14 +31,6 @@ pub const BF16_MR: usize = 6;
 pub const I8_MR: usize = 2;
 /// Most tokens per int8 tile with SMMLA (two pairs).
 pub const I8MM_MR: usize = 4;
-
-fn ptrs<T, const N: usize>(x: &[&[T]]) -> [*const T; N] {
-    let mut p = [std::ptr::null::<T>(); N];
-    for (d, r) in p.iter_mut().zip(x) {
-        *d = r.as_ptr();
-    }
-    p
-}
 
 /// bf16 tile, any `x.len()` in `1..=BF16_MR`.
 ///

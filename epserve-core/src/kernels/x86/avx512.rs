@@ -26,6 +26,7 @@
 use std::arch::x86_64::*;
 
 use crate::kernels::layout::{I8_GROUP_BYTES, KG, NR};
+use crate::kernels::row_ptrs as ptrs;
 
 /// Most tokens per bf16 tile (f32 activations).
 pub const BF16_MR: usize = 12;
@@ -51,14 +52,6 @@ macro_rules! store_add {
         let p = $acc;
         _mm512_storeu_ps(p, _mm512_add_ps(_mm512_loadu_ps(p), $v));
     }};
-}
-
-fn ptrs<T, const N: usize>(x: &[&[T]]) -> [*const T; N] {
-    let mut p = [std::ptr::null::<T>(); N];
-    for (d, r) in p.iter_mut().zip(x) {
-        *d = r.as_ptr();
-    }
-    p
 }
 
 /// bf16 tile with f32 activations, any `x.len()` in `1..=BF16_MR`.
