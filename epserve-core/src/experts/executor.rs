@@ -90,7 +90,18 @@ struct Workspace {
 thread_local! {
     static ACC_F32: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
     static ACC_I32: RefCell<Vec<i32>> = const { RefCell::new(Vec::new()) };
+    /// AMX path: the expert's activation rows packed as `A` tiles, and
+    /// restaged `B` tiles.
+    static AMX_A: RefCell<Vec<u8>> = const { RefCell::new(Vec::new()) };
+    static AMX_B: RefCell<Vec<u8>> = const { RefCell::new(Vec::new()) };
 }
+
+/// AMX path: bytes of packed activations (`A`) one `K` block spans, kept in
+/// L2 while a block of panels passes over it.
+/// (Small under test, so the fixtures' shapes cross block boundaries.)
+const AMX_A_BLOCK: usize = if cfg!(test) { 4 << 10 } else { 256 << 10 };
+/// AMX path: bytes of accumulators per block of panels.
+const AMX_ACC_BLOCK: usize = if cfg!(test) { 4 << 10 } else { 128 << 10 };
 
 /// A shared output buffer that work items write disjoint parts of.
 #[derive(Clone, Copy)]
@@ -665,6 +676,13 @@ fn run_panels(
     mut epi: impl FnMut(usize, usize, &dyn Fn(usize) -> f32),
 ) {
     match *data {
+        // Prefill on AMX tiles: bf16 activations with bf16 weights, and int8.
+        DataView::Bf16(_) if bf16x && k.amx() && n > k.bf16x_mr().unwrap_or(0) => {
+            run_panels_amx(k, data, kdim, n, it, row, src, epi)
+        }
+        DataView::I8 { .. } if k.amx() && n > k.i8_mr() => {
+            run_panels_amx(k, data, kdim, n, it, row, src, epi)
+        }
         // bf16 activations: the dot-product tile on the decode path only. On
         // the prefill path the widening f32 FMA tile runs instead (with the f32
         // activations, which are only more exact): measured on Sapphire-Rapids
@@ -771,4 +789,273 @@ fn run_panels(
             }
         }),
     }
+}
+
+/// A 64-byte aligned, zero-filled window of `len` bytes inside `buf`.
+fn aligned_zeroed(buf: &mut Vec<u8>, len: usize) -> &mut [u8] {
+    buf.clear();
+    buf.resize(len + 64, 0);
+    let off = buf.as_ptr().align_offset(64).min(64);
+    &mut buf[off..off + len]
+}
+
+/// [`run_panels`] on AMX tiles (prefill: more tokens than a SIMD tile holds).
+///
+/// The expert's `n` activation rows are packed once per work item into `A`
+/// tiles (16-token row groups, `K` zero-padded to whole tiles). Panels are
+/// taken in blocks whose accumulators fit [`AMX_ACC_BLOCK`]; within a block,
+/// `K` is cut so that one `K` block of `A` fits [`AMX_A_BLOCK`] (L2) while
+/// every panel pair of the block streams its weights over it once, with up
+/// to 2 × 2 output tiles (32 tokens × 2 panels) in registers. bf16 weight
+/// tiles are read in place (a trailing partial tile is staged with zeros);
+/// int8 ones are restaged per (panel, `K` block) and reused by every token
+/// tile. Sums are exact for int8 (same i32 as every other tier), f32 for
+/// bf16.
+#[allow(clippy::too_many_arguments)]
+fn run_panels_amx(
+    k: &Kernels,
+    data: &DataView<'_>,
+    kdim: usize,
+    n: usize,
+    it: &Item,
+    row: &dyn Fn(usize) -> usize,
+    src: &Src<'_>,
+    mut epi: impl FnMut(usize, usize, &dyn Fn(usize) -> f32),
+) {
+    use crate::kernels::dispatch::AmxBlock;
+    use crate::kernels::layout::{
+        AMX_BF16_TILE_K as BF16_TILE_K, AMX_I8_TILE_K as I8_TILE_K,
+        AMX_ROW_BYTES as TILE_ROW_BYTES, AMX_TILE_BYTES as TILE_BYTES, AMX_TILE_M as TILE_M,
+    };
+
+    let int8 = matches!(data, DataView::I8 { .. });
+    let tk = if int8 { I8_TILE_K } else { BF16_TILE_K };
+    let ktiles = kdim.div_ceil(tk).max(1);
+    // One spare line per row: a row stride that is a multiple of 4 KiB would
+    // put all 16 rows of an `A` tile in the same L1 set.
+    let row_bytes = (ktiles + 1) * TILE_ROW_BYTES;
+    let n_pad = n.next_multiple_of(TILE_M);
+    let kt_blk = (AMX_A_BLOCK / (n_pad * TILE_ROW_BYTES)).clamp(1, ktiles);
+    let nb = (AMX_ACC_BLOCK / (n_pad * NR * 4)).max(2) / 2 * 2;
+    let (p0, p1) = (it.p0 as usize, it.p1 as usize);
+    AMX_A.with_borrow_mut(|abuf| {
+        AMX_B.with_borrow_mut(|bbuf| {
+            ACC_F32.with_borrow_mut(|accf| {
+                ACC_I32.with_borrow_mut(|acci| {
+                    // Pack A.
+                    let a = aligned_zeroed(abuf, n_pad * row_bytes);
+                    for i in 0..n {
+                        let dst = &mut a[i * row_bytes..(i + 1) * row_bytes];
+                        let base = row(i);
+                        match data {
+                            DataView::Bf16(_) => {
+                                let s = &src.b16_rows[base * src.b16_stride..][..kdim];
+                                dst[..2 * kdim].copy_from_slice(bytemuck::cast_slice(s));
+                            }
+                            DataView::I8 { .. } => {
+                                let s = &src.i8_rows[base * src.i8_stride..][..kdim];
+                                dst[..kdim].copy_from_slice(bytemuck::cast_slice(s));
+                            }
+                        }
+                    }
+                    let a = &*a;
+                    // Every panel's weights as bytes: k-tile `j` of panel `p`
+                    // is the 1 KiB at `p · pbytes + j · 1024` in both layouts
+                    // (16 bf16 k-pairs, or 8 int8 groups).
+                    let (wbytes, pbytes): (&[u8], usize) = match data {
+                        DataView::Bf16(w) => (bytemuck::cast_slice(w), bf16_padded_k(kdim) * NR * 2),
+                        DataView::I8 { data: w, .. } => {
+                            (bytemuck::cast_slice(w), i8_padded_k(kdim) * NR)
+                        }
+                    };
+                    let stage = aligned_zeroed(bbuf, 2 * kt_blk * TILE_BYTES);
+                    let acc_len = nb * n_pad * NR;
+                    if int8 {
+                        acci.resize(acc_len, 0);
+                    } else {
+                        accf.resize(acc_len, 0.0);
+                    }
+                    k.amx_scope(|t| {
+                        let mut pb0 = p0;
+                        while pb0 < p1 {
+                            let pb1 = (pb0 + nb).min(p1);
+                            let mut j0 = 0;
+                            while j0 < ktiles {
+                                let kt = kt_blk.min(ktiles - j0);
+                                let mut pp = pb0;
+                                while pp < pb1 {
+                                    let nt = (pb1 - pp).min(2);
+                                    let c_base = (pp - pb0) * n_pad * NR;
+                                    // The weights of the next (panel pair, K block),
+                                    // to prefetch while this one computes.
+                                    let next = if pp + nt < pb1 {
+                                        Some((pp + nt, pb1, j0, kt))
+                                    } else if j0 + kt < ktiles {
+                                        Some((pb0, pb1, j0 + kt, kt_blk.min(ktiles - j0 - kt)))
+                                    } else if pb1 < p1 {
+                                        Some((pb1, (pb1 + nb).min(p1), 0, kt_blk))
+                                    } else {
+                                        None
+                                    };
+                                    let pf = |q: usize| -> &[u8] {
+                                        let Some((np, nend, nj, nk)) = next else {
+                                            return &[];
+                                        };
+                                        if np + q >= nend {
+                                            return &[];
+                                        }
+                                        let pan = &wbytes[(np + q) * pbytes..(np + q + 1) * pbytes];
+                                        let lo = (nj * TILE_BYTES).min(pbytes);
+                                        &pan[lo..((nj + nk) * TILE_BYTES).min(pbytes)]
+                                    };
+                                    let prefetch = [pf(0), pf(1)];
+                                    let run = |blk: &AmxBlock<'_>,
+                                               accf: &mut Vec<f32>,
+                                               acci: &mut Vec<i32>| {
+                                        let mut m0 = 0;
+                                        while m0 < n_pad {
+                                            let mt = ((n_pad - m0) / TILE_M).min(2);
+                                            let b = AmxBlock {
+                                                a: &blk.a[m0 * row_bytes..],
+                                                mt,
+                                                c_off: c_base + m0 * NR,
+                                                prefetch: if m0 == 0 { prefetch } else { [&[], &[]] },
+                                                ..*blk
+                                            };
+                                            if int8 {
+                                                t.i8(&b, acci);
+                                            } else {
+                                                t.bf16(&b, accf);
+                                            }
+                                            m0 += mt * TILE_M;
+                                        }
+                                    };
+                                    match data {
+                                        DataView::Bf16(w) => {
+                                            let kp2 = bf16_padded_k(kdim);
+                                            let panel_len = kp2 * NR;
+                                            let full = kp2 / BF16_TILE_K;
+                                            let words = TILE_BYTES / 2;
+                                            let panel = |q: usize| -> &[u16] {
+                                                &w[(pp + q) * panel_len..(pp + q + 1) * panel_len]
+                                            };
+                                            let main = (j0 + kt).min(full).saturating_sub(j0);
+                                            if main > 0 {
+                                                let b0: &[u8] =
+                                                    bytemuck::cast_slice(&panel(0)[j0 * words..]);
+                                                let b1: &[u8] = bytemuck::cast_slice(
+                                                    &panel(nt - 1)[j0 * words..],
+                                                );
+                                                let blk = AmxBlock {
+                                                    a: &a[j0 * TILE_ROW_BYTES..],
+                                                    a_stride: row_bytes,
+                                                    mt: 1,
+                                                    b: [b0, b1],
+                                                    b_step: TILE_BYTES,
+                                                    nt,
+                                                    kt: main,
+                                                    c_off: 0,
+                                                    c_pstride: n_pad * NR,
+                                                    accumulate: j0 > 0,
+                                                    prefetch,
+                                                };
+                                                run(&blk, accf, acci);
+                                            }
+                                            if j0 + kt > full {
+                                                // The trailing partial tile, zero-padded.
+                                                for q in 0..nt {
+                                                    let d = &mut stage
+                                                        [q * TILE_BYTES..(q + 1) * TILE_BYTES];
+                                                    d.fill(0);
+                                                    let tail = &panel(q)[full * words..];
+                                                    d[..2 * tail.len()]
+                                                        .copy_from_slice(bytemuck::cast_slice(tail));
+                                                }
+                                                let st = &*stage;
+                                                let blk = AmxBlock {
+                                                    a: &a[full * TILE_ROW_BYTES..],
+                                                    a_stride: row_bytes,
+                                                    mt: 1,
+                                                    b: [
+                                                        &st[..TILE_BYTES],
+                                                        &st[(nt - 1) * TILE_BYTES..nt * TILE_BYTES],
+                                                    ],
+                                                    b_step: TILE_BYTES,
+                                                    nt,
+                                                    kt: 1,
+                                                    c_off: 0,
+                                                    c_pstride: n_pad * NR,
+                                                    accumulate: j0 > 0 || main > 0,
+                                                    prefetch: [&[], &[]],
+                                                };
+                                                run(&blk, accf, acci);
+                                            }
+                                        }
+                                        DataView::I8 { data: w, .. } => {
+                                            let groups = i8_padded_k(kdim) / KG;
+                                            let panel_len = groups * I8_GROUP_BYTES;
+                                            let g0 = (j0 * I8_TILE_K / KG).min(groups);
+                                            let blk_bytes = kt * TILE_BYTES;
+                                            for q in 0..nt {
+                                                let p = pp + q;
+                                                let srcw =
+                                                    &w[p * panel_len + g0 * I8_GROUP_BYTES
+                                                        ..(p + 1) * panel_len];
+                                                t.stage_i8(
+                                                    srcw,
+                                                    kt,
+                                                    &mut stage[q * blk_bytes..(q + 1) * blk_bytes],
+                                                );
+                                            }
+                                            let st = &*stage;
+                                            let blk = AmxBlock {
+                                                a: &a[j0 * TILE_ROW_BYTES..],
+                                                a_stride: row_bytes,
+                                                mt: 1,
+                                                b: [
+                                                    &st[..blk_bytes],
+                                                    &st[(nt - 1) * blk_bytes..nt * blk_bytes],
+                                                ],
+                                                b_step: TILE_BYTES,
+                                                nt,
+                                                kt,
+                                                c_off: 0,
+                                                c_pstride: n_pad * NR,
+                                                accumulate: j0 > 0,
+                                                prefetch,
+                                            };
+                                            run(&blk, accf, acci);
+                                        }
+                                    }
+                                    pp += nt;
+                                }
+                                j0 += kt;
+                            }
+                            // Epilogue for the panel block.
+                            for p in pb0..pb1 {
+                                let base = (p - pb0) * n_pad * NR;
+                                match data {
+                                    DataView::Bf16(_) => {
+                                        for i in 0..n {
+                                            let a = &accf[base + i * NR..base + (i + 1) * NR];
+                                            epi(i, p, &|c| a[c]);
+                                        }
+                                    }
+                                    DataView::I8 { scales, .. } => {
+                                        let ws = &scales[p * NR..(p + 1) * NR];
+                                        for i in 0..n {
+                                            let xs = src.i8_scales[row(i)];
+                                            let a = &acci[base + i * NR..base + (i + 1) * NR];
+                                            epi(i, p, &|c| a[c] as f32 * ws[c] * xs);
+                                        }
+                                    }
+                                }
+                            }
+                            pb0 = pb1;
+                        }
+                    });
+                })
+            })
+        })
+    })
 }

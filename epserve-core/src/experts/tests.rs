@@ -184,7 +184,7 @@ fn experts_packed_bf16_activations_are_close_on_every_tier() {
     for c in CASES {
         let ms = mlps(&mut rng, c);
         let reference = portable(&ms, c.hidden);
-        for rows in [1usize, 3, 40] {
+        for rows in [1usize, 3, 40, 120] {
             let x: Vec<f32> = (0..rows * c.hidden)
                 .map(|_| rng.random_range(-1.0f32..1.0))
                 .collect();
@@ -277,6 +277,43 @@ fn experts_packed_int8_is_close_and_identical_across_tiers() {
                     twin,
                     "{} rows={rows}",
                     tier.name()
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn experts_int8_prefill_tiles_equal_the_twin_on_every_tier() {
+    // Enough tokens per expert for every tier's prefill path (AMX tiles
+    // included, crossing its K and panel blocks at these sizes under test):
+    // int8 sums are exact, so every tier equals the scalar twin bit for bit.
+    let pool = Arc::new(ExpertPool::new(Some(2), false).expect("pool"));
+    let mut rng = StdRng::seed_from_u64(17);
+    for c in CASES {
+        let ms = mlps(&mut rng, c);
+        for rows in [60usize, 120] {
+            let x: Vec<f32> = (0..rows * c.hidden)
+                .map(|_| rng.random_range(-1.0f32..1.0))
+                .collect();
+            let (ids, w) = routing(&mut rng, rows, c);
+            let twin = run(
+                &packed(&ms, c.hidden, |_| PackedDtype::Int8, &pool)
+                    .with_kernels(Kernels::generic()),
+                &x,
+                &ids,
+                &w,
+                c,
+            );
+            for tier in Tier::available() {
+                let k = Kernels::for_tier(tier).expect("tier");
+                let ex = packed(&ms, c.hidden, |_| PackedDtype::Int8, &pool).with_kernels(k);
+                assert_eq!(
+                    run(&ex, &x, &ids, &w, c),
+                    twin,
+                    "{} h={} rows={rows}",
+                    tier.name(),
+                    c.hidden
                 );
             }
         }

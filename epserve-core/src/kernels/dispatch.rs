@@ -1,6 +1,6 @@
 //! Picks the MoE micro-kernel tier once per process: CPU features are
 //! detected at run time (never from `target-cpu`), the best tier is cached,
-//! and `EPSERVE_KERNEL=generic|avx2|avx512|avx512-vnni|avx512-bf16|neon|
+//! and `EPSERVE_KERNEL=generic|avx2|avx512|avx512-vnni|avx512-bf16|amx|neon|
 //! neon-dot|neon-i8mm|neon-bf16` forces one (falling back, with a warning,
 //! when the CPU lacks it).
 //!
@@ -25,6 +25,9 @@ pub enum Tier {
     Avx512Vnni,
     /// x86_64 AVX-512 + VNNI + BF16 (bf16 activations through `vdpbf16ps`).
     Avx512Bf16,
+    /// x86_64 `avx512-bf16` + AMX tiles (`tdpbf16ps`, `tdpbssd`) on the
+    /// prefill path of bf16-activation and int8 experts.
+    Amx,
     /// aarch64 NEON (bf16 widened to f32; int8 by widening multiply).
     Neon,
     /// aarch64 NEON + SDOT for int8.
@@ -37,12 +40,13 @@ pub enum Tier {
 
 impl Tier {
     /// Every tier, slowest first within each architecture.
-    pub const ALL: [Tier; 9] = [
+    pub const ALL: [Tier; 10] = [
         Tier::Generic,
         Tier::Avx2,
         Tier::Avx512,
         Tier::Avx512Vnni,
         Tier::Avx512Bf16,
+        Tier::Amx,
         Tier::Neon,
         Tier::NeonDot,
         Tier::NeonI8mm,
@@ -57,6 +61,7 @@ impl Tier {
             Tier::Avx512 => "avx512",
             Tier::Avx512Vnni => "avx512-vnni",
             Tier::Avx512Bf16 => "avx512-bf16",
+            Tier::Amx => "amx",
             Tier::Neon => "neon",
             Tier::NeonDot => "neon-dot",
             Tier::NeonI8mm => "neon-i8mm",
@@ -97,6 +102,8 @@ impl Tier {
                     && is_x86_feature_detected!("avx512vnni")
                     && is_x86_feature_detected!("avx512bf16")
             }
+            #[cfg(target_arch = "x86_64")]
+            Tier::Amx => Tier::Avx512Bf16.supported() && super::x86::amx::supported(),
             #[cfg(target_arch = "aarch64")]
             Tier::Neon => std::arch::is_aarch64_feature_detected!("neon"),
             #[cfg(target_arch = "aarch64")]
@@ -129,7 +136,13 @@ impl Tier {
     /// report them as skipped).
     pub fn unavailable() -> Vec<Tier> {
         let arch: &[Tier] = if cfg!(target_arch = "x86_64") {
-            &[Tier::Avx2, Tier::Avx512, Tier::Avx512Vnni, Tier::Avx512Bf16]
+            &[
+                Tier::Avx2,
+                Tier::Avx512,
+                Tier::Avx512Vnni,
+                Tier::Avx512Bf16,
+                Tier::Amx,
+            ]
         } else if cfg!(target_arch = "aarch64") {
             &[Tier::Neon, Tier::NeonDot, Tier::NeonI8mm, Tier::NeonBf16]
         } else {
@@ -153,6 +166,8 @@ pub struct Kernels {
     bf16x: Option<(usize, Bf16xTile)>,
     i8_mr: usize,
     i8: I8Tile,
+    /// AMX tiles for the prefill path (bf16 activations and int8).
+    amx: bool,
 }
 
 impl std::fmt::Debug for Kernels {
@@ -162,6 +177,7 @@ impl std::fmt::Debug for Kernels {
             .field("bf16_mr", &self.bf16_mr)
             .field("bf16x_mr", &self.bf16x.map(|b| b.0))
             .field("i8_mr", &self.i8_mr)
+            .field("amx", &self.amx)
             .finish()
     }
 }
@@ -196,10 +212,11 @@ impl Kernels {
                     bf16x: None,
                     i8_mr: avx2::I8_MR,
                     i8: avx2::i8_tile,
+                    amx: false,
                 }
             }
             #[cfg(target_arch = "x86_64")]
-            Tier::Avx512 | Tier::Avx512Vnni | Tier::Avx512Bf16 => {
+            Tier::Avx512 | Tier::Avx512Vnni | Tier::Avx512Bf16 | Tier::Amx => {
                 use super::x86::{avx2, avx512};
                 let (i8_mr, i8): (usize, I8Tile) = match tier {
                     Tier::Avx512 => (avx2::I8_MR, avx2::i8_tile),
@@ -209,10 +226,11 @@ impl Kernels {
                     tier,
                     bf16_mr: avx512::BF16_MR,
                     bf16: avx512::bf16_tile,
-                    bf16x: (tier == Tier::Avx512Bf16)
+                    bf16x: matches!(tier, Tier::Avx512Bf16 | Tier::Amx)
                         .then_some((avx512::BF16X_MR, avx512::bf16x_tile as Bf16xTile)),
                     i8_mr,
                     i8,
+                    amx: tier == Tier::Amx,
                 }
             }
             #[cfg(target_arch = "aarch64")]
@@ -231,6 +249,7 @@ impl Kernels {
                         .then_some((neon::BF16_MR, neon::bf16x_tile_bfdot as Bf16xTile)),
                     i8_mr,
                     i8,
+                    amx: false,
                 }
             }
             #[allow(unreachable_patterns)]
@@ -250,6 +269,7 @@ impl Kernels {
             bf16x: None,
             i8_mr: 4,
             i8: generic_i8,
+            amx: false,
         }
     }
 
@@ -326,6 +346,157 @@ impl Kernels {
 }
 
 impl Kernels {
+    /// Whether this tier runs the prefill path on AMX tiles.
+    pub fn amx(&self) -> bool {
+        self.amx
+    }
+
+    /// Runs `f` with this thread's AMX tiles configured (released again
+    /// afterwards, also on unwind); `None` on tiers without AMX.
+    pub fn amx_scope<R>(&self, f: impl FnOnce(&AmxTiles) -> R) -> Option<R> {
+        if !self.amx {
+            return None;
+        }
+        #[cfg(target_arch = "x86_64")]
+        {
+            struct Release;
+            impl Drop for Release {
+                fn drop(&mut self) {
+                    // SAFETY: only built after `configure` below succeeded on
+                    // a tier that checked AMX support.
+                    unsafe { super::x86::amx::release() }
+                }
+            }
+            // SAFETY: `self.amx` is only set for the AMX tier, which exists
+            // only where `amx::supported()` holds.
+            unsafe { super::x86::amx::configure() };
+            let _release = Release;
+            Some(f(&AmxTiles {
+                _thread: std::marker::PhantomData,
+            }))
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        {
+            let _ = f;
+            None
+        }
+    }
+}
+
+/// This thread's configured AMX tiles (see [`Kernels::amx_scope`]): all
+/// eight tiles 16 rows × 64 bytes. Tiles are per thread, so this is neither
+/// `Send` nor `Sync`.
+pub struct AmxTiles {
+    _thread: std::marker::PhantomData<*const ()>,
+}
+
+/// One AMX product: `C (mt × nt tiles) (+)= A · B` over `kt` `k`-tiles.
+/// `a` starts at token tile 0's row 0 at the first `k`-tile (token rows
+/// `a_stride` bytes apart, token tile 1 sixteen rows on); `b[n]` at panel
+/// `n`'s first `k`-tile (`b_step` bytes between `k`-tiles, each 16 rows of
+/// 64 bytes); C tile `(m, n)` at element `c_off + n · c_pstride + 256 · m`
+/// of the accumulator slice, 16 rows of 16 elements.
+#[derive(Clone, Copy, Debug)]
+pub struct AmxBlock<'a> {
+    pub a: &'a [u8],
+    pub a_stride: usize,
+    pub mt: usize,
+    pub b: [&'a [u8]; 2],
+    pub b_step: usize,
+    pub nt: usize,
+    pub kt: usize,
+    pub c_off: usize,
+    pub c_pstride: usize,
+    pub accumulate: bool,
+    /// Weights read next, prefetched into L2 while this block computes
+    /// (empty slices for none).
+    pub prefetch: [&'a [u8]; 2],
+}
+
+impl AmxBlock<'_> {
+    /// Panics unless every byte the block touches is inside its slices
+    /// (`c_len` accumulator elements).
+    fn check(&self, c_len: usize) {
+        use super::layout::NR;
+        const ROWS: usize = 16;
+        const TILE: usize = ROWS * 64;
+        assert!((1..=2).contains(&self.mt) && (1..=2).contains(&self.nt));
+        assert!(self.a_stride >= 64 || self.kt == 0);
+        let a_end = (self.mt * ROWS - 1) * self.a_stride + self.kt * 64;
+        assert!(
+            self.kt == 0 || a_end <= self.a.len(),
+            "AMX A tile out of bounds"
+        );
+        for b in &self.b[..self.nt] {
+            assert!(
+                self.kt == 0 || (self.kt - 1) * self.b_step + TILE <= b.len(),
+                "AMX B tile out of bounds"
+            );
+        }
+        let c_end = self.c_off + (self.nt - 1) * self.c_pstride + self.mt * ROWS * NR;
+        assert!(c_end <= c_len, "AMX C tile out of bounds");
+    }
+}
+
+impl AmxTiles {
+    /// The block with `tdpbf16ps` (bf16 `A` and `B`, f32 `C`).
+    pub fn bf16(&self, blk: &AmxBlock<'_>, c: &mut [f32]) {
+        blk.check(c.len());
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: the tiles are configured (`self` exists only inside
+        // `amx_scope`) and the extents were just checked.
+        unsafe {
+            super::x86::amx::block::<false>(blk.mt, blk.nt, &raw_block(blk, c.as_mut_ptr().cast()))
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        let _ = c;
+    }
+
+    /// The block with `tdpbssd` (int8 `A` and `B`, i32 `C`).
+    pub fn i8(&self, blk: &AmxBlock<'_>, c: &mut [i32]) {
+        blk.check(c.len());
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: as in `bf16`.
+        unsafe {
+            super::x86::amx::block::<true>(blk.mt, blk.nt, &raw_block(blk, c.as_mut_ptr().cast()))
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        let _ = c;
+    }
+
+    /// Restages int8 panel groups (`src`, whole 128-byte groups) into
+    /// `tiles` AMX `B` tiles in `dst` (groups past `src` read as zeros).
+    pub fn stage_i8(&self, src: &[i8], tiles: usize, dst: &mut [u8]) {
+        use super::layout::I8_GROUP_BYTES;
+        assert!(dst.len() >= tiles * 1024);
+        let groups = (src.len() / I8_GROUP_BYTES).min(tiles * 8);
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: AMX implies AVX-512 F; `groups` whole groups are inside
+        // `src` and `tiles` tiles inside `dst`.
+        unsafe {
+            super::x86::amx::stage_i8(src.as_ptr(), groups, tiles, dst.as_mut_ptr())
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        let _ = groups;
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+fn raw_block(blk: &AmxBlock<'_>, c: *mut u8) -> super::x86::amx::Block {
+    super::x86::amx::Block {
+        a: blk.a.as_ptr(),
+        a_stride: blk.a_stride,
+        b: [blk.b[0].as_ptr(), blk.b[1].as_ptr()],
+        b_step: blk.b_step,
+        kt: blk.kt,
+        c: c.wrapping_add(4 * blk.c_off),
+        c_pstride: blk.c_pstride,
+        accumulate: blk.accumulate,
+        prefetch: blk.prefetch.map(|p| (p.as_ptr(), p.len())),
+    }
+}
+
+impl Kernels {
     /// Measures this tier's f32 FMA throughput on the calling thread: runs
     /// for about `iters` rounds and returns `(flops, result)`; divide `flops`
     /// by the elapsed time for FLOP/s. The result only defeats dead-code
@@ -340,7 +511,7 @@ impl Kernels {
                 ((iters * 12 * 8 * 2) as f64, r)
             }
             #[cfg(target_arch = "x86_64")]
-            Tier::Avx512 | Tier::Avx512Vnni | Tier::Avx512Bf16 => {
+            Tier::Avx512 | Tier::Avx512Vnni | Tier::Avx512Bf16 | Tier::Amx => {
                 // SAFETY: every AVX-512 tier requires AVX-512 F.
                 let r = unsafe { super::x86::avx512::fma_probe(iters, seed) };
                 ((iters * 16 * 16 * 2) as f64, r)
@@ -367,7 +538,9 @@ impl Kernels {
     pub fn fma_probe_name(&self) -> &'static str {
         match self.tier {
             Tier::Avx2 => "f32 FMA, AVX2 (ymm vfmadd)",
-            Tier::Avx512 | Tier::Avx512Vnni | Tier::Avx512Bf16 => "f32 FMA, AVX-512 (zmm vfmadd)",
+            Tier::Avx512 | Tier::Avx512Vnni | Tier::Avx512Bf16 | Tier::Amx => {
+                "f32 FMA, AVX-512 (zmm vfmadd)"
+            }
             Tier::Neon | Tier::NeonDot | Tier::NeonI8mm | Tier::NeonBf16 => "f32 FMA, NEON (fmla)",
             Tier::Generic => "f32 multiply-add, scalar code",
         }
@@ -388,6 +561,12 @@ impl Kernels {
                     r,
                     "bf16 dot, AVX-512 BF16 (zmm vdpbf16ps)",
                 ))
+            }
+            #[cfg(target_arch = "x86_64")]
+            Tier::Amx => {
+                // SAFETY: this tier exists only where AMX is supported.
+                let flops = unsafe { super::x86::amx::bf16_probe(iters) };
+                Some((flops, seed, "bf16 dot, AMX (tdpbf16ps)"))
             }
             #[cfg(target_arch = "aarch64")]
             Tier::NeonBf16 => {

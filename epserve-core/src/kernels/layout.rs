@@ -31,6 +31,18 @@ use half::bf16;
 
 /// Output channels per panel.
 pub const NR: usize = 16;
+
+/// AMX tiles (x86 prefill path): token rows per tile.
+pub const AMX_TILE_M: usize = 16;
+/// AMX tiles: bytes per tile row (one token's `k` span; one weight
+/// `k`-pair or `k`-quad row of 16 channels).
+pub const AMX_ROW_BYTES: usize = 64;
+/// AMX tiles: bytes of a 16 × 64 tile.
+pub const AMX_TILE_BYTES: usize = AMX_TILE_M * AMX_ROW_BYTES;
+/// AMX tiles: `k`s per bf16 tile (16 pairs).
+pub const AMX_BF16_TILE_K: usize = 32;
+/// AMX tiles: `k`s per int8 tile (16 quads).
+pub const AMX_I8_TILE_K: usize = 64;
 /// `k`s per int8 group.
 pub const KG: usize = 8;
 /// Bytes of one int8 k-group of a panel.
