@@ -124,13 +124,15 @@ impl Out {
         }
     }
 
+    /// Writes `v` at indices `i..i + v.len()`.
+    ///
     /// # Safety
-    /// No other thread may read or write index `i` during the phase.
+    /// No other thread may read or write those indices during the phase.
     #[inline]
-    unsafe fn write(&self, i: usize, v: f32) {
-        assert!(i < self.len);
+    unsafe fn write_run(&self, i: usize, v: &[f32]) {
+        assert!(i <= self.len && v.len() <= self.len - i);
         // SAFETY: in bounds (asserted); exclusivity is the caller's contract.
-        unsafe { *self.ptr.add(i) = v }
+        unsafe { std::ptr::copy_nonoverlapping(v.as_ptr(), self.ptr.add(i), v.len()) }
     }
 }
 
@@ -419,6 +421,7 @@ impl ExpertExecutor for PackedExperts {
                 };
                 let (s0, s1) = (offsets[e], offsets[e + 1]);
                 let tok = |i: usize| order[s0 + i] as usize / top_k;
+                let (gate_bias, up_bias) = (ex.gate_bias.as_deref(), ex.up_bias.as_deref());
                 let src = Src {
                     f32_rows: x,
                     f32_stride: h,
@@ -439,17 +442,34 @@ impl ExpertExecutor for PackedExperts {
                     &src,
                     |i, p, val| {
                         let row = s0 + i;
-                        for c in 0..NR / 2 {
-                            let j = p * (NR / 2) + c;
-                            if j >= inter {
-                                break;
-                            }
-                            let g = val(c) + ex.gate_bias.as_ref().map_or(0.0, |b| b[j]);
-                            let u = val(c + NR / 2) + ex.up_bias.as_ref().map_or(0.0, |b| b[j]);
-                            // SAFETY: row `row` belongs to expert `e` alone and
-                            // columns `8p..8p+8` to this item's panels alone.
-                            unsafe { hout.write(row * inter + j, glu(ex.activation, g, u)) };
+                        let j0 = p * (NR / 2);
+                        let m = (NR / 2).min(inter.saturating_sub(j0));
+                        let (mut g, mut u) = ([0.0f32; NR / 2], [0.0f32; NR / 2]);
+                        g.copy_from_slice(&val[..NR / 2]);
+                        u.copy_from_slice(&val[NR / 2..]);
+                        if let Some(b) = gate_bias {
+                            g.iter_mut().zip(&b[j0..j0 + m]).for_each(|(v, b)| *v += b);
                         }
+                        if let Some(b) = up_bias {
+                            u.iter_mut().zip(&b[j0..j0 + m]).for_each(|(v, b)| *v += b);
+                        }
+                        let mut o = [0.0f32; NR / 2];
+                        match ex.activation {
+                            // SiLU (most models) as one vectorizable loop.
+                            Activation::Silu => {
+                                for c in 0..NR / 2 {
+                                    o[c] = crate::kernels::silu(g[c]) * u[c];
+                                }
+                            }
+                            a => {
+                                for c in 0..m {
+                                    o[c] = glu(a, g[c], u[c]);
+                                }
+                            }
+                        }
+                        // SAFETY: row `row` belongs to expert `e` alone and
+                        // columns `8p..8p+8` to this item's panels alone.
+                        unsafe { hout.write_run(row * inter + j0, &o[..m]) };
                     },
                 );
             });
@@ -513,6 +533,7 @@ impl ExpertExecutor for PackedExperts {
                 };
                 let (s0, s1) = (offsets[e], offsets[e + 1]);
                 let row = |i: usize| s0 + i;
+                let down_bias = ex.down_bias.as_deref();
                 let src = Src {
                     f32_rows: hb,
                     f32_stride: inter,
@@ -534,16 +555,16 @@ impl ExpertExecutor for PackedExperts {
                     |i, p, val| {
                         let slot = order[s0 + i] as usize;
                         let wgt = topk_weights[slot];
-                        for c in 0..NR {
-                            let j = p * NR + c;
-                            if j >= h {
-                                break;
-                            }
-                            let y = val(c) + ex.down_bias.as_ref().map_or(0.0, |b| b[j]);
-                            // SAFETY: slot `slot` is routed to expert `e` once
-                            // and columns `16p..16p+16` belong to this item alone.
-                            unsafe { yout.write(slot * h + j, wgt * y) };
+                        let j0 = p * NR;
+                        let m = NR.min(h.saturating_sub(j0));
+                        let mut o = [0.0f32; NR];
+                        for (c, d) in o.iter_mut().enumerate().take(m) {
+                            let y = val[c] + down_bias.map_or(0.0, |b| b[j0 + c]);
+                            *d = wgt * y;
                         }
+                        // SAFETY: slot `slot` is routed to expert `e` once
+                        // and columns `16p..16p+16` belong to this item alone.
+                        unsafe { yout.write_run(slot * h + j0, &o[..m]) };
                     },
                 );
             });
@@ -642,6 +663,23 @@ fn to_bf16_row(src: &[f32], dst: &mut [u16]) {
     }
 }
 
+/// One accumulator row of a panel (16 channels).
+#[inline]
+fn as_row(a: &[f32]) -> &[f32; NR] {
+    a.try_into().expect("accumulator rows are 16 wide")
+}
+
+/// One int8 accumulator row dequantized: `acc · weight scale · row scale`
+/// (the same expression on every tier, so results stay bit-identical).
+#[inline]
+fn dequant(a: &[i32], ws: &[f32], xs: f32) -> [f32; NR] {
+    let mut v = [0.0f32; NR];
+    for ((d, &q), &w) in v.iter_mut().zip(a).zip(ws) {
+        *d = q as f32 * w * xs;
+    }
+    v
+}
+
 /// A borrowed view of a packed matrix's elements.
 pub(crate) enum DataView<'a> {
     Bf16(&'a [u16]),
@@ -662,7 +700,7 @@ impl crate::experts::packed::PackedMatrix {
 
 /// Runs panels `it.p0..it.p1` of one matrix over the expert's `n` rows
 /// (`row(i)` is row `i`'s index in `src`) and hands each panel's results to
-/// `epi(i, panel, val)` where `val(c)` is row `i`'s dequantized channel `c`.
+/// `epi(i, panel, val)` where `val[c]` is row `i`'s dequantized channel `c`.
 #[allow(clippy::too_many_arguments)]
 fn run_panels(
     k: &Kernels,
@@ -673,7 +711,7 @@ fn run_panels(
     it: &Item,
     row: &dyn Fn(usize) -> usize,
     src: &Src<'_>,
-    mut epi: impl FnMut(usize, usize, &dyn Fn(usize) -> f32),
+    mut epi: impl FnMut(usize, usize, &[f32; NR]),
 ) {
     match *data {
         // Prefill on AMX tiles: bf16 activations with bf16 weights, and int8.
@@ -717,7 +755,7 @@ fn run_panels(
                     }
                     for i in 0..n {
                         let a = &acc[i * NR..(i + 1) * NR];
-                        epi(i, p, &|c| a[c]);
+                        epi(i, p, as_row(a));
                     }
                 }
             })
@@ -750,7 +788,7 @@ fn run_panels(
                 }
                 for i in 0..n {
                     let a = &acc[i * NR..(i + 1) * NR];
-                    epi(i, p, &|c| a[c]);
+                    epi(i, p, as_row(a));
                 }
             }
         }),
@@ -784,7 +822,7 @@ fn run_panels(
                 for i in 0..n {
                     let xs = src.i8_scales[row(i)];
                     let a = &acc[i * NR..(i + 1) * NR];
-                    epi(i, p, &|c| a[c] as f32 * ws[c] * xs);
+                    epi(i, p, &dequant(a, ws, xs));
                 }
             }
         }),
@@ -820,7 +858,7 @@ fn run_panels_amx(
     it: &Item,
     row: &dyn Fn(usize) -> usize,
     src: &Src<'_>,
-    mut epi: impl FnMut(usize, usize, &dyn Fn(usize) -> f32),
+    mut epi: impl FnMut(usize, usize, &[f32; NR]),
 ) {
     use crate::kernels::dispatch::AmxBlock;
     use crate::kernels::layout::{
@@ -1038,7 +1076,7 @@ fn run_panels_amx(
                                     DataView::Bf16(_) => {
                                         for i in 0..n {
                                             let a = &accf[base + i * NR..base + (i + 1) * NR];
-                                            epi(i, p, &|c| a[c]);
+                                            epi(i, p, as_row(a));
                                         }
                                     }
                                     DataView::I8 { scales, .. } => {
@@ -1046,7 +1084,7 @@ fn run_panels_amx(
                                         for i in 0..n {
                                             let xs = src.i8_scales[row(i)];
                                             let a = &acci[base + i * NR..base + (i + 1) * NR];
-                                            epi(i, p, &|c| a[c] as f32 * ws[c] * xs);
+                                            epi(i, p, &dequant(a, ws, xs));
                                         }
                                     }
                                 }

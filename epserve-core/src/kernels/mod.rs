@@ -122,11 +122,45 @@ pub fn sigmoid(x: f32) -> f32 {
     1.0 / (1.0 + (-x).exp())
 }
 
+/// `e^x` without branches or library calls, so that loops over it
+/// vectorize: Cody–Waite reduction `x = n·ln2 + r` with `|r| ≤ ln2/2`, a
+/// degree-7 Taylor polynomial for `e^r` (truncation < 2e-9 relative) and the
+/// exponent bits built from `n`. Within 2 ulp of `f32::exp` for
+/// `x ∈ [-87, 88]`; inputs are clamped to that range (so it returns about
+/// 1.6e-38 below it and 1.65e38 above it instead of 0 and infinity); NaN
+/// stays NaN.
+#[inline(always)]
+pub fn fast_exp(x: f32) -> f32 {
+    const LOG2E: f32 = std::f32::consts::LOG2_E;
+    const LN2_HI: f32 = 0.693_145_75;
+    const LN2_LO: f32 = 1.428_606_8e-6;
+    // 1.5 · 2^23: adding and subtracting it rounds to the nearest integer.
+    const ROUND: f32 = 12_582_912.0;
+    let x = x.clamp(-87.0, 88.0);
+    let n = (x * LOG2E + ROUND) - ROUND;
+    let r = (x - n * LN2_HI) - n * LN2_LO;
+    let p = 1.0 / 5040.0;
+    let p = p * r + 1.0 / 720.0;
+    let p = p * r + 1.0 / 120.0;
+    let p = p * r + 1.0 / 24.0;
+    let p = p * r + 1.0 / 6.0;
+    let p = p * r + 0.5;
+    let p = p * r + 1.0;
+    let p = p * r + 1.0;
+    p * f32::from_bits(((n as i32 + 127) as u32) << 23)
+}
+
+/// SiLU `x · σ(x)` through [`fast_exp`] (vectorizable).
+#[inline(always)]
+pub fn silu(x: f32) -> f32 {
+    x * (1.0 / (1.0 + fast_exp(-x)))
+}
+
 /// Applies an activation to one value.
 #[inline]
 pub fn activate(a: Activation, x: f32) -> f32 {
     match a {
-        Activation::Silu => x * sigmoid(x),
+        Activation::Silu => silu(x),
         Activation::Gelu => 0.5 * x * (1.0 + erf(x / std::f32::consts::SQRT_2)),
         Activation::GeluTanh => {
             let c = (2.0f32 / std::f32::consts::PI).sqrt();
@@ -212,6 +246,25 @@ mod tests {
                 assert_eq!(out[t * n + j], r);
             }
         }
+    }
+
+    #[test]
+    fn fast_exp_is_within_two_ulp_of_libm() {
+        let ulp = |a: f32, b: f32| (a.to_bits() as i64 - b.to_bits() as i64).unsigned_abs();
+        let mut worst = 0;
+        let mut x = -87.0f32;
+        while x <= 88.0 {
+            let (got, want) = (fast_exp(x), x.exp());
+            worst = worst.max(ulp(got, want));
+            assert!(ulp(got, want) <= 2, "e^{x}: {got} vs {want}");
+            x += 0.000_731;
+        }
+        assert!(worst <= 2);
+        assert!(fast_exp(f32::NAN).is_nan());
+        assert!(fast_exp(-1e30) > 0.0 && fast_exp(-1e30) < 1e-37);
+        assert!(fast_exp(1e30).is_finite());
+        assert_eq!(silu(0.0), 0.0);
+        assert!((silu(-100.0)).abs() < 1e-30 && (silu(100.0) - 100.0).abs() < 1e-4);
     }
 
     #[test]

@@ -179,6 +179,9 @@ macro_rules! tdp {
 /// Bytes ahead of the current weight tile to prefetch.
 const B_PREFETCH: usize = 4096;
 
+/// Bytes ahead of the int8 panel stream to prefetch while restaging.
+const STAGE_PREFETCH: usize = 2048;
+
 /// Where one call's tiles are.
 #[derive(Clone, Copy, Debug)]
 pub struct Block {
@@ -336,6 +339,8 @@ pub unsafe fn stage_i8(src: *const i8, groups: usize, tiles: usize, dst: *mut u8
         unsafe {
             let d = dst.add(g * 128) as *mut __m512i;
             if g < groups {
+                _mm_prefetch::<_MM_HINT_T0>(src.wrapping_add(g * 128 + STAGE_PREFETCH));
+                _mm_prefetch::<_MM_HINT_T0>(src.wrapping_add(g * 128 + STAGE_PREFETCH + 64));
                 let s = src.add(g * 128) as *const __m512i;
                 let (lo, hi) = (_mm512_loadu_si512(s), _mm512_loadu_si512(s.add(1)));
                 _mm512_storeu_si512(d, _mm512_permutex2var_epi32(lo, even, hi));
