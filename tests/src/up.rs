@@ -2,6 +2,7 @@
 //! "cluster ready", and stop it (SIGTERM, which stops every child) on drop.
 
 use std::io::{BufRead, BufReader};
+use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
@@ -12,12 +13,17 @@ pub struct Up {
     pub url: String,
     /// etcd's client address.
     pub etcd: String,
+    /// The temporary etcd data dir `up` created (None with `--etcd`).
+    pub etcd_data_dir: Option<PathBuf>,
     /// The coordinator's admin gRPC address.
     pub admin: String,
 }
 
 impl Drop for Up {
     fn drop(&mut self) {
+        if let Ok(Some(_)) = self.child.try_wait() {
+            return; // already exited and reaped: its pid may be reused
+        }
         // SAFETY: signalling our own child.
         unsafe {
             libc::kill(self.child.id() as libc::pid_t, libc::SIGTERM);
@@ -31,17 +37,29 @@ impl Up {
     /// waits up to 120 s for it to report the cluster ready. With `echo`, the
     /// cluster's stdout is copied to stderr.
     pub fn start(bin: &str, args: &[&str], echo: bool) -> Up {
-        let mut child = Command::new(bin)
-            .arg("up")
+        Up::start_with(bin, args, echo, |_| {})
+    }
+
+    /// `start`, with `configure` applied to the command first (e.g. a
+    /// `pre_exec` hook).
+    pub fn start_with(
+        bin: &str,
+        args: &[&str],
+        echo: bool,
+        configure: impl FnOnce(&mut Command),
+    ) -> Up {
+        let mut cmd = Command::new(bin);
+        cmd.arg("up")
             .args(args)
             .stdout(Stdio::piped())
-            .stderr(Stdio::inherit())
-            .spawn()
-            .expect("spawn epserve up");
+            .stderr(Stdio::inherit());
+        configure(&mut cmd);
+        let mut child = cmd.spawn().expect("spawn epserve up");
         let out = child.stdout.take().expect("stdout");
         let (tx, rx) = std::sync::mpsc::channel();
         std::thread::spawn(move || {
             let mut etcd = String::new();
+            let mut etcd_data_dir = None;
             let mut admin = String::new();
             for line in BufReader::new(out).lines().map_while(|l| l.ok()) {
                 if echo {
@@ -52,6 +70,10 @@ impl Up {
                 }
                 if let Some(rest) = line.strip_prefix("epserve up: etcd at ") {
                     etcd = rest.split_whitespace().next().unwrap_or("").to_string();
+                    etcd_data_dir = rest
+                        .split_once("(data in ")
+                        .and_then(|(_, d)| d.strip_suffix(')'))
+                        .map(PathBuf::from);
                 }
                 if let Some(i) = line.find("cluster ready at http://") {
                     let url = line[i + "cluster ready at ".len()..]
@@ -60,20 +82,52 @@ impl Up {
                         .unwrap_or("")
                         .trim_end_matches("/v1")
                         .to_string();
-                    let _ = tx.send((url, etcd.clone(), admin.clone()));
+                    let _ = tx.send((url, etcd.clone(), etcd_data_dir.clone(), admin.clone()));
                 }
             }
         });
-        let (url, etcd, admin) = rx
+        let (url, etcd, etcd_data_dir, admin) = rx
             .recv_timeout(Duration::from_secs(120))
             .expect("cluster ready");
         Up {
             child,
             url,
             etcd,
+            etcd_data_dir,
             admin,
         }
     }
+
+    /// Pids of the processes `up` started (its direct children), from /proc.
+    pub fn children(&self) -> Vec<u32> {
+        children_of(self.child.id())
+    }
+}
+
+/// Pids whose parent is `pid`, from /proc/*/stat.
+pub fn children_of(pid: u32) -> Vec<u32> {
+    let mut out = Vec::new();
+    let Ok(rd) = std::fs::read_dir("/proc") else {
+        return out;
+    };
+    for e in rd.filter_map(|e| e.ok()) {
+        let Some(child) = e.file_name().to_str().and_then(|n| n.parse::<u32>().ok()) else {
+            continue;
+        };
+        let Ok(stat) = std::fs::read_to_string(e.path().join("stat")) else {
+            continue;
+        };
+        // `pid (comm) state ppid ...`; comm may hold spaces and parentheses.
+        let ppid = stat
+            .rsplit_once(')')
+            .and_then(|(_, rest)| rest.split_whitespace().nth(1))
+            .and_then(|p| p.parse::<u32>().ok());
+        if ppid == Some(pid) {
+            out.push(child);
+        }
+    }
+    out.sort_unstable();
+    out
 }
 
 /// Whether `etcd` is on PATH. Its absence is a failure under

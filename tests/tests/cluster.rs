@@ -8,6 +8,7 @@
 //! Needs `etcd` on PATH; skipped without it unless `EPSERVE_REQUIRE_ETCD=1`
 //! (set by `.ci/run`), which makes its absence a failure.
 
+use std::os::unix::process::CommandExt;
 use std::process::{Child, Command, Stdio};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -552,4 +553,102 @@ async fn restarted_attention_worker_is_followed() {
         "{last}"
     );
     drop(up);
+}
+
+/// Whether `sig` is set in the hex signal mask `field` (`SigBlk`, `SigIgn`) of
+/// /proc/PID/status; None when the process is gone.
+fn proc_sig_bit(pid: u32, field: &str, sig: libc::c_int) -> Option<bool> {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
+    let hex = status
+        .lines()
+        .find_map(|l| l.strip_prefix(field)?.strip_prefix(':'))?
+        .trim();
+    let mask = u64::from_str_radix(hex, 16).ok()?;
+    Some(mask & (1u64 << (sig - 1)) != 0)
+}
+
+/// Starts `up` (1 expert-worker) with SIGINT ignored, as a non-interactive
+/// shell starts a background job, sends it `sig`, and checks the orderly
+/// stop: `up` exits 0 within 30 s, none of its children (etcd, worker,
+/// coordinator) survives, and the temporary etcd data dir is gone.
+fn up_stops_on(sig: libc::c_int) {
+    let model = fixture_dir("qwen3_moe_a").join("f32");
+    let model = model.to_str().expect("utf-8 fixture path");
+    let args = ["--model", model, "--expert-workers", "1", "--port", "0"];
+    let mut up = Up::start_with(env!("CARGO_BIN_EXE_epserve-it"), &args, false, |c| {
+        // SAFETY: signal(2) in the forked child before exec; async-signal-safe.
+        unsafe {
+            c.pre_exec(|| {
+                libc::signal(libc::SIGINT, libc::SIG_IGN);
+                Ok(())
+            });
+        }
+    });
+    let pid = up.child.id();
+    let dir = up
+        .etcd_data_dir
+        .clone()
+        .expect("up reports its etcd data dir");
+    assert!(dir.is_dir(), "{} missing while running", dir.display());
+    let kids = up.children();
+    assert_eq!(kids.len(), 3, "etcd, expert-worker, coordinator: {kids:?}");
+    for &k in &kids {
+        for s in [libc::SIGINT, libc::SIGTERM] {
+            assert_eq!(
+                proc_sig_bit(k, "SigBlk", s),
+                Some(false),
+                "child {k} inherited signal {s} blocked"
+            );
+            assert_eq!(
+                proc_sig_bit(k, "SigIgn", s),
+                Some(false),
+                "child {k} inherited signal {s} ignored"
+            );
+        }
+    }
+
+    // SAFETY: signalling our own child.
+    unsafe {
+        libc::kill(pid as libc::pid_t, sig);
+    }
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let status = loop {
+        match up.child.try_wait().expect("wait for up") {
+            Some(s) => break s,
+            None if Instant::now() < deadline => std::thread::sleep(Duration::from_millis(50)),
+            None => {
+                let _ = up.child.kill();
+                let _ = up.child.wait();
+                panic!("`epserve up` still running 30 s after signal {sig}");
+            }
+        }
+    };
+    assert_eq!(
+        status.code(),
+        Some(0),
+        "signal {sig}: `up` did not take its orderly stop ({status})"
+    );
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while kids.iter().any(|&k| pid_alive(k)) && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let alive: Vec<u32> = kids.iter().copied().filter(|&k| pid_alive(k)).collect();
+    assert!(
+        alive.is_empty(),
+        "signal {sig}: children survived: {alive:?}"
+    );
+    assert!(
+        !dir.exists(),
+        "signal {sig}: etcd data dir {} left behind",
+        dir.display()
+    );
+}
+
+#[test]
+fn sigint_and_sigterm_stop_up_cleanly_even_with_sigint_ignored() {
+    if !etcd_available() {
+        return;
+    }
+    up_stops_on(libc::SIGINT);
+    up_stops_on(libc::SIGTERM);
 }
