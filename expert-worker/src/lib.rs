@@ -171,6 +171,9 @@ pub fn run(args: &ExpertWorkerArgs) -> Result<()> {
 }
 
 /// Applies every placement / rebalance change (a burst of changes loads once).
+/// The watches re-establish themselves when the store's watch ends (see
+/// `ClusterState::watch_placement`) and re-read the current documents, so
+/// this only returns when they are dropped.
 async fn follow(
     worker: Arc<ExpertWorker>,
     state: ClusterState,
@@ -230,7 +233,8 @@ async fn follow(
             Err(e) => tracing::error!(error = %e, "cannot load the assigned experts"),
         }
     }
-    tracing::error!("the placement watch ended; this worker no longer follows placement changes");
+    // Only when the watch tasks are gone (the runtime is shutting down).
+    tracing::debug!("stopped following the placement");
 }
 
 /// Resolves on SIGINT or SIGTERM.
@@ -258,4 +262,69 @@ pub fn check_placement(p: &Placement, cfg: &ModelConfig) -> Result<()> {
         bail!("{e}");
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use epserve_proto::store::MemoryStore;
+    use std::time::Duration;
+
+    /// Waits up to 20 s for `cond`.
+    async fn eventually(what: &str, cond: impl Fn() -> bool) {
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
+        while !cond() {
+            assert!(tokio::time::Instant::now() < deadline, "timed out: {what}");
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn follows_the_placement_after_the_store_ends_its_watches() -> Result<()> {
+        let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/qwen3_moe_a/f32");
+        let cfg = ModelConfig::from_dir(&dir)?;
+        let ws = Arc::new(WeightStore::open(&dir)?);
+        let (layers, n) = (cfg.moe_layers(), cfg.num_experts);
+        let all = layers.len() * n;
+        let worker = Arc::new(ExpertWorker::new(
+            "a".into(),
+            cfg,
+            ws,
+            LoadOptions::default(),
+        ));
+        let mem = MemoryStore::new();
+        let state = ClusterState::new(Arc::new(mem.clone()), "t");
+        let ids: Vec<String> = vec!["a".into(), "b".into()];
+        let placement = |workers: &[String], version| -> Result<Placement> {
+            let mut p = Placement::initial(&layers, n, workers).map_err(|e| anyhow::anyhow!(e))?;
+            p.version = version;
+            Ok(p)
+        };
+        state.init_placement(&placement(&ids[..1], 1)?).await?;
+        let task = tokio::spawn(follow(
+            worker.clone(),
+            state.clone(),
+            Duration::ZERO,
+            state.watch_placement().await?,
+            state.watch_rebalance().await?,
+        ));
+        eventually("every expert loaded", || worker.held().len() == all).await;
+
+        // etcd restarts: every watch ends. The next placement (half the
+        // experts move to b) is still followed.
+        mem.end_watches();
+        let p2 = placement(&ids, 2)?;
+        let want = desired_experts("a", Some(&p2), None);
+        assert!(!want.is_empty() && want.len() < all);
+        let rev = state.placement().await?.map(|(_, r)| r).unwrap_or(0);
+        assert!(state.swap_placement(rev, &p2).await?);
+        eventually("a holds only its share of v2", || worker.held() == want).await;
+
+        // ...and a change after the watch is back, too.
+        let rev = state.placement().await?.map(|(_, r)| r).unwrap_or(0);
+        assert!(state.swap_placement(rev, &placement(&ids[..1], 3)?).await?);
+        eventually("a holds everything again", || worker.held().len() == all).await;
+        task.abort();
+        Ok(())
+    }
 }

@@ -306,6 +306,14 @@ impl MemoryStore {
         Self::default()
     }
 
+    /// Ends every open watch (its receiver sees the channel close), as an
+    /// etcd restart ends etcd's watch streams; for tests of reconnection.
+    pub fn end_watches(&self) {
+        if let Ok(mut m) = self.inner.lock() {
+            m.watchers.clear();
+        }
+    }
+
     fn lock(&self) -> StoreResult<std::sync::MutexGuard<'_, Mem>> {
         self.inner
             .lock()
