@@ -22,7 +22,7 @@ use epserve_proto::cluster::{
     ClusterState, Rebalance, RebalanceState, WorkerInfo, desired_experts,
 };
 use epserve_proto::pb::expert_service_server::ExpertServiceServer;
-use epserve_proto::store::EtcdStore;
+use epserve_proto::store::{EtcdStore, LeaseGuard};
 
 pub use service::ExpertWorker;
 
@@ -74,6 +74,10 @@ pub struct ExpertWorkerArgs {
     /// has moved to the new placement.
     #[arg(long, default_value_t = 3000)]
     pub drop_grace_ms: u64,
+    /// Give up (exit 1) when etcd stays unreachable this long, at start or
+    /// while registered.
+    #[arg(long, default_value_t = 30, value_parser = clap::value_parser!(u64).range(1..))]
+    pub etcd_timeout_secs: u64,
 }
 
 /// What the worker serves right now.
@@ -124,7 +128,7 @@ pub fn run(args: &ExpertWorkerArgs) -> Result<()> {
         .build()
         .context("cannot start the async runtime")?;
     rt.block_on(async move {
-        let store = EtcdStore::connect(&args.etcd).await?;
+        let store = connect_etcd(&args.etcd, args.etcd_timeout_secs).await?;
         let state = ClusterState::new(Arc::new(store), &args.cluster);
         let worker = Arc::new(ExpertWorker::new(id.clone(), cfg, ws, opts));
         let listener = tokio::net::TcpListener::bind(args.listen)
@@ -152,20 +156,18 @@ pub fn run(args: &ExpertWorkerArgs) -> Result<()> {
             shard: None,
             pid: std::process::id(),
         };
-        let _lease = state.register(&info).await?;
+        let mut lease = state.register(&info).await?;
         println!(
             "epserve expert-worker '{id}' serving ExpertService at {advertise} (cores {cores:?})"
         );
-        tonic::transport::Server::builder()
+        let server = tonic::transport::Server::builder()
             .add_service(
                 ExpertServiceServer::from_arc(worker)
                     .max_decoding_message_size(1 << 30)
                     .max_encoding_message_size(1 << 30),
             )
-            .serve_with_incoming_shutdown(incoming, shutdown())
-            .await
-            .context("gRPC server failed")?;
-        Ok::<(), anyhow::Error>(())
+            .serve_with_incoming_shutdown(incoming, shutdown());
+        serve_registered(server, &mut lease).await
     })?;
     Ok(())
 }
@@ -235,6 +237,32 @@ async fn follow(
     }
     // Only when the watch tasks are gone (the runtime is shutting down).
     tracing::debug!("stopped following the placement");
+}
+
+/// Connects to etcd at `endpoints`, retrying for at most `timeout_secs`;
+/// the lease of a registration made through it is given up once etcd has
+/// been unreachable that long (see [`serve_registered`]). Shared by both
+/// worker roles.
+pub async fn connect_etcd(endpoints: &str, timeout_secs: u64) -> Result<EtcdStore> {
+    let limit = std::time::Duration::from_secs(timeout_secs);
+    Ok(EtcdStore::connect_within(endpoints, limit).await?)
+}
+
+/// Runs a worker's gRPC `server` until it stops (SIGINT/SIGTERM), or fails
+/// when `lease`, the worker's registration, is lost because etcd stayed
+/// unreachable past `--etcd-timeout-secs`: a worker nobody can find should
+/// exit rather than linger.
+pub async fn serve_registered<E>(
+    server: impl std::future::Future<Output = Result<(), E>>,
+    lease: &mut LeaseGuard,
+) -> Result<()>
+where
+    E: std::error::Error + Send + Sync + 'static,
+{
+    tokio::select! {
+        r = server => r.context("gRPC server failed"),
+        e = lease.lost() => Err(anyhow::Error::new(e).context("lost the etcd registration")),
+    }
 }
 
 /// Resolves on SIGINT or SIGTERM.

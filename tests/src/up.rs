@@ -145,3 +145,69 @@ pub fn etcd_available() -> bool {
     }
     found
 }
+
+/// A lone etcd on free loopback ports with a temporary data dir, for tests
+/// that stop it under running workers; killed and its dir removed on drop.
+pub struct Etcd {
+    pub child: Child,
+    /// Client address `127.0.0.1:PORT`.
+    pub addr: String,
+    dir: PathBuf,
+}
+
+impl Etcd {
+    /// Starts etcd and waits up to 20 s for its client port.
+    pub fn start() -> Etcd {
+        let port = || {
+            std::net::TcpListener::bind("127.0.0.1:0")
+                .and_then(|l| l.local_addr())
+                .expect("free port")
+                .port()
+        };
+        let (cport, pport) = (port(), port());
+        let dir =
+            std::env::temp_dir().join(format!("epserve-test-etcd-{}-{cport}", std::process::id()));
+        let child = Command::new("etcd")
+            .args(["--name", "t", "--data-dir"])
+            .arg(&dir)
+            .args([
+                "--listen-client-urls",
+                &format!("http://127.0.0.1:{cport}"),
+                "--advertise-client-urls",
+                &format!("http://127.0.0.1:{cport}"),
+                "--listen-peer-urls",
+                &format!("http://127.0.0.1:{pport}"),
+                "--initial-advertise-peer-urls",
+                &format!("http://127.0.0.1:{pport}"),
+                "--initial-cluster",
+                &format!("t=http://127.0.0.1:{pport}"),
+                "--log-level",
+                "error",
+            ])
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("start etcd");
+        let addr = format!("127.0.0.1:{cport}");
+        let etcd = Etcd { child, addr, dir };
+        let deadline = std::time::Instant::now() + Duration::from_secs(20);
+        while std::net::TcpStream::connect(&etcd.addr).is_err() {
+            assert!(std::time::Instant::now() < deadline, "etcd did not start");
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        etcd
+    }
+
+    /// Kills etcd (SIGKILL) and waits for it.
+    pub fn kill(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+impl Drop for Etcd {
+    fn drop(&mut self) {
+        self.kill();
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}

@@ -652,3 +652,79 @@ fn sigint_and_sigterm_stop_up_cleanly_even_with_sigint_ignored() {
     up_stops_on(libc::SIGINT);
     up_stops_on(libc::SIGTERM);
 }
+
+/// Workers registered in an etcd that then disappears give up after
+/// `--etcd-timeout-secs` (exit 1, one error line naming the endpoint) instead
+/// of renewing their lease forever while nobody can find them.
+#[test]
+fn workers_exit_when_etcd_stays_unreachable() {
+    if !etcd_available() {
+        return;
+    }
+    let mut etcd = epserve_tests::up::Etcd::start();
+    let model = fixture_dir("qwen3_moe_a").join("f32");
+    let model = model.to_str().expect("utf-8 fixture path");
+    let start = |role: &str, extra: &[&str]| {
+        let mut c = Command::new(env!("CARGO_BIN_EXE_epserve-it"))
+            .arg(role)
+            .args(["--model", model, "--etcd", &etcd.addr, "--cluster", "gone"])
+            .args(["--listen", "127.0.0.1:0", "--etcd-timeout-secs", "2"])
+            .args(extra)
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("spawn worker");
+        // Wait (bounded) for the "serving" line: registered in etcd.
+        let out = c.stdout.take().expect("stdout");
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            use std::io::BufRead;
+            for line in std::io::BufReader::new(out).lines().map_while(|l| l.ok()) {
+                if line.contains("serving") {
+                    let _ = tx.send(());
+                }
+            }
+        });
+        if rx.recv_timeout(Duration::from_secs(60)).is_err() {
+            let _ = c.kill();
+            panic!("{role} did not start serving");
+        }
+        c
+    };
+    let mut workers = [
+        (
+            "attention-worker",
+            start("attention-worker", &["--shard", "0", "--of", "1"]),
+        ),
+        ("expert-worker", start("expert-worker", &[])),
+    ];
+    etcd.kill();
+    let deadline = Instant::now() + Duration::from_secs(40);
+    for (role, c) in workers.iter_mut() {
+        let status = loop {
+            match c.try_wait().expect("wait") {
+                Some(s) => break s,
+                None if Instant::now() < deadline => std::thread::sleep(Duration::from_millis(50)),
+                None => {
+                    let _ = c.kill();
+                    let _ = c.wait();
+                    panic!("{role} still running 40 s after etcd was killed");
+                }
+            }
+        };
+        let mut err = String::new();
+        if let Some(mut e) = c.stderr.take() {
+            use std::io::Read;
+            let _ = e.read_to_string(&mut err);
+        }
+        assert_eq!(status.code(), Some(1), "{role}: {status}; stderr: {err}");
+        let last = err.trim().lines().last().unwrap_or("");
+        for needle in [
+            "error: lost the etcd registration",
+            &format!("etcd at {}", etcd.addr),
+            "unreachable for 2 s",
+        ] {
+            assert!(last.contains(needle), "{role}: '{needle}' not in: {last}");
+        }
+    }
+}
