@@ -147,11 +147,13 @@ pub fn etcd_available() -> bool {
 }
 
 /// A lone etcd on free loopback ports with a temporary data dir, for tests
-/// that stop it under running workers; killed and its dir removed on drop.
+/// that stop or restart it under running workers; killed and its dir
+/// removed on drop.
 pub struct Etcd {
     pub child: Child,
     /// Client address `127.0.0.1:PORT`.
     pub addr: String,
+    peer_port: u16,
     dir: PathBuf,
 }
 
@@ -167,14 +169,27 @@ impl Etcd {
         let (cport, pport) = (port(), port());
         let dir =
             std::env::temp_dir().join(format!("epserve-test-etcd-{}-{cport}", std::process::id()));
-        let child = Command::new("etcd")
+        let addr = format!("127.0.0.1:{cport}");
+        let child = Self::spawn(&addr, pport, &dir);
+        let etcd = Etcd {
+            child,
+            addr,
+            peer_port: pport,
+            dir,
+        };
+        etcd.wait_ready();
+        etcd
+    }
+
+    fn spawn(addr: &str, pport: u16, dir: &std::path::Path) -> Child {
+        Command::new("etcd")
             .args(["--name", "t", "--data-dir"])
-            .arg(&dir)
+            .arg(dir)
             .args([
                 "--listen-client-urls",
-                &format!("http://127.0.0.1:{cport}"),
+                &format!("http://{addr}"),
                 "--advertise-client-urls",
-                &format!("http://127.0.0.1:{cport}"),
+                &format!("http://{addr}"),
                 "--listen-peer-urls",
                 &format!("http://127.0.0.1:{pport}"),
                 "--initial-advertise-peer-urls",
@@ -187,21 +202,30 @@ impl Etcd {
             .stdout(Stdio::null())
             .stderr(Stdio::null())
             .spawn()
-            .expect("start etcd");
-        let addr = format!("127.0.0.1:{cport}");
-        let etcd = Etcd { child, addr, dir };
+            .expect("start etcd")
+    }
+
+    fn wait_ready(&self) {
         let deadline = std::time::Instant::now() + Duration::from_secs(20);
-        while std::net::TcpStream::connect(&etcd.addr).is_err() {
+        while std::net::TcpStream::connect(&self.addr).is_err() {
             assert!(std::time::Instant::now() < deadline, "etcd did not start");
             std::thread::sleep(Duration::from_millis(50));
         }
-        etcd
     }
 
     /// Kills etcd (SIGKILL) and waits for it.
     pub fn kill(&mut self) {
         let _ = self.child.kill();
         let _ = self.child.wait();
+    }
+
+    /// Kills etcd and, `down` later, starts it again on the same ports and
+    /// data.
+    pub fn restart_after(&mut self, down: Duration) {
+        self.kill();
+        std::thread::sleep(down);
+        self.child = Self::spawn(&self.addr, self.peer_port, &self.dir);
+        self.wait_ready();
     }
 }
 

@@ -728,3 +728,82 @@ fn workers_exit_when_etcd_stays_unreachable() {
         }
     }
 }
+
+/// An etcd restart under a registered expert-worker, down long enough for a
+/// lease renewal (every 3.3 s) to fail: its registration survives (the
+/// keep-alive stream is reopened; without it the lease would expire 10 s
+/// after the restart) and it follows a placement written after the restart
+/// (its placement watch is re-established).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_expert_worker_survives_an_etcd_restart() {
+    if !etcd_available() {
+        return;
+    }
+    let mut etcd = epserve_tests::up::Etcd::start();
+    let model = fixture_dir("qwen3_moe_a").join("f32");
+    let mut c = Command::new(env!("CARGO_BIN_EXE_epserve-it"))
+        .arg("expert-worker")
+        .arg("--model")
+        .arg(&model)
+        .args(["--etcd", &etcd.addr, "--cluster", "restart", "--id", "w"])
+        .args(["--listen", "127.0.0.1:0", "--etcd-timeout-secs", "60"])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("spawn expert-worker");
+    struct Kill(Child);
+    impl Drop for Kill {
+        fn drop(&mut self) {
+            let _ = self.0.kill();
+            let _ = self.0.wait();
+        }
+    }
+    let out = c.stdout.take().expect("stdout");
+    let worker = Kill(c);
+    let (tx, rx) = std::sync::mpsc::channel::<String>();
+    std::thread::spawn(move || {
+        use std::io::BufRead;
+        for line in std::io::BufReader::new(out).lines().map_while(|l| l.ok()) {
+            let _ = tx.send(line);
+        }
+    });
+    let wait_line = |what: &str, limit: Duration| {
+        let deadline = Instant::now() + limit;
+        loop {
+            let left = deadline.saturating_duration_since(Instant::now());
+            match rx.recv_timeout(left) {
+                Ok(line) if line.contains(what) => return,
+                Ok(_) => {}
+                Err(_) => panic!("no '{what}' from the worker within {limit:?}"),
+            }
+        }
+    };
+    wait_line("serving", Duration::from_secs(60));
+
+    etcd.restart_after(Duration::from_secs(4));
+    // Past the lease TTL (10 s), counted from the restart.
+    tokio::time::sleep(Duration::from_secs(13)).await;
+    let store = EtcdStore::connect(&etcd.addr).await.expect("etcd");
+    let state = ClusterState::new(Arc::new(store), "restart");
+    let workers = state.workers("expert").await.expect("workers");
+    assert_eq!(
+        workers.iter().map(|w| w.id.as_str()).collect::<Vec<_>>(),
+        ["w"],
+        "the worker's registration did not survive the etcd restart"
+    );
+
+    let g = golden("qwen3_moe_a");
+    let p =
+        epserve_core::placement::Placement::initial(&g.moe_layers, g.num_experts, &["w".into()])
+            .expect("placement");
+    state.init_placement(&p).await.expect("write placement");
+    wait_line(
+        &format!(
+            "holds {} experts (placement v{}",
+            g.moe_layers.len() * g.num_experts,
+            p.version
+        ),
+        Duration::from_secs(30),
+    );
+    drop(worker);
+}
