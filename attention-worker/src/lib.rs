@@ -19,7 +19,6 @@ use epserve_core::model::attn_shard::AttentionShard;
 use epserve_expert_worker::cores;
 use epserve_proto::cluster::{ClusterState, WorkerInfo};
 use epserve_proto::pb::attention_service_server::AttentionServiceServer;
-use epserve_proto::store::EtcdStore;
 
 pub use service::AttentionWorker;
 
@@ -73,6 +72,10 @@ pub struct AttentionWorkerArgs {
     /// Positions per KV block (the coordinator's --block-size must be a multiple).
     #[arg(long, default_value_t = 16)]
     pub block_size: usize,
+    /// Give up (exit 1) when etcd stays unreachable this long, at start or
+    /// while registered.
+    #[arg(long, default_value_t = 30, value_parser = clap::value_parser!(u64).range(1..))]
+    pub etcd_timeout_secs: u64,
 }
 
 /// Runs the worker until SIGINT/SIGTERM.
@@ -129,7 +132,7 @@ pub fn run(args: &AttentionWorkerArgs) -> Result<()> {
         .build()
         .context("cannot start the async runtime")?;
     rt.block_on(async move {
-        let store = EtcdStore::connect(&args.etcd).await?;
+        let store = epserve_expert_worker::connect_etcd(&args.etcd, args.etcd_timeout_secs).await?;
         let state = ClusterState::new(Arc::new(store), &args.cluster);
         let worker = Arc::new(AttentionWorker::new(id.clone(), loaded));
         let listener = tokio::net::TcpListener::bind(args.listen)
@@ -146,21 +149,19 @@ pub fn run(args: &AttentionWorkerArgs) -> Result<()> {
             shard: Some((args.shard as u32, args.of as u32)),
             pid: std::process::id(),
         };
-        let _lease = state.register(&info).await?;
+        let mut lease = state.register(&info).await?;
         println!(
             "epserve attention-worker '{id}' serving AttentionService at {advertise}: shard {} of {} ({} KV blocks of {} positions, cores {cores:?})",
             args.shard, args.of, stats.blocks_total, stats.block_size
         );
-        tonic::transport::Server::builder()
+        let server = tonic::transport::Server::builder()
             .add_service(
                 AttentionServiceServer::from_arc(worker)
                     .max_decoding_message_size(1 << 30)
                     .max_encoding_message_size(1 << 30),
             )
-            .serve_with_incoming_shutdown(incoming, epserve_expert_worker::shutdown())
-            .await
-            .context("gRPC server failed")?;
-        Ok::<(), anyhow::Error>(())
+            .serve_with_incoming_shutdown(incoming, epserve_expert_worker::shutdown());
+        epserve_expert_worker::serve_registered(server, &mut lease).await
     })?;
     Ok(())
 }

@@ -332,3 +332,48 @@ fn attention_workers_refuse_what_they_cannot_serve() {
     ]);
     assert_one_line_error(&r, &["--attention-workers 3", "cannot be split evenly"]);
 }
+
+#[test]
+fn workers_give_up_on_an_unreachable_etcd() {
+    // A loopback port nothing listens on.
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .expect("free port")
+        .port();
+    let etcd = format!("127.0.0.1:{port}");
+    let model = fixtures().join("qwen3_moe_a/f32");
+    let model = model.to_str().expect("utf-8 path");
+    let common = [
+        "--model",
+        model,
+        "--etcd",
+        &etcd,
+        "--listen",
+        "127.0.0.1:0",
+        "--etcd-timeout-secs",
+        "2",
+    ];
+    for (role, extra) in [
+        ("attention-worker", &["--shard", "0", "--of", "1"][..]),
+        ("expert-worker", &[][..]),
+    ] {
+        let started = std::time::Instant::now();
+        let mut args = vec![role];
+        args.extend_from_slice(&common);
+        args.extend_from_slice(extra);
+        let r = epserve(&args);
+        let took = started.elapsed();
+        assert_one_line_error(
+            &r,
+            &[
+                &format!("etcd at {etcd}"),
+                "unreachable for 2 s",
+                "giving up",
+            ],
+        );
+        assert!(
+            took >= std::time::Duration::from_secs(2) && took < std::time::Duration::from_secs(20),
+            "{role} gave up after {took:?}"
+        );
+    }
+}

@@ -63,6 +63,9 @@ pub enum Error {
     /// Failures of remote attention (attention-workers of a tensor-parallel cluster).
     #[error("remote attention failed: {0}")]
     Attention(String),
+    /// A bug: an invariant broke or code panicked (e.g. in the forward pass).
+    #[error("internal error: {0}")]
+    Internal(String),
 }
 
 /// Result alias for the core library.

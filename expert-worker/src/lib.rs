@@ -22,7 +22,7 @@ use epserve_proto::cluster::{
     ClusterState, Rebalance, RebalanceState, WorkerInfo, desired_experts,
 };
 use epserve_proto::pb::expert_service_server::ExpertServiceServer;
-use epserve_proto::store::EtcdStore;
+use epserve_proto::store::{EtcdStore, LeaseGuard};
 
 pub use service::ExpertWorker;
 
@@ -74,6 +74,10 @@ pub struct ExpertWorkerArgs {
     /// has moved to the new placement.
     #[arg(long, default_value_t = 3000)]
     pub drop_grace_ms: u64,
+    /// Give up (exit 1) when etcd stays unreachable this long, at start or
+    /// while registered.
+    #[arg(long, default_value_t = 30, value_parser = clap::value_parser!(u64).range(1..))]
+    pub etcd_timeout_secs: u64,
 }
 
 /// What the worker serves right now.
@@ -124,7 +128,7 @@ pub fn run(args: &ExpertWorkerArgs) -> Result<()> {
         .build()
         .context("cannot start the async runtime")?;
     rt.block_on(async move {
-        let store = EtcdStore::connect(&args.etcd).await?;
+        let store = connect_etcd(&args.etcd, args.etcd_timeout_secs).await?;
         let state = ClusterState::new(Arc::new(store), &args.cluster);
         let worker = Arc::new(ExpertWorker::new(id.clone(), cfg, ws, opts));
         let listener = tokio::net::TcpListener::bind(args.listen)
@@ -152,25 +156,26 @@ pub fn run(args: &ExpertWorkerArgs) -> Result<()> {
             shard: None,
             pid: std::process::id(),
         };
-        let _lease = state.register(&info).await?;
+        let mut lease = state.register(&info).await?;
         println!(
             "epserve expert-worker '{id}' serving ExpertService at {advertise} (cores {cores:?})"
         );
-        tonic::transport::Server::builder()
+        let server = tonic::transport::Server::builder()
             .add_service(
                 ExpertServiceServer::from_arc(worker)
                     .max_decoding_message_size(1 << 30)
                     .max_encoding_message_size(1 << 30),
             )
-            .serve_with_incoming_shutdown(incoming, shutdown())
-            .await
-            .context("gRPC server failed")?;
-        Ok::<(), anyhow::Error>(())
+            .serve_with_incoming_shutdown(incoming, shutdown());
+        serve_registered(server, &mut lease).await
     })?;
     Ok(())
 }
 
 /// Applies every placement / rebalance change (a burst of changes loads once).
+/// The watches re-establish themselves when the store's watch ends (see
+/// `ClusterState::watch_placement`) and re-read the current documents, so
+/// this only returns when they are dropped.
 async fn follow(
     worker: Arc<ExpertWorker>,
     state: ClusterState,
@@ -230,7 +235,34 @@ async fn follow(
             Err(e) => tracing::error!(error = %e, "cannot load the assigned experts"),
         }
     }
-    tracing::error!("the placement watch ended; this worker no longer follows placement changes");
+    // Only when the watch tasks are gone (the runtime is shutting down).
+    tracing::debug!("stopped following the placement");
+}
+
+/// Connects to etcd at `endpoints`, retrying for at most `timeout_secs`;
+/// the lease of a registration made through it is given up once etcd has
+/// been unreachable that long (see [`serve_registered`]). Shared by both
+/// worker roles.
+pub async fn connect_etcd(endpoints: &str, timeout_secs: u64) -> Result<EtcdStore> {
+    let limit = std::time::Duration::from_secs(timeout_secs);
+    Ok(EtcdStore::connect_within(endpoints, limit).await?)
+}
+
+/// Runs a worker's gRPC `server` until it stops (SIGINT/SIGTERM), or fails
+/// when `lease`, the worker's registration, is lost because etcd stayed
+/// unreachable past `--etcd-timeout-secs`: a worker nobody can find should
+/// exit rather than linger.
+pub async fn serve_registered<E>(
+    server: impl std::future::Future<Output = Result<(), E>>,
+    lease: &mut LeaseGuard,
+) -> Result<()>
+where
+    E: std::error::Error + Send + Sync + 'static,
+{
+    tokio::select! {
+        r = server => r.context("gRPC server failed"),
+        e = lease.lost() => Err(anyhow::Error::new(e).context("lost the etcd registration")),
+    }
 }
 
 /// Resolves on SIGINT or SIGTERM.
@@ -258,4 +290,69 @@ pub fn check_placement(p: &Placement, cfg: &ModelConfig) -> Result<()> {
         bail!("{e}");
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use epserve_proto::store::MemoryStore;
+    use std::time::Duration;
+
+    /// Waits up to 20 s for `cond`.
+    async fn eventually(what: &str, cond: impl Fn() -> bool) {
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
+        while !cond() {
+            assert!(tokio::time::Instant::now() < deadline, "timed out: {what}");
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn follows_the_placement_after_the_store_ends_its_watches() -> Result<()> {
+        let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/qwen3_moe_a/f32");
+        let cfg = ModelConfig::from_dir(&dir)?;
+        let ws = Arc::new(WeightStore::open(&dir)?);
+        let (layers, n) = (cfg.moe_layers(), cfg.num_experts);
+        let all = layers.len() * n;
+        let worker = Arc::new(ExpertWorker::new(
+            "a".into(),
+            cfg,
+            ws,
+            LoadOptions::default(),
+        ));
+        let mem = MemoryStore::new();
+        let state = ClusterState::new(Arc::new(mem.clone()), "t");
+        let ids: Vec<String> = vec!["a".into(), "b".into()];
+        let placement = |workers: &[String], version| -> Result<Placement> {
+            let mut p = Placement::initial(&layers, n, workers).map_err(|e| anyhow::anyhow!(e))?;
+            p.version = version;
+            Ok(p)
+        };
+        state.init_placement(&placement(&ids[..1], 1)?).await?;
+        let task = tokio::spawn(follow(
+            worker.clone(),
+            state.clone(),
+            Duration::ZERO,
+            state.watch_placement().await?,
+            state.watch_rebalance().await?,
+        ));
+        eventually("every expert loaded", || worker.held().len() == all).await;
+
+        // etcd restarts: every watch ends. The next placement (half the
+        // experts move to b) is still followed.
+        mem.end_watches();
+        let p2 = placement(&ids, 2)?;
+        let want = desired_experts("a", Some(&p2), None);
+        assert!(!want.is_empty() && want.len() < all);
+        let rev = state.placement().await?.map(|(_, r)| r).unwrap_or(0);
+        assert!(state.swap_placement(rev, &p2).await?);
+        eventually("a holds only its share of v2", || worker.held() == want).await;
+
+        // ...and a change after the watch is back, too.
+        let rev = state.placement().await?.map(|(_, r)| r).unwrap_or(0);
+        assert!(state.swap_placement(rev, &placement(&ids[..1], 3)?).await?);
+        eventually("a holds everything again", || worker.held().len() == all).await;
+        task.abort();
+        Ok(())
+    }
 }

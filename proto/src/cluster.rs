@@ -21,6 +21,11 @@ use crate::store::{KvStore, LeaseGuard, StoreError, StoreResult};
 /// Seconds a worker's registration outlives its last keep-alive.
 pub const WORKER_TTL_SECS: i64 = 10;
 
+/// First wait before re-establishing a watch that ended.
+pub const WATCH_RETRY_MIN: std::time::Duration = std::time::Duration::from_millis(100);
+/// Longest wait between attempts to re-establish a watch.
+pub const WATCH_RETRY_MAX: std::time::Duration = std::time::Duration::from_secs(5);
+
 /// A worker as it registers itself.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct WorkerInfo {
@@ -221,6 +226,11 @@ impl ClusterState {
         self.watch_json(&self.placement_key()).await
     }
 
+    /// `key` decoded as JSON now and after every change. If the store's watch
+    /// ends (etcd restarted, a network blip), it is re-established with
+    /// exponential backoff ([`WATCH_RETRY_MIN`] .. [`WATCH_RETRY_MAX`]); a new
+    /// watch starts with the key's current value, so a change made while no
+    /// watch was open is not missed. The receiver ends only when dropped.
     async fn watch_json<T: serde::de::DeserializeOwned + Send + 'static>(
         &self,
         key: &str,
@@ -228,21 +238,59 @@ impl ClusterState {
         let mut raw = self.store.watch(key).await?;
         let (tx, rx) = mpsc::channel(8);
         let key = key.to_string();
+        let store = self.store.clone();
         tokio::spawn(async move {
-            while let Some(v) = raw.recv().await {
-                let p = match v {
-                    None => None,
-                    Some(bytes) => match serde_json::from_slice::<T>(&bytes) {
-                        Ok(p) => Some(p),
-                        Err(e) => {
-                            tracing::error!(key = %key, error = %e, "ignoring a corrupt document");
-                            continue;
-                        }
-                    },
-                };
-                if tx.send(p).await.is_err() {
-                    return;
+            // The last value passed on, to skip the re-read after a reconnect
+            // when nothing changed meanwhile.
+            let mut last: Option<Option<Vec<u8>>> = None;
+            let mut reconnected = false;
+            let mut backoff = WATCH_RETRY_MIN;
+            loop {
+                let opened = tokio::time::Instant::now();
+                while let Some(v) = raw.recv().await {
+                    if std::mem::take(&mut reconnected) && last.as_ref() == Some(&v) {
+                        continue;
+                    }
+                    last = Some(v.clone());
+                    let p = match v {
+                        None => None,
+                        Some(bytes) => match serde_json::from_slice::<T>(&bytes) {
+                            Ok(p) => Some(p),
+                            Err(e) => {
+                                tracing::error!(key = %key, error = %e, "ignoring a corrupt document");
+                                continue;
+                            }
+                        },
+                    };
+                    if tx.send(p).await.is_err() {
+                        return;
+                    }
                 }
+                // A watch that lived a while starts the backoff afresh; one
+                // that keeps ending at once waits longer each time.
+                if opened.elapsed() >= WATCH_RETRY_MAX {
+                    backoff = WATCH_RETRY_MIN;
+                }
+                tracing::warn!(key = %key, retry_in = ?backoff, "watch ended; re-establishing it");
+                let mut attempt = 1u32;
+                raw = loop {
+                    tokio::select! {
+                        _ = tx.closed() => return,
+                        _ = tokio::time::sleep(backoff) => {}
+                    }
+                    let w = store.watch(&key).await;
+                    backoff = (backoff * 2).min(WATCH_RETRY_MAX);
+                    match w {
+                        Ok(w) => break w,
+                        Err(e) => {
+                            tracing::warn!(key = %key, attempt, error = %e, retry_in = ?backoff,
+                                "cannot re-establish the watch");
+                            attempt += 1;
+                        }
+                    }
+                };
+                tracing::warn!(key = %key, attempt, "watch re-established; current value re-read");
+                reconnected = true;
             }
         });
         Ok(rx)
@@ -379,6 +427,66 @@ mod tests {
         assert_eq!(w.recv().await, Some(Some(p.clone())));
         drop(guard);
         assert!(st.workers("expert").await?.is_empty());
+        Ok(())
+    }
+
+    /// The next value of a watch, or None after 10 s.
+    async fn next<T>(w: &mut mpsc::Receiver<T>) -> Option<Option<T>> {
+        tokio::time::timeout(std::time::Duration::from_secs(10), w.recv())
+            .await
+            .ok()
+    }
+
+    #[tokio::test]
+    async fn an_ended_watch_is_re_established_and_misses_no_change() -> StoreResult<()> {
+        let mem = MemoryStore::new();
+        let st = ClusterState::new(Arc::new(mem.clone()), "t");
+        let other = |e: epserve_core::placement::PlacementError| StoreError::Other(e.to_string());
+        let ws: Vec<String> = vec!["a".into(), "b".into()];
+        let mut p1 = Placement::initial(&[0], 4, &ws[..1]).map_err(other)?;
+        p1.version = 1;
+        let mut p2 = Placement::initial(&[0], 4, &ws).map_err(other)?;
+        p2.version = 2;
+        let mut p3 = p2.clone();
+        p3.version = 3;
+        let mut w = st.watch_placement().await?;
+        let mut r = st.watch_rebalance().await?;
+        assert_eq!(w.recv().await, Some(None));
+        assert_eq!(r.recv().await, Some(None));
+        st.init_placement(&p1).await?;
+        assert_eq!(w.recv().await, Some(Some(p1.clone())));
+
+        // The store ends every watch (etcd restarted); a change lands before
+        // the watch is back and is read when it is.
+        mem.end_watches();
+        let rev = st.placement().await?.map(|(_, rev)| rev).unwrap_or(0);
+        assert!(st.swap_placement(rev, &p2).await?);
+        assert_eq!(next(&mut w).await, Some(Some(Some(p2.clone()))));
+        // ...and later changes keep arriving.
+        let rev = st.placement().await?.map(|(_, rev)| rev).unwrap_or(0);
+        assert!(st.swap_placement(rev, &p3).await?);
+        assert_eq!(next(&mut w).await, Some(Some(Some(p3.clone()))));
+
+        // Ended again with nothing changed: the re-read is not passed on
+        // twice; the next change is.
+        mem.end_watches();
+        tokio::time::sleep(WATCH_RETRY_MIN * 4).await;
+        let rb = Rebalance {
+            id: "r1".into(),
+            state: RebalanceState::Proposed,
+            reason: "test".into(),
+            from: p3.clone(),
+            target: p2.clone(),
+            message: String::new(),
+            updated_ms: 0,
+        };
+        assert_eq!(st.start_rebalance(&rb).await?, Ok(()));
+        assert_eq!(next(&mut r).await, Some(Some(Some(rb))));
+        let mut p4 = p3.clone();
+        p4.version = 4;
+        let rev = st.placement().await?.map(|(_, rev)| rev).unwrap_or(0);
+        assert!(st.swap_placement(rev, &p4).await?);
+        assert_eq!(next(&mut w).await, Some(Some(Some(p4))));
         Ok(())
     }
 

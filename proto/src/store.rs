@@ -26,6 +26,22 @@ pub type StoreResult<T> = Result<T, StoreError>;
 pub struct LeaseGuard {
     task: tokio::task::JoinHandle<()>,
     on_drop: Option<Box<dyn FnOnce() + Send>>,
+    lost: Option<tokio::sync::oneshot::Receiver<StoreError>>,
+}
+
+impl LeaseGuard {
+    /// Resolves when the key can no longer be kept alive: the store has been
+    /// unreachable longer than its limit (see [`EtcdStore::connect_within`]).
+    /// Never resolves for stores without such a limit.
+    pub async fn lost(&mut self) -> StoreError {
+        match self.lost.as_mut() {
+            Some(rx) => match rx.await {
+                Ok(e) => e,
+                Err(_) => std::future::pending().await,
+            },
+            None => std::future::pending().await,
+        }
+    }
 }
 
 impl Drop for LeaseGuard {
@@ -73,9 +89,50 @@ pub trait KvStore: Send + Sync {
 pub struct EtcdStore {
     client: Client,
     endpoint: String,
+    /// How long leased keys keep trying to reach etcd before giving up
+    /// ([`LeaseGuard::lost`]); None: forever.
+    unreachable_limit: Option<Duration>,
 }
 
 impl EtcdStore {
+    /// [`connect`](Self::connect), retried with backoff (100 ms doubling to
+    /// 2 s) for at most `limit`; then an error naming the endpoint. Leased
+    /// keys of the store give up once etcd has been unreachable for `limit`
+    /// ([`LeaseGuard::lost`]).
+    pub async fn connect_within(endpoints: &str, limit: Duration) -> StoreResult<Self> {
+        let deadline = tokio::time::Instant::now() + limit;
+        let mut backoff = Duration::from_millis(100);
+        let mut attempt = 1u32;
+        loop {
+            let left = deadline.saturating_duration_since(tokio::time::Instant::now());
+            let last = match tokio::time::timeout(left, Self::connect(endpoints)).await {
+                Ok(Ok(mut s)) => {
+                    s.unreachable_limit = Some(limit);
+                    return Ok(s);
+                }
+                Ok(Err(StoreError::Etcd { message, .. })) => message,
+                Ok(Err(e)) => e.to_string(),
+                Err(_) => "no answer".to_string(),
+            };
+            let left = deadline.saturating_duration_since(tokio::time::Instant::now());
+            if left.is_zero() {
+                return Err(StoreError::Etcd {
+                    endpoint: endpoints.to_string(),
+                    message: format!(
+                        "unreachable for {} s, giving up (last error: {last})",
+                        limit.as_secs_f64()
+                    ),
+                });
+            }
+            // info: the outcome (connected, or one error line) is what a user sees.
+            tracing::info!(etcd = %endpoints, attempt, error = %last, retry_in = ?backoff.min(left),
+                "etcd unreachable; retrying");
+            tokio::time::sleep(backoff.min(left)).await;
+            backoff = (backoff * 2).min(Duration::from_secs(2));
+            attempt += 1;
+        }
+    }
+
     /// Connects (with a timeout) to `endpoints` (comma-separated `host:port` or URLs).
     pub async fn connect(endpoints: &str) -> StoreResult<Self> {
         let eps: Vec<String> = endpoints
@@ -99,6 +156,7 @@ impl EtcdStore {
         let s = EtcdStore {
             client,
             endpoint: endpoints.to_string(),
+            unreachable_limit: None,
         };
         // Fail fast if nothing answers.
         s.get("/epserve/.ping").await?;
@@ -108,7 +166,116 @@ impl EtcdStore {
     fn err(&self, e: etcd_client::Error) -> StoreError {
         StoreError::Etcd {
             endpoint: self.endpoint.clone(),
-            message: e.to_string(),
+            message: short_error(&e),
+        }
+    }
+}
+
+/// An etcd-client error in a few words: a gRPC status's message and its
+/// innermost cause (`tcp connect error: Connection refused (os error 111)`)
+/// rather than the nested debug form.
+fn short_error(e: &etcd_client::Error) -> String {
+    match e {
+        etcd_client::Error::GRpcStatus(status) => {
+            let mut root: Option<&dyn std::error::Error> = std::error::Error::source(status);
+            while let Some(next) = root.and_then(|r| r.source()) {
+                root = Some(next);
+            }
+            match root {
+                Some(r) => format!("{}: {r}", status.message()),
+                None => status.message().to_string(),
+            }
+        }
+        other => other.to_string(),
+    }
+}
+
+type KeepAlive = (etcd_client::LeaseKeeper, etcd_client::LeaseKeepAliveStream);
+
+/// One keep-alive of lease `id` over `stream` (opened first if None): true
+/// if the lease is alive, false if etcd no longer knows it.
+async fn renew(
+    c: &mut Client,
+    stream: &mut Option<KeepAlive>,
+    id: i64,
+) -> Result<bool, etcd_client::Error> {
+    let (keeper, responses) = match stream {
+        Some(s) => s,
+        None => stream.insert(c.lease_keep_alive(id).await?),
+    };
+    keeper.keep_alive().await?;
+    match responses.message().await? {
+        Some(r) => Ok(r.ttl() > 0),
+        None => Err(etcd_client::Error::LeaseKeepAliveError(
+            "keep-alive stream closed".into(),
+        )),
+    }
+}
+
+/// Renews the lease of `key` every third of its TTL. A failed renewal
+/// reopens the keep-alive stream on the next round; a lease that expired
+/// meanwhile (etcd was away longer than the TTL) is granted again and `key`
+/// written again, so the registration comes back with etcd. After `limit`
+/// without a successful renewal, reports the loss on `lost` and stops.
+#[allow(clippy::too_many_arguments)]
+async fn keep_leased(
+    client: Client,
+    endpoint: String,
+    key: String,
+    value: Vec<u8>,
+    ttl_secs: i64,
+    lease: Arc<std::sync::atomic::AtomicI64>,
+    limit: Option<Duration>,
+    lost: tokio::sync::oneshot::Sender<StoreError>,
+) {
+    use std::sync::atomic::Ordering;
+    let period = Duration::from_millis((ttl_secs.max(1) as u64 * 1000) / 3);
+    let mut last_ok = tokio::time::Instant::now();
+    let mut stream: Option<KeepAlive> = None;
+    loop {
+        tokio::time::sleep(period).await;
+        let round = async {
+            let mut c = client.clone();
+            let alive = renew(&mut c, &mut stream, lease.load(Ordering::Relaxed)).await?;
+            if !alive {
+                // The lease expired while etcd was away: register again.
+                stream = None;
+                let granted = c.lease_grant(ttl_secs, None).await?;
+                c.put(
+                    key.as_str(),
+                    value.clone(),
+                    Some(PutOptions::new().with_lease(granted.id())),
+                )
+                .await?;
+                lease.store(granted.id(), Ordering::Relaxed);
+                tracing::warn!(key = %key, "lease had expired; key written again under a new lease");
+            }
+            Ok::<(), etcd_client::Error>(())
+        };
+        // A blackholed etcd must not stall a round forever.
+        let result = match tokio::time::timeout(period.max(Duration::from_secs(1)) * 3, round).await
+        {
+            Ok(r) => r.map_err(|e| short_error(&e)),
+            Err(_) => Err("no answer".to_string()),
+        };
+        match result {
+            Ok(()) => last_ok = tokio::time::Instant::now(),
+            Err(e) => {
+                stream = None;
+                tracing::warn!(key = %key, error = %e, "lease keep-alive failed");
+                if let Some(limit) = limit
+                    && last_ok.elapsed() >= limit
+                {
+                    let _ = lost.send(StoreError::Etcd {
+                        endpoint,
+                        message: format!(
+                            "unreachable for {} s, giving up (last error: {e})",
+                            limit.as_secs_f64()
+                        ),
+                    });
+                    return;
+                }
+            }
         }
     }
 }
@@ -186,32 +353,25 @@ impl KvStore for EtcdStore {
             .await
             .map_err(|e| self.err(e))?;
         let id = lease.id();
-        c.put(key, value, Some(PutOptions::new().with_lease(id)))
+        c.put(key, value.clone(), Some(PutOptions::new().with_lease(id)))
             .await
             .map_err(|e| self.err(e))?;
-        let (mut keeper, mut stream) = c.lease_keep_alive(id).await.map_err(|e| self.err(e))?;
-        let period = Duration::from_millis((ttl_secs.max(1) as u64 * 1000) / 3);
-        let key_owned = key.to_string();
-        let task = tokio::spawn(async move {
-            loop {
-                tokio::time::sleep(period).await;
-                if let Err(e) = keeper.keep_alive().await {
-                    tracing::warn!(key = %key_owned, error = %e, "lease keep-alive failed");
-                    continue;
-                }
-                match stream.message().await {
-                    Ok(Some(_)) => {}
-                    Ok(None) => {
-                        tracing::warn!(key = %key_owned, "lease keep-alive stream closed");
-                        return;
-                    }
-                    Err(e) => tracing::warn!(key = %key_owned, error = %e, "lease keep-alive"),
-                }
-            }
-        });
+        let lease = Arc::new(std::sync::atomic::AtomicI64::new(id));
+        let (lost_tx, lost_rx) = tokio::sync::oneshot::channel();
+        let task = tokio::spawn(keep_leased(
+            self.client.clone(),
+            self.endpoint.clone(),
+            key.to_string(),
+            value,
+            ttl_secs,
+            lease.clone(),
+            self.unreachable_limit,
+            lost_tx,
+        ));
         let revoke_client = self.client.clone();
         let on_drop = Box::new(move || {
             let mut c = revoke_client;
+            let id = lease.load(std::sync::atomic::Ordering::Relaxed);
             if let Ok(h) = tokio::runtime::Handle::try_current() {
                 h.spawn(async move {
                     let _ = c.lease_revoke(id).await;
@@ -221,6 +381,7 @@ impl KvStore for EtcdStore {
         Ok(LeaseGuard {
             task,
             on_drop: Some(on_drop),
+            lost: Some(lost_rx),
         })
     }
 
@@ -306,6 +467,14 @@ impl MemoryStore {
         Self::default()
     }
 
+    /// Ends every open watch (its receiver sees the channel close), as an
+    /// etcd restart ends etcd's watch streams; for tests of reconnection.
+    pub fn end_watches(&self) {
+        if let Ok(mut m) = self.inner.lock() {
+            m.watchers.clear();
+        }
+    }
+
     fn lock(&self) -> StoreResult<std::sync::MutexGuard<'_, Mem>> {
         self.inner
             .lock()
@@ -366,6 +535,7 @@ impl KvStore for MemoryStore {
                     m.set(&key, None);
                 }
             })),
+            lost: None,
         })
     }
     async fn watch(&self, key: &str) -> StoreResult<mpsc::Receiver<Option<Vec<u8>>>> {

@@ -2,6 +2,7 @@
 //! "cluster ready", and stop it (SIGTERM, which stops every child) on drop.
 
 use std::io::{BufRead, BufReader};
+use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
@@ -12,12 +13,17 @@ pub struct Up {
     pub url: String,
     /// etcd's client address.
     pub etcd: String,
+    /// The temporary etcd data dir `up` created (None with `--etcd`).
+    pub etcd_data_dir: Option<PathBuf>,
     /// The coordinator's admin gRPC address.
     pub admin: String,
 }
 
 impl Drop for Up {
     fn drop(&mut self) {
+        if let Ok(Some(_)) = self.child.try_wait() {
+            return; // already exited and reaped: its pid may be reused
+        }
         // SAFETY: signalling our own child.
         unsafe {
             libc::kill(self.child.id() as libc::pid_t, libc::SIGTERM);
@@ -31,17 +37,29 @@ impl Up {
     /// waits up to 120 s for it to report the cluster ready. With `echo`, the
     /// cluster's stdout is copied to stderr.
     pub fn start(bin: &str, args: &[&str], echo: bool) -> Up {
-        let mut child = Command::new(bin)
-            .arg("up")
+        Up::start_with(bin, args, echo, |_| {})
+    }
+
+    /// `start`, with `configure` applied to the command first (e.g. a
+    /// `pre_exec` hook).
+    pub fn start_with(
+        bin: &str,
+        args: &[&str],
+        echo: bool,
+        configure: impl FnOnce(&mut Command),
+    ) -> Up {
+        let mut cmd = Command::new(bin);
+        cmd.arg("up")
             .args(args)
             .stdout(Stdio::piped())
-            .stderr(Stdio::inherit())
-            .spawn()
-            .expect("spawn epserve up");
+            .stderr(Stdio::inherit());
+        configure(&mut cmd);
+        let mut child = cmd.spawn().expect("spawn epserve up");
         let out = child.stdout.take().expect("stdout");
         let (tx, rx) = std::sync::mpsc::channel();
         std::thread::spawn(move || {
             let mut etcd = String::new();
+            let mut etcd_data_dir = None;
             let mut admin = String::new();
             for line in BufReader::new(out).lines().map_while(|l| l.ok()) {
                 if echo {
@@ -52,6 +70,10 @@ impl Up {
                 }
                 if let Some(rest) = line.strip_prefix("epserve up: etcd at ") {
                     etcd = rest.split_whitespace().next().unwrap_or("").to_string();
+                    etcd_data_dir = rest
+                        .split_once("(data in ")
+                        .and_then(|(_, d)| d.strip_suffix(')'))
+                        .map(PathBuf::from);
                 }
                 if let Some(i) = line.find("cluster ready at http://") {
                     let url = line[i + "cluster ready at ".len()..]
@@ -60,20 +82,52 @@ impl Up {
                         .unwrap_or("")
                         .trim_end_matches("/v1")
                         .to_string();
-                    let _ = tx.send((url, etcd.clone(), admin.clone()));
+                    let _ = tx.send((url, etcd.clone(), etcd_data_dir.clone(), admin.clone()));
                 }
             }
         });
-        let (url, etcd, admin) = rx
+        let (url, etcd, etcd_data_dir, admin) = rx
             .recv_timeout(Duration::from_secs(120))
             .expect("cluster ready");
         Up {
             child,
             url,
             etcd,
+            etcd_data_dir,
             admin,
         }
     }
+
+    /// Pids of the processes `up` started (its direct children), from /proc.
+    pub fn children(&self) -> Vec<u32> {
+        children_of(self.child.id())
+    }
+}
+
+/// Pids whose parent is `pid`, from /proc/*/stat.
+pub fn children_of(pid: u32) -> Vec<u32> {
+    let mut out = Vec::new();
+    let Ok(rd) = std::fs::read_dir("/proc") else {
+        return out;
+    };
+    for e in rd.filter_map(|e| e.ok()) {
+        let Some(child) = e.file_name().to_str().and_then(|n| n.parse::<u32>().ok()) else {
+            continue;
+        };
+        let Ok(stat) = std::fs::read_to_string(e.path().join("stat")) else {
+            continue;
+        };
+        // `pid (comm) state ppid ...`; comm may hold spaces and parentheses.
+        let ppid = stat
+            .rsplit_once(')')
+            .and_then(|(_, rest)| rest.split_whitespace().nth(1))
+            .and_then(|p| p.parse::<u32>().ok());
+        if ppid == Some(pid) {
+            out.push(child);
+        }
+    }
+    out.sort_unstable();
+    out
 }
 
 /// Whether `etcd` is on PATH. Its absence is a failure under
@@ -90,4 +144,94 @@ pub fn etcd_available() -> bool {
         eprintln!("skipping: etcd is not installed (apt-get install etcd-server)");
     }
     found
+}
+
+/// A lone etcd on free loopback ports with a temporary data dir, for tests
+/// that stop or restart it under running workers; killed and its dir
+/// removed on drop.
+pub struct Etcd {
+    pub child: Child,
+    /// Client address `127.0.0.1:PORT`.
+    pub addr: String,
+    peer_port: u16,
+    dir: PathBuf,
+}
+
+impl Etcd {
+    /// Starts etcd and waits up to 20 s for its client port.
+    pub fn start() -> Etcd {
+        let port = || {
+            std::net::TcpListener::bind("127.0.0.1:0")
+                .and_then(|l| l.local_addr())
+                .expect("free port")
+                .port()
+        };
+        let (cport, pport) = (port(), port());
+        let dir =
+            std::env::temp_dir().join(format!("epserve-test-etcd-{}-{cport}", std::process::id()));
+        let addr = format!("127.0.0.1:{cport}");
+        let child = Self::spawn(&addr, pport, &dir);
+        let etcd = Etcd {
+            child,
+            addr,
+            peer_port: pport,
+            dir,
+        };
+        etcd.wait_ready();
+        etcd
+    }
+
+    fn spawn(addr: &str, pport: u16, dir: &std::path::Path) -> Child {
+        Command::new("etcd")
+            .args(["--name", "t", "--data-dir"])
+            .arg(dir)
+            .args([
+                "--listen-client-urls",
+                &format!("http://{addr}"),
+                "--advertise-client-urls",
+                &format!("http://{addr}"),
+                "--listen-peer-urls",
+                &format!("http://127.0.0.1:{pport}"),
+                "--initial-advertise-peer-urls",
+                &format!("http://127.0.0.1:{pport}"),
+                "--initial-cluster",
+                &format!("t=http://127.0.0.1:{pport}"),
+                "--log-level",
+                "error",
+            ])
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("start etcd")
+    }
+
+    fn wait_ready(&self) {
+        let deadline = std::time::Instant::now() + Duration::from_secs(20);
+        while std::net::TcpStream::connect(&self.addr).is_err() {
+            assert!(std::time::Instant::now() < deadline, "etcd did not start");
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+
+    /// Kills etcd (SIGKILL) and waits for it.
+    pub fn kill(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+
+    /// Kills etcd and, `down` later, starts it again on the same ports and
+    /// data.
+    pub fn restart_after(&mut self, down: Duration) {
+        self.kill();
+        std::thread::sleep(down);
+        self.child = Self::spawn(&self.addr, self.peer_port, &self.dir);
+        self.wait_ready();
+    }
+}
+
+impl Drop for Etcd {
+    fn drop(&mut self) {
+        self.kill();
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
 }

@@ -8,6 +8,7 @@
 //! Needs `etcd` on PATH; skipped without it unless `EPSERVE_REQUIRE_ETCD=1`
 //! (set by `.ci/run`), which makes its absence a failure.
 
+use std::os::unix::process::CommandExt;
 use std::process::{Child, Command, Stdio};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -552,4 +553,257 @@ async fn restarted_attention_worker_is_followed() {
         "{last}"
     );
     drop(up);
+}
+
+/// Whether `sig` is set in the hex signal mask `field` (`SigBlk`, `SigIgn`) of
+/// /proc/PID/status; None when the process is gone.
+fn proc_sig_bit(pid: u32, field: &str, sig: libc::c_int) -> Option<bool> {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
+    let hex = status
+        .lines()
+        .find_map(|l| l.strip_prefix(field)?.strip_prefix(':'))?
+        .trim();
+    let mask = u64::from_str_radix(hex, 16).ok()?;
+    Some(mask & (1u64 << (sig - 1)) != 0)
+}
+
+/// Starts `up` (1 expert-worker) with SIGINT ignored, as a non-interactive
+/// shell starts a background job, sends it `sig`, and checks the orderly
+/// stop: `up` exits 0 within 30 s, none of its children (etcd, worker,
+/// coordinator) survives, and the temporary etcd data dir is gone.
+fn up_stops_on(sig: libc::c_int) {
+    let model = fixture_dir("qwen3_moe_a").join("f32");
+    let model = model.to_str().expect("utf-8 fixture path");
+    let args = ["--model", model, "--expert-workers", "1", "--port", "0"];
+    let mut up = Up::start_with(env!("CARGO_BIN_EXE_epserve-it"), &args, false, |c| {
+        // SAFETY: signal(2) in the forked child before exec; async-signal-safe.
+        unsafe {
+            c.pre_exec(|| {
+                libc::signal(libc::SIGINT, libc::SIG_IGN);
+                Ok(())
+            });
+        }
+    });
+    let pid = up.child.id();
+    let dir = up
+        .etcd_data_dir
+        .clone()
+        .expect("up reports its etcd data dir");
+    assert!(dir.is_dir(), "{} missing while running", dir.display());
+    let kids = up.children();
+    assert_eq!(kids.len(), 3, "etcd, expert-worker, coordinator: {kids:?}");
+    for &k in &kids {
+        for s in [libc::SIGINT, libc::SIGTERM] {
+            assert_eq!(
+                proc_sig_bit(k, "SigBlk", s),
+                Some(false),
+                "child {k} inherited signal {s} blocked"
+            );
+            assert_eq!(
+                proc_sig_bit(k, "SigIgn", s),
+                Some(false),
+                "child {k} inherited signal {s} ignored"
+            );
+        }
+    }
+
+    // SAFETY: signalling our own child.
+    unsafe {
+        libc::kill(pid as libc::pid_t, sig);
+    }
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let status = loop {
+        match up.child.try_wait().expect("wait for up") {
+            Some(s) => break s,
+            None if Instant::now() < deadline => std::thread::sleep(Duration::from_millis(50)),
+            None => {
+                let _ = up.child.kill();
+                let _ = up.child.wait();
+                panic!("`epserve up` still running 30 s after signal {sig}");
+            }
+        }
+    };
+    assert_eq!(
+        status.code(),
+        Some(0),
+        "signal {sig}: `up` did not take its orderly stop ({status})"
+    );
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while kids.iter().any(|&k| pid_alive(k)) && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let alive: Vec<u32> = kids.iter().copied().filter(|&k| pid_alive(k)).collect();
+    assert!(
+        alive.is_empty(),
+        "signal {sig}: children survived: {alive:?}"
+    );
+    assert!(
+        !dir.exists(),
+        "signal {sig}: etcd data dir {} left behind",
+        dir.display()
+    );
+}
+
+#[test]
+fn sigint_and_sigterm_stop_up_cleanly_even_with_sigint_ignored() {
+    if !etcd_available() {
+        return;
+    }
+    up_stops_on(libc::SIGINT);
+    up_stops_on(libc::SIGTERM);
+}
+
+/// Workers registered in an etcd that then disappears give up after
+/// `--etcd-timeout-secs` (exit 1, one error line naming the endpoint) instead
+/// of renewing their lease forever while nobody can find them.
+#[test]
+fn workers_exit_when_etcd_stays_unreachable() {
+    if !etcd_available() {
+        return;
+    }
+    let mut etcd = epserve_tests::up::Etcd::start();
+    let model = fixture_dir("qwen3_moe_a").join("f32");
+    let model = model.to_str().expect("utf-8 fixture path");
+    let start = |role: &str, extra: &[&str]| {
+        let mut c = Command::new(env!("CARGO_BIN_EXE_epserve-it"))
+            .arg(role)
+            .args(["--model", model, "--etcd", &etcd.addr, "--cluster", "gone"])
+            .args(["--listen", "127.0.0.1:0", "--etcd-timeout-secs", "2"])
+            .args(extra)
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("spawn worker");
+        // Wait (bounded) for the "serving" line: registered in etcd.
+        let out = c.stdout.take().expect("stdout");
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            use std::io::BufRead;
+            for line in std::io::BufReader::new(out).lines().map_while(|l| l.ok()) {
+                if line.contains("serving") {
+                    let _ = tx.send(());
+                }
+            }
+        });
+        if rx.recv_timeout(Duration::from_secs(60)).is_err() {
+            let _ = c.kill();
+            panic!("{role} did not start serving");
+        }
+        c
+    };
+    let mut workers = [
+        (
+            "attention-worker",
+            start("attention-worker", &["--shard", "0", "--of", "1"]),
+        ),
+        ("expert-worker", start("expert-worker", &[])),
+    ];
+    etcd.kill();
+    let deadline = Instant::now() + Duration::from_secs(40);
+    for (role, c) in workers.iter_mut() {
+        let status = loop {
+            match c.try_wait().expect("wait") {
+                Some(s) => break s,
+                None if Instant::now() < deadline => std::thread::sleep(Duration::from_millis(50)),
+                None => {
+                    let _ = c.kill();
+                    let _ = c.wait();
+                    panic!("{role} still running 40 s after etcd was killed");
+                }
+            }
+        };
+        let mut err = String::new();
+        if let Some(mut e) = c.stderr.take() {
+            use std::io::Read;
+            let _ = e.read_to_string(&mut err);
+        }
+        assert_eq!(status.code(), Some(1), "{role}: {status}; stderr: {err}");
+        let last = err.trim().lines().last().unwrap_or("");
+        for needle in [
+            "error: lost the etcd registration",
+            &format!("etcd at {}", etcd.addr),
+            "unreachable for 2 s",
+        ] {
+            assert!(last.contains(needle), "{role}: '{needle}' not in: {last}");
+        }
+    }
+}
+
+/// An etcd restart under a registered expert-worker, down long enough for a
+/// lease renewal (every 3.3 s) to fail: its registration survives (the
+/// keep-alive stream is reopened; without it the lease would expire 10 s
+/// after the restart) and it follows a placement written after the restart
+/// (its placement watch is re-established).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_expert_worker_survives_an_etcd_restart() {
+    if !etcd_available() {
+        return;
+    }
+    let mut etcd = epserve_tests::up::Etcd::start();
+    let model = fixture_dir("qwen3_moe_a").join("f32");
+    let mut c = Command::new(env!("CARGO_BIN_EXE_epserve-it"))
+        .arg("expert-worker")
+        .arg("--model")
+        .arg(&model)
+        .args(["--etcd", &etcd.addr, "--cluster", "restart", "--id", "w"])
+        .args(["--listen", "127.0.0.1:0", "--etcd-timeout-secs", "60"])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("spawn expert-worker");
+    struct Kill(Child);
+    impl Drop for Kill {
+        fn drop(&mut self) {
+            let _ = self.0.kill();
+            let _ = self.0.wait();
+        }
+    }
+    let out = c.stdout.take().expect("stdout");
+    let worker = Kill(c);
+    let (tx, rx) = std::sync::mpsc::channel::<String>();
+    std::thread::spawn(move || {
+        use std::io::BufRead;
+        for line in std::io::BufReader::new(out).lines().map_while(|l| l.ok()) {
+            let _ = tx.send(line);
+        }
+    });
+    let wait_line = |what: &str, limit: Duration| {
+        let deadline = Instant::now() + limit;
+        loop {
+            let left = deadline.saturating_duration_since(Instant::now());
+            match rx.recv_timeout(left) {
+                Ok(line) if line.contains(what) => return,
+                Ok(_) => {}
+                Err(_) => panic!("no '{what}' from the worker within {limit:?}"),
+            }
+        }
+    };
+    wait_line("serving", Duration::from_secs(60));
+
+    etcd.restart_after(Duration::from_secs(4));
+    // Past the lease TTL (10 s), counted from the restart.
+    tokio::time::sleep(Duration::from_secs(13)).await;
+    let store = EtcdStore::connect(&etcd.addr).await.expect("etcd");
+    let state = ClusterState::new(Arc::new(store), "restart");
+    let workers = state.workers("expert").await.expect("workers");
+    assert_eq!(
+        workers.iter().map(|w| w.id.as_str()).collect::<Vec<_>>(),
+        ["w"],
+        "the worker's registration did not survive the etcd restart"
+    );
+
+    let g = golden("qwen3_moe_a");
+    let p =
+        epserve_core::placement::Placement::initial(&g.moe_layers, g.num_experts, &["w".into()])
+            .expect("placement");
+    state.init_placement(&p).await.expect("write placement");
+    wait_line(
+        &format!(
+            "holds {} experts (placement v{}",
+            g.moe_layers.len() * g.num_experts,
+            p.version
+        ),
+        Duration::from_secs(30),
+    );
+    drop(worker);
 }

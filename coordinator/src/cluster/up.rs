@@ -3,6 +3,14 @@
 //! and the coordinator as child
 //! processes of this one. Ctrl-C / SIGTERM, or any child exiting, stops them
 //! all; children also get SIGTERM if this process dies (PR_SET_PDEATHSIG).
+//!
+//! Signals: `run` blocks SIGINT and SIGTERM in the main thread before any other
+//! thread exists (so every thread inherits the mask) and resets both to their
+//! default disposition (a shell starts background jobs with SIGINT ignored,
+//! and an ignored signal is discarded even while blocked). One thread takes
+//! them with `sigwait`, so they always reach the orderly stop that terminates
+//! the children and removes the temporary etcd data dir. Children get an
+//! unblocked mask before `exec`.
 
 use std::io::{BufRead, BufReader};
 use std::net::TcpListener;
@@ -91,13 +99,60 @@ fn free_port() -> Result<u16> {
     Ok(l.local_addr()?.port())
 }
 
+/// SIGINT and SIGTERM, the signals that stop `up`.
+fn stop_signals() -> libc::sigset_t {
+    // SAFETY: sigemptyset/sigaddset only write the set we own.
+    unsafe {
+        let mut set: libc::sigset_t = std::mem::zeroed();
+        libc::sigemptyset(&mut set);
+        libc::sigaddset(&mut set, libc::SIGINT);
+        libc::sigaddset(&mut set, libc::SIGTERM);
+        set
+    }
+}
+
+/// Blocks SIGINT and SIGTERM in the calling thread, then resets both to
+/// their default disposition (they may have been inherited as ignored). Must
+/// run before any other thread is started, so that all of them inherit the
+/// mask and a process-directed signal can only be taken by `sigwait`.
+fn block_stop_signals() -> Result<()> {
+    let set = stop_signals();
+    // SAFETY: pthread_sigmask changes this thread's mask only; signal() with
+    // SIG_DFL installs no handler. Blocking first means neither signal can
+    // take its default action (exit) between the two steps.
+    unsafe {
+        let rc = libc::pthread_sigmask(libc::SIG_BLOCK, &set, std::ptr::null_mut());
+        if rc != 0 {
+            bail!(
+                "cannot block SIGINT/SIGTERM: {}",
+                std::io::Error::from_raw_os_error(rc)
+            );
+        }
+        for sig in [libc::SIGINT, libc::SIGTERM] {
+            if libc::signal(sig, libc::SIG_DFL) == libc::SIG_ERR {
+                bail!(
+                    "cannot reset the disposition of signal {sig}: {}",
+                    std::io::Error::last_os_error()
+                );
+            }
+        }
+    }
+    Ok(())
+}
+
 fn child_cmd(program: &std::path::Path) -> Command {
     let mut c = Command::new(program);
-    // SAFETY: prctl in the forked child before exec only sets its own parent
-    // death signal; no allocation or locking happens there.
+    let set = stop_signals();
+    // SAFETY: in the forked child before exec, prctl sets its own parent death
+    // signal and sigprocmask unblocks the signals `up` blocked (the mask is
+    // inherited across exec); both are async-signal-safe, and nothing is
+    // allocated or locked there.
     unsafe {
-        c.pre_exec(|| {
+        c.pre_exec(move || {
             libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGTERM);
+            if libc::sigprocmask(libc::SIG_UNBLOCK, &set, std::ptr::null_mut()) != 0 {
+                return Err(std::io::Error::last_os_error());
+            }
             Ok(())
         });
     }
@@ -132,8 +187,10 @@ fn block_size_arg(coordinator_args: &[String]) -> Option<String> {
     found
 }
 
-/// Runs the local cluster until interrupted.
+/// Runs the local cluster until interrupted. Called from `main` before any
+/// other thread exists (no runtime is started for `up`).
 pub fn run(args: &UpArgs) -> Result<()> {
+    block_stop_signals()?;
     if args.expert_workers == 0 {
         bail!("--expert-workers must be at least 1");
     }
@@ -253,11 +310,10 @@ pub fn run(args: &UpArgs) -> Result<()> {
     drop(tx);
 
     let stop = Arc::new(AtomicBool::new(false));
-    for sig in [libc::SIGINT, libc::SIGTERM] {
+    {
+        // A flag set by the sigwait thread; polled below.
         let s = stop.clone();
-        // A plain flag set from the handler thread of signal-hook-free code:
-        // we poll it below.
-        std::thread::spawn(move || wait_signal(sig, s));
+        std::thread::spawn(move || wait_signal(s));
     }
     let mut announced = false;
     let mut dead: Vec<String> = Vec::new();
@@ -298,19 +354,22 @@ pub fn run(args: &UpArgs) -> Result<()> {
     }
 }
 
-fn wait_signal(sig: libc::c_int, flag: Arc<AtomicBool>) {
-    // SAFETY: sigwait on a set holding only `sig`, which we block in this
-    // thread first; the mask change is local to this thread.
-    unsafe {
-        let mut set: libc::sigset_t = std::mem::zeroed();
-        libc::sigemptyset(&mut set);
-        libc::sigaddset(&mut set, sig);
-        libc::pthread_sigmask(libc::SIG_BLOCK, &set, std::ptr::null_mut());
-        let mut got: libc::c_int = 0;
-        if libc::sigwait(&set, &mut got) == 0 {
-            flag.store(true, Ordering::Relaxed);
-        }
+/// Waits for SIGINT or SIGTERM (blocked in every thread by
+/// `block_stop_signals`) and sets `flag`.
+fn wait_signal(flag: Arc<AtomicBool>) {
+    let set = stop_signals();
+    let mut got: libc::c_int = 0;
+    // SAFETY: sigwait on signals blocked in this thread, writing to `got`.
+    let rc = unsafe { libc::sigwait(&set, &mut got) };
+    if rc == 0 {
+        tracing::debug!(signal = got, "stop signal");
+    } else {
+        eprintln!(
+            "epserve up: sigwait failed ({}); stopping",
+            std::io::Error::from_raw_os_error(rc)
+        );
     }
+    flag.store(true, Ordering::Relaxed);
 }
 
 fn wait_tcp(addr: &str, limit: Duration) -> Result<()> {

@@ -355,8 +355,9 @@ impl Scheduler {
                 .cloned()
                 .or_else(|| p.downcast_ref::<&str>().map(|s| s.to_string()))
                 .unwrap_or_else(|| "unknown panic".into());
-            Err(epserve_core::Error::Dispatch(format!(
-                "internal error in the forward pass: {msg}"
+            // Not a dispatch or attention failure: a bug (answered with 500).
+            Err(epserve_core::Error::Internal(format!(
+                "panic in the forward pass: {msg}"
             )))
         });
         drop(inputs);
@@ -402,6 +403,88 @@ impl Scheduler {
         for idx in finished.into_iter().rev() {
             let mut s = self.running.remove(idx);
             self.engine.model.release(&mut self.pool, &mut s.cache);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use epserve_core::config::ModelConfig;
+    use epserve_core::loader::generation::GenerationConfig;
+    use epserve_core::loader::tokenizer::Tokenizer;
+    use epserve_core::loader::weights::WeightStore;
+    use epserve_core::model::Model;
+    use epserve_core::model::moe::{Dispatcher, Routing};
+
+    /// Expert dispatch that panics, standing in for a bug in the forward pass.
+    struct Panics;
+
+    impl Dispatcher for Panics {
+        fn dispatch(
+            &self,
+            _layer: usize,
+            _x: &[f32],
+            _hidden: usize,
+            _routing: &Routing,
+        ) -> epserve_core::Result<Vec<f32>> {
+            panic!("test bug in the forward pass")
+        }
+    }
+
+    #[test]
+    fn a_panic_in_the_forward_pass_is_an_internal_error_and_the_server_lives_on() {
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("../tests/fixtures/qwen3_moe_a/f32");
+        let load = || -> epserve_core::Result<Engine> {
+            let cfg = ModelConfig::from_dir(&dir)?;
+            let ws = WeightStore::open(&dir)?;
+            let model = Model::from_store(cfg, &ws, Arc::new(Panics))?;
+            Ok(Engine::from_parts(
+                model,
+                Tokenizer::from_dir(&dir)?,
+                GenerationConfig::from_dir(&dir)?,
+                &dir,
+            ))
+        };
+        let engine = Arc::new(load().expect("fixture engine"));
+        let handle = start(
+            engine.clone(),
+            SchedulerConfig {
+                max_num_seqs: 4,
+                max_num_batched_tokens: 64,
+                max_model_len: 64,
+                block_size: 16,
+                num_blocks: 16,
+                max_waiting: 4,
+            },
+        )
+        .expect("scheduler");
+        let request = Request {
+            prompt_token_ids: vec![1, 2, 3],
+            max_tokens: 4,
+            sampling: engine.default_sampling(),
+            stop: vec![],
+            stop_token_ids: vec![],
+            ignore_eos: true,
+            logprobs: None,
+        };
+        // Twice: the scheduler thread survives the first panic.
+        for _ in 0..2 {
+            let mut rx = handle.submit(request.clone()).expect("submit");
+            let msg = match rx.blocking_recv() {
+                Some(Event::Error(msg)) => msg,
+                other => panic!("expected an error event, got {:?}", other.is_some()),
+            };
+            assert_eq!(
+                msg,
+                "internal error: panic in the forward pass: test bug in the forward pass"
+            );
+            let e = crate::server::error::ApiError::internal(msg);
+            let body = e.body();
+            assert_eq!(e.status, axum::http::StatusCode::INTERNAL_SERVER_ERROR);
+            assert_eq!(body["error"]["type"], "internal_error");
+            assert!(body["error"]["message"].is_string());
         }
     }
 }
