@@ -901,7 +901,9 @@ fn run_panels_amx(
                     // is the 1 KiB at `p · pbytes + j · 1024` in both layouts
                     // (16 bf16 k-pairs, or 8 int8 groups).
                     let (wbytes, pbytes): (&[u8], usize) = match data {
-                        DataView::Bf16(w) => (bytemuck::cast_slice(w), bf16_padded_k(kdim) * NR * 2),
+                        DataView::Bf16(w) => {
+                            (bytemuck::cast_slice(w), bf16_padded_k(kdim) * NR * 2)
+                        }
                         DataView::I8 { data: w, .. } => {
                             (bytemuck::cast_slice(w), i8_padded_k(kdim) * NR)
                         }
@@ -947,23 +949,39 @@ fn run_panels_amx(
                                         &pan[lo..((nj + nk) * TILE_BYTES).min(pbytes)]
                                     };
                                     let prefetch = [pf(0), pf(1)];
-                                    let run = |blk: &AmxBlock<'_>,
+                                    // Every token tile (pairs of 16 rows) over `kt`
+                                    // k-tiles from k-tile `j` of the panel pair `b`.
+                                    let run = |j: usize,
+                                               b: [&[u8]; 2],
+                                               kt: usize,
+                                               accumulate: bool,
+                                               pf: bool,
                                                accf: &mut Vec<f32>,
                                                acci: &mut Vec<i32>| {
                                         let mut m0 = 0;
                                         while m0 < n_pad {
                                             let mt = ((n_pad - m0) / TILE_M).min(2);
-                                            let b = AmxBlock {
-                                                a: &blk.a[m0 * row_bytes..],
+                                            let blk = AmxBlock {
+                                                a: &a[m0 * row_bytes + j * TILE_ROW_BYTES..],
+                                                a_stride: row_bytes,
                                                 mt,
+                                                b,
+                                                b_step: TILE_BYTES,
+                                                nt,
+                                                kt,
                                                 c_off: c_base + m0 * NR,
-                                                prefetch: if m0 == 0 { prefetch } else { [&[], &[]] },
-                                                ..*blk
+                                                c_pstride: n_pad * NR,
+                                                accumulate,
+                                                prefetch: if pf && m0 == 0 {
+                                                    prefetch
+                                                } else {
+                                                    [&[], &[]]
+                                                },
                                             };
                                             if int8 {
-                                                t.i8(&b, acci);
+                                                t.i8(&blk, acci);
                                             } else {
-                                                t.bf16(&b, accf);
+                                                t.bf16(&blk, accf);
                                             }
                                             m0 += mt * TILE_M;
                                         }
@@ -984,20 +1002,7 @@ fn run_panels_amx(
                                                 let b1: &[u8] = bytemuck::cast_slice(
                                                     &panel(nt - 1)[j0 * words..],
                                                 );
-                                                let blk = AmxBlock {
-                                                    a: &a[j0 * TILE_ROW_BYTES..],
-                                                    a_stride: row_bytes,
-                                                    mt: 1,
-                                                    b: [b0, b1],
-                                                    b_step: TILE_BYTES,
-                                                    nt,
-                                                    kt: main,
-                                                    c_off: 0,
-                                                    c_pstride: n_pad * NR,
-                                                    accumulate: j0 > 0,
-                                                    prefetch,
-                                                };
-                                                run(&blk, accf, acci);
+                                                run(j0, [b0, b1], main, j0 > 0, true, accf, acci);
                                             }
                                             if j0 + kt > full {
                                                 // The trailing partial tile, zero-padded.
@@ -1006,27 +1011,24 @@ fn run_panels_amx(
                                                         [q * TILE_BYTES..(q + 1) * TILE_BYTES];
                                                     d.fill(0);
                                                     let tail = &panel(q)[full * words..];
-                                                    d[..2 * tail.len()]
-                                                        .copy_from_slice(bytemuck::cast_slice(tail));
+                                                    d[..2 * tail.len()].copy_from_slice(
+                                                        bytemuck::cast_slice(tail),
+                                                    );
                                                 }
                                                 let st = &*stage;
-                                                let blk = AmxBlock {
-                                                    a: &a[full * TILE_ROW_BYTES..],
-                                                    a_stride: row_bytes,
-                                                    mt: 1,
-                                                    b: [
-                                                        &st[..TILE_BYTES],
-                                                        &st[(nt - 1) * TILE_BYTES..nt * TILE_BYTES],
-                                                    ],
-                                                    b_step: TILE_BYTES,
-                                                    nt,
-                                                    kt: 1,
-                                                    c_off: 0,
-                                                    c_pstride: n_pad * NR,
-                                                    accumulate: j0 > 0 || main > 0,
-                                                    prefetch: [&[], &[]],
-                                                };
-                                                run(&blk, accf, acci);
+                                                let b = [
+                                                    &st[..TILE_BYTES],
+                                                    &st[(nt - 1) * TILE_BYTES..nt * TILE_BYTES],
+                                                ];
+                                                run(
+                                                    full,
+                                                    b,
+                                                    1,
+                                                    j0 > 0 || main > 0,
+                                                    false,
+                                                    accf,
+                                                    acci,
+                                                );
                                             }
                                         }
                                         DataView::I8 { data: w, .. } => {
@@ -1036,9 +1038,8 @@ fn run_panels_amx(
                                             let blk_bytes = kt * TILE_BYTES;
                                             for q in 0..nt {
                                                 let p = pp + q;
-                                                let srcw =
-                                                    &w[p * panel_len + g0 * I8_GROUP_BYTES
-                                                        ..(p + 1) * panel_len];
+                                                let srcw = &w[p * panel_len + g0 * I8_GROUP_BYTES
+                                                    ..(p + 1) * panel_len];
                                                 t.stage_i8(
                                                     srcw,
                                                     kt,
@@ -1046,23 +1047,11 @@ fn run_panels_amx(
                                                 );
                                             }
                                             let st = &*stage;
-                                            let blk = AmxBlock {
-                                                a: &a[j0 * TILE_ROW_BYTES..],
-                                                a_stride: row_bytes,
-                                                mt: 1,
-                                                b: [
-                                                    &st[..blk_bytes],
-                                                    &st[(nt - 1) * blk_bytes..nt * blk_bytes],
-                                                ],
-                                                b_step: TILE_BYTES,
-                                                nt,
-                                                kt,
-                                                c_off: 0,
-                                                c_pstride: n_pad * NR,
-                                                accumulate: j0 > 0,
-                                                prefetch,
-                                            };
-                                            run(&blk, accf, acci);
+                                            let b = [
+                                                &st[..blk_bytes],
+                                                &st[(nt - 1) * blk_bytes..nt * blk_bytes],
+                                            ];
+                                            run(j0, b, kt, j0 > 0, true, accf, acci);
                                         }
                                     }
                                     pp += nt;
