@@ -90,8 +90,8 @@ struct Workspace {
 thread_local! {
     static ACC_F32: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
     static ACC_I32: RefCell<Vec<i32>> = const { RefCell::new(Vec::new()) };
-    /// AMX path: the expert's activation rows packed as `A` tiles, and
-    /// restaged `B` tiles.
+    /// AMX path: the expert's activation rows packed as `A` tiles, and a
+    /// trailing partial `B` tile zero-padded.
     static AMX_A: RefCell<Vec<u8>> = const { RefCell::new(Vec::new()) };
     static AMX_B: RefCell<Vec<u8>> = const { RefCell::new(Vec::new()) };
 }
@@ -844,11 +844,11 @@ fn aligned_zeroed(buf: &mut Vec<u8>, len: usize) -> &mut [u8] {
 /// taken in blocks whose accumulators fit [`AMX_ACC_BLOCK`]; within a block,
 /// `K` is cut so that one `K` block of `A` fits [`AMX_A_BLOCK`] (L2) while
 /// every panel pair of the block streams its weights over it once, with up
-/// to 2 × 2 output tiles (32 tokens × 2 panels) in registers. bf16 weight
-/// tiles are read in place (a trailing partial tile is staged with zeros);
-/// int8 ones are restaged per (panel, `K` block) and reused by every token
-/// tile. Sums are exact for int8 (same i32 as every other tier), f32 for
-/// bf16.
+/// to 2 × 2 output tiles (32 tokens × 2 panels) in registers. Weight tiles
+/// are read in place — on x86 both panel layouts are AMX `B` tiles (16 bf16
+/// `k`-pairs, or 8 int8 groups of two `k`-quad rows) — and a trailing partial
+/// tile is staged with zeros. Sums are exact for int8 (same i32 as every
+/// other tier), f32 for bf16.
 #[allow(clippy::too_many_arguments)]
 fn run_panels_amx(
     k: &Kernels,
@@ -908,7 +908,9 @@ fn run_panels_amx(
                             (bytemuck::cast_slice(w), i8_padded_k(kdim) * NR)
                         }
                     };
-                    let stage = aligned_zeroed(bbuf, 2 * kt_blk * TILE_BYTES);
+                    // Whole k-tiles per panel (1 KiB each in both layouts).
+                    let full = pbytes / TILE_BYTES;
+                    let stage = aligned_zeroed(bbuf, 2 * TILE_BYTES);
                     let acc_len = nb * n_pad * NR;
                     if int8 {
                         acci.resize(acc_len, 0);
@@ -986,73 +988,31 @@ fn run_panels_amx(
                                             m0 += mt * TILE_M;
                                         }
                                     };
-                                    match data {
-                                        DataView::Bf16(w) => {
-                                            let kp2 = bf16_padded_k(kdim);
-                                            let panel_len = kp2 * NR;
-                                            let full = kp2 / BF16_TILE_K;
-                                            let words = TILE_BYTES / 2;
-                                            let panel = |q: usize| -> &[u16] {
-                                                &w[(pp + q) * panel_len..(pp + q + 1) * panel_len]
-                                            };
-                                            let main = (j0 + kt).min(full).saturating_sub(j0);
-                                            if main > 0 {
-                                                let b0: &[u8] =
-                                                    bytemuck::cast_slice(&panel(0)[j0 * words..]);
-                                                let b1: &[u8] = bytemuck::cast_slice(
-                                                    &panel(nt - 1)[j0 * words..],
-                                                );
-                                                run(j0, [b0, b1], main, j0 > 0, true, accf, acci);
-                                            }
-                                            if j0 + kt > full {
-                                                // The trailing partial tile, zero-padded.
-                                                for q in 0..nt {
-                                                    let d = &mut stage
-                                                        [q * TILE_BYTES..(q + 1) * TILE_BYTES];
-                                                    d.fill(0);
-                                                    let tail = &panel(q)[full * words..];
-                                                    d[..2 * tail.len()].copy_from_slice(
-                                                        bytemuck::cast_slice(tail),
-                                                    );
-                                                }
-                                                let st = &*stage;
-                                                let b = [
-                                                    &st[..TILE_BYTES],
-                                                    &st[(nt - 1) * TILE_BYTES..nt * TILE_BYTES],
-                                                ];
-                                                run(
-                                                    full,
-                                                    b,
-                                                    1,
-                                                    j0 > 0 || main > 0,
-                                                    false,
-                                                    accf,
-                                                    acci,
-                                                );
-                                            }
+                                    // Whole k-tiles are read in place; a trailing
+                                    // partial one is staged with zeros.
+                                    let panel = |q: usize| -> &[u8] {
+                                        &wbytes[(pp + q) * pbytes..(pp + q + 1) * pbytes]
+                                    };
+                                    let main = (j0 + kt).min(full).saturating_sub(j0);
+                                    if main > 0 {
+                                        let b0 = &panel(0)[j0 * TILE_BYTES..];
+                                        let b1 = &panel(nt - 1)[j0 * TILE_BYTES..];
+                                        run(j0, [b0, b1], main, j0 > 0, true, accf, acci);
+                                    }
+                                    if j0 + kt > full {
+                                        for q in 0..nt {
+                                            let d =
+                                                &mut stage[q * TILE_BYTES..(q + 1) * TILE_BYTES];
+                                            d.fill(0);
+                                            let tail = &panel(q)[full * TILE_BYTES..];
+                                            d[..tail.len()].copy_from_slice(tail);
                                         }
-                                        DataView::I8 { data: w, .. } => {
-                                            let groups = i8_padded_k(kdim) / KG;
-                                            let panel_len = groups * I8_GROUP_BYTES;
-                                            let g0 = (j0 * I8_TILE_K / KG).min(groups);
-                                            let blk_bytes = kt * TILE_BYTES;
-                                            for q in 0..nt {
-                                                let p = pp + q;
-                                                let srcw = &w[p * panel_len + g0 * I8_GROUP_BYTES
-                                                    ..(p + 1) * panel_len];
-                                                t.stage_i8(
-                                                    srcw,
-                                                    kt,
-                                                    &mut stage[q * blk_bytes..(q + 1) * blk_bytes],
-                                                );
-                                            }
-                                            let st = &*stage;
-                                            let b = [
-                                                &st[..blk_bytes],
-                                                &st[(nt - 1) * blk_bytes..nt * blk_bytes],
-                                            ];
-                                            run(j0, b, kt, j0 > 0, true, accf, acci);
-                                        }
+                                        let st = &*stage;
+                                        let b = [
+                                            &st[..TILE_BYTES],
+                                            &st[(nt - 1) * TILE_BYTES..nt * TILE_BYTES],
+                                        ];
+                                        run(full, b, 1, j0 > 0 || main > 0, false, accf, acci);
                                     }
                                     pp += nt;
                                 }

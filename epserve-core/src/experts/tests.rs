@@ -472,7 +472,7 @@ fn compressed_tensors_int8_experts_load_without_a_float_round_trip() {
         for c in 0..h {
             let (pn, cc) = (c / 16, c % 16);
             for k in 0..inter {
-                let at = pn * kp * 16 + (k / 8) * 128 + cc * 8 + k % 8;
+                let at = pn * kp * 16 + crate::kernels::layout::i8_index(k, cc);
                 assert_eq!(d[at], q.row(c)[k], "expert {e} ch {c} k {k}");
             }
         }

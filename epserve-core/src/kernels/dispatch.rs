@@ -463,22 +463,6 @@ impl AmxTiles {
         #[cfg(not(target_arch = "x86_64"))]
         let _ = c;
     }
-
-    /// Restages int8 panel groups (`src`, whole 128-byte groups) into
-    /// `tiles` AMX `B` tiles in `dst` (groups past `src` read as zeros).
-    pub fn stage_i8(&self, src: &[i8], tiles: usize, dst: &mut [u8]) {
-        use super::layout::I8_GROUP_BYTES;
-        assert!(dst.len() >= tiles * 1024);
-        let groups = (src.len() / I8_GROUP_BYTES).min(tiles * 8);
-        #[cfg(target_arch = "x86_64")]
-        // SAFETY: AMX implies AVX-512 F; `groups` whole groups are inside
-        // `src` and `tiles` tiles inside `dst`.
-        unsafe {
-            super::x86::amx::stage_i8(src.as_ptr(), groups, tiles, dst.as_mut_ptr())
-        }
-        #[cfg(not(target_arch = "x86_64"))]
-        let _ = groups;
-    }
 }
 
 #[cfg(target_arch = "x86_64")]

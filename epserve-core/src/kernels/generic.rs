@@ -5,7 +5,7 @@
 //! A *tile* multiplies `T` activation rows by one packed panel chunk (see
 //! [`super::layout`]) and adds into `acc[t · 16 + c]`, logical channel order.
 
-use super::layout::{I8_GROUP_BYTES, KG, NR, bf16_bits_to_f32, bf16_index};
+use super::layout::{I8_GROUP_BYTES, KG, NR, bf16_bits_to_f32, bf16_index, i8_index};
 
 /// `acc[t·16 + c] += Σ_{k<kc} x[t][k] · W[k, c]` for a bf16 panel chunk `w`
 /// (`bf16_padded_k(kc) · 16` words), f32 activations, f32 accumulation in
@@ -49,11 +49,10 @@ pub fn i8_tile(w: &[i8], x: &[&[i8]], acc: &mut [i32]) {
             let wg = &w[g * I8_GROUP_BYTES..(g + 1) * I8_GROUP_BYTES];
             let xg = &xr[g * KG..(g + 1) * KG];
             for (c, av) in a.iter_mut().enumerate() {
-                let wc = &wg[c * KG..(c + 1) * KG];
-                *av += wc
+                *av += xg
                     .iter()
-                    .zip(xg)
-                    .map(|(&p, &q)| p as i32 * q as i32)
+                    .enumerate()
+                    .map(|(i, &q)| wg[i8_index(i, c)] as i32 * q as i32)
                     .sum::<i32>();
             }
         }

@@ -17,11 +17,18 @@
 //!   `vdpbf16ps`, Arm `bfdot`), which multiply two adjacent bf16 of each lane
 //!   by a broadcast pair of activations. 16 pairs (32 `k`s) of a panel are also
 //!   an AMX-BF16 `B` tile (16 rows of 64 bytes).
-//! - **INT8 panel**: `K` is padded to a multiple of [`KG`] = 8 with zeros; for
-//!   each group of 8 `k`s, the 16 channels' 8 bytes in channel order (128
-//!   bytes). One 16-byte row pair is exactly an SMMLA `B` operand and an SDOT
-//!   operand; 32 bytes are four channels for AVX2's `vpmaddubsw`. Each channel
-//!   has an f32 scale (symmetric, per output channel), weights in `[-127, 127]`.
+//! - **INT8 panel**: `K` is padded to a multiple of [`KG`] = 8 with zeros; each
+//!   group of 8 `k`s is 128 bytes, each channel has an f32 scale (symmetric, per
+//!   output channel), weights in `[-127, 127]`. The byte order inside a group is
+//!   the one the architecture's int8 dot instructions read (see [`i8_index`];
+//!   the packed form never leaves the process, so it may differ by build):
+//!   - x86_64: two *`k`-quad rows* of 64 bytes (`k` 0..4, then 4..8), channel
+//!     `c` at bytes `4c..4c+4` of each: one row is a zmm operand of
+//!     `vpdpbusd` (16 channels × 4 bytes), two 32-byte halves feed AVX2's
+//!     `vpmaddubsw`, and 16 consecutive rows (8 groups) are an AMX-INT8 `B`
+//!     tile read in place.
+//!   - aarch64 (and others): each channel's 8 bytes in channel order: a
+//!     16-byte pair of channels is exactly an SMMLA `B` operand.
 //!
 //! A fused gate/up matrix puts gate rows `j..j+8` in logical channels 0..8 of
 //! a panel and the matching up rows in 8..16, so one panel yields
@@ -95,6 +102,19 @@ pub fn pack_bf16_panel<'a>(k: usize, row: impl Fn(usize) -> Option<&'a [u16]>, d
     }
 }
 
+/// Where `(k, c)` sits in an int8 panel (or a chunk of one starting at a
+/// group boundary): group `k / 8`, then the architecture's order within it
+/// (module docs).
+#[inline]
+pub const fn i8_index(k: usize, c: usize) -> usize {
+    let (g, i) = (k / KG, k % KG);
+    if cfg!(target_arch = "x86_64") {
+        g * I8_GROUP_BYTES + (i / 4) * (4 * NR) + 4 * c + i % 4
+    } else {
+        g * I8_GROUP_BYTES + c * KG + i
+    }
+}
+
 /// Packs one int8 panel: `row(c)` gives logical channel `c`'s quantized `K`
 /// values or `None` for padding. Appends `i8_padded_k(K) · 16` bytes to `dst`.
 pub fn pack_i8_panel<'a>(k: usize, row: impl Fn(usize) -> Option<&'a [i8]>, dst: &mut Vec<i8>) {
@@ -105,8 +125,7 @@ pub fn pack_i8_panel<'a>(k: usize, row: impl Fn(usize) -> Option<&'a [i8]>, dst:
     for c in 0..NR {
         if let Some(r) = row(c) {
             for (kk, &v) in r.iter().enumerate().take(k) {
-                let (g, i) = (kk / KG, kk % KG);
-                panel[g * I8_GROUP_BYTES + c * KG + i] = v;
+                panel[i8_index(kk, c)] = v;
             }
         }
     }
@@ -148,6 +167,17 @@ mod tests {
         assert_eq!(seen, (0..6 * NR).collect::<Vec<_>>());
         assert_eq!(bf16_padded_k(5), 6);
         assert_eq!(bf16_padded_k(6), 6);
+    }
+
+    #[test]
+    fn i8_groups_cover_the_panel_once() {
+        let mut seen: Vec<usize> = (0..24)
+            .flat_map(|k| (0..NR).map(move |c| i8_index(k, c)))
+            .collect();
+        seen.sort_unstable();
+        assert_eq!(seen, (0..24 * NR).collect::<Vec<_>>());
+        // Every group is the same 128 bytes, shifted.
+        assert_eq!(i8_index(9, 3), I8_GROUP_BYTES + i8_index(1, 3));
     }
 
     #[test]

@@ -9,10 +9,9 @@
 //!   tile row, any row stride: the executor packs each expert's rows
 //!   contiguously with `K` zero-padded to whole tiles.
 //! - `B` (weights): 16 rows of 64 bytes, row `r` = `k`-pair (bf16) or
-//!   `k`-quad (int8) `r`, channel `c` at bytes `4c..4c+4`. A bf16 panel *is*
-//!   this layout (16 `k`-pairs of a panel are one tile, read in place); an
-//!   int8 panel stores 8 `k`s per channel, so each int8 tile is restaged by
-//!   [`stage_i8`] (two dword permutes per 128 bytes) into a scratch buffer.
+//!   `k`-quad (int8) `r`, channel `c` at bytes `4c..4c+4`. Panels *are* this
+//!   layout on x86 (16 `k`-pairs of a bf16 panel, or 8 groups = 16 `k`-quad
+//!   rows of an int8 panel, are one tile), so weights are read in place.
 //! - `C` (accumulators): 16 token rows × 16 channels of f32/i32, 64 bytes per
 //!   row — the `acc[t · 16 + c]` layout of every other tile kernel.
 //!
@@ -30,8 +29,7 @@ use std::arch::x86_64::*;
 use std::sync::OnceLock;
 
 use crate::kernels::layout::{
-    AMX_BF16_TILE_K as BF16_TILE_K, AMX_I8_TILE_K as I8_TILE_K, AMX_ROW_BYTES as TILE_ROW_BYTES,
-    AMX_TILE_M as TILE_M,
+    AMX_BF16_TILE_K as BF16_TILE_K, AMX_ROW_BYTES as TILE_ROW_BYTES, AMX_TILE_M as TILE_M,
 };
 
 /// Whether this CPU and kernel let this process use AMX-BF16 and AMX-INT8:
@@ -179,9 +177,6 @@ macro_rules! tdp {
 /// Bytes ahead of the current weight tile to prefetch.
 const B_PREFETCH: usize = 4096;
 
-/// Bytes ahead of the int8 panel stream to prefetch while restaging.
-const STAGE_PREFETCH: usize = 2048;
-
 /// Where one call's tiles are.
 #[derive(Clone, Copy, Debug)]
 pub struct Block {
@@ -313,41 +308,6 @@ unsafe fn block_t<const MT: usize, const NT: usize, const INT8: bool>(blk: &Bloc
             tstore!("2", c(1, 0));
             if NT == 2 {
                 tstore!("3", c(1, 1));
-            }
-        }
-    }
-}
-
-/// Restages `tiles` int8 `k`-tiles of one panel from the panel layout (per
-/// 8-`k` group, each channel's 8 bytes) into AMX `B` tiles (per `k`-quad
-/// row, each channel's 4 bytes): `src` holds `groups` whole groups (128
-/// bytes each) starting at the first tile's first group; groups past
-/// `groups` become zeros. `dst` receives `tiles · 1024` bytes.
-///
-/// # Safety
-/// The CPU must support AVX-512 F; `src` must hold `groups · 128` bytes and
-/// `dst` `tiles · 1024`.
-#[target_feature(enable = "avx512f")]
-pub unsafe fn stage_i8(src: *const i8, groups: usize, tiles: usize, dst: *mut u8) {
-    // In a group's 32 dwords, dword 2c is channel c's k 0..4 and 2c + 1 its
-    // k 4..8: the even dwords form quad row 0, the odd ones quad row 1.
-    let even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
-    let odd = _mm512_setr_epi32(1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
-    let per_tile = I8_TILE_K / 8;
-    for g in 0..tiles * per_tile {
-        // SAFETY: `g < groups` reads inside `src`; every store is inside `dst`.
-        unsafe {
-            let d = dst.add(g * 128) as *mut __m512i;
-            if g < groups {
-                _mm_prefetch::<_MM_HINT_T0>(src.wrapping_add(g * 128 + STAGE_PREFETCH));
-                _mm_prefetch::<_MM_HINT_T0>(src.wrapping_add(g * 128 + STAGE_PREFETCH + 64));
-                let s = src.add(g * 128) as *const __m512i;
-                let (lo, hi) = (_mm512_loadu_si512(s), _mm512_loadu_si512(s.add(1)));
-                _mm512_storeu_si512(d, _mm512_permutex2var_epi32(lo, even, hi));
-                _mm512_storeu_si512(d.add(1), _mm512_permutex2var_epi32(lo, odd, hi));
-            } else {
-                _mm512_storeu_si512(d, _mm512_setzero_si512());
-                _mm512_storeu_si512(d.add(1), _mm512_setzero_si512());
             }
         }
     }

@@ -161,6 +161,8 @@ pub unsafe fn i8_tile(w: &[i8], x: &[&[i8]], acc: &mut [i32]) {
 #[target_feature(enable = "avx2")]
 unsafe fn i8_t<const T: usize>(w: *const i8, groups: usize, x: &[*const i8; I8_MR], acc: *mut i32) {
     let ones = _mm256_set1_epi16(1);
+    // Accumulator v: channels 8(v%2)..+8, k-quad v/2 of each group; lane i is
+    // channel 8(v%2) + i (the x86 int8 layout: two 64-byte k-quad rows).
     let mut c = [[_mm256_setzero_si256(); 4]; T];
     // SAFETY: `g < groups` keeps reads inside `w` (groups·128 bytes) and each
     // activation row (groups·8 bytes); unaligned loads are used throughout.
@@ -176,25 +178,28 @@ unsafe fn i8_t<const T: usize>(w: *const i8, groups: usize, x: &[*const i8; I8_M
                 _mm256_loadu_si256(wp.add(3)),
             ];
             for t in 0..T {
-                let a8 = std::ptr::read_unaligned(x[t].add(g * KG) as *const i64);
-                let a = _mm256_set1_epi64x(a8);
-                let aa = _mm256_sign_epi8(a, a);
+                let xq = x[t].add(g * KG);
+                let q = [
+                    _mm256_set1_epi32(std::ptr::read_unaligned(xq as *const i32)),
+                    _mm256_set1_epi32(std::ptr::read_unaligned(xq.add(4) as *const i32)),
+                ];
+                let aa = [_mm256_sign_epi8(q[0], q[0]), _mm256_sign_epi8(q[1], q[1])];
                 for v in 0..4 {
-                    let sw = _mm256_sign_epi8(wv[v], a);
-                    let p16 = _mm256_maddubs_epi16(aa, sw);
+                    // |x| · (w · sign x) = x · w, in u8 × s8 pairs summed to i16
+                    // (|sum| ≤ 2 · 127², no saturation), then to i32.
+                    let sw = _mm256_sign_epi8(wv[v], q[v / 2]);
+                    let p16 = _mm256_maddubs_epi16(aa[v / 2], sw);
                     c[t][v] = _mm256_add_epi32(c[t][v], _mm256_madd_epi16(p16, ones));
                 }
             }
         }
-        // Lanes 2i and 2i+1 of accumulator v are channel 4v+i's two halves.
-        let mut lanes = [0i32; 8];
         for t in 0..T {
-            for v in 0..4 {
-                _mm256_storeu_si256(lanes.as_mut_ptr() as *mut __m256i, c[t][v]);
-                for i in 0..4 {
-                    *acc.add(t * NR + 4 * v + i) += lanes[2 * i] + lanes[2 * i + 1];
-                }
-            }
+            let lo = _mm256_add_epi32(c[t][0], c[t][2]);
+            let hi = _mm256_add_epi32(c[t][1], c[t][3]);
+            let d = acc.add(t * NR) as *mut __m256i;
+            _mm256_storeu_si256(d, _mm256_add_epi32(_mm256_loadu_si256(d), lo));
+            let d = d.add(1);
+            _mm256_storeu_si256(d, _mm256_add_epi32(_mm256_loadu_si256(d), hi));
         }
     }
 }

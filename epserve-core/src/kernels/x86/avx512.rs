@@ -240,9 +240,10 @@ unsafe fn i8_vnni_t<const T: usize>(
     x: &[*const i8; I8_MR],
     acc: *mut i32,
 ) {
+    const FLIP: u32 = 0x8080_8080;
     let ones = _mm512_set1_epi8(1);
-    let flip = _mm512_set1_epi8(-128);
-    // Lane j of a weight vector is channel j/2 (of its eight), k-half j%2.
+    // Weight vector h of a group is k-quad h of all 16 channels (lane c =
+    // channel c): the x86 int8 layout. One accumulator per quad and token.
     let mut c = [[_mm512_setzero_si512(); 2]; T];
     let mut ws = [_mm512_setzero_si512(); 2];
     // SAFETY: `g < groups` keeps reads inside `w` (groups·128 bytes) and each
@@ -257,23 +258,20 @@ unsafe fn i8_vnni_t<const T: usize>(
             ws[0] = _mm512_dpbusd_epi32(ws[0], ones, w0);
             ws[1] = _mm512_dpbusd_epi32(ws[1], ones, w1);
             for t in 0..T {
-                let a8 = std::ptr::read_unaligned(x[t].add(g * KG) as *const i64);
-                let au = _mm512_xor_si512(_mm512_set1_epi64(a8), flip);
-                c[t][0] = _mm512_dpbusd_epi32(c[t][0], au, w0);
-                c[t][1] = _mm512_dpbusd_epi32(c[t][1], au, w1);
+                let xq = x[t].add(g * KG);
+                // x + 128 as u8: flip each byte's sign bit before the broadcast.
+                let a0 = std::ptr::read_unaligned(xq as *const u32) ^ FLIP;
+                let a1 = std::ptr::read_unaligned(xq.add(4) as *const u32) ^ FLIP;
+                let u0 = _mm512_set1_epi32(a0 as i32);
+                let u1 = _mm512_set1_epi32(a1 as i32);
+                c[t][0] = _mm512_dpbusd_epi32(c[t][0], u0, w0);
+                c[t][1] = _mm512_dpbusd_epi32(c[t][1], u1, w1);
             }
         }
-        // Σ (x + 128)·w − 128·Σ w, then lanes 2c and 2c+1 summed into channel c.
-        let even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
-        let odd = _mm512_setr_epi32(1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
-        let corr = [_mm512_slli_epi32::<7>(ws[0]), _mm512_slli_epi32::<7>(ws[1])];
+        // Σ (x + 128)·w − 128·Σ w per channel.
+        let corr = _mm512_slli_epi32::<7>(_mm512_add_epi32(ws[0], ws[1]));
         for t in 0..T {
-            let v0 = _mm512_sub_epi32(c[t][0], corr[0]);
-            let v1 = _mm512_sub_epi32(c[t][1], corr[1]);
-            let s = _mm512_add_epi32(
-                _mm512_permutex2var_epi32(v0, even, v1),
-                _mm512_permutex2var_epi32(v0, odd, v1),
-            );
+            let s = _mm512_sub_epi32(_mm512_add_epi32(c[t][0], c[t][1]), corr);
             let d = acc.add(t * NR) as *mut __m512i;
             _mm512_storeu_si512(d, _mm512_add_epi32(_mm512_loadu_si512(d), s));
         }
