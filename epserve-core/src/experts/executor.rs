@@ -92,8 +92,8 @@ thread_local! {
     static ACC_I32: RefCell<Vec<i32>> = const { RefCell::new(Vec::new()) };
     /// AMX path: the expert's activation rows packed as `A` tiles, and a
     /// trailing partial `B` tile zero-padded.
-    static AMX_A: RefCell<Vec<u8>> = const { RefCell::new(Vec::new()) };
-    static AMX_B: RefCell<Vec<u8>> = const { RefCell::new(Vec::new()) };
+    static AMX_SCRATCH: RefCell<(Vec<u8>, Vec<u8>)> =
+        const { RefCell::new((Vec::new(), Vec::new())) };
 }
 
 /// AMX path: bytes of packed activations (`A`) one `K` block spans, kept in
@@ -876,90 +876,88 @@ fn run_panels_amx(
     let kt_blk = (AMX_A_BLOCK / (n_pad * TILE_ROW_BYTES)).clamp(1, ktiles);
     let nb = (AMX_ACC_BLOCK / (n_pad * NR * 4)).max(2) / 2 * 2;
     let (p0, p1) = (it.p0 as usize, it.p1 as usize);
-    AMX_A.with_borrow_mut(|abuf| {
-        AMX_B.with_borrow_mut(|bbuf| {
-            ACC_F32.with_borrow_mut(|accf| {
-                ACC_I32.with_borrow_mut(|acci| {
-                    // Pack A.
-                    let a = aligned_zeroed(abuf, n_pad * row_bytes);
-                    for i in 0..n {
-                        let dst = &mut a[i * row_bytes..(i + 1) * row_bytes];
-                        let base = row(i);
-                        match data {
-                            DataView::Bf16(_) => {
-                                let s = &src.b16_rows[base * src.b16_stride..][..kdim];
-                                dst[..2 * kdim].copy_from_slice(bytemuck::cast_slice(s));
-                            }
-                            DataView::I8 { .. } => {
-                                let s = &src.i8_rows[base * src.i8_stride..][..kdim];
-                                dst[..kdim].copy_from_slice(bytemuck::cast_slice(s));
-                            }
+    AMX_SCRATCH.with_borrow_mut(|(abuf, bbuf)| {
+        ACC_F32.with_borrow_mut(|accf| {
+            ACC_I32.with_borrow_mut(|acci| {
+                // Pack A.
+                let a = aligned_zeroed(abuf, n_pad * row_bytes);
+                for i in 0..n {
+                    let dst = &mut a[i * row_bytes..(i + 1) * row_bytes];
+                    let base = row(i);
+                    match data {
+                        DataView::Bf16(_) => {
+                            let s = &src.b16_rows[base * src.b16_stride..][..kdim];
+                            dst[..2 * kdim].copy_from_slice(bytemuck::cast_slice(s));
+                        }
+                        DataView::I8 { .. } => {
+                            let s = &src.i8_rows[base * src.i8_stride..][..kdim];
+                            dst[..kdim].copy_from_slice(bytemuck::cast_slice(s));
                         }
                     }
-                    let a = &*a;
-                    // Every panel's weights as bytes: k-tile `j` of panel `p`
-                    // is the 1 KiB at `p · pbytes + j · 1024` in both layouts
-                    // (16 bf16 k-pairs, or 8 int8 groups).
-                    let (wbytes, pbytes): (&[u8], usize) = match data {
-                        DataView::Bf16(w) => {
-                            (bytemuck::cast_slice(w), bf16_padded_k(kdim) * NR * 2)
-                        }
-                        DataView::I8 { data: w, .. } => {
-                            (bytemuck::cast_slice(w), i8_padded_k(kdim) * NR)
-                        }
-                    };
-                    // Whole k-tiles per panel (1 KiB each in both layouts).
-                    let full = pbytes / TILE_BYTES;
-                    let stage = aligned_zeroed(bbuf, 2 * TILE_BYTES);
-                    let acc_len = nb * n_pad * NR;
-                    if int8 {
-                        acci.resize(acc_len, 0);
-                    } else {
-                        accf.resize(acc_len, 0.0);
+                }
+                let a = &*a;
+                // Every panel's weights as bytes: k-tile `j` of panel `p`
+                // is the 1 KiB at `p · pbytes + j · 1024` in both layouts
+                // (16 bf16 k-pairs, or 8 int8 groups).
+                let (wbytes, pbytes): (&[u8], usize) = match data {
+                    DataView::Bf16(w) => (bytemuck::cast_slice(w), bf16_padded_k(kdim) * NR * 2),
+                    DataView::I8 { data: w, .. } => {
+                        (bytemuck::cast_slice(w), i8_padded_k(kdim) * NR)
                     }
-                    k.amx_scope(|t| {
-                        let mut pb0 = p0;
-                        while pb0 < p1 {
-                            let pb1 = (pb0 + nb).min(p1);
-                            let mut j0 = 0;
-                            while j0 < ktiles {
-                                let kt = kt_blk.min(ktiles - j0);
-                                let mut pp = pb0;
-                                while pp < pb1 {
-                                    let nt = (pb1 - pp).min(2);
-                                    let c_base = (pp - pb0) * n_pad * NR;
-                                    // The weights of the next (panel pair, K block),
-                                    // to prefetch while this one computes.
-                                    let next = if pp + nt < pb1 {
-                                        Some((pp + nt, pb1, j0, kt))
-                                    } else if j0 + kt < ktiles {
-                                        Some((pb0, pb1, j0 + kt, kt_blk.min(ktiles - j0 - kt)))
-                                    } else if pb1 < p1 {
-                                        Some((pb1, (pb1 + nb).min(p1), 0, kt_blk))
-                                    } else {
-                                        None
+                };
+                // Whole k-tiles per panel (1 KiB each in both layouts).
+                let full = pbytes / TILE_BYTES;
+                let stage = aligned_zeroed(bbuf, 2 * TILE_BYTES);
+                let acc_len = nb * n_pad * NR;
+                if int8 {
+                    acci.resize(acc_len, 0);
+                } else {
+                    accf.resize(acc_len, 0.0);
+                }
+                k.amx_scope(|t| {
+                    let mut pb0 = p0;
+                    while pb0 < p1 {
+                        let pb1 = (pb0 + nb).min(p1);
+                        let mut j0 = 0;
+                        while j0 < ktiles {
+                            let kt = kt_blk.min(ktiles - j0);
+                            let mut pp = pb0;
+                            while pp < pb1 {
+                                let nt = (pb1 - pp).min(2);
+                                let c_base = (pp - pb0) * n_pad * NR;
+                                // The weights of the next (panel pair, K block),
+                                // to prefetch while this one computes.
+                                let next = if pp + nt < pb1 {
+                                    Some((pp + nt, pb1, j0, kt))
+                                } else if j0 + kt < ktiles {
+                                    Some((pb0, pb1, j0 + kt, kt_blk.min(ktiles - j0 - kt)))
+                                } else if pb1 < p1 {
+                                    Some((pb1, (pb1 + nb).min(p1), 0, kt_blk))
+                                } else {
+                                    None
+                                };
+                                let pf = |q: usize| -> &[u8] {
+                                    let Some((np, nend, nj, nk)) = next else {
+                                        return &[];
                                     };
-                                    let pf = |q: usize| -> &[u8] {
-                                        let Some((np, nend, nj, nk)) = next else {
-                                            return &[];
-                                        };
-                                        if np + q >= nend {
-                                            return &[];
-                                        }
-                                        let pan = &wbytes[(np + q) * pbytes..(np + q + 1) * pbytes];
-                                        let lo = (nj * TILE_BYTES).min(pbytes);
-                                        &pan[lo..((nj + nk) * TILE_BYTES).min(pbytes)]
-                                    };
-                                    let prefetch = [pf(0), pf(1)];
-                                    // Every token tile (pairs of 16 rows) over `kt`
-                                    // k-tiles from k-tile `j` of the panel pair `b`.
-                                    let run = |j: usize,
-                                               b: [&[u8]; 2],
-                                               kt: usize,
-                                               accumulate: bool,
-                                               pf: bool,
-                                               accf: &mut Vec<f32>,
-                                               acci: &mut Vec<i32>| {
+                                    if np + q >= nend {
+                                        return &[];
+                                    }
+                                    let pan = &wbytes[(np + q) * pbytes..(np + q + 1) * pbytes];
+                                    let lo = (nj * TILE_BYTES).min(pbytes);
+                                    &pan[lo..((nj + nk) * TILE_BYTES).min(pbytes)]
+                                };
+                                let prefetch = [pf(0), pf(1)];
+                                // Every token tile (pairs of 16 rows) over `kt`
+                                // k-tiles from k-tile `j` of the panel pair `b`.
+                                let run =
+                                    |j: usize,
+                                     b: [&[u8]; 2],
+                                     kt: usize,
+                                     accumulate: bool,
+                                     pf: bool,
+                                     accf: &mut Vec<f32>,
+                                     acci: &mut Vec<i32>| {
                                         let mut m0 = 0;
                                         while m0 < n_pad {
                                             let mt = ((n_pad - m0) / TILE_M).min(2);
@@ -988,60 +986,58 @@ fn run_panels_amx(
                                             m0 += mt * TILE_M;
                                         }
                                     };
-                                    // Whole k-tiles are read in place; a trailing
-                                    // partial one is staged with zeros.
-                                    let panel = |q: usize| -> &[u8] {
-                                        &wbytes[(pp + q) * pbytes..(pp + q + 1) * pbytes]
-                                    };
-                                    let main = (j0 + kt).min(full).saturating_sub(j0);
-                                    if main > 0 {
-                                        let b0 = &panel(0)[j0 * TILE_BYTES..];
-                                        let b1 = &panel(nt - 1)[j0 * TILE_BYTES..];
-                                        run(j0, [b0, b1], main, j0 > 0, true, accf, acci);
-                                    }
-                                    if j0 + kt > full {
-                                        for q in 0..nt {
-                                            let d =
-                                                &mut stage[q * TILE_BYTES..(q + 1) * TILE_BYTES];
-                                            d.fill(0);
-                                            let tail = &panel(q)[full * TILE_BYTES..];
-                                            d[..tail.len()].copy_from_slice(tail);
-                                        }
-                                        let st = &*stage;
-                                        let b = [
-                                            &st[..TILE_BYTES],
-                                            &st[(nt - 1) * TILE_BYTES..nt * TILE_BYTES],
-                                        ];
-                                        run(full, b, 1, j0 > 0 || main > 0, false, accf, acci);
-                                    }
-                                    pp += nt;
+                                // Whole k-tiles are read in place; a trailing
+                                // partial one is staged with zeros.
+                                let panel = |q: usize| -> &[u8] {
+                                    &wbytes[(pp + q) * pbytes..(pp + q + 1) * pbytes]
+                                };
+                                let main = (j0 + kt).min(full).saturating_sub(j0);
+                                if main > 0 {
+                                    let b0 = &panel(0)[j0 * TILE_BYTES..];
+                                    let b1 = &panel(nt - 1)[j0 * TILE_BYTES..];
+                                    run(j0, [b0, b1], main, j0 > 0, true, accf, acci);
                                 }
-                                j0 += kt;
-                            }
-                            // Epilogue for the panel block.
-                            for p in pb0..pb1 {
-                                let base = (p - pb0) * n_pad * NR;
-                                match data {
-                                    DataView::Bf16(_) => {
-                                        for i in 0..n {
-                                            let a = &accf[base + i * NR..base + (i + 1) * NR];
-                                            epi(i, p, as_row(a));
-                                        }
+                                if j0 + kt > full {
+                                    for q in 0..nt {
+                                        let d = &mut stage[q * TILE_BYTES..(q + 1) * TILE_BYTES];
+                                        d.fill(0);
+                                        let tail = &panel(q)[full * TILE_BYTES..];
+                                        d[..tail.len()].copy_from_slice(tail);
                                     }
-                                    DataView::I8 { scales, .. } => {
-                                        let ws = &scales[p * NR..(p + 1) * NR];
-                                        for i in 0..n {
-                                            let xs = src.i8_scales[row(i)];
-                                            let a = &acci[base + i * NR..base + (i + 1) * NR];
-                                            epi(i, p, &dequant(a, ws, xs));
-                                        }
-                                    }
+                                    let st = &*stage;
+                                    let b = [
+                                        &st[..TILE_BYTES],
+                                        &st[(nt - 1) * TILE_BYTES..nt * TILE_BYTES],
+                                    ];
+                                    run(full, b, 1, j0 > 0 || main > 0, false, accf, acci);
                                 }
+                                pp += nt;
                             }
-                            pb0 = pb1;
+                            j0 += kt;
                         }
-                    });
-                })
+                        // Epilogue for the panel block.
+                        for p in pb0..pb1 {
+                            let base = (p - pb0) * n_pad * NR;
+                            match data {
+                                DataView::Bf16(_) => {
+                                    for i in 0..n {
+                                        let a = &accf[base + i * NR..base + (i + 1) * NR];
+                                        epi(i, p, as_row(a));
+                                    }
+                                }
+                                DataView::I8 { scales, .. } => {
+                                    let ws = &scales[p * NR..(p + 1) * NR];
+                                    for i in 0..n {
+                                        let xs = src.i8_scales[row(i)];
+                                        let a = &acci[base + i * NR..base + (i + 1) * NR];
+                                        epi(i, p, &dequant(a, ws, xs));
+                                    }
+                                }
+                            }
+                        }
+                        pb0 = pb1;
+                    }
+                });
             })
         })
     })
