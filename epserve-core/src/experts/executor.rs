@@ -36,7 +36,8 @@ use crate::experts::pool::ExpertPool;
 use crate::experts::{ExpertDtype, LoadOptions};
 use crate::kernels::dispatch::{Kernels, MAX_MR, kernels};
 use crate::kernels::layout::{
-    I8_GROUP_BYTES, KG, NR, bf16_padded_k, f32_to_bf16_bits, i8_padded_k, quantize_row_i8,
+    I8_GROUP_BYTES, KG, NR, bf16_padded_k, f32_to_bf16_bits, i8_padded_k, pack_pairs_f32,
+    quantize_row_i8,
 };
 use crate::loader::weights::WeightStore;
 use crate::model::moe::{ExpertExecutor, SKIP_SLOT};
@@ -44,6 +45,9 @@ use crate::model::names::ExpertNames;
 
 /// `k` per block on the bf16 prefill path (a 16 KiB panel chunk).
 const KC_BF16: usize = 512;
+/// K block of the two-panel prefill tile (two 8 KiB panel chunks and one
+/// packed tile of up to 12 KiB in L1).
+const KC_BF16_PAIR: usize = 256;
 /// int8 groups per block on the int8 prefill path (a 16 KiB panel chunk).
 const KC_I8_GROUPS: usize = 128;
 /// Work items per thread and phase (load balance vs. scheduling overhead).
@@ -90,6 +94,12 @@ struct Workspace {
 thread_local! {
     static ACC_F32: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
     static ACC_I32: RefCell<Vec<i32>> = const { RefCell::new(Vec::new()) };
+    /// Two-panel prefill path: the packed activation stream and the two
+    /// panels' accumulators.
+    static PAIRS_F32: RefCell<(Vec<f32>, Vec<f32>)> =
+        const { RefCell::new((Vec::new(), Vec::new())) };
+    /// f32 prefill path: the expert's activation rows, packed contiguously.
+    static ROWS_F32: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
     /// AMX path: the expert's activation rows packed as `A` tiles, and a
     /// trailing partial `B` tile zero-padded.
     static AMX_SCRATCH: RefCell<(Vec<u8>, Vec<u8>)> =
@@ -760,6 +770,10 @@ fn run_panels(
                 }
             })
         }
+        // Prefill on tiers with a two-panel tile.
+        DataView::Bf16(w) if n > k.bf16_mr() && k.bf16_pair_mr().is_some() => {
+            run_pairs_f32(k, w, kdim, n, it, row, src, epi)
+        }
         DataView::Bf16(w) => ACC_F32.with_borrow_mut(|acc| {
             acc.resize(n * NR, 0.0);
             let mr = k.bf16_mr();
@@ -827,6 +841,90 @@ fn run_panels(
             }
         }),
     }
+}
+
+/// The prefill path of bf16 experts with f32 activations on tiers with a
+/// two-panel tile: the expert's rows are packed once per work item into
+/// the tile's stream (token tiles of equal size, each K block contiguous),
+/// then every panel pair runs over K blocks of [`KC_BF16_PAIR`] (two panel
+/// chunks and one packed tile stay in L1).
+#[allow(clippy::too_many_arguments)]
+fn run_pairs_f32(
+    k: &Kernels,
+    w: &[u16],
+    kdim: usize,
+    n: usize,
+    it: &Item,
+    row: &dyn Fn(usize) -> usize,
+    src: &Src<'_>,
+    mut epi: impl FnMut(usize, usize, &[f32; NR]),
+) {
+    let Some(mr) = k.bf16_pair_mr() else {
+        return;
+    };
+    // Token tiles of equal size (16 tokens: 8 + 8, not 12 + 4).
+    let tn_max = n.div_ceil(n.div_ceil(mr));
+    let kp = bf16_padded_k(kdim);
+    let panel_len = kp * NR;
+    PAIRS_F32.with_borrow_mut(|(xp, acc)| {
+        // The tile at token `t0` (`tn` rows) holds `tn · kp` values from
+        // `t0 · kp`; its K block at `k0` starts `k0 · tn` values in.
+        xp.clear();
+        let mut t0 = 0;
+        while t0 < n {
+            let tn = tn_max.min(n - t0);
+            let mut rows: [&[f32]; MAX_MR] = [&[]; MAX_MR];
+            for (i, r) in rows.iter_mut().enumerate().take(tn) {
+                let base = row(t0 + i) * src.f32_stride;
+                *r = &src.f32_rows[base..base + kdim];
+            }
+            let mut k0 = 0;
+            while k0 < kdim {
+                let kc = KC_BF16_PAIR.min(kdim - k0);
+                pack_pairs_f32(&rows[..tn], k0, kc, xp);
+                k0 += kc;
+            }
+            t0 += tn;
+        }
+        acc.resize(2 * n * NR, 0.0);
+        let (p0, p1) = (it.p0 as usize, it.p1 as usize);
+        let mut p = p0;
+        while p < p1 {
+            // An odd last panel runs as a pair with itself (one result kept).
+            let q = if p + 1 < p1 { p + 1 } else { p };
+            acc.fill(0.0);
+            let (acc0, acc1) = acc.split_at_mut(n * NR);
+            let mut k0 = 0;
+            while k0 < kdim {
+                let kc = KC_BF16_PAIR.min(kdim - k0);
+                let len = bf16_padded_k(kc) * NR;
+                let chunk = |j: usize| &w[j * panel_len + k0 * NR..][..len];
+                let mut t0 = 0;
+                while t0 < n {
+                    let tn = tn_max.min(n - t0);
+                    let span = t0 * NR..(t0 + tn) * NR;
+                    k.bf16_pair_tile(
+                        [chunk(p), chunk(q)],
+                        kc,
+                        tn,
+                        &xp[t0 * kp + k0 * tn..],
+                        [&mut acc0[span.clone()], &mut acc1[span]],
+                    );
+                    t0 += tn;
+                }
+                k0 += kc;
+            }
+            for i in 0..n {
+                epi(i, p, as_row(&acc0[i * NR..(i + 1) * NR]));
+            }
+            if q != p {
+                for i in 0..n {
+                    epi(i, q, as_row(&acc1[i * NR..(i + 1) * NR]));
+                }
+            }
+            p = q + 1;
+        }
+    })
 }
 
 /// A 64-byte aligned, zero-filled window of `len` bytes inside `buf`.

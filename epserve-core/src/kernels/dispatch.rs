@@ -153,6 +153,7 @@ impl Tier {
 }
 
 type Bf16Tile = unsafe fn(&[u16], usize, &[&[f32]], &mut [f32]);
+type Bf16PairTile = unsafe fn([&[u16]; 2], usize, usize, &[f32], [&mut [f32]; 2]);
 type Bf16xTile = unsafe fn(&[u16], &[&[u16]], &mut [f32]);
 type I8Tile = unsafe fn(&[i8], &[&[i8]], &mut [i32]);
 
@@ -162,6 +163,9 @@ pub struct Kernels {
     tier: Tier,
     bf16_mr: usize,
     bf16: Bf16Tile,
+    /// A two-panel bf16 tile (f32 activations) for the prefill path, where
+    /// the tier has one.
+    bf16_pair: Option<(usize, Bf16PairTile)>,
     /// A native bf16 × bf16 dot-product tile, where the tier has one.
     bf16x: Option<(usize, Bf16xTile)>,
     i8_mr: usize,
@@ -175,6 +179,7 @@ impl std::fmt::Debug for Kernels {
         f.debug_struct("Kernels")
             .field("tier", &self.tier)
             .field("bf16_mr", &self.bf16_mr)
+            .field("bf16_pair_mr", &self.bf16_pair.map(|b| b.0))
             .field("bf16x_mr", &self.bf16x.map(|b| b.0))
             .field("i8_mr", &self.i8_mr)
             .field("amx", &self.amx)
@@ -209,6 +214,7 @@ impl Kernels {
                     tier,
                     bf16_mr: avx2::BF16_MR,
                     bf16: avx2::bf16_tile,
+                    bf16_pair: None,
                     bf16x: None,
                     i8_mr: avx2::I8_MR,
                     i8: avx2::i8_tile,
@@ -226,6 +232,7 @@ impl Kernels {
                     tier,
                     bf16_mr: avx512::BF16_MR,
                     bf16: avx512::bf16_tile,
+                    bf16_pair: Some((avx512::BF16_PAIR_MR, avx512::bf16_pair_tile as Bf16PairTile)),
                     bf16x: matches!(tier, Tier::Avx512Bf16 | Tier::Amx)
                         .then_some((avx512::BF16X_MR, avx512::bf16x_tile as Bf16xTile)),
                     i8_mr,
@@ -245,6 +252,7 @@ impl Kernels {
                     tier,
                     bf16_mr: neon::BF16_MR,
                     bf16: neon::bf16_tile,
+                    bf16_pair: None,
                     bf16x: (tier == Tier::NeonBf16)
                         .then_some((neon::BF16_MR, neon::bf16x_tile_bfdot as Bf16xTile)),
                     i8_mr,
@@ -257,6 +265,7 @@ impl Kernels {
         };
         debug_assert!(k.bf16_mr <= MAX_MR && k.i8_mr <= MAX_MR);
         debug_assert!(k.bf16x.is_none_or(|b| b.0 <= MAX_MR));
+        debug_assert!(k.bf16_pair.is_none_or(|b| b.0 <= MAX_MR));
         Some(k)
     }
 
@@ -266,6 +275,7 @@ impl Kernels {
             tier: Tier::Generic,
             bf16_mr: 4,
             bf16: generic_bf16,
+            bf16_pair: None,
             bf16x: None,
             i8_mr: 4,
             i8: generic_i8,
@@ -307,6 +317,36 @@ impl Kernels {
         // SAFETY: this tier was checked as supported when `self` was built,
         // and the lengths were just asserted.
         unsafe { (self.bf16)(w, kc, x, acc) }
+    }
+
+    /// Most tokens per two-panel bf16 tile, if this tier has one.
+    pub fn bf16_pair_mr(&self) -> Option<usize> {
+        self.bf16_pair.map(|b| b.0)
+    }
+
+    /// `acc[j][r·16 + c] += Σ_{k<kc} x[r][k] · Wj[k, c]` over two bf16 panel
+    /// chunks `w[j]` (`bf16_padded_k(kc) · 16` words each) for `t` rows packed
+    /// by [`super::layout::pack_pairs_f32`] into `xp`; `1 ≤ t ≤
+    /// bf16_pair_mr`. Each activation load serves both panels. On a tier
+    /// without a two-panel tile this is the scalar twin.
+    #[inline]
+    pub fn bf16_pair_tile(
+        &self,
+        w: [&[u16]; 2],
+        kc: usize,
+        t: usize,
+        xp: &[f32],
+        acc: [&mut [f32]; 2],
+    ) {
+        let len = bf16_padded_k(kc) * NR;
+        let mr = self.bf16_pair_mr().unwrap_or(MAX_MR);
+        assert!(w.iter().all(|p| p.len() == len) && t >= 1 && t <= mr);
+        assert!(xp.len() >= bf16_padded_k(kc) * t && acc.iter().all(|a| a.len() >= t * NR));
+        match self.bf16_pair {
+            // SAFETY: as in `bf16_tile`.
+            Some((_, f)) => unsafe { f(w, kc, t, xp, acc) },
+            None => generic::bf16_pair_tile(w, kc, t, xp, acc),
+        }
     }
 
     /// Most tokens per bf16 × bf16 tile, if this tier has a native one.

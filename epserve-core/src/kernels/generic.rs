@@ -5,7 +5,9 @@
 //! A *tile* multiplies `T` activation rows by one packed panel chunk (see
 //! [`super::layout`]) and adds into `acc[t · 16 + c]`, logical channel order.
 
-use super::layout::{I8_GROUP_BYTES, KG, NR, bf16_bits_to_f32, bf16_index, i8_index};
+use super::layout::{
+    I8_GROUP_BYTES, KG, NR, bf16_bits_to_f32, bf16_index, bf16_padded_k, i8_index,
+};
 
 /// `acc[t·16 + c] += Σ_{k<kc} x[t][k] · W[k, c]` for a bf16 panel chunk `w`
 /// (`bf16_padded_k(kc) · 16` words), f32 activations, f32 accumulation in
@@ -16,6 +18,24 @@ pub fn bf16_tile(w: &[u16], kc: usize, x: &[&[f32]], acc: &mut [f32]) {
         for (k, &xv) in xr.iter().enumerate().take(kc) {
             for (c, av) in a.iter_mut().enumerate() {
                 *av += xv * bf16_bits_to_f32(w[bf16_index(k, c)]);
+            }
+        }
+    }
+}
+
+/// [`bf16_tile`] over two panel chunks (`acc[j]` for `w[j]`) with the `t`
+/// activation rows packed by [`super::layout::pack_pairs_f32`]: the twin of
+/// the two-panel prefill tiles. Sums in `k` order, as [`bf16_tile`].
+pub fn bf16_pair_tile(w: [&[u16]; 2], kc: usize, t: usize, xp: &[f32], acc: [&mut [f32]; 2]) {
+    debug_assert!(xp.len() >= bf16_padded_k(kc) * t);
+    for (wj, aj) in w.into_iter().zip(acc) {
+        for r in 0..t {
+            let a = &mut aj[r * NR..(r + 1) * NR];
+            for k in 0..kc {
+                let xv = xp[((k / 2) * t + r) * 2 + k % 2];
+                for (c, av) in a.iter_mut().enumerate() {
+                    *av += xv * bf16_bits_to_f32(wj[bf16_index(k, c)]);
+                }
             }
         }
     }

@@ -102,6 +102,22 @@ pub fn pack_bf16_panel<'a>(k: usize, row: impl Fn(usize) -> Option<&'a [u16]>, d
     }
 }
 
+/// Packs `kc` activations of `x.len()` rows (`kc` from `k0` of each) into
+/// the two-panel tile's stream: pair `i` holds the `k = 2i, 2i + 1` values
+/// of every row in turn (`dst[(i·t + r)·2 + j] = x[r][k0 + 2i + j]`), zero
+/// past `kc`; `bf16_padded_k(kc) · x.len()` values in all, appended to `dst`.
+pub fn pack_pairs_f32(x: &[&[f32]], k0: usize, kc: usize, dst: &mut Vec<f32>) {
+    let t = x.len();
+    let start = dst.len();
+    dst.resize(start + bf16_padded_k(kc) * t, 0.0);
+    let d = &mut dst[start..];
+    for (r, row) in x.iter().enumerate() {
+        for (k, &v) in row[k0..k0 + kc].iter().enumerate() {
+            d[((k / 2) * t + r) * 2 + k % 2] = v;
+        }
+    }
+}
+
 /// Where `(k, c)` sits in an int8 panel (or a chunk of one starting at a
 /// group boundary): group `k / 8`, then the architecture's order within it
 /// (module docs).

@@ -92,6 +92,41 @@ fn check_bf16(k: &Kernels, w: &[u16], kc: usize, rows: &[Vec<f32>]) {
     }
 }
 
+/// The two-panel tile (or, on tiers without one, the twin behind
+/// `Kernels::bf16_pair_tile`) on rows packed by `pack_pairs_f32`, against
+/// two single-panel scalar twins on the unpacked rows.
+fn check_bf16_pair(k: &Kernels, w: [&[u16]; 2], kc: usize, rows: &[Vec<f32>]) {
+    let x: Vec<&[f32]> = rows.iter().map(|r| &r[..]).collect();
+    let t = x.len();
+    let init: Vec<f32> = (0..t * NR).map(|i| i as f32 * 0.25).collect();
+    // Pack behind a non-empty prefix: the stream is appended.
+    let mut xp = vec![9.0f32; 3];
+    pack_pairs_f32(&x, 1, kc, &mut xp);
+    assert_eq!(xp.len(), 3 + bf16_padded_k(kc) * t);
+    let shifted: Vec<&[f32]> = x.iter().map(|r| &r[1..]).collect();
+    let mut got = [init.clone(), init.clone()];
+    let [g0, g1] = &mut got;
+    k.bf16_pair_tile(w, kc, t, &xp[3..], [&mut g0[..], &mut g1[..]]);
+    for j in 0..2 {
+        let mut want = init.clone();
+        generic::bf16_tile(w[j], kc, &shifted, &mut want);
+        for tt in 0..t {
+            for c in 0..NR {
+                let mag: f32 = (0..kc)
+                    .map(|kk| (shifted[tt][kk] * bf16_bits_to_f32(w[j][bf16_index(kk, c)])).abs())
+                    .sum::<f32>()
+                    + init[tt * NR + c].abs();
+                let (a, b) = (got[j][tt * NR + c], want[tt * NR + c]);
+                assert!(
+                    (a - b).abs() <= 1e-5 * mag + 1e-30,
+                    "{:?} pair panel {j} kc={kc} t={t} row {tt} ch {c}: {a} vs {b}",
+                    k.tier()
+                );
+            }
+        }
+    }
+}
+
 fn check_i8(k: &Kernels, w: &[i8], rows: &[Vec<i8>]) {
     let x: Vec<&[i8]> = rows.iter().map(|r| &r[..]).collect();
     let t = x.len();
@@ -133,6 +168,35 @@ fn bf16_tiles_match_twin_on_random_shapes() {
 }
 
 #[test]
+fn bf16_pair_tiles_match_twin_on_random_shapes() {
+    let mut rng = StdRng::seed_from_u64(5);
+    // The generic twin behind tiers without a two-panel tile runs too.
+    for k in tiers().into_iter().chain([Kernels::generic()]) {
+        let mr = k.bf16_pair_mr().unwrap_or(3);
+        for &kc in KCS {
+            let w0 = rand_bf16(&mut rng, bf16_padded_k(kc) * NR);
+            let w1 = rand_bf16(&mut rng, bf16_padded_k(kc) * NR);
+            for t in 1..=mr {
+                // One value before and NaNs after the packed range: tiles
+                // must see only `kc` values from offset 1.
+                let rows: Vec<Vec<f32>> = (0..t)
+                    .map(|_| {
+                        [f32::NAN]
+                            .into_iter()
+                            .chain((0..kc).map(|_| rng.random_range(-2.0f32..2.0)))
+                            .chain([f32::NAN; 3])
+                            .collect()
+                    })
+                    .collect();
+                check_bf16_pair(&k, [&w0, &w1], kc, &rows);
+                // The same panel twice (the executor's odd last panel).
+                check_bf16_pair(&k, [&w0, &w0], kc, &rows);
+            }
+        }
+    }
+}
+
+#[test]
 fn bf16_tiles_on_adversarial_values() {
     // Huge and tiny magnitudes, exact zeros, negative zero, cancellation.
     let vals = [0.0f32, -0.0, 1e30, -1e30, 1e-30, 3.0, -3.0, 65504.0];
@@ -146,6 +210,12 @@ fn bf16_tiles_on_adversarial_values() {
                     .map(|r| (0..kc).map(|i| vals[(i + r) % 3 + 5]).collect())
                     .collect();
                 check_bf16(&k, &w, kc, &rows);
+            }
+            for t in 1..=k.bf16_pair_mr().unwrap_or(0) {
+                let rows: Vec<Vec<f32>> = (0..t)
+                    .map(|r| (0..=kc).map(|i| vals[(i + r) % 3 + 5]).collect())
+                    .collect();
+                check_bf16_pair(&k, [&w, &w[..]], kc, &rows);
             }
             if let Some(mr) = k.bf16x_mr() {
                 for t in 1..=mr {
