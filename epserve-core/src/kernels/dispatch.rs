@@ -252,7 +252,7 @@ impl Kernels {
                     tier,
                     bf16_mr: neon::BF16_MR,
                     bf16: neon::bf16_tile,
-                    bf16_pair: None,
+                    bf16_pair: Some((neon::BF16_MR, neon::bf16_pair_tile as Bf16PairTile)),
                     bf16x: (tier == Tier::NeonBf16)
                         .then_some((neon::BF16_MR, neon::bf16x_tile_bfdot as Bf16xTile)),
                     i8_mr,

@@ -4,7 +4,9 @@
 //! - bf16: 64 bytes per pair of `k`s = four 16-byte loads; a shift per load
 //!   widens the `k` values of four channels to f32, a mask the `k + 1` values;
 //!   each token's activation is broadcast and FMA'd. Up to [`BF16_MR`] tokens
-//!   (24 accumulators of the 32 vector registers).
+//!   (24 accumulators of the 32 vector registers). On the prefill path the
+//!   activations come packed (one stream, a token's `k`, `k + 1` in one
+//!   8-byte load, FMLA by lane): [`bf16_pair_tile`].
 //! - bf16 with bf16 activations (`bf16` feature): BFDOT straight on the
 //!   packed pairs, no widening (tier `neon-bf16`).
 //! - int8 baseline: `smull` of each channel's eight weights with the eight
@@ -106,6 +108,78 @@ unsafe fn bf16_t<const T: usize>(
                 for t in 0..T {
                     let xb = vld1q_dup_f32(x[t].add(2 * i + 1));
                     fma4!(a[t], xb, w1);
+                }
+            }
+        }
+        for t in 0..T {
+            for q in 0..4 {
+                let d = acc.add(t * NR + 4 * q);
+                vst1q_f32(d, vaddq_f32(vld1q_f32(d), a[t][q]));
+            }
+        }
+    }
+}
+
+/// bf16 tile over two panels with f32 activations packed by
+/// [`crate::kernels::layout::pack_pairs_f32`] (the prefill path), any `t` in
+/// `1..=BF16_MR`. Each panel runs in turn over the one packed stream: a token's
+/// `k`, `k + 1` pair is one 8-byte load feeding FMLA by lane, instead of two
+/// broadcast loads from rows that, a power-of-two stride apart, would share
+/// one set of the 4-way L1.
+///
+/// # Safety
+/// NEON is present on every aarch64 Linux CPU; `w[0]` and `w[1]` are each
+/// `16 · bf16_padded_k(kc)` words, `xp` holds `bf16_padded_k(kc) · t` values
+/// and `acc[0]`, `acc[1]` at least `16 · t`.
+pub unsafe fn bf16_pair_tile(
+    w: [&[u16]; 2],
+    kc: usize,
+    t: usize,
+    xp: &[f32],
+    acc: [&mut [f32]; 2],
+) {
+    let xp = xp.as_ptr();
+    for (wj, aj) in w.into_iter().zip(acc) {
+        let (wj, aj) = (wj.as_ptr(), aj.as_mut_ptr());
+        // SAFETY: the caller guarantees the lengths above.
+        unsafe {
+            match t {
+                1 => bf16_packed_t::<1>(wj, kc, xp, aj),
+                2 => bf16_packed_t::<2>(wj, kc, xp, aj),
+                3 => bf16_packed_t::<3>(wj, kc, xp, aj),
+                4 => bf16_packed_t::<4>(wj, kc, xp, aj),
+                5 => bf16_packed_t::<5>(wj, kc, xp, aj),
+                6 => bf16_packed_t::<6>(wj, kc, xp, aj),
+                _ => {}
+            }
+        }
+    }
+}
+
+#[target_feature(enable = "neon")]
+unsafe fn bf16_packed_t<const T: usize>(w: *const u16, kc: usize, xp: *const f32, acc: *mut f32) {
+    let mask = vdupq_n_u32(0xFFFF_0000);
+    let mut a = [[vdupq_n_f32(0.0); 4]; T];
+    // SAFETY: pair `i` reads words `32i..32i+32` of `w` (inside its
+    // `16 · bf16_padded_k(kc)`) and values `2·T·i .. 2·T·(i+1)` of `xp`.
+    unsafe {
+        for i in 0..kc.div_ceil(2) {
+            let p = w.add(i * 2 * NR);
+            let x = xp.add(i * 2 * T);
+            let xs: [float32x2_t; T] = std::array::from_fn(|t| vld1_f32(x.add(2 * t)));
+            let both = 2 * i + 1 < kc;
+            // Word q: channels 4q..4q+4 at k (low halves) and k+1 (high).
+            for q in 0..4 {
+                let r = vreinterpretq_u32_u16(vld1q_u16(p.add(8 * q)));
+                let w0 = vreinterpretq_f32_u32(vshlq_n_u32::<16>(r));
+                for t in 0..T {
+                    a[t][q] = vfmaq_lane_f32::<0>(a[t][q], w0, xs[t]);
+                }
+                if both {
+                    let w1 = vreinterpretq_f32_u32(vandq_u32(r, mask));
+                    for t in 0..T {
+                        a[t][q] = vfmaq_lane_f32::<1>(a[t][q], w1, xs[t]);
+                    }
                 }
             }
         }

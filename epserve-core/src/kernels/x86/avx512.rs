@@ -4,7 +4,9 @@
 //! - `avx512` (F + BW): bf16 weights widened to f32 (one 64-byte load per pair
 //!   of `k`s is all 16 channels at `k` and `k + 1`: a shift and a mask give
 //!   two zmm of f32) and FMA'd with f32 activations; up to [`BF16_MR`] tokens.
-//!   int8 uses the AVX2 tile.
+//!   int8 uses the AVX2 tile. The prefill path runs [`bf16_pair_tile`]: two
+//!   panels per call over activations packed into one stream, so each
+//!   broadcast feeds four FMAs.
 //! - `avx512-vnni` (+ VNNI): int8 through `vpdpbusd`, four u8 × s8 products
 //!   per i32 lane. The activations are signed, so they go in as `x + 128`
 //!   (an XOR with 0x80) and the tile subtracts `128 · Σ w` per channel, which
@@ -129,6 +131,16 @@ unsafe fn bf16_t<const T: usize, const S: usize>(
     }
 }
 
+fn pd2() -> usize {
+    static PD: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *PD.get_or_init(|| {
+        std::env::var("PD2")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(0)
+    })
+}
+
 /// Most tokens per two-panel bf16 tile (f32 activations).
 pub const BF16_PAIR_MR: usize = 12;
 
@@ -180,6 +192,7 @@ unsafe fn bf16_pair_t<const T: usize>(
     acc: [*mut f32; 2],
 ) {
     let mask = _mm512_set1_epi32(0xFFFF_0000u32 as i32);
+    let pd2 = pd2();
     let mut a = [[_mm512_setzero_ps(); 2]; T];
     // SAFETY: pair `i < kc / 2` reads words `32i..32i+32` of each panel and
     // values `2·T·i .. 2·T·(i+1)` of `xp`; the odd tail reads only the `k`
@@ -189,6 +202,10 @@ unsafe fn bf16_pair_t<const T: usize>(
             let (pa, pb) = (w[0].add(i * 2 * NR), w[1].add(i * 2 * NR));
             prefetch!(pa);
             prefetch!(pb);
+            if pd2 != 0 {
+                _mm_prefetch::<_MM_HINT_T1>((pa as *const i8).wrapping_add(pd2));
+                _mm_prefetch::<_MM_HINT_T1>((pb as *const i8).wrapping_add(pd2));
+            }
             let ra = _mm512_loadu_si512(pa as *const __m512i);
             let rb = _mm512_loadu_si512(pb as *const __m512i);
             let wa0 = _mm512_castsi512_ps(_mm512_slli_epi32::<16>(ra));
