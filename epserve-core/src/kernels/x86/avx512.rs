@@ -131,15 +131,10 @@ unsafe fn bf16_t<const T: usize, const S: usize>(
     }
 }
 
-fn pd2() -> usize {
-    static PD: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
-    *PD.get_or_init(|| {
-        std::env::var("PD2")
-            .ok()
-            .and_then(|v| v.parse().ok())
-            .unwrap_or(0)
-    })
-}
+/// Bytes ahead of the current weights that the two-panel tile also pulls
+/// into L2: one K block of the executor's prefill path (256 `k` × 32 bytes),
+/// so the first token tile of the next block does not wait on DRAM.
+const PAIR_L2_PREFETCH: usize = 8192;
 
 /// Most tokens per two-panel bf16 tile (f32 activations).
 pub const BF16_PAIR_MR: usize = 12;
@@ -192,7 +187,6 @@ unsafe fn bf16_pair_t<const T: usize>(
     acc: [*mut f32; 2],
 ) {
     let mask = _mm512_set1_epi32(0xFFFF_0000u32 as i32);
-    let pd2 = pd2();
     let mut a = [[_mm512_setzero_ps(); 2]; T];
     // SAFETY: pair `i < kc / 2` reads words `32i..32i+32` of each panel and
     // values `2·T·i .. 2·T·(i+1)` of `xp`; the odd tail reads only the `k`
@@ -202,10 +196,8 @@ unsafe fn bf16_pair_t<const T: usize>(
             let (pa, pb) = (w[0].add(i * 2 * NR), w[1].add(i * 2 * NR));
             prefetch!(pa);
             prefetch!(pb);
-            if pd2 != 0 {
-                _mm_prefetch::<_MM_HINT_T1>((pa as *const i8).wrapping_add(pd2));
-                _mm_prefetch::<_MM_HINT_T1>((pb as *const i8).wrapping_add(pd2));
-            }
+            _mm_prefetch::<_MM_HINT_T1>((pa as *const i8).wrapping_add(PAIR_L2_PREFETCH));
+            _mm_prefetch::<_MM_HINT_T1>((pb as *const i8).wrapping_add(PAIR_L2_PREFETCH));
             let ra = _mm512_loadu_si512(pa as *const __m512i);
             let rb = _mm512_loadu_si512(pb as *const __m512i);
             let wa0 = _mm512_castsi512_ps(_mm512_slli_epi32::<16>(ra));
