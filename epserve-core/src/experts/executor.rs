@@ -34,10 +34,10 @@ use crate::error::{Error, Result};
 use crate::experts::packed::{PackedData, PackedDtype, PackedExpert};
 use crate::experts::pool::ExpertPool;
 use crate::experts::{ExpertDtype, LoadOptions};
-use crate::kernels::dispatch::{Kernels, MAX_MR, kernels};
+use crate::kernels::dispatch::{AmxBlock, AmxTiles, Kernels, MAX_MR, kernels};
 use crate::kernels::layout::{
-    I8_GROUP_BYTES, KG, NR, bf16_padded_k, f32_to_bf16_bits, i8_padded_k, pack_pairs_f32,
-    quantize_row_i8,
+    AMX_BF16_TILE_K, AMX_I8_TILE_K, AMX_ROW_BYTES, AMX_TILE_BYTES, AMX_TILE_M, I8_GROUP_BYTES, KG,
+    NR, bf16_padded_k, f32_to_bf16_bits, i8_padded_k, pack_pairs_f32, quantize_row_i8,
 };
 use crate::loader::weights::WeightStore;
 use crate::model::moe::{ExpertExecutor, SKIP_SLOT};
@@ -958,26 +958,17 @@ fn run_panels_amx(
     src: &Src<'_>,
     mut epi: impl FnMut(usize, usize, &[f32; NR]),
 ) {
-    use crate::kernels::dispatch::AmxBlock;
-    use crate::kernels::layout::{
-        AMX_BF16_TILE_K as BF16_TILE_K, AMX_I8_TILE_K as I8_TILE_K,
-        AMX_ROW_BYTES as TILE_ROW_BYTES, AMX_TILE_BYTES as TILE_BYTES, AMX_TILE_M as TILE_M,
-    };
-
     let int8 = matches!(data, DataView::I8 { .. });
-    let tk = if int8 { I8_TILE_K } else { BF16_TILE_K };
+    let tk = if int8 { AMX_I8_TILE_K } else { AMX_BF16_TILE_K };
     let ktiles = kdim.div_ceil(tk).max(1);
     // One spare line per row: a row stride that is a multiple of 4 KiB would
     // put all 16 rows of an `A` tile in the same L1 set.
-    let row_bytes = (ktiles + 1) * TILE_ROW_BYTES;
-    let n_pad = n.next_multiple_of(TILE_M);
-    let kt_blk = (AMX_A_BLOCK / (n_pad * TILE_ROW_BYTES)).clamp(1, ktiles);
-    let nb = (AMX_ACC_BLOCK / (n_pad * NR * 4)).max(2) / 2 * 2;
+    let row_bytes = (ktiles + 1) * AMX_ROW_BYTES;
+    let n_pad = n.next_multiple_of(AMX_TILE_M);
     let (p0, p1) = (it.p0 as usize, it.p1 as usize);
     AMX_SCRATCH.with_borrow_mut(|(abuf, bbuf)| {
         ACC_F32.with_borrow_mut(|accf| {
             ACC_I32.with_borrow_mut(|acci| {
-                // Pack A.
                 let a = aligned_zeroed(abuf, n_pad * row_bytes);
                 for i in 0..n {
                     let dst = &mut a[i * row_bytes..(i + 1) * row_bytes];
@@ -993,122 +984,54 @@ fn run_panels_amx(
                         }
                     }
                 }
-                let a = &*a;
-                // Every panel's weights as bytes: k-tile `j` of panel `p`
-                // is the 1 KiB at `p · pbytes + j · 1024` in both layouts
-                // (16 bf16 k-pairs, or 8 int8 groups).
+                // Every panel's weights as bytes: k-tile `j` of panel `p` is
+                // the 1 KiB at `p · pbytes + j · 1024` in both layouts (16
+                // bf16 k-pairs, or 8 int8 groups).
                 let (wbytes, pbytes): (&[u8], usize) = match data {
                     DataView::Bf16(w) => (bytemuck::cast_slice(w), bf16_padded_k(kdim) * NR * 2),
                     DataView::I8 { data: w, .. } => {
                         (bytemuck::cast_slice(w), i8_padded_k(kdim) * NR)
                     }
                 };
-                // Whole k-tiles per panel (1 KiB each in both layouts).
-                let full = pbytes / TILE_BYTES;
-                let stage = aligned_zeroed(bbuf, 2 * TILE_BYTES);
-                let acc_len = nb * n_pad * NR;
-                if int8 {
-                    acci.resize(acc_len, 0);
+                let plan = AmxPlan {
+                    a,
+                    row_bytes,
+                    n_pad,
+                    wbytes,
+                    pbytes,
+                    full: pbytes / AMX_TILE_BYTES,
+                    ktiles,
+                    kt_blk: (AMX_A_BLOCK / (n_pad * AMX_ROW_BYTES)).clamp(1, ktiles),
+                    nb: (AMX_ACC_BLOCK / (n_pad * NR * 4)).max(2) / 2 * 2,
+                    p1,
+                };
+                let mut acc = if int8 {
+                    acci.resize(plan.nb * n_pad * NR, 0);
+                    AmxAcc::I32(acci)
                 } else {
-                    accf.resize(acc_len, 0.0);
-                }
+                    accf.resize(plan.nb * n_pad * NR, 0.0);
+                    AmxAcc::F32(accf)
+                };
+                let stage = aligned_zeroed(bbuf, 2 * AMX_TILE_BYTES);
                 k.amx_scope(|t| {
                     let mut pb0 = p0;
                     while pb0 < p1 {
-                        let pb1 = (pb0 + nb).min(p1);
+                        let pb1 = (pb0 + plan.nb).min(p1);
                         let mut j0 = 0;
                         while j0 < ktiles {
-                            let kt = kt_blk.min(ktiles - j0);
+                            let kt = plan.kt_blk.min(ktiles - j0);
                             let mut pp = pb0;
                             while pp < pb1 {
                                 let nt = (pb1 - pp).min(2);
-                                let c_base = (pp - pb0) * n_pad * NR;
-                                // The weights of the next (panel pair, K block),
-                                // to prefetch while this one computes.
-                                let next = if pp + nt < pb1 {
-                                    Some((pp + nt, pb1, j0, kt))
-                                } else if j0 + kt < ktiles {
-                                    Some((pb0, pb1, j0 + kt, kt_blk.min(ktiles - j0 - kt)))
-                                } else if pb1 < p1 {
-                                    Some((pb1, (pb1 + nb).min(p1), 0, kt_blk))
-                                } else {
-                                    None
+                                let blk = PairBlock {
+                                    pb0,
+                                    pb1,
+                                    pp,
+                                    nt,
+                                    j0,
+                                    kt,
                                 };
-                                let pf = |q: usize| -> &[u8] {
-                                    let Some((np, nend, nj, nk)) = next else {
-                                        return &[];
-                                    };
-                                    if np + q >= nend {
-                                        return &[];
-                                    }
-                                    let pan = &wbytes[(np + q) * pbytes..(np + q + 1) * pbytes];
-                                    let lo = (nj * TILE_BYTES).min(pbytes);
-                                    &pan[lo..((nj + nk) * TILE_BYTES).min(pbytes)]
-                                };
-                                let prefetch = [pf(0), pf(1)];
-                                // Every token tile (pairs of 16 rows) over `kt`
-                                // k-tiles from k-tile `j` of the panel pair `b`.
-                                let run =
-                                    |j: usize,
-                                     b: [&[u8]; 2],
-                                     kt: usize,
-                                     accumulate: bool,
-                                     pf: bool,
-                                     accf: &mut Vec<f32>,
-                                     acci: &mut Vec<i32>| {
-                                        let mut m0 = 0;
-                                        while m0 < n_pad {
-                                            let mt = ((n_pad - m0) / TILE_M).min(2);
-                                            let blk = AmxBlock {
-                                                a: &a[m0 * row_bytes + j * TILE_ROW_BYTES..],
-                                                a_stride: row_bytes,
-                                                mt,
-                                                b,
-                                                b_step: TILE_BYTES,
-                                                nt,
-                                                kt,
-                                                c_off: c_base + m0 * NR,
-                                                c_pstride: n_pad * NR,
-                                                accumulate,
-                                                prefetch: if pf && m0 == 0 {
-                                                    prefetch
-                                                } else {
-                                                    [&[], &[]]
-                                                },
-                                            };
-                                            if int8 {
-                                                t.i8(&blk, acci);
-                                            } else {
-                                                t.bf16(&blk, accf);
-                                            }
-                                            m0 += mt * TILE_M;
-                                        }
-                                    };
-                                // Whole k-tiles are read in place; a trailing
-                                // partial one is staged with zeros.
-                                let panel = |q: usize| -> &[u8] {
-                                    &wbytes[(pp + q) * pbytes..(pp + q + 1) * pbytes]
-                                };
-                                let main = (j0 + kt).min(full).saturating_sub(j0);
-                                if main > 0 {
-                                    let b0 = &panel(0)[j0 * TILE_BYTES..];
-                                    let b1 = &panel(nt - 1)[j0 * TILE_BYTES..];
-                                    run(j0, [b0, b1], main, j0 > 0, true, accf, acci);
-                                }
-                                if j0 + kt > full {
-                                    for q in 0..nt {
-                                        let d = &mut stage[q * TILE_BYTES..(q + 1) * TILE_BYTES];
-                                        d.fill(0);
-                                        let tail = &panel(q)[full * TILE_BYTES..];
-                                        d[..tail.len()].copy_from_slice(tail);
-                                    }
-                                    let st = &*stage;
-                                    let b = [
-                                        &st[..TILE_BYTES],
-                                        &st[(nt - 1) * TILE_BYTES..nt * TILE_BYTES],
-                                    ];
-                                    run(full, b, 1, j0 > 0 || main > 0, false, accf, acci);
-                                }
+                                plan.pair_block(t, &mut acc, stage, &blk);
                                 pp += nt;
                             }
                             j0 += kt;
@@ -1116,20 +1039,23 @@ fn run_panels_amx(
                         // Epilogue for the panel block.
                         for p in pb0..pb1 {
                             let base = (p - pb0) * n_pad * NR;
-                            match data {
-                                DataView::Bf16(_) => {
+                            match (&acc, data) {
+                                (AmxAcc::F32(accf), _) => {
                                     for i in 0..n {
                                         let a = &accf[base + i * NR..base + (i + 1) * NR];
                                         epi(i, p, as_row(a));
                                     }
                                 }
-                                DataView::I8 { scales, .. } => {
+                                (AmxAcc::I32(acci), DataView::I8 { scales, .. }) => {
                                     let ws = &scales[p * NR..(p + 1) * NR];
                                     for i in 0..n {
                                         let xs = src.i8_scales[row(i)];
                                         let a = &acci[base + i * NR..base + (i + 1) * NR];
                                         epi(i, p, &dequant(a, ws, xs));
                                     }
+                                }
+                                (AmxAcc::I32(_), DataView::Bf16(_)) => {
+                                    unreachable!("int8 accumulators for bf16 weights")
                                 }
                             }
                         }
@@ -1139,4 +1065,163 @@ fn run_panels_amx(
             })
         })
     })
+}
+
+/// The accumulators of one AMX panel block.
+enum AmxAcc<'a> {
+    F32(&'a mut Vec<f32>),
+    I32(&'a mut Vec<i32>),
+}
+
+/// One work item's AMX geometry: the packed `A` rows and the weights.
+struct AmxPlan<'a> {
+    /// The expert's rows as `A` tiles (`n_pad` rows of `row_bytes`).
+    a: &'a [u8],
+    row_bytes: usize,
+    /// Rows rounded up to whole tiles.
+    n_pad: usize,
+    /// All panels' weights, `pbytes` per panel.
+    wbytes: &'a [u8],
+    pbytes: usize,
+    /// Whole k-tiles per panel (the rest, if any, is one partial tile).
+    full: usize,
+    /// k-tiles per panel, partial included.
+    ktiles: usize,
+    /// k-tiles per K block.
+    kt_blk: usize,
+    /// Panels per panel block (even).
+    nb: usize,
+    /// End of the work item's panels.
+    p1: usize,
+}
+
+/// A panel pair (`nt` = 1 or 2 panels from `pp`, inside the panel block
+/// `pb0..pb1`) over the K block of `kt` k-tiles from k-tile `j0`.
+struct PairBlock {
+    pb0: usize,
+    pb1: usize,
+    pp: usize,
+    nt: usize,
+    j0: usize,
+    kt: usize,
+}
+
+impl AmxPlan<'_> {
+    fn panel(&self, p: usize) -> &[u8] {
+        &self.wbytes[p * self.pbytes..(p + 1) * self.pbytes]
+    }
+
+    /// The weights read after `blk` (the next pair of its panel block and K
+    /// block, else the first pair of the next K block, else of the next
+    /// panel block), to prefetch while `blk` computes.
+    fn next_weights(&self, blk: &PairBlock) -> [&[u8]; 2] {
+        let PairBlock {
+            pb0,
+            pb1,
+            pp,
+            nt,
+            j0,
+            kt,
+        } = *blk;
+        let next = if pp + nt < pb1 {
+            Some((pp + nt, pb1, j0, kt))
+        } else if j0 + kt < self.ktiles {
+            Some((pb0, pb1, j0 + kt, self.kt_blk.min(self.ktiles - j0 - kt)))
+        } else if pb1 < self.p1 {
+            Some((pb1, (pb1 + self.nb).min(self.p1), 0, self.kt_blk))
+        } else {
+            None
+        };
+        let Some((np, nend, nj, nk)) = next else {
+            return [&[], &[]];
+        };
+        let at = |q: usize| -> &[u8] {
+            if np + q >= nend {
+                return &[];
+            }
+            let lo = (nj * AMX_TILE_BYTES).min(self.pbytes);
+            &self.panel(np + q)[lo..((nj + nk) * AMX_TILE_BYTES).min(self.pbytes)]
+        };
+        [at(0), at(1)]
+    }
+
+    /// `blk`'s products: whole k-tiles read in place, a trailing partial one
+    /// staged with zeros in `stage` (two tiles).
+    fn pair_block(&self, t: &AmxTiles, acc: &mut AmxAcc<'_>, stage: &mut [u8], blk: &PairBlock) {
+        let PairBlock { pp, nt, j0, kt, .. } = *blk;
+        let c_base = (pp - blk.pb0) * self.n_pad * NR;
+        let main = (j0 + kt).min(self.full).saturating_sub(j0);
+        if main > 0 {
+            let b = [
+                &self.panel(pp)[j0 * AMX_TILE_BYTES..],
+                &self.panel(pp + nt - 1)[j0 * AMX_TILE_BYTES..],
+            ];
+            let pf = self.next_weights(blk);
+            self.token_tiles(t, acc, j0, b, nt, main, c_base, j0 > 0, pf);
+        }
+        if j0 + kt > self.full {
+            for q in 0..nt {
+                let d = &mut stage[q * AMX_TILE_BYTES..(q + 1) * AMX_TILE_BYTES];
+                d.fill(0);
+                let tail = &self.panel(pp + q)[self.full * AMX_TILE_BYTES..];
+                d[..tail.len()].copy_from_slice(tail);
+            }
+            let b = [
+                &stage[..AMX_TILE_BYTES],
+                &stage[(nt - 1) * AMX_TILE_BYTES..nt * AMX_TILE_BYTES],
+            ];
+            let none: [&[u8]; 2] = [&[], &[]];
+            self.token_tiles(
+                t,
+                acc,
+                self.full,
+                b,
+                nt,
+                1,
+                c_base,
+                j0 > 0 || main > 0,
+                none,
+            );
+        }
+    }
+
+    /// Every token tile (pairs of 16 rows) over `kt` k-tiles from k-tile `j`
+    /// against the panel pair `b` (`nt` panels), into the accumulators from
+    /// `c_base`; the first call also prefetches `pf`.
+    #[allow(clippy::too_many_arguments)]
+    fn token_tiles(
+        &self,
+        t: &AmxTiles,
+        acc: &mut AmxAcc<'_>,
+        j: usize,
+        b: [&[u8]; 2],
+        nt: usize,
+        kt: usize,
+        c_base: usize,
+        accumulate: bool,
+        pf: [&[u8]; 2],
+    ) {
+        let mut m0 = 0;
+        while m0 < self.n_pad {
+            let mt = ((self.n_pad - m0) / AMX_TILE_M).min(2);
+            let blk = AmxBlock {
+                a: &self.a[m0 * self.row_bytes + j * AMX_ROW_BYTES..],
+                a_stride: self.row_bytes,
+                mt,
+                b,
+                b_step: AMX_TILE_BYTES,
+                nt,
+                kt,
+                c_off: c_base + m0 * NR,
+                c_pstride: self.n_pad * NR,
+                accumulate,
+                prefetch: if m0 == 0 { pf } else { [&[], &[]] },
+            };
+            match acc {
+                AmxAcc::I32(c) => t.i8(&blk, c),
+                AmxAcc::F32(c) => t.bf16(&blk, c),
+            }
+            m0 += mt * AMX_TILE_M;
+        }
+    }
 }
