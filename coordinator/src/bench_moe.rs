@@ -56,6 +56,10 @@ pub struct BenchMoeArgs {
     /// Size of the bandwidth probe buffer in MiB (make it much larger than the LLC).
     #[arg(long, default_value_t = 2048)]
     pub bw_mib: usize,
+    /// Timed rounds over all rows (dtypes interleaved); each row reports its
+    /// best round. Each round's value is the median of its passes.
+    #[arg(long, default_value_t = 3)]
+    pub rounds: usize,
     /// Print one JSON object instead of tables.
     #[arg(long)]
     pub json: bool,
@@ -341,8 +345,11 @@ fn routings(sh: &Shape, tokens: usize, rng: &mut Rng) -> Vec<(Vec<u32>, Vec<f32>
         .collect()
 }
 
-/// Mean seconds per call: at least `min` of calls (and `min_iters`), or
-/// exactly `fixed` calls when given.
+/// Seconds per call. Timed in passes over every routing (each expert
+/// touched once per pass), for at least `min` and three passes; the median
+/// pass counts, so a burst of load from the shared host's other tenants
+/// does not skew the row the way a mean would. Exactly `fixed` calls, and
+/// their mean, when given (the scalar twin).
 fn time_calls(
     ex: &PackedExperts,
     x: &[f32],
@@ -352,27 +359,30 @@ fn time_calls(
     min: Duration,
     fixed: Option<usize>,
 ) -> Result<f64> {
-    let mut n = 0usize;
-    if fixed.is_none() {
-        // Warm up with one pass over every routing (each expert touched once),
-        // so first-touch costs of freshly built weights stay out of the row.
+    if let Some(f) = fixed {
+        let start = Instant::now();
+        for n in 0..f.max(1) {
+            let (ids, w) = &rs[n % rs.len()];
+            ex.execute(0, x, ids, w, top_k, out)?;
+        }
+        return Ok(start.elapsed().as_secs_f64() / f.max(1) as f64);
+    }
+    // Warm up with one pass (first-touch costs of freshly built weights stay
+    // out of the row).
+    for (ids, w) in rs {
+        ex.execute(0, x, ids, w, top_k, out)?;
+    }
+    let start = Instant::now();
+    let mut passes = Vec::new();
+    while passes.len() < 3 || start.elapsed() < min {
+        let t0 = Instant::now();
         for (ids, w) in rs {
             ex.execute(0, x, ids, w, top_k, out)?;
         }
+        passes.push(t0.elapsed().as_secs_f64() / rs.len().max(1) as f64);
     }
-    let start = Instant::now();
-    loop {
-        let (ids, w) = &rs[n % rs.len()];
-        ex.execute(0, x, ids, w, top_k, out)?;
-        n += 1;
-        match fixed {
-            Some(f) if n >= f => break,
-            Some(_) => {}
-            None if start.elapsed() >= min && n >= 3 => break,
-            None => {}
-        }
-    }
-    Ok(start.elapsed().as_secs_f64() / n as f64)
+    passes.sort_by(f64::total_cmp);
+    Ok(passes[passes.len() / 2])
 }
 
 fn bytes_touched(ex: &PackedExperts, rs: &[(Vec<u32>, Vec<f32>)]) -> f64 {
@@ -464,56 +474,75 @@ pub fn run(args: &BenchMoeArgs) -> Result<()> {
         ));
         let built = build_experts(sh, &dtypes, args.seed)?;
         let first_pool = pools.values().next().cloned().context("no thread counts")?;
+        // Every dtype's executor and every row's inputs, built once.
+        let mut execs = Vec::new();
         for (di, experts) in built.into_iter().enumerate() {
             let dt = dtypes[di];
-            let dname = if dt == PackedDtype::Bf16 {
-                "bf16"
-            } else {
-                "int8"
-            };
-            let mut ex = PackedExperts::new(vec![Some(experts)], sh.hidden, first_pool.clone())?;
-            for &tok in &args.tokens {
+            let dname = if dt == PackedDtype::Bf16 { "bf16" } else { "int8" };
+            let ex = PackedExperts::new(vec![Some(experts)], sh.hidden, first_pool.clone())?;
+            execs.push((dt, dname, ex));
+        }
+        let inputs: Vec<_> = args
+            .tokens
+            .iter()
+            .map(|&tok| {
                 let x: Vec<f32> = (0..tok * sh.hidden).map(|_| rng.unit()).collect();
-                let rs = routings(sh, tok, &mut rng);
-                let mut out = vec![0.0f32; tok * sh.top_k * sh.hidden];
-                let bytes = bytes_touched(&ex, &rs);
+                (tok, x, routings(sh, tok, &mut rng))
+            })
+            .collect();
+        // Rounds over all rows, dtypes interleaved: each row keeps its best
+        // round, so a burst of load on the shared host costs one round of
+        // some rows instead of a whole dtype's rows (and the ratios).
+        let rounds = args.rounds.max(1);
+        let mut best: BTreeMap<(usize, usize, usize), f64> = BTreeMap::new();
+        let mut scalars: BTreeMap<(usize, usize, usize), f64> = BTreeMap::new();
+        for round in 0..rounds {
+            if rounds > 1 {
+                log(format!("  round {}/{rounds}", round + 1));
+            }
+            for (ei, (_, dname, ex)) in execs.iter_mut().enumerate() {
+                for (ti, (tok, x, rs)) in inputs.iter().enumerate() {
+                    let mut out = vec![0.0f32; tok * sh.top_k * sh.hidden];
+                    for &t in &thread_counts {
+                        let Some(pool) = pools.get(&t) else { continue };
+                        ex.set_pool(pool.clone());
+                        ex.set_kernels(k);
+                        let min = Duration::from_millis(args.min_ms);
+                        let secs = time_calls(ex, x, rs, sh.top_k, &mut out, min, None)?;
+                        let slot = best.entry((ei, ti, t)).or_insert(secs);
+                        *slot = slot.min(secs);
+                        if round == 0 && args.scalar_iters > 0 && *tok <= args.scalar_max_tokens {
+                            ex.set_kernels(Kernels::generic());
+                            let fixed = Some(args.scalar_iters);
+                            let s = time_calls(ex, x, rs, sh.top_k, &mut out, min, fixed)?;
+                            ex.set_kernels(k);
+                            scalars.insert((ei, ti, t), s);
+                        }
+                        log(format!(
+                            "  {:>4} tok {} {}t: {:9.3} ms",
+                            tok,
+                            dname,
+                            t,
+                            secs * 1e3
+                        ));
+                    }
+                }
+            }
+        }
+        for (ei, (dt, dname, ex)) in execs.iter().enumerate() {
+            for (ti, (tok, _, rs)) in inputs.iter().enumerate() {
+                let bytes = bytes_touched(ex, rs);
                 let flops = (tok * sh.top_k * 6 * sh.hidden * sh.inter) as f64;
                 for &t in &thread_counts {
-                    let Some(pool) = pools.get(&t) else { continue };
-                    ex.set_pool(pool.clone());
-                    ex.set_kernels(k);
-                    let secs = time_calls(
-                        &ex,
-                        &x,
-                        &rs,
-                        sh.top_k,
-                        &mut out,
-                        Duration::from_millis(args.min_ms),
-                        None,
-                    )?;
-                    let scalar = if args.scalar_iters > 0 && tok <= args.scalar_max_tokens {
-                        ex.set_kernels(Kernels::generic());
-                        let s = time_calls(
-                            &ex,
-                            &x,
-                            &rs,
-                            sh.top_k,
-                            &mut out,
-                            Duration::ZERO,
-                            Some(args.scalar_iters),
-                        )?;
-                        ex.set_kernels(k);
-                        Some(s)
-                    } else {
-                        None
-                    };
+                    let Some(&secs) = best.get(&(ei, ti, t)) else { continue };
+                    let scalar = scalars.get(&(ei, ti, t)).copied();
                     let m = mach(t);
                     let gbps = bytes / secs / 1e9;
                     let gflops = flops / secs / 1e9;
-                    let row = Row {
+                    rows.push(Row {
                         shape: sh.name.clone(),
-                        tokens: tok,
-                        dtype: dname.into(),
+                        tokens: *tok,
+                        dtype: (*dname).into(),
                         threads: t,
                         kernel: k.tier().name().into(),
                         time_ms: secs * 1e3,
@@ -522,28 +551,14 @@ pub fn run(args: &BenchMoeArgs) -> Result<()> {
                         bandwidth_pct: m.map_or(0.0, |m| 100.0 * gbps / m.bandwidth_gbps),
                         gflops,
                         fma_peak_pct: m.map_or(0.0, |m| 100.0 * gflops / m.fma_peak_gflops),
-                        bf16_dot_peak_pct: (dt == PackedDtype::Bf16 && k.bf16x_mr().is_some())
+                        bf16_dot_peak_pct: (*dt == PackedDtype::Bf16 && k.bf16x_mr().is_some())
                             .then(|| m.and_then(|m| m.bf16_dot_peak_gflops))
                             .flatten()
                             .map(|p| 100.0 * gflops / p),
                         scalar_time_ms: scalar.map(|s| s * 1e3),
                         speedup_vs_scalar: scalar.map(|s| s / secs),
                         int8_over_bf16: None,
-                    };
-                    log(format!(
-                        "  {:>4} tok {} {}t: {:9.3} ms {:7.1} GB/s {:5.1}% bw {:7.1} GFLOP/s{}",
-                        tok,
-                        dname,
-                        t,
-                        row.time_ms,
-                        gbps,
-                        row.bandwidth_pct,
-                        gflops,
-                        row.speedup_vs_scalar
-                            .map(|s| format!(" {s:.2}x scalar"))
-                            .unwrap_or_default()
-                    ));
-                    rows.push(row);
+                    });
                 }
             }
         }
@@ -733,6 +748,7 @@ mod tests {
             scalar_iters: 1,
             scalar_max_tokens: 256,
             bw_mib: 1,
+            rounds: 2,
             json: true,
             seed: 3,
         };
