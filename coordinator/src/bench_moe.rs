@@ -440,13 +440,14 @@ pub fn run(args: &BenchMoeArgs) -> Result<()> {
     // The machine, measured now.
     let mut pools: BTreeMap<usize, Arc<ExpertPool>> = BTreeMap::new();
     let mut machine = Vec::new();
+    // Kept for the whole run: the bandwidth is measured again each round.
+    let words = args.bw_mib.max(1) * (1 << 20) / 8;
+    let buf: Vec<u64> = (0..words as u64).collect();
     {
         log(format!(
             "measuring memory bandwidth ({} MiB buffer) and FMA peak...",
             args.bw_mib
         ));
-        let words = args.bw_mib.max(1) * (1 << 20) / 8;
-        let buf: Vec<u64> = (0..words as u64).collect();
         for &t in &thread_counts {
             let pool = Arc::new(ExpertPool::new(Some(t), true)?);
             let bw = measure_bandwidth(&pool, &buf);
@@ -463,7 +464,6 @@ pub fn run(args: &BenchMoeArgs) -> Result<()> {
             pools.insert(t, pool);
         }
     }
-    let mach = |t: usize| machine.iter().find(|m| m.threads == t);
 
     let mut rows: Vec<Row> = Vec::new();
     let mut rng = Rng(args.seed ^ 0x5EED);
@@ -499,6 +499,14 @@ pub fn run(args: &BenchMoeArgs) -> Result<()> {
         for round in 0..rounds {
             if rounds > 1 {
                 log(format!("  round {}/{rounds}", round + 1));
+            }
+            // The bandwidth probe, like the rows, keeps its best round.
+            if round > 0 || !std::ptr::eq(sh, &shapes[0]) {
+                for m in machine.iter_mut() {
+                    if let Some(pool) = pools.get(&m.threads) {
+                        m.bandwidth_gbps = m.bandwidth_gbps.max(measure_bandwidth(pool, &buf));
+                    }
+                }
             }
             for (ei, (_, dname, ex)) in execs.iter_mut().enumerate() {
                 for (ti, (tok, x, rs)) in inputs.iter().enumerate() {
@@ -536,7 +544,7 @@ pub fn run(args: &BenchMoeArgs) -> Result<()> {
                 for &t in &thread_counts {
                     let Some(&secs) = best.get(&(ei, ti, t)) else { continue };
                     let scalar = scalars.get(&(ei, ti, t)).copied();
-                    let m = mach(t);
+                    let m = machine.iter().find(|m| m.threads == t);
                     let gbps = bytes / secs / 1e9;
                     let gflops = flops / secs / 1e9;
                     rows.push(Row {
@@ -561,6 +569,12 @@ pub fn run(args: &BenchMoeArgs) -> Result<()> {
                     });
                 }
             }
+        }
+    }
+    // Percentages against the best bandwidth any round measured.
+    for r in rows.iter_mut() {
+        if let Some(m) = machine.iter().find(|m| m.threads == r.threads) {
+            r.bandwidth_pct = 100.0 * r.weight_gbps / m.bandwidth_gbps;
         }
     }
     // int8 over bf16 at the same shape, tokens and threads.
