@@ -478,7 +478,11 @@ pub fn run(args: &BenchMoeArgs) -> Result<()> {
         let mut execs = Vec::new();
         for (di, experts) in built.into_iter().enumerate() {
             let dt = dtypes[di];
-            let dname = if dt == PackedDtype::Bf16 { "bf16" } else { "int8" };
+            let dname = if dt == PackedDtype::Bf16 {
+                "bf16"
+            } else {
+                "int8"
+            };
             let ex = PackedExperts::new(vec![Some(experts)], sh.hidden, first_pool.clone())?;
             execs.push((dt, dname, ex));
         }
@@ -542,7 +546,9 @@ pub fn run(args: &BenchMoeArgs) -> Result<()> {
                 let bytes = bytes_touched(ex, rs);
                 let flops = (tok * sh.top_k * 6 * sh.hidden * sh.inter) as f64;
                 for &t in &thread_counts {
-                    let Some(&secs) = best.get(&(ei, ti, t)) else { continue };
+                    let Some(&secs) = best.get(&(ei, ti, t)) else {
+                        continue;
+                    };
                     let scalar = scalars.get(&(ei, ti, t)).copied();
                     let m = machine.iter().find(|m| m.threads == t);
                     let gbps = bytes / secs / 1e9;
