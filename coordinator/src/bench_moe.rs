@@ -467,6 +467,8 @@ pub fn run(args: &BenchMoeArgs) -> Result<()> {
 
     let mut rows: Vec<Row> = Vec::new();
     let mut rng = Rng(args.seed ^ 0x5EED);
+    // The probe above counts as the first round's.
+    let mut probed = true;
     for sh in &shapes {
         log(format!(
             "building {}: hidden {}, {} experts, top-{}, width {} ({:?})...",
@@ -505,7 +507,7 @@ pub fn run(args: &BenchMoeArgs) -> Result<()> {
                 log(format!("  round {}/{rounds}", round + 1));
             }
             // The bandwidth probe, like the rows, keeps its best round.
-            if round > 0 || !std::ptr::eq(sh, &shapes[0]) {
+            if !std::mem::take(&mut probed) {
                 for m in machine.iter_mut() {
                     if let Some(pool) = pools.get(&m.threads) {
                         m.bandwidth_gbps = m.bandwidth_gbps.max(measure_bandwidth(pool, &buf));
@@ -562,7 +564,8 @@ pub fn run(args: &BenchMoeArgs) -> Result<()> {
                         time_ms: secs * 1e3,
                         weight_bytes: bytes,
                         weight_gbps: gbps,
-                        bandwidth_pct: m.map_or(0.0, |m| 100.0 * gbps / m.bandwidth_gbps),
+                        // Set below, against the best probe of the whole run.
+                        bandwidth_pct: 0.0,
                         gflops,
                         fma_peak_pct: m.map_or(0.0, |m| 100.0 * gflops / m.fma_peak_gflops),
                         bf16_dot_peak_pct: (*dt == PackedDtype::Bf16 && k.bf16x_mr().is_some())

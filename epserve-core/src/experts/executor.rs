@@ -36,8 +36,9 @@ use crate::experts::pool::ExpertPool;
 use crate::experts::{ExpertDtype, LoadOptions};
 use crate::kernels::dispatch::{AmxBlock, AmxTiles, Kernels, MAX_MR, kernels};
 use crate::kernels::layout::{
-    AMX_BF16_TILE_K, AMX_I8_TILE_K, AMX_ROW_BYTES, AMX_TILE_BYTES, AMX_TILE_M, I8_GROUP_BYTES, KG,
-    NR, bf16_padded_k, f32_to_bf16_bits, i8_padded_k, pack_pairs_f32, quantize_row_i8,
+    AMX_BF16_TILE_K, AMX_I8_TILE_K, AMX_ROW_BYTES, AMX_TILE_BYTES, AMX_TILE_M, BF16_PAIR_KC,
+    I8_GROUP_BYTES, KG, NR, bf16_padded_k, f32_to_bf16_bits, i8_padded_k, pack_pairs_f32,
+    quantize_row_i8,
 };
 use crate::loader::weights::WeightStore;
 use crate::model::moe::{ExpertExecutor, SKIP_SLOT};
@@ -45,9 +46,6 @@ use crate::model::names::ExpertNames;
 
 /// `k` per block on the bf16 prefill path (a 16 KiB panel chunk).
 const KC_BF16: usize = 512;
-/// K block of the two-panel prefill tile (two 8 KiB panel chunks and one
-/// packed tile of up to 12 KiB in L1).
-const KC_BF16_PAIR: usize = 256;
 /// int8 groups per block on the int8 prefill path (a 16 KiB panel chunk).
 const KC_I8_GROUPS: usize = 128;
 /// Work items per thread and phase (load balance vs. scheduling overhead).
@@ -98,8 +96,6 @@ thread_local! {
     /// panels' accumulators.
     static PAIRS_F32: RefCell<(Vec<f32>, Vec<f32>)> =
         const { RefCell::new((Vec::new(), Vec::new())) };
-    /// f32 prefill path: the expert's activation rows, packed contiguously.
-    static ROWS_F32: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
     /// AMX path: the expert's activation rows packed as `A` tiles, and a
     /// trailing partial `B` tile zero-padded.
     static AMX_SCRATCH: RefCell<(Vec<u8>, Vec<u8>)> =
@@ -846,7 +842,7 @@ fn run_panels(
 /// The prefill path of bf16 experts with f32 activations on tiers with a
 /// two-panel tile: the expert's rows are packed once per work item into
 /// the tile's stream (token tiles of equal size, each K block contiguous),
-/// then every panel pair runs over K blocks of [`KC_BF16_PAIR`] (two panel
+/// then every panel pair runs over K blocks of [`BF16_PAIR_KC`] (two panel
 /// chunks and one packed tile stay in L1).
 #[allow(clippy::too_many_arguments)]
 fn run_pairs_f32(
@@ -859,9 +855,8 @@ fn run_pairs_f32(
     src: &Src<'_>,
     mut epi: impl FnMut(usize, usize, &[f32; NR]),
 ) {
-    let Some(mr) = k.bf16_pair_mr() else {
-        return;
-    };
+    // Tiers without a two-panel tile run its twin (up to `MAX_MR` rows).
+    let mr = k.bf16_pair_mr().unwrap_or(MAX_MR);
     // Token tiles of equal size (16 tokens: 8 + 8, not 12 + 4).
     let tn_max = n.div_ceil(n.div_ceil(mr));
     let kp = bf16_padded_k(kdim);
@@ -880,7 +875,7 @@ fn run_pairs_f32(
             }
             let mut k0 = 0;
             while k0 < kdim {
-                let kc = KC_BF16_PAIR.min(kdim - k0);
+                let kc = BF16_PAIR_KC.min(kdim - k0);
                 pack_pairs_f32(&rows[..tn], k0, kc, xp);
                 k0 += kc;
             }
@@ -896,7 +891,7 @@ fn run_pairs_f32(
             let (acc0, acc1) = acc.split_at_mut(n * NR);
             let mut k0 = 0;
             while k0 < kdim {
-                let kc = KC_BF16_PAIR.min(kdim - k0);
+                let kc = BF16_PAIR_KC.min(kdim - k0);
                 let len = bf16_padded_k(kc) * NR;
                 let chunk = |j: usize| &w[j * panel_len + k0 * NR..][..len];
                 let mut t0 = 0;
@@ -1005,12 +1000,15 @@ fn run_panels_amx(
                     nb: (AMX_ACC_BLOCK / (n_pad * NR * 4)).max(2) / 2 * 2,
                     p1,
                 };
-                let mut acc = if int8 {
-                    acci.resize(plan.nb * n_pad * NR, 0);
-                    AmxAcc::I32(acci)
-                } else {
-                    accf.resize(plan.nb * n_pad * NR, 0.0);
-                    AmxAcc::F32(accf)
+                let mut acc = match data {
+                    DataView::I8 { scales, .. } => {
+                        acci.resize(plan.nb * n_pad * NR, 0);
+                        AmxAcc::I32(acci, scales)
+                    }
+                    DataView::Bf16(_) => {
+                        accf.resize(plan.nb * n_pad * NR, 0.0);
+                        AmxAcc::F32(accf)
+                    }
                 };
                 let stage = aligned_zeroed(bbuf, 2 * AMX_TILE_BYTES);
                 k.amx_scope(|t| {
@@ -1039,23 +1037,20 @@ fn run_panels_amx(
                         // Epilogue for the panel block.
                         for p in pb0..pb1 {
                             let base = (p - pb0) * n_pad * NR;
-                            match (&acc, data) {
-                                (AmxAcc::F32(accf), _) => {
+                            match &acc {
+                                AmxAcc::F32(accf) => {
                                     for i in 0..n {
                                         let a = &accf[base + i * NR..base + (i + 1) * NR];
                                         epi(i, p, as_row(a));
                                     }
                                 }
-                                (AmxAcc::I32(acci), DataView::I8 { scales, .. }) => {
+                                AmxAcc::I32(acci, scales) => {
                                     let ws = &scales[p * NR..(p + 1) * NR];
                                     for i in 0..n {
                                         let xs = src.i8_scales[row(i)];
                                         let a = &acci[base + i * NR..base + (i + 1) * NR];
                                         epi(i, p, &dequant(a, ws, xs));
                                     }
-                                }
-                                (AmxAcc::I32(_), DataView::Bf16(_)) => {
-                                    unreachable!("int8 accumulators for bf16 weights")
                                 }
                             }
                         }
@@ -1067,10 +1062,11 @@ fn run_panels_amx(
     })
 }
 
-/// The accumulators of one AMX panel block.
+/// The accumulators of one AMX panel block (int8: with the weights'
+/// per-channel scales the epilogue applies).
 enum AmxAcc<'a> {
     F32(&'a mut Vec<f32>),
-    I32(&'a mut Vec<i32>),
+    I32(&'a mut Vec<i32>, &'a [f32]),
 }
 
 /// One work item's AMX geometry: the packed `A` rows and the weights.
@@ -1218,7 +1214,7 @@ impl AmxPlan<'_> {
                 prefetch: if m0 == 0 { pf } else { [&[], &[]] },
             };
             match acc {
-                AmxAcc::I32(c) => t.i8(&blk, c),
+                AmxAcc::I32(c, _) => t.i8(&blk, c),
                 AmxAcc::F32(c) => t.bf16(&blk, c),
             }
             m0 += mt * AMX_TILE_M;

@@ -6,7 +6,7 @@
 //! [`super::layout`]) and adds into `acc[t · 16 + c]`, logical channel order.
 
 use super::layout::{
-    I8_GROUP_BYTES, KG, NR, bf16_bits_to_f32, bf16_index, bf16_padded_k, i8_index,
+    I8_GROUP_BYTES, KG, NR, bf16_bits_to_f32, bf16_index, bf16_padded_k, i8_index, pair_index,
 };
 
 /// `acc[t·16 + c] += Σ_{k<kc} x[t][k] · W[k, c]` for a bf16 panel chunk `w`
@@ -32,7 +32,7 @@ pub fn bf16_pair_tile(w: [&[u16]; 2], kc: usize, t: usize, xp: &[f32], acc: [&mu
         for r in 0..t {
             let a = &mut aj[r * NR..(r + 1) * NR];
             for k in 0..kc {
-                let xv = xp[((k / 2) * t + r) * 2 + k % 2];
+                let xv = xp[pair_index(k, r, t)];
                 for (c, av) in a.iter_mut().enumerate() {
                     *av += xv * bf16_bits_to_f32(wj[bf16_index(k, c)]);
                 }

@@ -102,10 +102,21 @@ pub fn pack_bf16_panel<'a>(k: usize, row: impl Fn(usize) -> Option<&'a [u16]>, d
     }
 }
 
+/// `k` per block on the two-panel prefill path: two panel chunks of 8 KiB
+/// and one packed tile of up to 12 KiB stay in L1.
+pub const BF16_PAIR_KC: usize = 256;
+
+/// Where row `r`'s value at `k` sits in a packed stream of `t` rows (see
+/// [`pack_pairs_f32`]): pair `k / 2`, then the row, then `k % 2`.
+#[inline]
+pub const fn pair_index(k: usize, r: usize, t: usize) -> usize {
+    ((k / 2) * t + r) * 2 + k % 2
+}
+
 /// Packs `kc` activations of `x.len()` rows (`kc` from `k0` of each) into
 /// the two-panel tile's stream: pair `i` holds the `k = 2i, 2i + 1` values
-/// of every row in turn (`dst[(i·t + r)·2 + j] = x[r][k0 + 2i + j]`), zero
-/// past `kc`; `bf16_padded_k(kc) · x.len()` values in all, appended to `dst`.
+/// of every row in turn ([`pair_index`]), zero past `kc`;
+/// `bf16_padded_k(kc) · x.len()` values in all, appended to `dst`.
 pub fn pack_pairs_f32(x: &[&[f32]], k0: usize, kc: usize, dst: &mut Vec<f32>) {
     let t = x.len();
     let start = dst.len();
@@ -113,7 +124,7 @@ pub fn pack_pairs_f32(x: &[&[f32]], k0: usize, kc: usize, dst: &mut Vec<f32>) {
     let d = &mut dst[start..];
     for (r, row) in x.iter().enumerate() {
         for (k, &v) in row[k0..k0 + kc].iter().enumerate() {
-            d[((k / 2) * t + r) * 2 + k % 2] = v;
+            d[pair_index(k, r, t)] = v;
         }
     }
 }

@@ -27,7 +27,7 @@
 
 use std::arch::x86_64::*;
 
-use crate::kernels::layout::{I8_GROUP_BYTES, KG, NR};
+use crate::kernels::layout::{BF16_PAIR_KC, I8_GROUP_BYTES, KG, NR};
 use crate::kernels::row_ptrs as ptrs;
 
 /// Most tokens per bf16 tile (f32 activations).
@@ -132,9 +132,10 @@ unsafe fn bf16_t<const T: usize, const S: usize>(
 }
 
 /// Bytes ahead of the current weights that the two-panel tile also pulls
-/// into L2: one K block of the executor's prefill path (256 `k` × 32 bytes),
-/// so the first token tile of the next block does not wait on DRAM.
-const PAIR_L2_PREFETCH: usize = 8192;
+/// into L2: one K block of the executor's prefill path (`BF16_PAIR_KC` `k`s
+/// × 16 channels × 2 bytes), so the first token tile of the next block does
+/// not wait on DRAM.
+const PAIR_L2_PREFETCH: usize = BF16_PAIR_KC * NR * 2;
 
 /// Most tokens per two-panel bf16 tile (f32 activations).
 pub const BF16_PAIR_MR: usize = 12;
