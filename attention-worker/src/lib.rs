@@ -3,21 +3,23 @@
 //! registers in etcd under a lease as shard I of N, and serves
 //! `AttentionService` to the coordinator, which sums the shards' partial
 //! output projections. The shard itself is `epserve_core::model::attn_shard`.
+#![deny(clippy::print_stdout)]
 
 mod service;
 
 use std::net::SocketAddr;
-use std::path::PathBuf;
 use std::sync::Arc;
 
 use anyhow::{Context, Result, bail};
 use clap::Args;
+use epserve_cluster::runtime::{
+    Status, WorkerArgs, bind_grpc, io_runtime, serve_registered, shutdown,
+};
+use epserve_cluster::state::{ClusterState, WorkerInfo};
 use epserve_core::config::ModelConfig;
 use epserve_core::loader::weights::WeightStore;
 use epserve_core::model::attention::HeadShard;
 use epserve_core::model::attn_shard::AttentionShard;
-use epserve_expert_worker::cores;
-use epserve_proto::cluster::{ClusterState, WorkerInfo};
 use epserve_proto::pb::attention_service_server::AttentionServiceServer;
 
 pub use service::AttentionWorker;
@@ -39,15 +41,8 @@ pub fn shard_heads(
 /// `epserve attention-worker`.
 #[derive(Debug, Clone, Args)]
 pub struct AttentionWorkerArgs {
-    /// Hugging Face model folder (the same files the coordinator uses).
-    #[arg(long, env = "EPSERVE_MODEL")]
-    pub model: PathBuf,
-    /// etcd endpoints, comma-separated (`127.0.0.1:2379`).
-    #[arg(long, env = "EPSERVE_ETCD")]
-    pub etcd: String,
-    /// Cluster name: keys live under `/epserve/<cluster>/`.
-    #[arg(long, default_value = "default", env = "EPSERVE_CLUSTER")]
-    pub cluster: String,
+    #[command(flatten)]
+    pub worker: WorkerArgs,
     /// This worker's shard index, 0..N-1.
     #[arg(long, env = "EPSERVE_SHARD")]
     pub shard: usize,
@@ -57,29 +52,17 @@ pub struct AttentionWorkerArgs {
     /// Address the gRPC server binds.
     #[arg(long, default_value = "0.0.0.0:50061")]
     pub listen: SocketAddr,
-    /// Address the coordinator should dial (default: --listen, with 127.0.0.1 for 0.0.0.0).
-    #[arg(long)]
-    pub advertise: Option<String>,
-    /// Worker id in etcd (default: `attention-<shard>-of-<N>`).
-    #[arg(long)]
-    pub id: Option<String>,
-    /// Cores to run attention on, e.g. `0-15` or `0,2,4-7` (default: all).
-    #[arg(long)]
-    pub cores: Option<String>,
     /// KV cache of this shard's heads, e.g. `2GiB`, `512MiB`, bytes.
     #[arg(long, default_value = "1GiB")]
     pub kv_cache_memory: String,
     /// Positions per KV block (the coordinator's --block-size must be a multiple).
     #[arg(long, default_value_t = 16)]
     pub block_size: usize,
-    /// Give up (exit 1) when etcd stays unreachable this long, at start or
-    /// while registered.
-    #[arg(long, default_value_t = 30, value_parser = clap::value_parser!(u64).range(1..))]
-    pub etcd_timeout_secs: u64,
 }
 
-/// Runs the worker until SIGINT/SIGTERM.
-pub fn run(args: &AttentionWorkerArgs) -> Result<()> {
+/// Runs the worker until SIGINT/SIGTERM; `status` gets the operator-facing
+/// "serving" line.
+pub fn run(args: &AttentionWorkerArgs, status: Status) -> Result<()> {
     if args.of == 0 || args.shard >= args.of {
         bail!(
             "--shard {} --of {}: the shard index must be in 0..{}",
@@ -91,15 +74,9 @@ pub fn run(args: &AttentionWorkerArgs) -> Result<()> {
     if args.block_size == 0 {
         bail!("--block-size must be positive");
     }
-    let cores = match &args.cores {
-        Some(spec) => {
-            let c = cores::parse_cores(spec)?;
-            cores::pin_process(&c)?;
-            c
-        }
-        None => (0..std::thread::available_parallelism().map_or(1, |n| n.get())).collect(),
-    };
-    if args.cores.is_some() {
+    let w = &args.worker;
+    let cores = w.pin_cores()?;
+    if w.cores.is_some() {
         // Attention's kernels run on rayon's global pool: one thread per core.
         let _ = rayon::ThreadPoolBuilder::new()
             .num_threads(cores.len())
@@ -108,38 +85,23 @@ pub fn run(args: &AttentionWorkerArgs) -> Result<()> {
     let kv_bytes = epserve_core::config::parse_size(&args.kv_cache_memory)
         .map_err(anyhow::Error::msg)
         .context("--kv-cache-memory")?;
-    let cfg = ModelConfig::from_dir(&args.model)?;
-    let ws = WeightStore::open(&args.model)?;
+    let cfg = ModelConfig::from_dir(&w.model)?;
+    let ws = WeightStore::open(&w.model)?;
     let shard = HeadShard {
         index: args.shard,
         of: args.of,
     };
     let loaded = AttentionShard::load(&cfg, &ws, shard, kv_bytes, args.block_size)?;
     drop(ws);
-    let id = args
-        .id
-        .clone()
-        .unwrap_or_else(|| format!("attention-{}-of-{}", args.shard, args.of));
-    let advertise = match &args.advertise {
-        Some(a) => a.clone(),
-        None if args.listen.ip().is_unspecified() => format!("127.0.0.1:{}", args.listen.port()),
-        None => args.listen.to_string(),
-    };
+    let id = w.id_or(|| format!("attention-{}-of-{}", args.shard, args.of));
+    let advertise = w.advertise(args.listen);
     let stats = loaded.stats();
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-        .context("cannot start the async runtime")?;
+    let rt = io_runtime()?;
     rt.block_on(async move {
-        let store = epserve_expert_worker::connect_etcd(&args.etcd, args.etcd_timeout_secs).await?;
-        let state = ClusterState::new(Arc::new(store), &args.cluster);
+        let store = w.connect_etcd().await?;
+        let state = ClusterState::new(Arc::new(store), &w.cluster);
         let worker = Arc::new(AttentionWorker::new(id.clone(), loaded));
-        let listener = tokio::net::TcpListener::bind(args.listen)
-            .await
-            .with_context(|| format!("cannot listen on {}", args.listen))?;
-        let incoming =
-            tonic::transport::server::TcpIncoming::from(listener).with_nodelay(Some(true));
+        let incoming = bind_grpc(args.listen).await?;
         let info = WorkerInfo {
             id: id.clone(),
             role: "attention".into(),
@@ -150,18 +112,18 @@ pub fn run(args: &AttentionWorkerArgs) -> Result<()> {
             pid: std::process::id(),
         };
         let mut lease = state.register(&info).await?;
-        println!(
+        status.say(&format!(
             "epserve attention-worker '{id}' serving AttentionService at {advertise}: shard {} of {} ({} KV blocks of {} positions, cores {cores:?})",
             args.shard, args.of, stats.blocks_total, stats.block_size
-        );
+        ));
         let server = tonic::transport::Server::builder()
             .add_service(
                 AttentionServiceServer::from_arc(worker)
                     .max_decoding_message_size(1 << 30)
                     .max_encoding_message_size(1 << 30),
             )
-            .serve_with_incoming_shutdown(incoming, epserve_expert_worker::shutdown());
-        epserve_expert_worker::serve_registered(server, &mut lease).await
+            .serve_with_incoming_shutdown(incoming, shutdown());
+        serve_registered(server, &mut lease).await
     })?;
     Ok(())
 }

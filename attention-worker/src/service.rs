@@ -45,6 +45,17 @@ impl AttentionWorker {
 
 #[tonic::async_trait]
 impl AttentionService for AttentionWorker {
+    #[tracing::instrument(
+        level = "debug",
+        name = "attention_forward",
+        skip_all,
+        fields(
+            worker = %self.id,
+            layer = req.get_ref().layer,
+            seqs = req.get_ref().seqs.len(),
+            rows = req.get_ref().hidden.as_ref().map_or(0, |t| t.rows),
+        )
+    )]
     async fn forward(
         &self,
         req: Request<AttentionRequest>,
@@ -83,7 +94,9 @@ impl AttentionService for AttentionWorker {
         };
         let (shard, layer, cols) = (self.shard.clone(), r.layer as usize, self.hidden as usize);
         let poisoned = self.poisoned();
+        let parent = tracing::Span::current();
         let res = tokio::task::spawn_blocking(move || {
+            let _span = tracing::debug_span!(parent: &parent, "shard_forward").entered();
             let t0 = Instant::now();
             let mut g = shard.lock().map_err(|_| poisoned)?;
             g.release(&r.release_first);
@@ -101,6 +114,12 @@ impl AttentionService for AttentionWorker {
         Ok(Response::new(res))
     }
 
+    #[tracing::instrument(
+        level = "debug",
+        name = "attention_release",
+        skip_all,
+        fields(worker = %self.id, all = req.get_ref().all, seqs = req.get_ref().seq_ids.len())
+    )]
     async fn release(
         &self,
         req: Request<ReleaseRequest>,
@@ -122,6 +141,7 @@ impl AttentionService for AttentionWorker {
         Ok(Response::new(ReleaseResponse {}))
     }
 
+    #[tracing::instrument(level = "trace", name = "attention_health", skip_all, fields(worker = %self.id))]
     async fn health(
         &self,
         _req: Request<HealthRequest>,

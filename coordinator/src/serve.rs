@@ -1,15 +1,66 @@
 //! `epserve serve`: bind first (so `/health` answers 503 while loading), load
 //! the model, size the KV cache, start the scheduler, serve until a signal.
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use anyhow::{Context, Result, bail};
+use clap::Args;
+use epserve_cluster::runtime::Status;
 use epserve_core::engine::Engine;
 
-use crate::cli::ServeArgs;
 use crate::scheduler::{self, SchedulerConfig};
 use crate::server::{self, AppState, Ready, ServerConfig};
+
+/// `epserve serve`.
+#[derive(Debug, Clone, Args)]
+pub struct ServeArgs {
+    /// Hugging Face model folder.
+    #[arg(long, env = "EPSERVE_MODEL")]
+    pub model: PathBuf,
+    /// Address to listen on.
+    #[arg(long, default_value = "0.0.0.0", env = "EPSERVE_HOST")]
+    pub host: String,
+    /// Port to listen on (0 picks a free one; the URL is printed).
+    #[arg(long, default_value_t = 8000, env = "EPSERVE_PORT")]
+    pub port: u16,
+    /// Name(s) clients use in `model` (repeatable). Default: the folder's name.
+    #[arg(long)]
+    pub served_model_name: Vec<String>,
+    /// Require `Authorization: Bearer KEY` on /v1 routes.
+    #[arg(long, env = "EPSERVE_API_KEY", hide_env_values = true)]
+    pub api_key: Option<String>,
+    /// Longest prompt + completion, in tokens. Default: the model's max_position_embeddings.
+    #[arg(long)]
+    pub max_model_len: Option<usize>,
+    /// Most sequences in one batch.
+    #[arg(long, default_value_t = 64)]
+    pub max_num_seqs: usize,
+    /// Most tokens (prefill chunks + decodes) in one forward pass.
+    #[arg(long, default_value_t = 2048)]
+    pub max_num_batched_tokens: usize,
+    /// KV cache size, e.g. `2GiB`, `512MiB`, `1000000` (bytes). Overrides --kv-cache-fraction.
+    #[arg(long)]
+    pub kv_cache_memory: Option<String>,
+    /// KV cache size as a fraction of the machine's memory.
+    #[arg(long, default_value_t = 0.1)]
+    pub kv_cache_fraction: f64,
+    /// Positions per KV block.
+    #[arg(long, default_value_t = 16)]
+    pub block_size: usize,
+    /// Requests allowed to wait before new ones get 503 + Retry-After.
+    #[arg(long, default_value_t = 1024)]
+    pub max_waiting: usize,
+    /// Largest accepted request body in bytes (413 beyond).
+    #[arg(long, default_value_t = 8 * 1024 * 1024)]
+    pub max_request_body_bytes: usize,
+    /// Most `logprobs` / `top_logprobs` a request may ask for.
+    #[arg(long, default_value_t = 20)]
+    pub max_logprobs: usize,
+    /// Expert precision: auto (bf16 when exact), bf16, int8 (W8A8).
+    #[arg(long, default_value = "auto")]
+    pub expert_dtype: epserve_core::experts::ExpertDtype,
+}
 
 /// Parses `2GiB`, `512MiB`, `1.5G`, `1000000`.
 pub fn parse_size(s: &str) -> Result<usize> {
@@ -93,20 +144,28 @@ pub fn runtime() -> Result<tokio::runtime::Runtime> {
         .context("cannot start the async runtime")
 }
 
-/// Runs the single-process server (blocking).
-pub fn run(args: &ServeArgs) -> Result<()> {
+/// Runs the single-process server (blocking); `status` gets the
+/// operator-facing "serving" line.
+pub fn run(args: &ServeArgs, status: Status) -> Result<()> {
     let rt = runtime()?;
     let model = args.model.clone();
     let opts = epserve_core::experts::LoadOptions {
         expert_dtype: args.expert_dtype,
         ..Default::default()
     };
-    serve_with(&rt, args, move || Ok(Engine::load_with(&model, &opts)?))
+    serve_with(&rt, args, status, move || {
+        Ok(Engine::load_with(&model, &opts)?)
+    })
 }
 
 /// Binds, then loads the engine with `load` (so `/health` answers meanwhile),
 /// starts the scheduler and serves until a signal.
-pub fn serve_with<F>(rt: &tokio::runtime::Runtime, args: &ServeArgs, load: F) -> Result<()>
+pub fn serve_with<F>(
+    rt: &tokio::runtime::Runtime,
+    args: &ServeArgs,
+    status: Status,
+    load: F,
+) -> Result<()>
 where
     F: FnOnce() -> Result<Engine> + Send + 'static,
 {
@@ -164,10 +223,10 @@ where
         let serving = tokio::spawn(server::serve(listener, state.clone()));
         match loading.await {
             Ok(Ok(())) => {
-                println!(
+                status.say(&format!(
                     "epserve serving '{}' at {shown}/v1 (OpenAI API; /health, /metrics)",
                     names[0]
-                );
+                ));
             }
             Ok(Err(e)) => return Err(e),
             Err(e) => bail!("model loading panicked: {e}"),

@@ -2,27 +2,29 @@
 //! placement, loads only the experts assigned to it (weights memory-mapped,
 //! packed copies only of its own experts), and serves `ExpertService` on a
 //! thread pool pinned to its cores.
+#![deny(clippy::print_stdout)]
 
-pub mod cores;
 mod service;
 
 use std::collections::BTreeSet;
 use std::net::SocketAddr;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::sync::Arc;
 
-use anyhow::{Context, Result, bail};
+use anyhow::{Result, bail};
 use clap::Args;
+use epserve_cluster::runtime::{
+    Status, WorkerArgs, bind_grpc, hostname, io_runtime, serve_registered, shutdown,
+};
+use epserve_cluster::state::{
+    ClusterState, Rebalance, RebalanceState, WorkerInfo, desired_experts,
+};
 use epserve_core::config::ModelConfig;
 use epserve_core::experts::{ExpertDtype, LoadOptions};
 use epserve_core::loader::weights::WeightStore;
 use epserve_core::model::moe::{ExpertExecutor, LocalExperts};
 use epserve_core::placement::Placement;
-use epserve_proto::cluster::{
-    ClusterState, Rebalance, RebalanceState, WorkerInfo, desired_experts,
-};
 use epserve_proto::pb::expert_service_server::ExpertServiceServer;
-use epserve_proto::store::{EtcdStore, LeaseGuard};
 
 pub use service::ExpertWorker;
 
@@ -41,27 +43,11 @@ pub fn load_experts(
 /// `epserve expert-worker`.
 #[derive(Debug, Clone, Args)]
 pub struct ExpertWorkerArgs {
-    /// Hugging Face model folder (the same files the coordinator uses).
-    #[arg(long, env = "EPSERVE_MODEL")]
-    pub model: PathBuf,
-    /// etcd endpoints, comma-separated (`127.0.0.1:2379`).
-    #[arg(long, env = "EPSERVE_ETCD")]
-    pub etcd: String,
-    /// Cluster name: keys live under `/epserve/<cluster>/`.
-    #[arg(long, default_value = "default", env = "EPSERVE_CLUSTER")]
-    pub cluster: String,
+    #[command(flatten)]
+    pub worker: WorkerArgs,
     /// Address the gRPC server binds.
     #[arg(long, default_value = "0.0.0.0:50051")]
     pub listen: SocketAddr,
-    /// Address the coordinator should dial (default: --listen, with 127.0.0.1 for 0.0.0.0).
-    #[arg(long)]
-    pub advertise: Option<String>,
-    /// Worker id in etcd (default: `expert-<host>-<port>`).
-    #[arg(long)]
-    pub id: Option<String>,
-    /// Cores to run experts on, e.g. `0-15` or `0,2,4-7` (default: all).
-    #[arg(long)]
-    pub cores: Option<String>,
     /// Expert precision: auto (bf16 when exact), bf16, int8 (W8A8).
     #[arg(long, default_value = "auto")]
     pub expert_dtype: ExpertDtype,
@@ -74,10 +60,6 @@ pub struct ExpertWorkerArgs {
     /// has moved to the new placement.
     #[arg(long, default_value_t = 3000)]
     pub drop_grace_ms: u64,
-    /// Give up (exit 1) when etcd stays unreachable this long, at start or
-    /// while registered.
-    #[arg(long, default_value_t = 30, value_parser = clap::value_parser!(u64).range(1..))]
-    pub etcd_timeout_secs: u64,
 }
 
 /// What the worker serves right now.
@@ -87,55 +69,28 @@ pub struct Loaded {
     pub executor: Arc<dyn ExpertExecutor>,
 }
 
-fn hostname() -> String {
-    std::fs::read_to_string("/etc/hostname")
-        .map(|s| s.trim().to_string())
-        .ok()
-        .filter(|s| !s.is_empty())
-        .unwrap_or_else(|| "localhost".into())
-}
-
-/// Runs the worker until SIGINT/SIGTERM.
-pub fn run(args: &ExpertWorkerArgs) -> Result<()> {
-    let cores = match &args.cores {
-        Some(spec) => {
-            let c = cores::parse_cores(spec)?;
-            cores::pin_process(&c)?;
-            c
-        }
-        None => (0..std::thread::available_parallelism().map_or(1, |n| n.get())).collect(),
-    };
-    let cfg = ModelConfig::from_dir(&args.model)?;
-    let ws = Arc::new(WeightStore::open(&args.model)?);
-    let id = args
-        .id
-        .clone()
-        .unwrap_or_else(|| format!("expert-{}-{}", hostname(), args.listen.port()));
-    let advertise = match &args.advertise {
-        Some(a) => a.clone(),
-        None if args.listen.ip().is_unspecified() => format!("127.0.0.1:{}", args.listen.port()),
-        None => args.listen.to_string(),
-    };
+/// Runs the worker until SIGINT/SIGTERM; `status` gets the operator-facing
+/// lines (serving, experts held).
+pub fn run(args: &ExpertWorkerArgs, status: Status) -> Result<()> {
+    let w = &args.worker;
+    let cores = w.pin_cores()?;
+    let cfg = ModelConfig::from_dir(&w.model)?;
+    let ws = Arc::new(WeightStore::open(&w.model)?);
+    let id = w.id_or(|| format!("expert-{}-{}", hostname(), args.listen.port()));
+    let advertise = w.advertise(args.listen);
     let opts = LoadOptions {
         expert_dtype: args.expert_dtype,
         threads: Some(cores.len()),
-        pin_threads: args.cores.is_some(),
+        pin_threads: w.cores.is_some(),
         ..Default::default()
     };
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-        .context("cannot start the async runtime")?;
+    let rt = io_runtime()?;
     rt.block_on(async move {
-        let store = connect_etcd(&args.etcd, args.etcd_timeout_secs).await?;
-        let state = ClusterState::new(Arc::new(store), &args.cluster);
-        let worker = Arc::new(ExpertWorker::new(id.clone(), cfg, ws, opts));
-        let listener = tokio::net::TcpListener::bind(args.listen)
-            .await
-            .with_context(|| format!("cannot listen on {}", args.listen))?;
-        let incoming =
-            tonic::transport::server::TcpIncoming::from(listener).with_nodelay(Some(true));
+        let store = w.connect_etcd().await?;
+        let state = ClusterState::new(Arc::new(store), &w.cluster);
+        let worker =
+            Arc::new(ExpertWorker::new(id.clone(), cfg, ws, opts).with_status(status.clone()));
+        let incoming = bind_grpc(args.listen).await?;
         // Follow the placement and any live rebalance: load what is
         // assigned to us, and report ready for a rebalance once loaded.
         let placements = state.watch_placement().await?;
@@ -157,9 +112,9 @@ pub fn run(args: &ExpertWorkerArgs) -> Result<()> {
             pid: std::process::id(),
         };
         let mut lease = state.register(&info).await?;
-        println!(
+        status.say(&format!(
             "epserve expert-worker '{id}' serving ExpertService at {advertise} (cores {cores:?})"
-        );
+        ));
         let server = tonic::transport::Server::builder()
             .add_service(
                 ExpertServiceServer::from_arc(worker)
@@ -239,51 +194,6 @@ async fn follow(
     tracing::debug!("stopped following the placement");
 }
 
-/// Connects to etcd at `endpoints`, retrying for at most `timeout_secs`;
-/// the lease of a registration made through it is given up once etcd has
-/// been unreachable that long (see [`serve_registered`]). Shared by both
-/// worker roles.
-pub async fn connect_etcd(endpoints: &str, timeout_secs: u64) -> Result<EtcdStore> {
-    let limit = std::time::Duration::from_secs(timeout_secs);
-    Ok(EtcdStore::connect_within(endpoints, limit).await?)
-}
-
-/// Runs a worker's gRPC `server` until it stops (SIGINT/SIGTERM), or fails
-/// when `lease`, the worker's registration, is lost because etcd stayed
-/// unreachable past `--etcd-timeout-secs`: a worker nobody can find should
-/// exit rather than linger.
-pub async fn serve_registered<E>(
-    server: impl std::future::Future<Output = Result<(), E>>,
-    lease: &mut LeaseGuard,
-) -> Result<()>
-where
-    E: std::error::Error + Send + Sync + 'static,
-{
-    tokio::select! {
-        r = server => r.context("gRPC server failed"),
-        e = lease.lost() => Err(anyhow::Error::new(e).context("lost the etcd registration")),
-    }
-}
-
-/// Resolves on SIGINT or SIGTERM.
-pub async fn shutdown() {
-    let ctrl_c = async {
-        let _ = tokio::signal::ctrl_c().await;
-    };
-    let term = async {
-        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
-            Ok(mut s) => {
-                s.recv().await;
-            }
-            Err(_) => std::future::pending::<()>().await,
-        }
-    };
-    tokio::select! {
-        _ = ctrl_c => {},
-        _ = term => {},
-    }
-}
-
 /// Errors for placements this worker cannot serve.
 pub fn check_placement(p: &Placement, cfg: &ModelConfig) -> Result<()> {
     if let Err(e) = p.validate(&cfg.moe_layers(), cfg.num_experts) {
@@ -295,7 +205,7 @@ pub fn check_placement(p: &Placement, cfg: &ModelConfig) -> Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use epserve_proto::store::MemoryStore;
+    use epserve_cluster::store::MemoryStore;
     use std::time::Duration;
 
     /// Waits up to 20 s for `cond`.

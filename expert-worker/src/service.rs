@@ -4,12 +4,13 @@
 use std::sync::{Arc, RwLock};
 use std::time::Instant;
 
+use epserve_cluster::runtime::Status as StatusLines;
+use epserve_cluster::state::{Rebalance, desired_experts};
 use epserve_core::config::ModelConfig;
 use epserve_core::experts::{LoadOptions, load_executor_filtered};
 use epserve_core::loader::weights::WeightStore;
 use epserve_core::model::moe::SKIP_SLOT;
 use epserve_core::placement::Placement;
-use epserve_proto::cluster::{Rebalance, desired_experts};
 use epserve_proto::pb::expert_service_server::ExpertService;
 use epserve_proto::pb::{DispatchRequest, DispatchResponse, Dtype, HealthRequest, HealthResponse};
 use epserve_proto::wire;
@@ -24,6 +25,8 @@ pub struct ExpertWorker {
     ws: Arc<WeightStore>,
     opts: LoadOptions,
     loaded: RwLock<Option<Arc<Loaded>>>,
+    /// Where "holds N experts" lines go (silent unless set).
+    status: StatusLines,
 }
 
 impl ExpertWorker {
@@ -35,7 +38,14 @@ impl ExpertWorker {
             ws,
             opts,
             loaded: RwLock::new(None),
+            status: StatusLines::silent(),
         }
+    }
+
+    /// Reports each change of the experts held to `status`.
+    pub fn with_status(mut self, status: StatusLines) -> Self {
+        self.status = status;
+        self
     }
 
     /// This worker's id.
@@ -56,6 +66,12 @@ impl ExpertWorker {
     /// rebalance document `r` (both placements' share while a rebalance is
     /// active, see [`desired_experts`]) if they changed, and switches to them.
     /// Requests in flight keep the executor they started with.
+    #[tracing::instrument(
+        level = "info",
+        name = "load_experts",
+        skip_all,
+        fields(worker = %self.id, version = p.version)
+    )]
     pub async fn apply(
         self: &Arc<Self>,
         p: &Placement,
@@ -94,7 +110,7 @@ impl ExpertWorker {
             load_s = started.elapsed().as_secs_f64(),
             "experts loaded"
         );
-        println!(
+        self.status.say(&format!(
             "epserve expert-worker '{}' holds {} experts (placement v{}{})",
             self.id,
             held.len(),
@@ -103,7 +119,7 @@ impl ExpertWorker {
                 Some(r) if r.state.active() => format!(", rebalance {} {}", r.id, r.state.as_str()),
                 _ => String::new(),
             }
-        );
+        ));
         if let Ok(mut g) = self.loaded.write() {
             *g = Some(Arc::new(Loaded {
                 version: p.version,
@@ -117,6 +133,17 @@ impl ExpertWorker {
 
 #[tonic::async_trait]
 impl ExpertService for ExpertWorker {
+    #[tracing::instrument(
+        level = "debug",
+        name = "expert_dispatch",
+        skip_all,
+        fields(
+            worker = %self.id,
+            layer = req.get_ref().layer,
+            rows = req.get_ref().tokens.as_ref().map_or(0, |t| t.rows),
+            top_k = req.get_ref().top_k,
+        )
+    )]
     async fn dispatch(
         &self,
         req: Request<DispatchRequest>,
@@ -156,7 +183,9 @@ impl ExpertService for ExpertWorker {
             }
         }
         let out_dtype = Dtype::try_from(r.output_dtype).unwrap_or(Dtype::F32);
+        let parent = tracing::Span::current();
         let res = tokio::task::spawn_blocking(move || {
+            let _span = tracing::debug_span!(parent: &parent, "execute").entered();
             let queued = arrived.elapsed();
             let t0 = Instant::now();
             let mut out = vec![0.0f32; rows * k * hidden];
@@ -183,6 +212,7 @@ impl ExpertService for ExpertWorker {
         Ok(Response::new(res))
     }
 
+    #[tracing::instrument(level = "trace", name = "expert_health", skip_all, fields(worker = %self.id))]
     async fn health(
         &self,
         _req: Request<HealthRequest>,

@@ -13,8 +13,8 @@ use std::process::{Child, Command, Stdio};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use epserve_proto::cluster::ClusterState;
-use epserve_proto::store::{EtcdStore, KvStore};
+use epserve_cluster::state::ClusterState;
+use epserve_cluster::store::{EtcdStore, KvStore};
 use epserve_tests::up::{Up, etcd_available};
 use epserve_tests::{fixture_dir, golden};
 use serde_json::{Value, json};
@@ -217,7 +217,7 @@ async fn bf16_dispatch_serves_and_a_dead_worker_gives_a_clear_error() {
     // Kill one worker: requests fail with an error naming it, the server stays up.
     let store = EtcdStore::connect(&up.etcd).await.expect("etcd");
     let keys = store.list("/epserve/").await.expect("list");
-    let info: epserve_proto::cluster::WorkerInfo = keys
+    let info: epserve_cluster::state::WorkerInfo = keys
         .iter()
         .find(|(k, _)| k.contains("/workers/expert/"))
         .and_then(|(_, v)| serde_json::from_slice(v).ok())

@@ -315,7 +315,7 @@ async fn rebalance_replicates_hot_experts_live_and_drain_empties_a_worker() {
 
 /// The pid worker `id` registered in etcd.
 async fn workers_pid(up: &Up, id: &str) -> u32 {
-    use epserve_proto::store::{EtcdStore, KvStore};
+    use epserve_cluster::store::{EtcdStore, KvStore};
     let store = EtcdStore::connect(&up.etcd).await.expect("etcd");
     store
         .list("/epserve/")
@@ -323,7 +323,7 @@ async fn workers_pid(up: &Up, id: &str) -> u32 {
         .expect("list")
         .iter()
         .filter(|(k, _)| k.ends_with(&format!("/workers/expert/{id}")))
-        .find_map(|(_, v)| serde_json::from_slice::<epserve_proto::cluster::WorkerInfo>(v).ok())
+        .find_map(|(_, v)| serde_json::from_slice::<epserve_cluster::state::WorkerInfo>(v).ok())
         .map(|w| w.pid)
         .unwrap_or_else(|| panic!("worker {id} is not registered"))
 }
@@ -397,7 +397,7 @@ async fn a_worker_restarted_mid_rebalance_loads_both_sets_and_it_completes() {
         .collect();
     // The cluster's key prefix.
     let cluster = {
-        use epserve_proto::store::{EtcdStore, KvStore};
+        use epserve_cluster::store::{EtcdStore, KvStore};
         let store = EtcdStore::connect(&up.etcd).await.expect("etcd");
         store
             .list("/epserve/")

@@ -6,7 +6,7 @@
 
 use std::sync::Arc;
 
-use epserve_proto::cluster::ClusterState;
+use epserve_cluster::state::ClusterState;
 use epserve_proto::pb::admin_service_server::AdminService;
 use epserve_proto::pb::{
     DrainWorkerRequest, GetExpertLoadRequest, GetExpertLoadResponse, GetPlacementRequest,
@@ -77,6 +77,7 @@ fn unavailable(e: impl std::fmt::Display) -> Status {
 
 #[tonic::async_trait]
 impl AdminService for Admin {
+    #[tracing::instrument(level = "debug", name = "admin_get_placement", skip_all)]
     async fn get_placement(
         &self,
         _r: Request<GetPlacementRequest>,
@@ -94,6 +95,7 @@ impl AdminService for Admin {
         }))
     }
 
+    #[tracing::instrument(level = "debug", name = "admin_list_workers", skip_all)]
     async fn list_workers(
         &self,
         _r: Request<ListWorkersRequest>,
@@ -124,6 +126,7 @@ impl AdminService for Admin {
         Ok(Response::new(ListWorkersResponse { workers: out }))
     }
 
+    #[tracing::instrument(level = "debug", name = "admin_get_expert_load", skip_all)]
     async fn get_expert_load(
         &self,
         _r: Request<GetExpertLoadRequest>,
@@ -160,6 +163,7 @@ impl AdminService for Admin {
         }))
     }
 
+    #[tracing::instrument(level = "debug", name = "admin_rebalance", skip_all)]
     async fn rebalance(
         &self,
         r: Request<RebalanceRequest>,
@@ -189,6 +193,7 @@ impl AdminService for Admin {
         response(self.run(plan, r.dry_run, "rebalance").await?)
     }
 
+    #[tracing::instrument(level = "debug", name = "admin_set_placement", skip_all)]
     async fn set_placement(
         &self,
         r: Request<SetPlacementRequest>,
@@ -209,6 +214,7 @@ impl AdminService for Admin {
         response(o)
     }
 
+    #[tracing::instrument(level = "debug", name = "admin_drain_worker", skip_all)]
     async fn drain_worker(
         &self,
         r: Request<DrainWorkerRequest>,
@@ -234,6 +240,7 @@ impl AdminService for Admin {
         response(o)
     }
 
+    #[tracing::instrument(level = "debug", name = "admin_get_rebalance", skip_all)]
     async fn get_rebalance(
         &self,
         _r: Request<GetRebalanceRequest>,

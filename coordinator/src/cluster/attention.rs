@@ -10,17 +10,19 @@ use std::sync::{Arc, Mutex, RwLock};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, bail};
+use epserve_cluster::runtime::Status;
+use epserve_cluster::state::{ClusterState, WorkerInfo};
 use epserve_core::config::ModelConfig;
 use epserve_core::model::attention::HeadShard;
 use epserve_core::model::attn_shard::{AttentionBackend, SeqChunk};
 use epserve_core::{Error, Result};
-use epserve_proto::cluster::{ClusterState, WorkerInfo};
 use epserve_proto::pb::attention_service_client::AttentionServiceClient;
 use epserve_proto::pb::{self, AttentionRequest, Dtype, HealthRequest, ReleaseRequest};
 use epserve_proto::wire;
 use futures_util::future::join_all;
 use metrics::{counter, histogram};
 use tonic::transport::{Channel, Endpoint};
+use tracing::Instrument;
 
 /// One shard's connection.
 #[derive(Clone)]
@@ -279,8 +281,9 @@ impl RemoteAttention {
     }
 
     /// Polls etcd every second for re-registered shards (see
-    /// [`update_shards`](Self::update_shards)) while the coordinator runs.
-    pub fn follow(self: &Arc<Self>, state: ClusterState) {
+    /// [`update_shards`](Self::update_shards)) while the coordinator runs;
+    /// each change is also a `status` line.
+    pub fn follow(self: &Arc<Self>, state: ClusterState, status: Status) {
         let me = Arc::downgrade(self);
         self.rt.spawn(async move {
             let mut warned = std::collections::HashSet::new();
@@ -294,7 +297,7 @@ impl RemoteAttention {
                         let ws = me.vet(ws, &mut warned).await;
                         for c in me.update_shards(&ws) {
                             tracing::warn!("{c}");
-                            println!("epserve coordinator: {c}");
+                            status.say(&format!("epserve coordinator: {c}"));
                         }
                     }
                     Err(e) => tracing::debug!(error = %e, "listing attention-workers failed"),
@@ -382,6 +385,12 @@ impl RemoteAttention {
 }
 
 impl AttentionBackend for RemoteAttention {
+    #[tracing::instrument(
+        level = "debug",
+        name = "remote_attention",
+        skip_all,
+        fields(layer, seqs = chunks.len())
+    )]
     fn forward(&self, layer: usize, x: &[f32], chunks: &[SeqChunk]) -> Result<Vec<f32>> {
         let started = Instant::now();
         let rows: usize = chunks.iter().map(|c| c.len).sum();
@@ -410,11 +419,15 @@ impl AttentionBackend for RemoteAttention {
                 .increment(tensor.data.len() as u64);
             let mut client = s.client.clone();
             let timeout = self.timeout;
-            calls.push(async move {
-                let mut r = tonic::Request::new(req);
-                r.set_timeout(timeout);
-                client.forward(r).await
-            });
+            let span = tracing::debug_span!("attention_call", worker = %s.id);
+            calls.push(
+                async move {
+                    let mut r = tonic::Request::new(req);
+                    r.set_timeout(timeout);
+                    client.forward(r).await
+                }
+                .instrument(span),
+            );
         }
         let results = self.rt.block_on(join_all(calls));
         let mut sum: Vec<f32> = Vec::new();

@@ -26,6 +26,7 @@ use epserve_proto::wire;
 use futures_util::future::join_all;
 use metrics::{counter, histogram};
 use tonic::transport::{Channel, Endpoint};
+use tracing::Instrument;
 
 use super::load::{LoadSnapshot, LoadStats};
 
@@ -338,6 +339,12 @@ impl GrpcDispatcher {
 }
 
 impl Dispatcher for GrpcDispatcher {
+    #[tracing::instrument(
+        level = "debug",
+        name = "dispatch",
+        skip_all,
+        fields(layer, tokens = routing.num_tokens, workers = tracing::field::Empty)
+    )]
     fn dispatch(
         &self,
         layer: usize,
@@ -363,6 +370,7 @@ impl GrpcDispatcher {
     ) -> Result<Vec<f32>> {
         let started = Instant::now();
         let batches = self.plan(route, layer, routing)?;
+        tracing::Span::current().record("workers", batches.len());
         let k = routing.top_k;
         self.record_load(layer, route, &batches);
         let version = route.placement.version;
@@ -391,12 +399,16 @@ impl GrpcDispatcher {
                 .increment(sent as u64);
             let (worker, addr) = (b.worker.clone(), addr.clone());
             let timeout = self.timeout;
-            calls.push(async move {
-                let mut r = tonic::Request::new(req);
-                r.set_timeout(timeout);
-                let res = client.dispatch(r).await;
-                (worker, addr, res)
-            });
+            let span = tracing::debug_span!("dispatch_call", worker = %worker, rows = b.rows.len());
+            calls.push(
+                async move {
+                    let mut r = tonic::Request::new(req);
+                    r.set_timeout(timeout);
+                    let res = client.dispatch(r).await;
+                    (worker, addr, res)
+                }
+                .instrument(span),
+            );
         }
         let results = self.rt.block_on(join_all(calls));
         let mut out = vec![0.0f32; routing.num_tokens * k * hidden];

@@ -1,13 +1,13 @@
-//! The cluster roles on the coordinator side: `epserve coordinator` (the
-//! OpenAI API in front of remote expert-workers, placement kept in etcd) and
-//! `epserve up` (a whole local cluster on loopback as child processes).
+//! `epserve coordinator`: the OpenAI API in front of remote expert-workers
+//! (placement kept in etcd) and optional attention-workers; the gRPC
+//! dispatcher, expert load statistics, the rebalance controller and the admin
+//! service are its submodules.
 
 pub mod admin;
 pub mod attention;
 pub mod dispatch;
 pub mod load;
 pub mod rebalance;
-pub mod up;
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -15,6 +15,9 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail};
 use clap::Args;
+use epserve_cluster::runtime::Status;
+use epserve_cluster::state::ClusterState;
+use epserve_cluster::store::EtcdStore;
 use epserve_core::config::ModelConfig;
 use epserve_core::engine::Engine;
 use epserve_core::loader::generation::GenerationConfig;
@@ -22,11 +25,9 @@ use epserve_core::loader::tokenizer::Tokenizer;
 use epserve_core::loader::weights::WeightStore;
 use epserve_core::model::Model;
 use epserve_core::placement::Placement;
-use epserve_proto::cluster::ClusterState;
 use epserve_proto::pb::Dtype;
-use epserve_proto::store::EtcdStore;
 
-use crate::cli::ServeArgs;
+use crate::serve::ServeArgs;
 use dispatch::{GrpcDispatcher, Route};
 
 /// `epserve coordinator`.
@@ -111,8 +112,9 @@ async fn current_route(state: &ClusterState, cfg: &ModelConfig) -> Result<Option
     }))
 }
 
-/// Runs the coordinator (blocking).
-pub fn run(args: &CoordinatorArgs) -> Result<()> {
+/// Runs the coordinator (blocking); `status` gets the operator-facing lines
+/// (placement, attention-workers, admin address, serving).
+pub fn run(args: &CoordinatorArgs, status: Status) -> Result<()> {
     if !(0.0..=1.0).contains(&args.eplb.eplb_min_improvement) {
         bail!(
             "--eplb-min-improvement must be within [0, 1], got {}",
@@ -154,12 +156,12 @@ pub fn run(args: &CoordinatorArgs) -> Result<()> {
         let ids: Vec<String> = workers.iter().map(|w| w.id.clone()).collect();
         let initial = Placement::initial(&cfg.moe_layers(), cfg.num_experts, &ids)?;
         let p = state.init_placement(&initial).await?;
-        println!(
+        status.say(&format!(
             "epserve coordinator: placement v{} over {} expert-workers ({:?} experts each)",
             p.version,
             p.workers.len(),
             p.counts()
-        );
+        ));
         let route = current_route(&state, &cfg)
             .await?
             .context("the placement vanished from etcd")?;
@@ -184,7 +186,7 @@ pub fn run(args: &CoordinatorArgs) -> Result<()> {
                 Duration::from_secs(args.wait_secs),
             )
             .await?;
-            println!(
+            status.say(&format!(
                 "epserve coordinator: attention on {} attention-workers ({})",
                 shards.len(),
                 shards
@@ -192,9 +194,9 @@ pub fn run(args: &CoordinatorArgs) -> Result<()> {
                     .map(|w| w.id.as_str())
                     .collect::<Vec<_>>()
                     .join(", ")
-            );
+            ));
             let a = Arc::new(a);
-            a.follow(state.clone());
+            a.follow(state.clone(), status.clone());
             Some(a)
         } else {
             None
@@ -210,7 +212,7 @@ pub fn run(args: &CoordinatorArgs) -> Result<()> {
         Duration::from_secs(args.eplb.rebalance_timeout_secs),
     ));
     if let Some(msg) = rt.block_on(controller.resume())? {
-        println!("epserve coordinator: {msg}");
+        status.say(&format!("epserve coordinator: {msg}"));
     }
     wait_ready(&rt, &dispatcher, Duration::from_secs(args.wait_secs))?;
     if args.eplb.eplb_interval > 0 {
@@ -218,6 +220,7 @@ pub fn run(args: &CoordinatorArgs) -> Result<()> {
             args.eplb.eplb_interval,
             args.eplb.eplb_redundant_experts,
             args.eplb.eplb_min_improvement,
+            status.clone(),
         ));
     }
     if args.admin_port != 0 {
@@ -244,10 +247,10 @@ pub fn run(args: &CoordinatorArgs) -> Result<()> {
         let listener = rt
             .block_on(tokio::net::TcpListener::bind(addr))
             .with_context(|| format!("cannot listen on {addr} (--admin-port)"))?;
-        println!(
+        status.say(&format!(
             "epserve coordinator: admin gRPC at {}",
             listener.local_addr()?
-        );
+        ));
         let incoming =
             tonic::transport::server::TcpIncoming::from(listener).with_nodelay(Some(true));
         rt.spawn(async move {
@@ -273,7 +276,7 @@ pub fn run(args: &CoordinatorArgs) -> Result<()> {
         }
     });
     let serve_args = args.serve.clone();
-    serve_with_dispatcher(&rt, &serve_args, cfg, dispatcher, remote_attention)
+    serve_with_dispatcher(&rt, &serve_args, status, cfg, dispatcher, remote_attention)
 }
 
 /// Waits until shards 0..n-1 of n are registered in etcd, each exactly once.
@@ -281,7 +284,7 @@ async fn wait_attention_workers(
     state: &ClusterState,
     n: usize,
     wait_secs: u64,
-) -> Result<Vec<epserve_proto::cluster::WorkerInfo>> {
+) -> Result<Vec<epserve_cluster::state::WorkerInfo>> {
     let deadline = Instant::now() + Duration::from_secs(wait_secs);
     loop {
         let w = state.workers("attention").await?;
@@ -302,12 +305,13 @@ async fn wait_attention_workers(
 fn serve_with_dispatcher(
     rt: &tokio::runtime::Runtime,
     args: &ServeArgs,
+    status: Status,
     cfg: ModelConfig,
     dispatcher: Arc<GrpcDispatcher>,
     attention: Option<Arc<attention::RemoteAttention>>,
 ) -> Result<()> {
     let dir = args.model.clone();
-    crate::serve::serve_with(rt, args, move || {
+    crate::serve::serve_with(rt, args, status, move || {
         let ws = WeightStore::open(&dir)?;
         let attention =
             attention.map(|a| a as Arc<dyn epserve_core::model::attn_shard::AttentionBackend>);

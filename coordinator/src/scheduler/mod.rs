@@ -312,6 +312,12 @@ impl Scheduler {
         self.config.max_num_batched_tokens - budget
     }
 
+    #[tracing::instrument(
+        level = "debug",
+        name = "step",
+        skip_all,
+        fields(seqs = tracing::field::Empty, tokens = tracing::field::Empty)
+    )]
     fn step(&mut self) {
         let n_tokens = self.schedule();
         if n_tokens == 0 {
@@ -341,6 +347,9 @@ impl Scheduler {
             });
         }
         let n_seqs = inputs.len();
+        let span = tracing::Span::current();
+        span.record("seqs", n_seqs);
+        span.record("tokens", n_tokens);
         let started = Instant::now();
         // A panic in the model (a bug) fails this step's requests, not the server.
         let pool = &mut self.pool;

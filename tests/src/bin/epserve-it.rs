@@ -2,5 +2,5 @@
 //! can start real clusters (`CARGO_BIN_EXE_epserve-it`); same code as `epserve`.
 
 fn main() {
-    epserve_coordinator::cli::main()
+    epserve::cli::main()
 }

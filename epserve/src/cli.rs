@@ -1,0 +1,101 @@
+//! Command-line interface of the one `epserve` binary: every role and tool is a
+//! subcommand. Each command's `Args` lives with the command (the role or tool
+//! crate); this file only names them. It is also the one place that decides
+//! where the roles' status lines go: stdout, where `epserve up` and the tests
+//! wait for them.
+
+use clap::{Args, Parser, Subcommand};
+use epserve_cluster::runtime::Status;
+
+/// The whole program: parse the command line, run the subcommand, print a
+/// one-line error and exit 1 on failure. (A function so that test crates can
+/// build a binary with the same behaviour.)
+pub fn main() {
+    // Spans (step, layer, dispatch, RPC handlers, loads) log their busy and
+    // idle time when they close, so `EPSERVE_LOG=debug` shows where a step's
+    // time goes.
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_env("EPSERVE_LOG")
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn")),
+        )
+        .with_span_events(tracing_subscriber::fmt::format::FmtSpan::CLOSE)
+        .with_writer(std::io::stderr)
+        .init();
+    let cli = Cli::parse();
+    let status = Status::new(|line| println!("{line}"));
+    let result = match &cli.command {
+        Command::Generate(args) => epserve_tools::generate::run(args),
+        Command::Serve(args) => epserve_coordinator::serve::run(args, status),
+        Command::Coordinator(args) => epserve_coordinator::cluster::run(args, status),
+        Command::ExpertWorker(args) => epserve_expert_worker::run(args, status),
+        Command::AttentionWorker(args) => epserve_attention_worker::run(args, status),
+        Command::Up(args) => epserve_tools::up::run(args),
+        Command::Bench(bench) => match &bench.command {
+            BenchCommand::Serve(args) => epserve_tools::bench_serve::run(args),
+            BenchCommand::Moe(args) => epserve_tools::bench_moe::run(args),
+        },
+        Command::Plan(args) => epserve_tools::plan::run(args),
+        Command::Ctl(args) => epserve_tools::ctl::run(args),
+    };
+    if let Err(e) = result {
+        // One line: the error and its causes joined by ": ".
+        eprintln!("error: {e:#}");
+        std::process::exit(1);
+    }
+}
+
+/// epserve: expert-parallel MoE inference on CPU clusters.
+#[derive(Debug, Parser)]
+#[command(name = "epserve", version, about)]
+pub struct Cli {
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+/// Subcommands.
+#[derive(Debug, Subcommand)]
+pub enum Command {
+    /// Run one prompt through the single-process engine and print the completion.
+    Generate(Box<epserve_tools::generate::GenerateArgs>),
+    /// Single-process OpenAI-compatible server (completions, chat, models, health, metrics).
+    Serve(Box<epserve_coordinator::serve::ServeArgs>),
+    /// The cluster's front: OpenAI API, scheduler, attention/router/combine,
+    /// experts dispatched to expert-workers over gRPC (placement in etcd).
+    Coordinator(Box<epserve_coordinator::cluster::CoordinatorArgs>),
+    /// An expert-worker: holds the experts the placement assigns it, serves them over gRPC.
+    ExpertWorker(Box<epserve_expert_worker::ExpertWorkerArgs>),
+    /// An attention-worker: shard I of N of every attention layer (its heads) and
+    /// their KV cache, served over gRPC.
+    AttentionWorker(Box<epserve_attention_worker::AttentionWorkerArgs>),
+    /// A whole local cluster on loopback: etcd, expert-workers, attention-workers, coordinator.
+    Up(Box<epserve_tools::up::UpArgs>),
+    /// Benchmarks: `bench serve` (a twin of `vllm bench serve`).
+    Bench(BenchArgs),
+    /// Capacity planner: expert-workers, attention-workers, experts per worker and
+    /// expected decode throughput for a model on a Graviton instance type.
+    Plan(Box<epserve_tools::plan::PlanArgs>),
+    /// Admin client of a running coordinator: placement, expert load (heat map),
+    /// workers, live rebalance, drain.
+    Ctl(Box<epserve_tools::ctl::CtlArgs>),
+}
+
+/// `epserve bench`.
+#[derive(Debug, Args)]
+pub struct BenchArgs {
+    #[command(subcommand)]
+    pub command: BenchCommand,
+}
+
+/// Benchmark subcommands.
+#[derive(Debug, Subcommand)]
+pub enum BenchCommand {
+    /// Serving benchmark against any OpenAI-compatible server: random prompts,
+    /// request rate and concurrency, TTFT / TPOT / ITL / E2EL and throughput,
+    /// reported as `vllm bench serve` reports them.
+    Serve(Box<epserve_tools::bench_serve::BenchServeArgs>),
+    /// One MoE layer at real shapes (Qwen3-30B-A3B, Mixtral-8x7B) through the
+    /// expert kernels, against the machine's measured memory bandwidth and FMA
+    /// peak and the scalar twin kernels; bf16 and int8, one and all cores.
+    Moe(Box<epserve_tools::bench_moe::BenchMoeArgs>),
+}

@@ -1,0 +1,5 @@
+//! The `epserve` binary: see `epserve::cli::main`.
+
+fn main() {
+    epserve::cli::main()
+}

@@ -1,0 +1,19 @@
+//! epserve's operator tools, apart from the serving roles: each module is one
+//! subcommand of the `epserve` binary with its own `Args` and `run`.
+//!
+//! - [`generate`]: one prompt through the single-process engine;
+//! - [`bench_serve`]: the serving benchmark (a twin of `vllm bench serve`);
+//! - [`bench_moe`]: one MoE layer at real shapes against the machine's
+//!   bandwidth and FMA peak and the scalar twin kernels;
+//! - [`plan`]: the capacity planner;
+//! - [`ctl`]: the admin client of a running coordinator;
+//! - [`up`]: a whole local cluster on loopback as child processes.
+//!
+//! Tools print their results on stdout; the serving roles never do.
+
+pub mod bench_moe;
+pub mod bench_serve;
+pub mod ctl;
+pub mod generate;
+pub mod plan;
+pub mod up;
