@@ -6,12 +6,11 @@
 
 mod service;
 
-use std::collections::BTreeSet;
 use std::net::SocketAddr;
 use std::path::Path;
 use std::sync::Arc;
 
-use anyhow::{Result, bail};
+use anyhow::Result;
 use clap::Args;
 use epserve_cluster::runtime::{
     Status, WorkerArgs, bind_grpc, hostname, io_runtime, serve_registered, shutdown,
@@ -22,11 +21,11 @@ use epserve_cluster::state::{
 use epserve_core::config::ModelConfig;
 use epserve_core::experts::{ExpertDtype, LoadOptions};
 use epserve_core::loader::weights::WeightStore;
-use epserve_core::model::moe::{ExpertExecutor, LocalExperts};
+use epserve_core::model::moe::LocalExperts;
 use epserve_core::placement::Placement;
 use epserve_proto::pb::expert_service_server::ExpertServiceServer;
 
-pub use service::ExpertWorker;
+pub use service::{ExpertWorker, Loaded, check_placement};
 
 /// Loads the experts `(layer, expert)` for which `keep` holds from `dir`
 /// with the portable executor (weights stay memory-mapped).
@@ -60,13 +59,6 @@ pub struct ExpertWorkerArgs {
     /// has moved to the new placement.
     #[arg(long, default_value_t = 3000)]
     pub drop_grace_ms: u64,
-}
-
-/// What the worker serves right now.
-pub struct Loaded {
-    pub version: u64,
-    pub held: BTreeSet<(usize, usize)>,
-    pub executor: Arc<dyn ExpertExecutor>,
 }
 
 /// Runs the worker until SIGINT/SIGTERM; `status` gets the operator-facing
@@ -192,14 +184,6 @@ async fn follow(
     }
     // Only when the watch tasks are gone (the runtime is shutting down).
     tracing::debug!("stopped following the placement");
-}
-
-/// Errors for placements this worker cannot serve.
-pub fn check_placement(p: &Placement, cfg: &ModelConfig) -> Result<()> {
-    if let Err(e) = p.validate(&cfg.moe_layers(), cfg.num_experts) {
-        bail!("{e}");
-    }
-    Ok(())
 }
 
 #[cfg(test)]

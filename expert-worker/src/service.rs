@@ -1,22 +1,37 @@
 //! `ExpertService`: decode the routed tokens, run them on the experts this
 //! worker holds, return the weighted per-slot outputs.
 
+use std::collections::BTreeSet;
 use std::sync::{Arc, RwLock};
 use std::time::Instant;
 
+use anyhow::{Result, bail};
 use epserve_cluster::runtime::Status as StatusLines;
 use epserve_cluster::state::{Rebalance, desired_experts};
 use epserve_core::config::ModelConfig;
 use epserve_core::experts::{LoadOptions, load_executor_filtered};
 use epserve_core::loader::weights::WeightStore;
-use epserve_core::model::moe::SKIP_SLOT;
+use epserve_core::model::moe::{ExpertExecutor, SKIP_SLOT};
 use epserve_core::placement::Placement;
 use epserve_proto::pb::expert_service_server::ExpertService;
 use epserve_proto::pb::{DispatchRequest, DispatchResponse, Dtype, HealthRequest, HealthResponse};
 use epserve_proto::wire;
 use tonic::{Request, Response, Status};
 
-use crate::Loaded;
+/// What the worker serves right now.
+pub struct Loaded {
+    pub version: u64,
+    pub held: BTreeSet<(usize, usize)>,
+    pub executor: Arc<dyn ExpertExecutor>,
+}
+
+/// Errors for placements this worker cannot serve.
+pub fn check_placement(p: &Placement, cfg: &ModelConfig) -> Result<()> {
+    if let Err(e) = p.validate(&cfg.moe_layers(), cfg.num_experts) {
+        bail!("{e}");
+    }
+    Ok(())
+}
 
 /// The worker's state.
 pub struct ExpertWorker {
@@ -77,9 +92,9 @@ impl ExpertWorker {
         p: &Placement,
         r: Option<&Rebalance>,
     ) -> anyhow::Result<()> {
-        crate::check_placement(p, &self.cfg)?;
+        check_placement(p, &self.cfg)?;
         if let Some(r) = r {
-            crate::check_placement(&r.target, &self.cfg)?;
+            check_placement(&r.target, &self.cfg)?;
         }
         let p = p.clone();
         let held = desired_experts(&self.id, Some(&p), r);
