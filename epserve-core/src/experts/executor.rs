@@ -31,14 +31,14 @@ use rayon::prelude::*;
 
 use crate::config::{Activation, FfnKind, ModelConfig};
 use crate::error::{Error, Result};
-use crate::experts::packed::{PackedData, PackedDtype, PackedExpert};
+use crate::experts::packed::{PackedDtype, PackedExpert};
 use crate::experts::pool::ExpertPool;
 use crate::experts::{ExpertDtype, LoadOptions};
 use crate::kernels::dispatch::{AmxBlock, AmxTiles, Kernels, MAX_MR, kernels};
 use crate::kernels::layout::{
     AMX_BF16_TILE_K, AMX_I8_TILE_K, AMX_ROW_BYTES, AMX_TILE_BYTES, AMX_TILE_M, BF16_PAIR_KC,
-    I8_GROUP_BYTES, KG, NR, bf16_padded_k, f32_to_bf16_bits, i8_padded_k, pack_pairs_f32,
-    quantize_row_i8,
+    DataView, I8_GROUP_BYTES, KG, NR, Src, as_row, bf16_padded_k, dequant, f32_to_bf16_bits,
+    i8_padded_k, pack_pairs_f32, quantize_row_i8,
 };
 use crate::loader::weights::WeightStore;
 use crate::model::moe::{ExpertExecutor, SKIP_SLOT};
@@ -640,18 +640,6 @@ fn build_items(
     }
 }
 
-/// Where a phase's activation rows come from.
-struct Src<'a> {
-    f32_rows: &'a [f32],
-    f32_stride: usize,
-    i8_rows: &'a [i8],
-    i8_stride: usize,
-    i8_scales: &'a [f32],
-    /// bf16 copies (zero-padded to an even length), for bf16 × bf16 tiles.
-    b16_rows: &'a [u16],
-    b16_stride: usize,
-}
-
 /// Whether expert `ex` runs on the bf16 × bf16 tile of `k`.
 #[inline]
 fn uses_bf16x(k: &Kernels, ex: &PackedExpert) -> bool {
@@ -666,41 +654,6 @@ fn to_bf16_row(src: &[f32], dst: &mut [u16]) {
     }
     for d in dst.iter_mut().skip(src.len()) {
         *d = 0;
-    }
-}
-
-/// One accumulator row of a panel (16 channels).
-#[inline]
-fn as_row(a: &[f32]) -> &[f32; NR] {
-    a.try_into().expect("accumulator rows are 16 wide")
-}
-
-/// One int8 accumulator row dequantized: `acc · weight scale · row scale`
-/// (the same expression on every tier, so results stay bit-identical).
-#[inline]
-fn dequant(a: &[i32], ws: &[f32], xs: f32) -> [f32; NR] {
-    let mut v = [0.0f32; NR];
-    for ((d, &q), &w) in v.iter_mut().zip(a).zip(ws) {
-        *d = q as f32 * w * xs;
-    }
-    v
-}
-
-/// A borrowed view of a packed matrix's elements.
-pub(crate) enum DataView<'a> {
-    Bf16(&'a [u16]),
-    I8 { data: &'a [i8], scales: &'a [f32] },
-}
-
-impl crate::experts::packed::PackedMatrix {
-    pub(crate) fn data_view(&self) -> DataView<'_> {
-        match self.data() {
-            PackedData::Bf16(d) => DataView::Bf16(d.as_slice()),
-            PackedData::I8 { data, scales } => DataView::I8 {
-                data: data.as_slice(),
-                scales,
-            },
-        }
     }
 }
 
