@@ -14,6 +14,7 @@
 pub mod executor;
 pub mod packed;
 pub mod pool;
+mod run;
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
