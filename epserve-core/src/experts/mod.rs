@@ -7,13 +7,19 @@
 //! - [`executor`]: [`PackedExperts`], the [`ExpertExecutor`] `Model::load`
 //!   uses by default; [`crate::model::moe::LocalExperts`] stays the portable
 //!   reference twin.
+//! - `load`: [`PackedExperts::load_filtered`], a checkpoint's experts packed
+//!   in the precision asked for.
+//! - `run`: the executor's work items and the tiles they run on (the AMX
+//!   tile planning sits below, in `kernels/amx_plan.rs`).
 //! - [`pool`]: the pinned worker threads.
 //!
 //! [`ExpertExecutor`]: crate::model::moe::ExpertExecutor
 
 pub mod executor;
+mod load;
 pub mod packed;
 pub mod pool;
+mod run;
 
 use std::collections::BTreeMap;
 use std::sync::Arc;

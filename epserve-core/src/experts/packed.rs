@@ -8,7 +8,7 @@ use bytemuck::{Pod, Zeroable};
 use crate::config::Activation;
 use crate::error::{Error, Result};
 use crate::kernels::layout::{
-    NR, bf16_bits_to_f32, f32_to_bf16_bits, i8_padded_k, pack_bf16_panel, pack_i8_panel,
+    DataView, NR, bf16_bits_to_f32, f32_to_bf16_bits, i8_padded_k, pack_bf16_panel, pack_i8_panel,
     quantize_row_i8,
 };
 use crate::loader::weights::I8Matrix;
@@ -192,6 +192,17 @@ impl PackedMatrix {
     /// The element storage.
     pub fn data(&self) -> &PackedData {
         &self.data
+    }
+
+    /// The elements as the kernels' borrowed view.
+    pub(crate) fn data_view(&self) -> DataView<'_> {
+        match self.data() {
+            PackedData::Bf16(d) => DataView::Bf16(d.as_slice()),
+            PackedData::I8 { data, scales } => DataView::I8 {
+                data: data.as_slice(),
+                scales,
+            },
+        }
     }
 
     /// The precision.

@@ -33,6 +33,12 @@
 //! A fused gate/up matrix puts gate rows `j..j+8` in logical channels 0..8 of
 //! a panel and the matching up rows in 8..16, so one panel yields
 //! `act(gate) · up` for eight output columns without a second pass.
+//!
+//! Also here, so that the expert driver and the AMX planning
+//! (`super::amx_plan`) share them without the kernels depending on the
+//! experts: the borrowed view of a packed matrix (`DataView`), the
+//! activation rows a phase reads (`Src`), and the accumulator-row helpers
+//! (`as_row`, `dequant`).
 
 use half::bf16;
 
@@ -175,6 +181,41 @@ pub fn quantize_row_i8(row: &[f32], q: &mut [i8]) -> f32 {
         *d = 0;
     }
     amax / 127.0
+}
+
+/// A borrowed view of a packed matrix's elements.
+pub(crate) enum DataView<'a> {
+    Bf16(&'a [u16]),
+    I8 { data: &'a [i8], scales: &'a [f32] },
+}
+
+/// Where a phase's activation rows come from.
+pub(crate) struct Src<'a> {
+    pub(crate) f32_rows: &'a [f32],
+    pub(crate) f32_stride: usize,
+    pub(crate) i8_rows: &'a [i8],
+    pub(crate) i8_stride: usize,
+    pub(crate) i8_scales: &'a [f32],
+    /// bf16 copies (zero-padded to an even length), for bf16 × bf16 tiles.
+    pub(crate) b16_rows: &'a [u16],
+    pub(crate) b16_stride: usize,
+}
+
+/// One accumulator row of a panel (16 channels).
+#[inline]
+pub(crate) fn as_row(a: &[f32]) -> &[f32; NR] {
+    a.try_into().expect("accumulator rows are 16 wide")
+}
+
+/// One int8 accumulator row dequantized: `acc · weight scale · row scale`
+/// (the same expression on every tier, so results stay bit-identical).
+#[inline]
+pub(crate) fn dequant(a: &[i32], ws: &[f32], xs: f32) -> [f32; NR] {
+    let mut v = [0.0f32; NR];
+    for ((d, &q), &w) in v.iter_mut().zip(a).zip(ws) {
+        *d = q as f32 * w * xs;
+    }
+    v
 }
 
 #[cfg(test)]

@@ -5,6 +5,7 @@
 
 #[cfg(target_arch = "aarch64")]
 pub mod aarch64;
+pub(crate) mod amx_plan;
 pub mod dispatch;
 pub mod generic;
 pub mod layout;

@@ -6,8 +6,9 @@
 //!
 //! Layouts (see [`crate::kernels::layout`]):
 //! - `A` (activations): token rows, 64 bytes (32 bf16 / 64 int8 `k`s) per
-//!   tile row, any row stride: the executor packs each expert's rows
-//!   contiguously with `K` zero-padded to whole tiles.
+//!   tile row, any row stride: the AMX planning
+//!   (`kernels/amx_plan.rs`) packs each expert's rows contiguously
+//!   with `K` zero-padded to whole tiles.
 //! - `B` (weights): 16 rows of 64 bytes, row `r` = `k`-pair (bf16) or
 //!   `k`-quad (int8) `r`, channel `c` at bytes `4c..4c+4`. Panels *are* this
 //!   layout on x86 (16 `k`-pairs of a bf16 panel, or 8 groups = 16 `k`-quad

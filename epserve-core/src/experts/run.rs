@@ -1,0 +1,295 @@
+//! The work items of [`PackedExperts`]' `execute` and what one of them
+//! runs: [`build_items`] splits each active expert's panels into [`Item`]s
+//! for the pool, and [`run_panels`] runs one item's panels over the
+//! expert's rows on the kernel tier's tiles, handing each panel's 16
+//! channels per row to the phase's epilogue. Per expert, as many tokens as
+//! one tile holds take the decode path (the whole `K` per panel), more take
+//! a prefill path: `K` blocks kept in L1, the two-panel tile over a packed
+//! stream ([`run_pairs_f32`]), or the AMX tiles (planned in
+//! `kernels/amx_plan.rs`).
+//!
+//! [`PackedExperts`]: super::PackedExperts
+
+use std::cell::RefCell;
+
+use crate::kernels::amx_plan::run_panels_amx;
+use crate::kernels::dispatch::{Kernels, MAX_MR};
+use crate::kernels::layout::{
+    BF16_PAIR_KC, DataView, I8_GROUP_BYTES, KG, NR, Src, as_row, bf16_padded_k, dequant,
+    i8_padded_k, pack_pairs_f32,
+};
+
+/// `k` per block on the bf16 prefill path (a 16 KiB panel chunk).
+const KC_BF16: usize = 512;
+/// int8 groups per block on the int8 prefill path (a 16 KiB panel chunk).
+const KC_I8_GROUPS: usize = 128;
+/// Work items per thread and phase (load balance vs. scheduling overhead).
+const ITEMS_PER_THREAD: usize = 4;
+
+/// One work item: panels `p0..p1` of expert `e`'s matrix.
+#[derive(Clone, Copy)]
+pub(super) struct Item {
+    pub(super) e: u32,
+    pub(super) p0: u32,
+    pub(super) p1: u32,
+}
+
+impl Item {
+    /// The item's panels.
+    fn panels(&self) -> std::ops::Range<usize> {
+        self.p0 as usize..self.p1 as usize
+    }
+}
+
+thread_local! {
+    static ACC_F32: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
+    static ACC_I32: RefCell<Vec<i32>> = const { RefCell::new(Vec::new()) };
+    /// Two-panel prefill path: the packed activation stream and the two
+    /// panels' accumulators.
+    static PAIRS_F32: RefCell<(Vec<f32>, Vec<f32>)> =
+        const { RefCell::new((Vec::new(), Vec::new())) };
+}
+
+/// Splits each active expert's `panels(e)` into runs so that every thread
+/// gets about [`ITEMS_PER_THREAD`] items.
+pub(super) fn build_items(
+    items: &mut Vec<Item>,
+    active: &[u32],
+    threads: usize,
+    panels: impl Fn(usize) -> usize,
+) {
+    items.clear();
+    let total: usize = active.iter().map(|&e| panels(e as usize)).sum();
+    let chunk = total.div_ceil(threads.max(1) * ITEMS_PER_THREAD).max(1);
+    for &e in active {
+        let n = panels(e as usize);
+        let mut p = 0;
+        while p < n {
+            let p1 = (p + chunk).min(n);
+            items.push(Item {
+                e,
+                p0: p as u32,
+                p1: p1 as u32,
+            });
+            p = p1;
+        }
+    }
+}
+
+/// Runs panels `it.p0..it.p1` of one matrix over the expert's `n` rows
+/// (`row(i)` is row `i`'s index in `src`) and hands each panel's results to
+/// `epi(i, panel, val)` where `val[c]` is row `i`'s dequantized channel `c`.
+#[allow(clippy::too_many_arguments)]
+pub(super) fn run_panels(
+    k: &Kernels,
+    bf16x: bool,
+    data: &DataView<'_>,
+    kdim: usize,
+    n: usize,
+    it: &Item,
+    row: &dyn Fn(usize) -> usize,
+    src: &Src<'_>,
+    mut epi: impl FnMut(usize, usize, &[f32; NR]),
+) {
+    match *data {
+        // Prefill on AMX tiles: bf16 activations with bf16 weights, and int8.
+        DataView::Bf16(_) if bf16x && k.amx() && n > k.bf16x_mr().unwrap_or(0) => {
+            run_panels_amx(k, data, kdim, n, it.panels(), row, src, epi)
+        }
+        DataView::I8 { .. } if k.amx() && n > k.i8_mr() => {
+            run_panels_amx(k, data, kdim, n, it.panels(), row, src, epi)
+        }
+        // bf16 activations: the dot-product tile on the decode path only. On
+        // the prefill path the widening f32 FMA tile runs instead (with the f32
+        // activations, which are only more exact): measured on Sapphire-Rapids
+        // class x86, `vdpbf16ps` retires at half the FLOP rate of zmm FMA, so
+        // it only pays where weights stream (decode).
+        DataView::Bf16(w) if bf16x && n <= k.bf16x_mr().unwrap_or(0) => {
+            ACC_F32.with_borrow_mut(|acc| {
+                acc.resize(n * NR, 0.0);
+                let kp = bf16_padded_k(kdim);
+                let step = kp.max(2);
+                let mr = n.max(1);
+                let panel_len = kp * NR;
+                for p in it.p0 as usize..it.p1 as usize {
+                    acc.fill(0.0);
+                    let panel = &w[p * panel_len..(p + 1) * panel_len];
+                    let mut k0 = 0;
+                    while k0 < kp {
+                        let kc = step.min(kp - k0);
+                        let wc = &panel[k0 * NR..(k0 + kc) * NR];
+                        let mut t0 = 0;
+                        while t0 < n {
+                            let tn = mr.min(n - t0);
+                            let mut rows: [&[u16]; MAX_MR] = [&[]; MAX_MR];
+                            for (i, r) in rows.iter_mut().enumerate().take(tn) {
+                                let base = row(t0 + i) * src.b16_stride + k0;
+                                *r = &src.b16_rows[base..base + kc];
+                            }
+                            k.bf16x_tile(wc, &rows[..tn], &mut acc[t0 * NR..(t0 + tn) * NR]);
+                            t0 += tn;
+                        }
+                        k0 += kc;
+                    }
+                    for i in 0..n {
+                        let a = &acc[i * NR..(i + 1) * NR];
+                        epi(i, p, as_row(a));
+                    }
+                }
+            })
+        }
+        // Prefill on tiers with a two-panel tile.
+        DataView::Bf16(w) if n > k.bf16_mr() && k.bf16_pair_mr().is_some() => {
+            run_pairs_f32(k, w, kdim, n, it, row, src, epi)
+        }
+        DataView::Bf16(w) => ACC_F32.with_borrow_mut(|acc| {
+            acc.resize(n * NR, 0.0);
+            let mr = k.bf16_mr();
+            // Decode: one tile and the whole K; prefill: K blocks kept in L1.
+            let step = if n <= mr { kdim.max(1) } else { KC_BF16 };
+            let panel_len = bf16_padded_k(kdim) * NR;
+            for p in it.p0 as usize..it.p1 as usize {
+                acc.fill(0.0);
+                let panel = &w[p * panel_len..(p + 1) * panel_len];
+                let mut k0 = 0;
+                while k0 < kdim {
+                    let kc = step.min(kdim - k0);
+                    let wc = &panel[k0 * NR..(k0 + bf16_padded_k(kc)) * NR];
+                    let mut t0 = 0;
+                    while t0 < n {
+                        let tn = mr.min(n - t0);
+                        let mut rows: [&[f32]; MAX_MR] = [&[]; MAX_MR];
+                        for (i, r) in rows.iter_mut().enumerate().take(tn) {
+                            let base = row(t0 + i) * src.f32_stride + k0;
+                            *r = &src.f32_rows[base..base + kc];
+                        }
+                        k.bf16_tile(wc, kc, &rows[..tn], &mut acc[t0 * NR..(t0 + tn) * NR]);
+                        t0 += tn;
+                    }
+                    k0 += kc;
+                }
+                for i in 0..n {
+                    let a = &acc[i * NR..(i + 1) * NR];
+                    epi(i, p, as_row(a));
+                }
+            }
+        }),
+        DataView::I8 { data: w, scales } => ACC_I32.with_borrow_mut(|acc| {
+            acc.resize(n * NR, 0);
+            let mr = k.i8_mr();
+            let groups = i8_padded_k(kdim) / KG;
+            let step = if n <= mr { groups.max(1) } else { KC_I8_GROUPS };
+            let panel_len = groups * I8_GROUP_BYTES;
+            for p in it.p0 as usize..it.p1 as usize {
+                acc.fill(0);
+                let panel = &w[p * panel_len..(p + 1) * panel_len];
+                let mut g0 = 0;
+                while g0 < groups {
+                    let gc = step.min(groups - g0);
+                    let wc = &panel[g0 * I8_GROUP_BYTES..(g0 + gc) * I8_GROUP_BYTES];
+                    let mut t0 = 0;
+                    while t0 < n {
+                        let tn = mr.min(n - t0);
+                        let mut rows: [&[i8]; MAX_MR] = [&[]; MAX_MR];
+                        for (i, r) in rows.iter_mut().enumerate().take(tn) {
+                            let base = row(t0 + i) * src.i8_stride + g0 * KG;
+                            *r = &src.i8_rows[base..base + gc * KG];
+                        }
+                        k.i8_tile(wc, &rows[..tn], &mut acc[t0 * NR..(t0 + tn) * NR]);
+                        t0 += tn;
+                    }
+                    g0 += gc;
+                }
+                let ws = &scales[p * NR..(p + 1) * NR];
+                for i in 0..n {
+                    let xs = src.i8_scales[row(i)];
+                    let a = &acc[i * NR..(i + 1) * NR];
+                    epi(i, p, &dequant(a, ws, xs));
+                }
+            }
+        }),
+    }
+}
+
+/// The prefill path of bf16 experts with f32 activations on tiers with a
+/// two-panel tile: the expert's rows are packed once per work item into
+/// the tile's stream (token tiles of equal size, each K block contiguous),
+/// then every panel pair runs over K blocks of [`BF16_PAIR_KC`] (two panel
+/// chunks and one packed tile stay in L1).
+#[allow(clippy::too_many_arguments)]
+fn run_pairs_f32(
+    k: &Kernels,
+    w: &[u16],
+    kdim: usize,
+    n: usize,
+    it: &Item,
+    row: &dyn Fn(usize) -> usize,
+    src: &Src<'_>,
+    mut epi: impl FnMut(usize, usize, &[f32; NR]),
+) {
+    // Tiers without a two-panel tile run its twin (up to `MAX_MR` rows).
+    let mr = k.bf16_pair_mr().unwrap_or(MAX_MR);
+    // Token tiles of equal size (16 tokens: 8 + 8, not 12 + 4).
+    let tn_max = n.div_ceil(n.div_ceil(mr));
+    let kp = bf16_padded_k(kdim);
+    let panel_len = kp * NR;
+    PAIRS_F32.with_borrow_mut(|(xp, acc)| {
+        // The tile at token `t0` (`tn` rows) holds `tn · kp` values from
+        // `t0 · kp`; its K block at `k0` starts `k0 · tn` values in.
+        xp.clear();
+        let mut t0 = 0;
+        while t0 < n {
+            let tn = tn_max.min(n - t0);
+            let mut rows: [&[f32]; MAX_MR] = [&[]; MAX_MR];
+            for (i, r) in rows.iter_mut().enumerate().take(tn) {
+                let base = row(t0 + i) * src.f32_stride;
+                *r = &src.f32_rows[base..base + kdim];
+            }
+            let mut k0 = 0;
+            while k0 < kdim {
+                let kc = BF16_PAIR_KC.min(kdim - k0);
+                pack_pairs_f32(&rows[..tn], k0, kc, xp);
+                k0 += kc;
+            }
+            t0 += tn;
+        }
+        acc.resize(2 * n * NR, 0.0);
+        let (p0, p1) = (it.p0 as usize, it.p1 as usize);
+        let mut p = p0;
+        while p < p1 {
+            // An odd last panel runs as a pair with itself (one result kept).
+            let q = if p + 1 < p1 { p + 1 } else { p };
+            acc.fill(0.0);
+            let (acc0, acc1) = acc.split_at_mut(n * NR);
+            let mut k0 = 0;
+            while k0 < kdim {
+                let kc = BF16_PAIR_KC.min(kdim - k0);
+                let len = bf16_padded_k(kc) * NR;
+                let chunk = |j: usize| &w[j * panel_len + k0 * NR..][..len];
+                let mut t0 = 0;
+                while t0 < n {
+                    let tn = tn_max.min(n - t0);
+                    let span = t0 * NR..(t0 + tn) * NR;
+                    k.bf16_pair_tile(
+                        [chunk(p), chunk(q)],
+                        kc,
+                        tn,
+                        &xp[t0 * kp + k0 * tn..],
+                        [&mut acc0[span.clone()], &mut acc1[span]],
+                    );
+                    t0 += tn;
+                }
+                k0 += kc;
+            }
+            for i in 0..n {
+                epi(i, p, as_row(&acc0[i * NR..(i + 1) * NR]));
+            }
+            if q != p {
+                for i in 0..n {
+                    epi(i, q, as_row(&acc1[i * NR..(i + 1) * NR]));
+                }
+            }
+            p = q + 1;
+        }
+    })
+}
