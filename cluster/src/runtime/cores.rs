@@ -1,5 +1,5 @@
 //! Core lists (`0-15`, `0,2,4-7`) and pinning the process to them, so the
-//! expert threads started afterwards run only there.
+//! compute threads a worker starts afterwards (experts, attention) run only there.
 
 use anyhow::{Result, bail};
 
