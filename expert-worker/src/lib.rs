@@ -14,9 +14,9 @@ use std::sync::Arc;
 use anyhow::{Context, Result, bail};
 use clap::Args;
 use epserve_core::config::ModelConfig;
-use epserve_core::experts::{ExpertDtype, LoadOptions};
+use epserve_core::experts::{ExpertDtype, LoadOptions, LocalExperts};
 use epserve_core::loader::weights::WeightStore;
-use epserve_core::model::moe::{ExpertExecutor, LocalExperts};
+use epserve_core::moe::ExpertExecutor;
 use epserve_core::placement::Placement;
 use epserve_proto::cluster::{
     ClusterState, Rebalance, RebalanceState, WorkerInfo, desired_experts,

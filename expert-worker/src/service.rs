@@ -7,7 +7,7 @@ use std::time::Instant;
 use epserve_core::config::ModelConfig;
 use epserve_core::experts::{LoadOptions, load_executor_filtered};
 use epserve_core::loader::weights::WeightStore;
-use epserve_core::model::moe::SKIP_SLOT;
+use epserve_core::moe::SKIP_SLOT;
 use epserve_core::placement::Placement;
 use epserve_proto::cluster::{Rebalance, desired_experts};
 use epserve_proto::pb::expert_service_server::ExpertService;

@@ -40,9 +40,9 @@ use crate::kernels::layout::{
     I8_GROUP_BYTES, KG, NR, bf16_padded_k, f32_to_bf16_bits, i8_padded_k, pack_pairs_f32,
     quantize_row_i8,
 };
+use crate::loader::names::ExpertNames;
 use crate::loader::weights::WeightStore;
-use crate::model::moe::{ExpertExecutor, SKIP_SLOT};
-use crate::model::names::ExpertNames;
+use crate::moe::{ExpertExecutor, SKIP_SLOT};
 
 /// `k` per block on the bf16 prefill path (a 16 KiB panel chunk).
 const KC_BF16: usize = 512;
