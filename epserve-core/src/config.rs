@@ -293,30 +293,33 @@ pub struct LayerSpec {
 
 /// How router logits become top-k experts and weights.
 #[derive(Debug, Clone, Copy, PartialEq)]
-pub enum RouterSpec {
-    /// softmax over all experts, top-k, optionally renormalized (Qwen, Mixtral, OLMoE).
-    Softmax { normalize: bool },
-    /// top-k of the raw logits (router has a bias), softmax over the k (GPT-OSS).
+pub enum RouterKind {
+    /// softmax over all experts (f32), top-k, optionally renormalized over
+    /// the k (Qwen2/3-MoE, OLMoE, Mixtral).
+    SoftmaxTopK { normalize: bool },
+    /// top-k of the raw logits, softmax over the k (GPT-OSS; logits carry the
+    /// router bias).
     TopKSoftmax,
-    /// softmax, groups ranked by their best expert, experts outside the best
-    /// `topk_group` groups zeroed, top-k, times `scaling` (DeepSeek-V2).
+    /// softmax; groups ranked by their best expert; experts outside the best
+    /// `topk_group` groups zeroed; top-k; weights times `scaling` (DeepSeek-V2).
     GroupedSoftmax {
         n_group: usize,
         topk_group: usize,
         scaling: f32,
     },
-    /// sigmoid; choice scores add `e_score_correction_bias`; groups ranked by
-    /// the sum of their two best choice scores; top-k within the best
-    /// `topk_group` groups; weights are the sigmoid scores, optionally
-    /// renormalized, times `scaling` (DeepSeek-V3).
+    /// sigmoid; choice scores add the correction bias
+    /// (`e_score_correction_bias`); groups ranked by the sum of their two best
+    /// choice scores; top-k in the best `topk_group` groups; weights are the
+    /// sigmoid scores, optionally renormalized, times `scaling` (DeepSeek-V3).
     GroupedSigmoid {
         n_group: usize,
         topk_group: usize,
         normalize: bool,
         scaling: f32,
     },
-    /// Gemma 4: router input RMS-normalized (no weight) times a learned scale
-    /// and `hidden^-0.5`; softmax, top-k, renormalize, times a per-expert scale.
+    /// Gemma 4: the router input RMS-normalized (no weight) times a learned
+    /// scale and `hidden^-0.5`; softmax, top-k, renormalized, times a
+    /// per-expert scale.
     ScaledSoftmax,
 }
 
@@ -368,7 +371,7 @@ pub struct ModelConfig {
     /// `model.language_model` in multimodal wrappers.
     pub weight_prefix: String,
     /// How the router turns logits into experts and weights.
-    pub router: RouterSpec,
+    pub router: RouterKind,
     /// Experts carry gate/up/down biases (GPT-OSS).
     pub expert_bias: bool,
     /// Dense MLPs and shared experts carry biases (DeepSeek-V2 `mlp_bias`).
@@ -607,8 +610,8 @@ impl ModelConfig {
         };
 
         let router = match arch {
-            Arch::GptOss => RouterSpec::TopKSoftmax,
-            Arch::Gemma4 => RouterSpec::ScaledSoftmax,
+            Arch::GptOss => RouterKind::TopKSoftmax,
+            Arch::Gemma4 => RouterKind::ScaledSoftmax,
             Arch::DeepseekV2 | Arch::DeepseekV3 => {
                 let scaling = raw
                     .routed_scaling_factor
@@ -659,13 +662,13 @@ impl ModelConfig {
                             ),
                         ));
                     }
-                    RouterSpec::GroupedSoftmax {
+                    RouterKind::GroupedSoftmax {
                         n_group,
                         topk_group,
                         scaling,
                     }
                 } else {
-                    RouterSpec::GroupedSigmoid {
+                    RouterKind::GroupedSigmoid {
                         n_group,
                         topk_group,
                         normalize: norm_topk_prob,
@@ -673,7 +676,7 @@ impl ModelConfig {
                     }
                 }
             }
-            _ => RouterSpec::Softmax {
+            _ => RouterKind::SoftmaxTopK {
                 normalize: norm_topk_prob,
             },
         };
@@ -1254,7 +1257,7 @@ mod tests {
         assert_eq!(c.moe_layers(), vec![1]);
         assert!(matches!(
             c.router,
-            RouterSpec::GroupedSigmoid {
+            RouterKind::GroupedSigmoid {
                 n_group: 4,
                 topk_group: 2,
                 normalize: true,

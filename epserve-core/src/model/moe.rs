@@ -2,8 +2,9 @@
 //! through are in [`crate::moe`]):
 //!
 //! 1. [`Router`] turns hidden states into a [`Routing`] of *logical* experts;
-//!    it never computes an expert. [`Router::load`] builds it from the
-//!    checkpoint with whatever its [`RouterKind`] needs.
+//!    it never computes an expert. How is the config's [`RouterKind`];
+//!    [`Router::load`] builds it from the checkpoint with whatever that kind
+//!    needs.
 //! 2. A [`Dispatcher`] moves the routed tokens to whoever holds the experts
 //!    (in process the experts' `LocalDispatcher`; a gRPC one lives in the
 //!    coordinator), which run them; experts never route.
@@ -11,7 +12,7 @@
 //!    [`SharedExpert`] adds the expert every token passes through, and
 //!    [`MoeBlock`] is the three steps for one layer.
 
-use crate::config::{ModelConfig, RouterSpec};
+use crate::config::{ModelConfig, RouterKind};
 use crate::error::Result;
 use crate::kernels::{linear, sigmoid, softmax};
 use crate::loader::names::router_weight_and_module;
@@ -19,37 +20,6 @@ use crate::loader::weights::WeightStore;
 use crate::moe::mlp::GatedMlp;
 use crate::moe::{Dispatcher, Routing, combine, top_k_indices};
 use crate::tensor::Weight;
-
-/// How router logits become top-k experts and weights.
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub enum RouterKind {
-    /// softmax over all experts (f32), top-k, optionally renormalized over
-    /// the k (Qwen2/3-MoE, OLMoE, Mixtral).
-    SoftmaxTopK { normalize: bool },
-    /// top-k of the raw logits, softmax over the k (GPT-OSS; logits carry the
-    /// router bias).
-    TopKSoftmax,
-    /// softmax; groups ranked by their best expert; experts outside the best
-    /// `topk_group` groups zeroed; top-k; weights times `scaling` (DeepSeek-V2).
-    GroupedSoftmax {
-        n_group: usize,
-        topk_group: usize,
-        scaling: f32,
-    },
-    /// sigmoid; choice scores add the correction bias; groups ranked by the sum
-    /// of their two best choice scores; top-k in the best `topk_group` groups;
-    /// weights are the sigmoid scores, optionally renormalized, times
-    /// `scaling` (DeepSeek-V3).
-    GroupedSigmoid {
-        n_group: usize,
-        topk_group: usize,
-        normalize: bool,
-        scaling: f32,
-    },
-    /// softmax, top-k, renormalized, times a per-expert scale (Gemma 4; the
-    /// input is scaled first, see [`Router::with_input_scale`]).
-    ScaledSoftmax,
-}
 
 /// The gate of an MoE layer.
 pub struct Router {
@@ -111,51 +81,22 @@ impl Router {
     pub fn load(cfg: &ModelConfig, ws: &WeightStore, i: usize) -> Result<Router> {
         let (weight, module) = router_weight_and_module(cfg, ws, i)?;
         let (e, h) = (cfg.num_experts, cfg.hidden_size);
-        let k = cfg.num_experts_per_tok;
+        let router = Router::new(weight, cfg.router, cfg.num_experts_per_tok);
+        let bias = |name: &str| -> Result<Option<Vec<f32>>> {
+            Ok(ws
+                .get_opt(&format!("{module}.{name}"), &[e])?
+                .map(|w| w.to_f32_vec()))
+        };
         Ok(match cfg.router {
-            RouterSpec::Softmax { normalize } => {
-                Router::new(weight, RouterKind::SoftmaxTopK { normalize }, k)
+            RouterKind::SoftmaxTopK { .. } | RouterKind::GroupedSoftmax { .. } => router,
+            RouterKind::TopKSoftmax => router.with_bias(bias("bias")?),
+            RouterKind::GroupedSigmoid { .. } => {
+                router.with_score_bias(bias("e_score_correction_bias")?)
             }
-            RouterSpec::TopKSoftmax => Router::new(weight, RouterKind::TopKSoftmax, k).with_bias(
-                ws.get_opt(&format!("{module}.bias"), &[e])?
-                    .map(|w| w.to_f32_vec()),
-            ),
-            RouterSpec::GroupedSoftmax {
-                n_group,
-                topk_group,
-                scaling,
-            } => Router::new(
-                weight,
-                RouterKind::GroupedSoftmax {
-                    n_group,
-                    topk_group,
-                    scaling,
-                },
-                k,
-            ),
-            RouterSpec::GroupedSigmoid {
-                n_group,
-                topk_group,
-                normalize,
-                scaling,
-            } => Router::new(
-                weight,
-                RouterKind::GroupedSigmoid {
-                    n_group,
-                    topk_group,
-                    normalize,
-                    scaling,
-                },
-                k,
-            )
-            .with_score_bias(
-                ws.get_opt(&format!("{module}.e_score_correction_bias"), &[e])?
-                    .map(|w| w.to_f32_vec()),
-            ),
-            RouterSpec::ScaledSoftmax => {
+            RouterKind::ScaledSoftmax => {
                 // Gemma 4: `layers.{i}.router.{proj.weight, scale, per_expert_scale}`.
                 let base = module.trim_end_matches(".proj").to_string();
-                Router::new(weight, RouterKind::ScaledSoftmax, k)
+                router
                     .with_input_scale(ws.get_vec(&format!("{base}.scale"), h)?, cfg.rms_norm_eps)
                     .with_expert_scale(Some(ws.get_vec(&format!("{base}.per_expert_scale"), e)?))
             }
