@@ -9,7 +9,7 @@
 //! `layers.{i}.experts`). All are accepted: [`ExpertNames`] says which one a
 //! layer uses, and the helpers at the end decode the transposed and MXFP4
 //! storage. Assembling an expert from them ([`ExpertNames::load`]) lives with
-//! [`GatedMlp`](crate::moe::mlp::GatedMlp) in [`crate::moe::mlp`]; building
+//! `GatedMlp` in `moe::mlp` (above this module, which uses no MoE type); building
 //! the router lives with the model's `Router`.
 
 use crate::config::ModelConfig;
