@@ -1,12 +1,21 @@
 //! epserve's core library: what every role shares. Layers, each depending only
 //! on the ones above it in this list:
 //!
+//! - [`error`]: the one error type
 //! - [`config`]: `config.json` → validated [`config::ModelConfig`]
-//! - [`tensor`], [`loader`]: memory-mapped safetensors, tokenizer, chat template
+//! - [`tensor`]: weights as the model reads them (mmapped or owned)
+//! - [`loader`]: safetensors, where each architecture keeps its tensors,
+//!   tokenizer and chat template, generation defaults
 //! - [`kernels`]: linear, norms, activations; the MoE micro-kernels and their tiers
-//! - [`experts`]: packed bf16/int8 experts and the fast expert executor
-//! - [`model`]: attention, router / experts / combine, the decoder
-//! - [`sampling`], [`engine`]: logits → tokens, the generate loop
+//! - [`moe`]: the MoE contracts (`Routing`, the `Dispatcher` and
+//!   `ExpertExecutor` traits, `SKIP_SLOT`, `combine`, `top_k_indices`) and
+//!   `GatedMlp`, what every expert is
+//! - [`experts`]: the expert executors: packed bf16/int8 and the portable
+//!   `LocalExperts`
+//! - [`model`]: attention, router / shared expert / MoE block, the decoder
+//! - [`sampling`]: logits → tokens
+//! - [`engine`], [`detok`]: the generate loop, streaming detokenization
+//! - [`placement`], [`eplb`]: which worker holds which expert, and rebalancing it
 
 pub mod config;
 pub mod detok;
@@ -17,6 +26,7 @@ pub mod experts;
 pub mod kernels;
 pub mod loader;
 pub mod model;
+pub mod moe;
 pub mod placement;
 pub mod sampling;
 pub mod tensor;

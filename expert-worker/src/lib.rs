@@ -19,9 +19,8 @@ use epserve_cluster::state::{
     ClusterState, Rebalance, RebalanceState, WorkerInfo, desired_experts,
 };
 use epserve_core::config::ModelConfig;
-use epserve_core::experts::{ExpertDtype, LoadOptions};
+use epserve_core::experts::{ExpertDtype, LoadOptions, LocalExperts};
 use epserve_core::loader::weights::WeightStore;
-use epserve_core::model::moe::LocalExperts;
 use epserve_core::placement::Placement;
 use epserve_proto::pb::expert_service_server::ExpertServiceServer;
 

@@ -11,7 +11,7 @@ use epserve_cluster::state::{Rebalance, desired_experts};
 use epserve_core::config::ModelConfig;
 use epserve_core::experts::{LoadOptions, load_executor_filtered};
 use epserve_core::loader::weights::WeightStore;
-use epserve_core::model::moe::{ExpertExecutor, SKIP_SLOT};
+use epserve_core::moe::{ExpertExecutor, SKIP_SLOT};
 use epserve_core::placement::Placement;
 use epserve_proto::pb::expert_service_server::ExpertService;
 use epserve_proto::pb::{DispatchRequest, DispatchResponse, Dtype, HealthRequest, HealthResponse};

@@ -24,7 +24,7 @@ use epserve_core::config::Activation;
 use epserve_core::experts::packed::PackedDtype;
 use epserve_core::experts::{ExpertPool, PackedExpert, PackedExperts};
 use epserve_core::kernels::dispatch::{Kernels, kernels};
-use epserve_core::model::moe::ExpertExecutor;
+use epserve_core::moe::ExpertExecutor;
 use epserve_core::tensor::{DType, Weight};
 use serde::Serialize;
 

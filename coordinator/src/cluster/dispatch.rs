@@ -17,7 +17,7 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex, RwLock};
 use std::time::{Duration, Instant};
 
-use epserve_core::model::moe::{Dispatcher, Routing, SKIP_SLOT};
+use epserve_core::moe::{Dispatcher, Routing, SKIP_SLOT};
 use epserve_core::placement::Placement;
 use epserve_core::{Error, Result};
 use epserve_proto::pb::expert_service_client::ExpertServiceClient;

@@ -424,7 +424,7 @@ mod tests {
     use epserve_core::loader::tokenizer::Tokenizer;
     use epserve_core::loader::weights::WeightStore;
     use epserve_core::model::Model;
-    use epserve_core::model::moe::{Dispatcher, Routing};
+    use epserve_core::moe::{Dispatcher, Routing};
 
     /// Expert dispatch that panics, standing in for a bug in the forward pass.
     struct Panics;

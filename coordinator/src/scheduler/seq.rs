@@ -6,7 +6,7 @@ use std::time::Instant;
 use epserve_core::detok::TextStream;
 use epserve_core::engine::{Engine, FinishReason};
 use epserve_core::model::kv_cache::SeqCache;
-use epserve_core::model::moe::top_k_indices;
+use epserve_core::moe::top_k_indices;
 use epserve_core::sampling::{Sampler, log_softmax};
 use tokio::sync::mpsc::UnboundedSender;
 

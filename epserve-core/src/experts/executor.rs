@@ -42,7 +42,7 @@ use crate::kernels::dispatch::{Kernels, kernels};
 use crate::kernels::layout::{
     NR, Src, bf16_padded_k, f32_to_bf16_bits, i8_padded_k, quantize_row_i8,
 };
-use crate::model::moe::{ExpertExecutor, SKIP_SLOT};
+use crate::moe::{ExpertExecutor, SKIP_SLOT};
 
 /// The gated nonlinearity applied to one (gate, up) pair.
 #[inline]

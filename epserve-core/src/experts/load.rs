@@ -13,8 +13,8 @@ use crate::experts::executor::PackedExperts;
 use crate::experts::packed::{PackedDtype, PackedExpert};
 use crate::experts::pool::ExpertPool;
 use crate::experts::{ExpertDtype, LoadOptions};
+use crate::loader::names::ExpertNames;
 use crate::loader::weights::WeightStore;
-use crate::model::names::ExpertNames;
 
 impl PackedExperts {
     /// Loads and packs every expert of the model for which `keep` holds, in

@@ -1,22 +1,26 @@
-//! The fast expert executor: experts repacked once at load into the layout the
-//! MoE micro-kernels stream ([`crate::kernels::layout`]), bf16 or int8 W8A8 per
-//! expert, run as grouped matrix products on a pinned thread pool.
+//! The expert executors, the [`ExpertExecutor`]s behind the MoE contracts of
+//! [`crate::moe`]. The fast one: experts repacked once at load into the
+//! layout the MoE micro-kernels stream ([`crate::kernels::layout`]), bf16 or
+//! int8 W8A8 per expert, run as grouped matrix products on a pinned thread
+//! pool; the portable one: plain gated MLPs straight from the mmap.
 //!
 //! - [`packed`]: [`PackedExpert`] (fused gate/up + down, optional biases,
 //!   activation) and load-time int8 quantization.
 //! - [`executor`]: [`PackedExperts`], the [`ExpertExecutor`] `Model::load`
-//!   uses by default; [`crate::model::moe::LocalExperts`] stays the portable
-//!   reference twin.
+//!   uses by default.
 //! - `load`: [`PackedExperts::load_filtered`], a checkpoint's experts packed
 //!   in the precision asked for.
 //! - `run`: the executor's work items and the tiles they run on (the AMX
 //!   tile planning sits below, in `kernels/amx_plan.rs`).
+//! - [`local`]: [`LocalExperts`], the portable reference twin, and
+//!   [`LocalDispatcher`], which hands routed tokens to an executor in this
+//!   process.
 //! - [`pool`]: the pinned worker threads.
-//!
-//! [`ExpertExecutor`]: crate::model::moe::ExpertExecutor
+//! - here: [`LoadOptions`] and [`load_executor`], which picks and loads one.
 
 pub mod executor;
 mod load;
+pub mod local;
 pub mod packed;
 pub mod pool;
 mod run;
@@ -27,9 +31,10 @@ use std::sync::Arc;
 use crate::config::ModelConfig;
 use crate::error::{Error, Result};
 use crate::loader::weights::WeightStore;
-use crate::model::moe::{ExpertExecutor, LocalExperts};
+use crate::moe::ExpertExecutor;
 
 pub use executor::PackedExperts;
+pub use local::{LayerExperts, LocalDispatcher, LocalExperts};
 pub use packed::{PackedExpert, PackedMatrix};
 pub use pool::ExpertPool;
 

@@ -12,7 +12,7 @@ use crate::kernels::layout::{
     quantize_row_i8,
 };
 use crate::loader::weights::I8Matrix;
-use crate::model::moe::GatedMlp;
+use crate::moe::mlp::GatedMlp;
 use crate::tensor::Weight;
 
 /// Prefix of the error [`ExpertDtype::Auto`](super::ExpertDtype::Auto)

@@ -18,7 +18,8 @@ use rand::{Rng, SeedableRng};
 use super::*;
 use crate::config::Activation;
 use crate::kernels::dispatch::{Kernels, Tier};
-use crate::model::moe::{ExpertExecutor, GatedMlp, LayerExperts, SKIP_SLOT};
+use crate::moe::mlp::GatedMlp;
+use crate::moe::{ExpertExecutor, SKIP_SLOT};
 use crate::tensor::{DType, Weight};
 use packed::PackedDtype;
 

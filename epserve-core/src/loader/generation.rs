@@ -4,7 +4,7 @@ use std::path::Path;
 
 use serde::Deserialize;
 
-use crate::config::OneOrMany;
+use crate::config::raw::OneOrMany;
 use crate::error::{Error, Result};
 
 #[derive(Debug, Clone, Default, Deserialize)]

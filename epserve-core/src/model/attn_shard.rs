@@ -11,11 +11,11 @@ use std::sync::Mutex;
 
 use crate::config::ModelConfig;
 use crate::error::{Error, Result};
+use crate::loader::names;
 use crate::loader::weights::WeightStore;
 use crate::model::attention::{Attention, HeadShard, SeqSpan};
 use crate::model::kv_cache::{KvPool, SeqCache};
 use crate::model::mla::Mla;
-use crate::model::names;
 use crate::model::rope::Rope;
 
 /// One sequence's chunk of a batch sent to attention shards.
@@ -360,8 +360,7 @@ mod tests {
     use std::sync::Arc;
 
     use super::*;
-    use crate::experts::{LoadOptions, load_executor};
-    use crate::model::moe::LocalDispatcher;
+    use crate::experts::{LoadOptions, LocalDispatcher, load_executor};
     use crate::model::{LogitsMode, Model, SeqInput};
 
     fn fixture(name: &str) -> PathBuf {

@@ -8,7 +8,6 @@ pub mod attn_shard;
 pub mod kv_cache;
 pub mod mla;
 pub mod moe;
-pub mod names;
 pub mod rope;
 
 use std::path::Path;
@@ -17,15 +16,19 @@ use std::sync::Arc;
 use crate::config::{Arch, FfnKind, ModelConfig};
 use crate::error::{Error, Result};
 pub use crate::experts::LoadOptions;
+use crate::experts::LocalDispatcher;
 use crate::kernels::{linear, rms_norm};
+use crate::loader::names;
 use crate::loader::weights::WeightStore;
+use crate::moe::mlp::GatedMlp;
+use crate::moe::{Dispatcher, Routing};
 use crate::tensor::Weight;
 
 use attention::{Attention, SeqSpan};
 use attn_shard::{AttentionBackend, SeqChunk};
 use kv_cache::{KvPool, SeqCache};
 use mla::Mla;
-use moe::{Dispatcher, GatedMlp, LocalDispatcher, MoeBlock, Routing, SharedExpert};
+use moe::{MoeBlock, Router, SharedExpert};
 use rope::Rope;
 
 // One per layer: the variants' sizes do not matter.
@@ -203,7 +206,7 @@ impl Model {
             let ffn = match cfg.layers[i].ffn {
                 FfnKind::Dense => Ffn::Dense(dense()?),
                 FfnKind::Moe => {
-                    let router = names::router(&cfg, ws, i)?;
+                    let router = Router::load(&cfg, ws, i)?;
                     let shared = match cfg.shared_expert_intermediate_size {
                         Some(si) => {
                             let sp = names::shared_expert_prefix(&cfg, i);

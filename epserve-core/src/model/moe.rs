@@ -1,67 +1,25 @@
-//! The mixture-of-experts block, split the way the cluster runs it:
+//! The model's side of the mixture-of-experts block (the contracts it talks
+//! through are in [`crate::moe`]):
 //!
-//! 1. [`Router`] turns hidden states into `(topk_ids, topk_weights)` of
-//!    *logical* experts; it never computes an expert.
+//! 1. [`Router`] turns hidden states into a [`Routing`] of *logical* experts;
+//!    it never computes an expert. How is the config's [`RouterKind`];
+//!    [`Router::load`] builds it from the checkpoint with whatever that kind
+//!    needs.
 //! 2. A [`Dispatcher`] moves the routed tokens to whoever holds the experts
-//!    (here [`LocalDispatcher`]; a gRPC one lives in the coordinator) and an
-//!    [`ExpertExecutor`] runs them; experts never route.
-//! 3. [`combine`] sums the weighted per-slot outputs in a fixed order, so the
-//!    result does not depend on where the experts ran.
+//!    (in process the experts' `LocalDispatcher`; a gRPC one lives in the
+//!    coordinator), which run them; experts never route.
+//! 3. [`combine`] sums the weighted per-slot outputs in a fixed order;
+//!    [`SharedExpert`] adds the expert every token passes through, and
+//!    [`MoeBlock`] is the three steps for one layer.
 
-use std::sync::Arc;
-
-use rayon::prelude::*;
-
-use crate::config::{Activation, ModelConfig};
-use crate::error::{Error, Result};
-use crate::kernels::{gated, linear, sigmoid, softmax};
+use crate::config::{ModelConfig, RouterKind};
+use crate::error::Result;
+use crate::kernels::{linear, sigmoid, softmax};
+use crate::loader::names::router_weight_and_module;
 use crate::loader::weights::WeightStore;
+use crate::moe::mlp::GatedMlp;
+use crate::moe::{Dispatcher, Routing, combine, top_k_indices};
 use crate::tensor::Weight;
-
-/// Marks a slot that the receiving executor must skip (not its expert).
-pub const SKIP_SLOT: u32 = u32::MAX;
-
-/// How router logits become top-k experts and weights.
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub enum RouterKind {
-    /// softmax over all experts (f32), top-k, optionally renormalized over
-    /// the k (Qwen2/3-MoE, OLMoE, Mixtral).
-    SoftmaxTopK { normalize: bool },
-    /// top-k of the raw logits, softmax over the k (GPT-OSS; logits carry the
-    /// router bias).
-    TopKSoftmax,
-    /// softmax; groups ranked by their best expert; experts outside the best
-    /// `topk_group` groups zeroed; top-k; weights times `scaling` (DeepSeek-V2).
-    GroupedSoftmax {
-        n_group: usize,
-        topk_group: usize,
-        scaling: f32,
-    },
-    /// sigmoid; choice scores add the correction bias; groups ranked by the sum
-    /// of their two best choice scores; top-k in the best `topk_group` groups;
-    /// weights are the sigmoid scores, optionally renormalized, times
-    /// `scaling` (DeepSeek-V3).
-    GroupedSigmoid {
-        n_group: usize,
-        topk_group: usize,
-        normalize: bool,
-        scaling: f32,
-    },
-    /// softmax, top-k, renormalized, times a per-expert scale (Gemma 4; the
-    /// input is scaled first, see [`Router::with_input_scale`]).
-    ScaledSoftmax,
-}
-
-/// The result of routing `num_tokens` tokens.
-#[derive(Debug, Clone, Default, PartialEq)]
-pub struct Routing {
-    pub num_tokens: usize,
-    pub top_k: usize,
-    /// `[num_tokens, top_k]` logical expert ids, best first.
-    pub topk_ids: Vec<u32>,
-    /// `[num_tokens, top_k]` combine weights.
-    pub topk_weights: Vec<f32>,
-}
 
 /// The gate of an MoE layer.
 pub struct Router {
@@ -116,6 +74,33 @@ impl Router {
     pub fn with_expert_scale(mut self, scale: Option<Vec<f32>>) -> Self {
         self.expert_scale = scale;
         self
+    }
+
+    /// Loads the router of MoE layer `i` with everything its kind needs (GPT-OSS
+    /// bias, DeepSeek-V3 score correction bias, Gemma 4 input and expert scales).
+    pub fn load(cfg: &ModelConfig, ws: &WeightStore, i: usize) -> Result<Router> {
+        let (weight, module) = router_weight_and_module(cfg, ws, i)?;
+        let (e, h) = (cfg.num_experts, cfg.hidden_size);
+        let router = Router::new(weight, cfg.router, cfg.num_experts_per_tok);
+        let bias = |name: &str| -> Result<Option<Vec<f32>>> {
+            Ok(ws
+                .get_opt(&format!("{module}.{name}"), &[e])?
+                .map(|w| w.to_f32_vec()))
+        };
+        Ok(match cfg.router {
+            RouterKind::SoftmaxTopK { .. } | RouterKind::GroupedSoftmax { .. } => router,
+            RouterKind::TopKSoftmax => router.with_bias(bias("bias")?),
+            RouterKind::GroupedSigmoid { .. } => {
+                router.with_score_bias(bias("e_score_correction_bias")?)
+            }
+            RouterKind::ScaledSoftmax => {
+                // Gemma 4: `layers.{i}.router.{proj.weight, scale, per_expert_scale}`.
+                let base = module.trim_end_matches(".proj").to_string();
+                router
+                    .with_input_scale(ws.get_vec(&format!("{base}.scale"), h)?, cfg.rms_norm_eps)
+                    .with_expert_scale(Some(ws.get_vec(&format!("{base}.per_expert_scale"), e)?))
+            }
+        })
     }
 
     /// Number of logical experts.
@@ -262,277 +247,6 @@ fn mask_groups(v: &mut [f32], per_group: usize, keep: &[u32], fill: f32) {
     }
 }
 
-/// Indices of the `k` largest values, largest first; ties go to the lower index.
-pub fn top_k_indices(v: &[f32], k: usize, out: &mut Vec<u32>) {
-    out.clear();
-    out.extend(0..v.len() as u32);
-    let cmp = |a: &u32, b: &u32| v[*b as usize].total_cmp(&v[*a as usize]).then(a.cmp(b));
-    if k < out.len() {
-        out.select_nth_unstable_by(k, cmp);
-        out.truncate(k);
-    }
-    out.sort_by(cmp);
-}
-
-/// A gated feed-forward network: `down(act(gate(x)) * up(x))`, with optional
-/// biases on each projection.
-pub struct GatedMlp {
-    pub gate: Weight,
-    pub up: Weight,
-    pub down: Weight,
-    pub activation: Activation,
-    /// GPT-OSS experts, DeepSeek-V2 with `mlp_bias`.
-    pub gate_bias: Option<Vec<f32>>,
-    pub up_bias: Option<Vec<f32>>,
-    pub down_bias: Option<Vec<f32>>,
-}
-
-impl GatedMlp {
-    /// Loads `{prefix}.gate_proj/up_proj/down_proj` of width `inter`.
-    pub fn load(
-        ws: &WeightStore,
-        prefix: &str,
-        hidden: usize,
-        inter: usize,
-        act: Activation,
-    ) -> Result<Self> {
-        Self::load_with_bias(ws, prefix, hidden, inter, act, false)
-    }
-
-    /// Like [`load`](Self::load), with `.bias` tensors on every projection when `bias`.
-    pub fn load_with_bias(
-        ws: &WeightStore,
-        prefix: &str,
-        hidden: usize,
-        inter: usize,
-        act: Activation,
-        bias: bool,
-    ) -> Result<Self> {
-        let b = |name: &str, n: usize| -> Result<Option<Vec<f32>>> {
-            if bias {
-                ws.get_vec(&format!("{prefix}.{name}.bias"), n).map(Some)
-            } else {
-                Ok(None)
-            }
-        };
-        Ok(GatedMlp {
-            gate: ws.get(&format!("{prefix}.gate_proj.weight"), &[inter, hidden])?,
-            up: ws.get(&format!("{prefix}.up_proj.weight"), &[inter, hidden])?,
-            down: ws.get(&format!("{prefix}.down_proj.weight"), &[hidden, inter])?,
-            activation: act,
-            gate_bias: b("gate_proj", inter)?,
-            up_bias: b("up_proj", inter)?,
-            down_bias: b("down_proj", hidden)?,
-        })
-    }
-
-    /// Width of the hidden activation.
-    pub fn intermediate(&self) -> usize {
-        self.gate.shape()[0]
-    }
-
-    /// Applies the MLP to `[rows, hidden]` and writes `[rows, hidden]`.
-    pub fn forward(&self, x: &[f32], rows: usize, out: &mut [f32]) {
-        let inter = self.intermediate();
-        let mut g = vec![0.0f32; rows * inter];
-        let mut u = vec![0.0f32; rows * inter];
-        linear(x, rows, &self.gate, self.gate_bias.as_deref(), &mut g);
-        linear(x, rows, &self.up, self.up_bias.as_deref(), &mut u);
-        for (gv, uv) in g.iter_mut().zip(&u) {
-            *gv = gated(self.activation, *gv, *uv);
-        }
-        linear(&g, rows, &self.down, self.down_bias.as_deref(), out);
-    }
-}
-
-/// The experts one executor holds for one layer (`None` = held elsewhere).
-pub struct LayerExperts {
-    pub experts: Vec<Option<GatedMlp>>,
-}
-
-/// Runs experts. Given `[rows, hidden]` tokens and their `[rows, top_k]`
-/// expert ids and weights, writes `weight · expert(x)` for every slot into
-/// `out` (`[rows, top_k, hidden]`), leaving slots marked [`SKIP_SLOT`] untouched.
-pub trait ExpertExecutor: Send + Sync {
-    fn execute(
-        &self,
-        layer: usize,
-        x: &[f32],
-        topk_ids: &[u32],
-        topk_weights: &[f32],
-        top_k: usize,
-        out: &mut [f32],
-    ) -> Result<()>;
-}
-
-/// Moves routed tokens to the experts and brings back the per-slot outputs.
-pub trait Dispatcher: Send + Sync {
-    /// Returns `[rows, top_k, hidden]` weighted expert outputs.
-    fn dispatch(
-        &self,
-        layer: usize,
-        x: &[f32],
-        hidden: usize,
-        routing: &Routing,
-    ) -> Result<Vec<f32>>;
-}
-
-/// Experts held in this process, the plain portable executor.
-pub struct LocalExperts {
-    layers: Vec<Option<LayerExperts>>,
-    hidden: usize,
-}
-
-impl LocalExperts {
-    /// Wraps per-layer expert sets (`None` for layers without experts).
-    pub fn new(layers: Vec<Option<LayerExperts>>, hidden: usize) -> Self {
-        LocalExperts { layers, hidden }
-    }
-
-    /// Loads every expert of every MoE layer of the model.
-    pub fn load_all(cfg: &ModelConfig, ws: &WeightStore) -> Result<Self> {
-        Self::load_filtered(cfg, ws, |_, _| true)
-    }
-
-    /// Loads the experts for which `keep(layer, expert)` holds.
-    pub fn load_filtered(
-        cfg: &ModelConfig,
-        ws: &WeightStore,
-        keep: impl Fn(usize, usize) -> bool,
-    ) -> Result<Self> {
-        let mut layers = Vec::with_capacity(cfg.num_hidden_layers);
-        for (i, spec) in cfg.layers.iter().enumerate() {
-            if spec.ffn != crate::config::FfnKind::Moe {
-                layers.push(None);
-                continue;
-            }
-            let mut experts = Vec::with_capacity(cfg.num_experts);
-            let names = crate::model::names::ExpertNames::resolve(cfg, ws, i)?;
-            for e in 0..cfg.num_experts {
-                experts.push(if keep(i, e) {
-                    Some(names.load(cfg, ws, e)?)
-                } else {
-                    None
-                });
-            }
-            layers.push(Some(LayerExperts { experts }));
-        }
-        Ok(LocalExperts::new(layers, cfg.hidden_size))
-    }
-}
-
-impl ExpertExecutor for LocalExperts {
-    fn execute(
-        &self,
-        layer: usize,
-        x: &[f32],
-        topk_ids: &[u32],
-        topk_weights: &[f32],
-        top_k: usize,
-        out: &mut [f32],
-    ) -> Result<()> {
-        let h = self.hidden;
-        let rows = x.len() / h;
-        let le = self
-            .layers
-            .get(layer)
-            .and_then(|l| l.as_ref())
-            .ok_or_else(|| Error::Dispatch(format!("layer {layer} has no experts here")))?;
-        // Group slots by expert (ascending expert id, then token order).
-        let mut by_expert: Vec<Vec<usize>> = vec![Vec::new(); le.experts.len()];
-        for (slot, &id) in topk_ids.iter().enumerate().take(rows * top_k) {
-            if id == SKIP_SLOT {
-                continue;
-            }
-            let list = by_expert.get_mut(id as usize).ok_or_else(|| {
-                Error::Dispatch(format!("layer {layer}: expert id {id} out of range"))
-            })?;
-            list.push(slot);
-        }
-        let results: Vec<Result<(usize, Vec<f32>)>> = by_expert
-            .par_iter()
-            .enumerate()
-            .filter(|(_, s)| !s.is_empty())
-            .map(|(e, slots)| {
-                let mlp = le.experts[e].as_ref().ok_or_else(|| {
-                    Error::Dispatch(format!(
-                        "layer {layer}: expert {e} is not held by this executor"
-                    ))
-                })?;
-                let n = slots.len();
-                let mut xs = Vec::with_capacity(n * h);
-                for &s in slots {
-                    let t = s / top_k;
-                    xs.extend_from_slice(&x[t * h..(t + 1) * h]);
-                }
-                let mut ys = vec![0.0f32; n * h];
-                mlp.forward(&xs, n, &mut ys);
-                Ok((e, ys))
-            })
-            .collect();
-        for r in results {
-            let (e, ys) = r?;
-            for (i, &s) in by_expert[e].iter().enumerate() {
-                let w = topk_weights[s];
-                for (o, y) in out[s * h..(s + 1) * h]
-                    .iter_mut()
-                    .zip(&ys[i * h..(i + 1) * h])
-                {
-                    *o = w * y;
-                }
-            }
-        }
-        Ok(())
-    }
-}
-
-/// Runs experts in this process.
-pub struct LocalDispatcher {
-    executor: Arc<dyn ExpertExecutor>,
-}
-
-impl LocalDispatcher {
-    /// A dispatcher that calls `executor` directly.
-    pub fn new(executor: Arc<dyn ExpertExecutor>) -> Self {
-        LocalDispatcher { executor }
-    }
-}
-
-impl Dispatcher for LocalDispatcher {
-    fn dispatch(
-        &self,
-        layer: usize,
-        x: &[f32],
-        hidden: usize,
-        routing: &Routing,
-    ) -> Result<Vec<f32>> {
-        let mut out = vec![0.0f32; routing.num_tokens * routing.top_k * hidden];
-        self.executor.execute(
-            layer,
-            x,
-            &routing.topk_ids,
-            &routing.topk_weights,
-            routing.top_k,
-            &mut out,
-        )?;
-        Ok(out)
-    }
-}
-
-/// `y[t] = Σ_k slot_out[t, k]` (weights already applied), in slot order.
-pub fn combine(slot_out: &[f32], rows: usize, top_k: usize, hidden: usize, y: &mut [f32]) {
-    for t in 0..rows {
-        let dst = &mut y[t * hidden..(t + 1) * hidden];
-        dst.fill(0.0);
-        for s in 0..top_k {
-            let src = &slot_out[(t * top_k + s) * hidden..(t * top_k + s + 1) * hidden];
-            for (d, v) in dst.iter_mut().zip(src) {
-                *d += v;
-            }
-        }
-    }
-}
-
 /// A shared expert that every token passes through, optionally scaled by a
 /// sigmoid gate (Qwen2-MoE).
 pub struct SharedExpert {
@@ -608,15 +322,6 @@ impl MoeBlock {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn topk_orders_and_breaks_ties_low_first() {
-        let mut o = Vec::new();
-        top_k_indices(&[0.1, 0.5, 0.5, 0.2, 0.9], 3, &mut o);
-        assert_eq!(o, vec![4, 1, 2]);
-        top_k_indices(&[0.3], 1, &mut o);
-        assert_eq!(o, vec![0]);
-    }
 
     #[test]
     fn router_normalizes_when_asked() {

@@ -1,16 +1,20 @@
-//! Where each architecture keeps its tensors. Hub checkpoints store experts one
-//! by one (`experts.{e}.gate_proj` or Mixtral's `w1/w2/w3` under
-//! `block_sparse_moe`); transformers 5 may store them fused as 3-D
-//! `experts.gate_up_proj` / `experts.down_proj`; GPT-OSS stores them fused and
-//! transposed (`[E, in, out]`, gate and up columns interleaved) with biases, or
-//! as MXFP4 `*_blocks` / `*_scales`; Gemma 4 keeps router and experts beside
-//! the dense MLP (`layers.{i}.router`, `layers.{i}.experts`). All are accepted,
-//! and every expert comes out as the same [`GatedMlp`].
+//! Where each architecture keeps its tensors: decoder layer prefixes, the
+//! router weight, the shared expert, and how one layer's experts are stored.
+//! Hub checkpoints store experts one by one (`experts.{e}.gate_proj` or
+//! Mixtral's `w1/w2/w3` under `block_sparse_moe`); transformers 5 may store
+//! them fused as 3-D `experts.gate_up_proj` / `experts.down_proj`; GPT-OSS
+//! stores them fused and transposed (`[E, in, out]`, gate and up columns
+//! interleaved) with biases, or as MXFP4 `*_blocks` / `*_scales`; Gemma 4
+//! keeps router and experts beside the dense MLP (`layers.{i}.router`,
+//! `layers.{i}.experts`). All are accepted: [`ExpertNames`] says which one a
+//! layer uses, and the helpers at the end decode the transposed and MXFP4
+//! storage. Assembling an expert from them ([`ExpertNames::load`]) lives with
+//! `GatedMlp` in `moe::mlp` (above this module, which uses no MoE type); building
+//! the router lives with the model's `Router`.
 
-use crate::config::{ModelConfig, RouterSpec};
+use crate::config::ModelConfig;
 use crate::error::{Error, Result};
 use crate::loader::weights::WeightStore;
-use crate::model::moe::{GatedMlp, Router, RouterKind};
 use crate::tensor::{DType, Weight};
 
 /// Prefix of decoder layer `i` (plain causal-LM layout).
@@ -35,7 +39,7 @@ fn moe_modules(cfg: &ModelConfig, i: usize) -> [String; 3] {
 }
 
 /// Finds the router weight of MoE layer `i` and the module it lives in.
-fn router_weight_and_module(
+pub fn router_weight_and_module(
     cfg: &ModelConfig,
     ws: &WeightStore,
     i: usize,
@@ -58,62 +62,6 @@ fn router_weight_and_module(
 /// Finds the router weight of MoE layer `i`.
 pub fn router_weight(cfg: &ModelConfig, ws: &WeightStore, i: usize) -> Result<Weight> {
     router_weight_and_module(cfg, ws, i).map(|(w, _)| w)
-}
-
-/// Loads the router of MoE layer `i` with everything its kind needs (GPT-OSS
-/// bias, DeepSeek-V3 score correction bias, Gemma 4 input and expert scales).
-pub fn router(cfg: &ModelConfig, ws: &WeightStore, i: usize) -> Result<Router> {
-    let (weight, module) = router_weight_and_module(cfg, ws, i)?;
-    let (e, h) = (cfg.num_experts, cfg.hidden_size);
-    let k = cfg.num_experts_per_tok;
-    Ok(match cfg.router {
-        RouterSpec::Softmax { normalize } => {
-            Router::new(weight, RouterKind::SoftmaxTopK { normalize }, k)
-        }
-        RouterSpec::TopKSoftmax => Router::new(weight, RouterKind::TopKSoftmax, k).with_bias(
-            ws.get_opt(&format!("{module}.bias"), &[e])?
-                .map(|w| w.to_f32_vec()),
-        ),
-        RouterSpec::GroupedSoftmax {
-            n_group,
-            topk_group,
-            scaling,
-        } => Router::new(
-            weight,
-            RouterKind::GroupedSoftmax {
-                n_group,
-                topk_group,
-                scaling,
-            },
-            k,
-        ),
-        RouterSpec::GroupedSigmoid {
-            n_group,
-            topk_group,
-            normalize,
-            scaling,
-        } => Router::new(
-            weight,
-            RouterKind::GroupedSigmoid {
-                n_group,
-                topk_group,
-                normalize,
-                scaling,
-            },
-            k,
-        )
-        .with_score_bias(
-            ws.get_opt(&format!("{module}.e_score_correction_bias"), &[e])?
-                .map(|w| w.to_f32_vec()),
-        ),
-        RouterSpec::ScaledSoftmax => {
-            // Gemma 4: `layers.{i}.router.{proj.weight, scale, per_expert_scale}`.
-            let base = module.trim_end_matches(".proj").to_string();
-            Router::new(weight, RouterKind::ScaledSoftmax, k)
-                .with_input_scale(ws.get_vec(&format!("{base}.scale"), h)?, cfg.rms_norm_eps)
-                .with_expert_scale(Some(ws.get_vec(&format!("{base}.per_expert_scale"), e)?))
-        }
-    })
 }
 
 /// Prefix of the shared expert(s) of MoE layer `i`, if the architecture has them.
@@ -236,104 +184,11 @@ impl<'a> ExpertNames<'a> {
             ),
         })
     }
-
-    /// Loads expert `e` as a gated MLP (views into the mapped files where the
-    /// layout allows, owned copies for GPT-OSS's transposed / MXFP4 storage).
-    pub fn load(&self, cfg: &ModelConfig, ws: &WeightStore, e: usize) -> Result<GatedMlp> {
-        let (h, inter) = (cfg.hidden_size, cfg.moe_intermediate_size);
-        let act = cfg.activation;
-        // Interleaved gate/up biases: gate at even, up at odd positions.
-        let split_bias = |b: &Option<Weight>| -> (Option<Vec<f32>>, Option<Vec<f32>>) {
-            match b {
-                Some(w) => {
-                    let v = w.index0(e).to_f32_vec();
-                    (
-                        Some(v.iter().step_by(2).copied().collect()),
-                        Some(v.iter().skip(1).step_by(2).copied().collect()),
-                    )
-                }
-                None => (None, None),
-            }
-        };
-        let row_bias = |b: &Option<Weight>| b.as_ref().map(|w| w.index0(e).to_f32_vec());
-        Ok(match self {
-            ExpertNames::Fused { gate_up, down } => {
-                let gu = gate_up.index0(e);
-                GatedMlp {
-                    gate: gu.rows(0, inter),
-                    up: gu.rows(inter, inter),
-                    down: down.index0(e),
-                    activation: act,
-                    gate_bias: None,
-                    up_bias: None,
-                    down_bias: None,
-                }
-            }
-            ExpertNames::Transposed {
-                gate_up,
-                down,
-                gate_up_bias,
-                down_bias,
-            } => {
-                let gu = gate_up.index0(e); // [H, 2I]
-                let (gate_bias, up_bias) = split_bias(gate_up_bias);
-                GatedMlp {
-                    gate: columns_as_rows(&gu, (0..inter).map(|j| 2 * j)),
-                    up: columns_as_rows(&gu, (0..inter).map(|j| 2 * j + 1)),
-                    down: columns_as_rows(&down.index0(e), 0..h),
-                    activation: act,
-                    gate_bias,
-                    up_bias,
-                    down_bias: row_bias(down_bias),
-                }
-            }
-            ExpertNames::Mxfp4 {
-                gate_up,
-                down,
-                gate_up_bias,
-                down_bias,
-            } => {
-                let gu = dequant_mxfp4(gate_up, e, 2 * inter, h); // [2I, H] rows
-                let pick = |parity: usize| -> Weight {
-                    let mut rows = Vec::with_capacity(inter * h);
-                    for j in 0..inter {
-                        let r = 2 * j + parity;
-                        rows.extend_from_slice(&gu[r * h..(r + 1) * h]);
-                    }
-                    bf16_weight(vec![inter, h], &rows)
-                };
-                let (gate_bias, up_bias) = split_bias(gate_up_bias);
-                GatedMlp {
-                    gate: pick(0),
-                    up: pick(1),
-                    down: bf16_weight(vec![h, inter], &dequant_mxfp4(down, e, h, inter)),
-                    activation: act,
-                    gate_bias,
-                    up_bias,
-                    down_bias: row_bias(down_bias),
-                }
-            }
-            ExpertNames::PerExpert {
-                prefix,
-                gate,
-                up,
-                down,
-            } => GatedMlp {
-                gate: ws.get(&format!("{prefix}.{e}.{gate}.weight"), &[inter, h])?,
-                up: ws.get(&format!("{prefix}.{e}.{up}.weight"), &[inter, h])?,
-                down: ws.get(&format!("{prefix}.{e}.{down}.weight"), &[h, inter])?,
-                activation: act,
-                gate_bias: None,
-                up_bias: None,
-                down_bias: None,
-            },
-        })
-    }
 }
 
 /// A `[cols.len(), R]` weight whose row `j` is column `cols[j]` of the 2-D
 /// `[R, C]` weight `w` (a transposing gather), in `w`'s dtype.
-fn columns_as_rows(w: &Weight, cols: impl Iterator<Item = usize>) -> Weight {
+pub(crate) fn columns_as_rows(w: &Weight, cols: impl Iterator<Item = usize>) -> Weight {
     let (r, c) = (w.shape()[0], w.shape()[1]);
     let es = w.dtype().size();
     let src = w.bytes();
@@ -356,7 +211,7 @@ const FP4_VALUES: [f32; 16] = [
 /// Expert `e` of an MXFP4 projection as `[out, in]` f32: each byte holds two
 /// FP4 values (low nibble first), each group of 32 shares the exponent
 /// `scale - 127` (transformers `convert_moe_packed_tensors`).
-fn dequant_mxfp4(q: &Mxfp4<'_>, e: usize, out: usize, inp: usize) -> Vec<f32> {
+pub(crate) fn dequant_mxfp4(q: &Mxfp4<'_>, e: usize, out: usize, inp: usize) -> Vec<f32> {
     let groups = inp / 32;
     let blocks = &q.blocks[e * out * groups * 16..(e + 1) * out * groups * 16];
     let scales = &q.scales[e * out * groups..(e + 1) * out * groups];
@@ -372,7 +227,7 @@ fn dequant_mxfp4(q: &Mxfp4<'_>, e: usize, out: usize, inp: usize) -> Vec<f32> {
 }
 
 /// An owned bf16 weight from f32 values (exact for dequantized MXFP4).
-fn bf16_weight(shape: Vec<usize>, v: &[f32]) -> Weight {
+pub(crate) fn bf16_weight(shape: Vec<usize>, v: &[f32]) -> Weight {
     let b: Vec<half::bf16> = v.iter().map(|x| half::bf16::from_f32(*x)).collect();
     Weight::from_bytes(DType::BF16, shape, bytemuck::cast_slice(&b))
 }

@@ -1,0 +1,164 @@
+//! The portable reference executor: [`LocalExperts`] runs each expert as a
+//! plain [`GatedMlp`] (weights stay in the mmap, f32 compute through
+//! [`crate::kernels`]), grouped by expert on rayon; [`LocalDispatcher`] hands
+//! routed tokens straight to an executor in this process. The fast
+//! [`PackedExperts`](crate::experts::PackedExperts) is checked against
+//! [`LocalExperts`].
+
+use std::sync::Arc;
+
+use rayon::prelude::*;
+
+use crate::config::{FfnKind, ModelConfig};
+use crate::error::{Error, Result};
+use crate::loader::names::ExpertNames;
+use crate::loader::weights::WeightStore;
+use crate::moe::mlp::GatedMlp;
+use crate::moe::{Dispatcher, ExpertExecutor, Routing, SKIP_SLOT};
+
+/// The experts one executor holds for one layer (`None` = held elsewhere).
+pub struct LayerExperts {
+    pub experts: Vec<Option<GatedMlp>>,
+}
+
+/// Experts held in this process, the plain portable executor.
+pub struct LocalExperts {
+    layers: Vec<Option<LayerExperts>>,
+    hidden: usize,
+}
+
+impl LocalExperts {
+    /// Wraps per-layer expert sets (`None` for layers without experts).
+    pub fn new(layers: Vec<Option<LayerExperts>>, hidden: usize) -> Self {
+        LocalExperts { layers, hidden }
+    }
+
+    /// Loads every expert of every MoE layer of the model.
+    pub fn load_all(cfg: &ModelConfig, ws: &WeightStore) -> Result<Self> {
+        Self::load_filtered(cfg, ws, |_, _| true)
+    }
+
+    /// Loads the experts for which `keep(layer, expert)` holds.
+    pub fn load_filtered(
+        cfg: &ModelConfig,
+        ws: &WeightStore,
+        keep: impl Fn(usize, usize) -> bool,
+    ) -> Result<Self> {
+        let mut layers = Vec::with_capacity(cfg.num_hidden_layers);
+        for (i, spec) in cfg.layers.iter().enumerate() {
+            if spec.ffn != FfnKind::Moe {
+                layers.push(None);
+                continue;
+            }
+            let mut experts = Vec::with_capacity(cfg.num_experts);
+            let names = ExpertNames::resolve(cfg, ws, i)?;
+            for e in 0..cfg.num_experts {
+                experts.push(if keep(i, e) {
+                    Some(names.load(cfg, ws, e)?)
+                } else {
+                    None
+                });
+            }
+            layers.push(Some(LayerExperts { experts }));
+        }
+        Ok(LocalExperts::new(layers, cfg.hidden_size))
+    }
+}
+
+impl ExpertExecutor for LocalExperts {
+    fn execute(
+        &self,
+        layer: usize,
+        x: &[f32],
+        topk_ids: &[u32],
+        topk_weights: &[f32],
+        top_k: usize,
+        out: &mut [f32],
+    ) -> Result<()> {
+        let h = self.hidden;
+        let rows = x.len() / h;
+        let le = self
+            .layers
+            .get(layer)
+            .and_then(|l| l.as_ref())
+            .ok_or_else(|| Error::Dispatch(format!("layer {layer} has no experts here")))?;
+        // Group slots by expert (ascending expert id, then token order).
+        let mut by_expert: Vec<Vec<usize>> = vec![Vec::new(); le.experts.len()];
+        for (slot, &id) in topk_ids.iter().enumerate().take(rows * top_k) {
+            if id == SKIP_SLOT {
+                continue;
+            }
+            let list = by_expert.get_mut(id as usize).ok_or_else(|| {
+                Error::Dispatch(format!("layer {layer}: expert id {id} out of range"))
+            })?;
+            list.push(slot);
+        }
+        let results: Vec<Result<(usize, Vec<f32>)>> = by_expert
+            .par_iter()
+            .enumerate()
+            .filter(|(_, s)| !s.is_empty())
+            .map(|(e, slots)| {
+                let mlp = le.experts[e].as_ref().ok_or_else(|| {
+                    Error::Dispatch(format!(
+                        "layer {layer}: expert {e} is not held by this executor"
+                    ))
+                })?;
+                let n = slots.len();
+                let mut xs = Vec::with_capacity(n * h);
+                for &s in slots {
+                    let t = s / top_k;
+                    xs.extend_from_slice(&x[t * h..(t + 1) * h]);
+                }
+                let mut ys = vec![0.0f32; n * h];
+                mlp.forward(&xs, n, &mut ys);
+                Ok((e, ys))
+            })
+            .collect();
+        for r in results {
+            let (e, ys) = r?;
+            for (i, &s) in by_expert[e].iter().enumerate() {
+                let w = topk_weights[s];
+                for (o, y) in out[s * h..(s + 1) * h]
+                    .iter_mut()
+                    .zip(&ys[i * h..(i + 1) * h])
+                {
+                    *o = w * y;
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Runs experts in this process.
+pub struct LocalDispatcher {
+    executor: Arc<dyn ExpertExecutor>,
+}
+
+impl LocalDispatcher {
+    /// A dispatcher that calls `executor` directly.
+    pub fn new(executor: Arc<dyn ExpertExecutor>) -> Self {
+        LocalDispatcher { executor }
+    }
+}
+
+impl Dispatcher for LocalDispatcher {
+    fn dispatch(
+        &self,
+        layer: usize,
+        x: &[f32],
+        hidden: usize,
+        routing: &Routing,
+    ) -> Result<Vec<f32>> {
+        let mut out = vec![0.0f32; routing.num_tokens * routing.top_k * hidden];
+        self.executor.execute(
+            layer,
+            x,
+            &routing.topk_ids,
+            &routing.topk_weights,
+            routing.top_k,
+            &mut out,
+        )?;
+        Ok(out)
+    }
+}

@@ -1,0 +1,101 @@
+//! The mixture-of-experts contracts. They sit below both the expert
+//! executors (`experts`) and the model (`model`) and use neither. An MoE
+//! block is split the way the cluster runs it:
+//!
+//! 1. A router (in the model) turns hidden states into a [`Routing`]:
+//!    `(topk_ids, topk_weights)` of *logical* experts; it never computes an
+//!    expert. [`top_k_indices`] is its selection step.
+//! 2. A [`Dispatcher`] moves the routed tokens to whoever holds the experts and
+//!    an [`ExpertExecutor`] runs them; experts never route. Slots marked
+//!    [`SKIP_SLOT`] belong to another executor.
+//! 3. [`combine`] sums the weighted per-slot outputs in a fixed order, so the
+//!    result does not depend on where the experts ran.
+//!
+//! - [`mlp`]: [`mlp::GatedMlp`], the gated feed-forward every expert (and
+//!   every dense MLP) is, and how one is assembled from a checkpoint's
+//!   expert tensors.
+
+pub mod mlp;
+
+use crate::error::Result;
+
+/// Marks a slot that the receiving executor must skip (not its expert).
+pub const SKIP_SLOT: u32 = u32::MAX;
+
+/// The result of routing `num_tokens` tokens.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Routing {
+    pub num_tokens: usize,
+    pub top_k: usize,
+    /// `[num_tokens, top_k]` logical expert ids, best first.
+    pub topk_ids: Vec<u32>,
+    /// `[num_tokens, top_k]` combine weights.
+    pub topk_weights: Vec<f32>,
+}
+
+/// Indices of the `k` largest values, largest first; ties go to the lower index.
+pub fn top_k_indices(v: &[f32], k: usize, out: &mut Vec<u32>) {
+    out.clear();
+    out.extend(0..v.len() as u32);
+    let cmp = |a: &u32, b: &u32| v[*b as usize].total_cmp(&v[*a as usize]).then(a.cmp(b));
+    if k < out.len() {
+        out.select_nth_unstable_by(k, cmp);
+        out.truncate(k);
+    }
+    out.sort_by(cmp);
+}
+
+/// Runs experts. Given `[rows, hidden]` tokens and their `[rows, top_k]`
+/// expert ids and weights, writes `weight · expert(x)` for every slot into
+/// `out` (`[rows, top_k, hidden]`), leaving slots marked [`SKIP_SLOT`] untouched.
+pub trait ExpertExecutor: Send + Sync {
+    fn execute(
+        &self,
+        layer: usize,
+        x: &[f32],
+        topk_ids: &[u32],
+        topk_weights: &[f32],
+        top_k: usize,
+        out: &mut [f32],
+    ) -> Result<()>;
+}
+
+/// Moves routed tokens to the experts and brings back the per-slot outputs.
+pub trait Dispatcher: Send + Sync {
+    /// Returns `[rows, top_k, hidden]` weighted expert outputs.
+    fn dispatch(
+        &self,
+        layer: usize,
+        x: &[f32],
+        hidden: usize,
+        routing: &Routing,
+    ) -> Result<Vec<f32>>;
+}
+
+/// `y[t] = Σ_k slot_out[t, k]` (weights already applied), in slot order.
+pub fn combine(slot_out: &[f32], rows: usize, top_k: usize, hidden: usize, y: &mut [f32]) {
+    for t in 0..rows {
+        let dst = &mut y[t * hidden..(t + 1) * hidden];
+        dst.fill(0.0);
+        for s in 0..top_k {
+            let src = &slot_out[(t * top_k + s) * hidden..(t * top_k + s + 1) * hidden];
+            for (d, v) in dst.iter_mut().zip(src) {
+                *d += v;
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn topk_orders_and_breaks_ties_low_first() {
+        let mut o = Vec::new();
+        top_k_indices(&[0.1, 0.5, 0.5, 0.2, 0.9], 3, &mut o);
+        assert_eq!(o, vec![4, 1, 2]);
+        top_k_indices(&[0.3], 1, &mut o);
+        assert_eq!(o, vec![0]);
+    }
+}
