@@ -16,6 +16,7 @@
 //! - [`sampling`]: logits → tokens
 //! - [`engine`], [`detok`]: the generate loop, streaming detokenization
 //! - [`placement`], [`eplb`]: which worker holds which expert, and rebalancing it
+#![deny(clippy::print_stdout)]
 
 pub mod config;
 pub mod detok;

@@ -389,7 +389,7 @@ impl AttentionBackend for RemoteAttention {
         level = "debug",
         name = "remote_attention",
         skip_all,
-        fields(layer, seqs = chunks.len())
+        fields(layer = layer, seqs = chunks.len())
     )]
     fn forward(&self, layer: usize, x: &[f32], chunks: &[SeqChunk]) -> Result<Vec<f32>> {
         let started = Instant::now();

@@ -343,7 +343,7 @@ impl Dispatcher for GrpcDispatcher {
         level = "debug",
         name = "dispatch",
         skip_all,
-        fields(layer, tokens = routing.num_tokens, workers = tracing::field::Empty)
+        fields(layer = layer, tokens = routing.num_tokens, workers = tracing::field::Empty)
     )]
     fn dispatch(
         &self,

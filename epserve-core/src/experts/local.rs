@@ -143,6 +143,12 @@ impl LocalDispatcher {
 }
 
 impl Dispatcher for LocalDispatcher {
+    #[tracing::instrument(
+        level = "debug",
+        name = "dispatch",
+        skip_all,
+        fields(layer = layer, tokens = routing.num_tokens)
+    )]
     fn dispatch(
         &self,
         layer: usize,

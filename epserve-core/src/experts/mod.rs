@@ -131,6 +131,7 @@ pub fn load_executor(
 }
 
 /// Loads the experts for which `keep(layer, expert)` holds.
+#[tracing::instrument(level = "info", name = "load_experts", skip_all, fields(executor = ?opts.executor, dtype = ?opts.expert_dtype))]
 pub fn load_executor_filtered(
     cfg: &ModelConfig,
     ws: &WeightStore,

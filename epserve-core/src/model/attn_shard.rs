@@ -90,6 +90,12 @@ impl AttentionShard {
     /// Loads shard `shard` of every attention layer of `cfg` from `ws`, with
     /// a KV cache of at most `kv_bytes` in blocks of `block_size` positions.
     /// Refuses head counts that cannot be split evenly over the shards.
+    #[tracing::instrument(
+        level = "info",
+        name = "load_attention_shard",
+        skip_all,
+        fields(shard = shard.index, of = shard.of, layers = cfg.num_hidden_layers)
+    )]
     pub fn load(
         cfg: &ModelConfig,
         ws: &WeightStore,

@@ -140,6 +140,7 @@ impl Model {
 
     /// Loads a model folder with every expert in this process, executed as
     /// `opts` asks (packed or portable executor, expert precision, threads).
+    #[tracing::instrument(level = "info", name = "load_model", skip_all, fields(dir = %dir.display()))]
     pub fn load_with(dir: &Path, opts: &LoadOptions) -> Result<Self> {
         let cfg = ModelConfig::from_dir(dir)?;
         let ws = WeightStore::open(dir)?;
@@ -160,6 +161,12 @@ impl Model {
     /// Loads the non-expert weights and uses `dispatcher` for the experts;
     /// with `attention`, the attention layers run there (tensor-parallel
     /// shards) and no attention weights but the `o_proj` biases are loaded.
+    #[tracing::instrument(
+        level = "info",
+        name = "load_layers",
+        skip_all,
+        fields(layers = cfg.num_hidden_layers, remote_attention = attention.is_some())
+    )]
     pub fn from_store_with(
         cfg: ModelConfig,
         ws: &WeightStore,
@@ -324,6 +331,12 @@ impl Model {
 
     /// Runs one step for several sequences at once. Each sequence's tokens are
     /// appended after what its cache already holds.
+    #[tracing::instrument(
+        level = "debug",
+        name = "forward",
+        skip_all,
+        fields(seqs = seqs.len(), tokens = seqs.iter().map(|s| s.tokens.len()).sum::<usize>())
+    )]
     pub fn forward(
         &self,
         seqs: &mut [SeqInput<'_>],
@@ -390,8 +403,10 @@ impl Model {
         let mut normed = vec![0.0f32; t * h];
         let mut ffn_out = vec![0.0f32; t * h];
         for (li, layer) in self.layers.iter().enumerate() {
+            let _layer = tracing::debug_span!("layer", layer = li).entered();
             normed.copy_from_slice(&x);
             rms_norm(&mut normed, &layer.input_norm, cfg.rms_norm_eps);
+            let attn_span = tracing::trace_span!("attention").entered();
             let mut a = match &layer.attn {
                 LayerAttn::Gqa(att) => att.forward(&normed, &spans, &caches, pool, li, &layer.rope),
                 LayerAttn::Mla(att) => att.forward(&normed, &spans, &caches, pool, li, &layer.rope),
@@ -416,6 +431,7 @@ impl Model {
                     a
                 }
             };
+            drop(attn_span);
             if let Some(n) = &layer.attn_out_norm {
                 rms_norm(&mut a, n, cfg.rms_norm_eps);
             }
@@ -424,6 +440,7 @@ impl Model {
             }
             normed.copy_from_slice(&x);
             rms_norm(&mut normed, &layer.post_norm, cfg.rms_norm_eps);
+            let _ffn = tracing::trace_span!("ffn").entered();
             match &layer.ffn {
                 Ffn::Dense(mlp) => mlp.forward(&normed, t, &mut ffn_out),
                 Ffn::Moe(block) => {
