@@ -6,7 +6,7 @@ use std::sync::Arc;
 
 use anyhow::{Context, Result, bail};
 use clap::Args;
-use epserve_cluster::runtime::Status;
+use epserve_cluster::runtime::{Status, io_runtime};
 use epserve_core::engine::Engine;
 
 use crate::scheduler::{self, SchedulerConfig};
@@ -135,19 +135,10 @@ fn default_name(model: &Path) -> String {
         .unwrap_or_else(|| model.display().to_string())
 }
 
-/// The async runtime the server (and a gRPC dispatcher) run on.
-pub fn runtime() -> Result<tokio::runtime::Runtime> {
-    tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-        .context("cannot start the async runtime")
-}
-
 /// Runs the single-process server (blocking); `status` gets the
 /// operator-facing "serving" line.
 pub fn run(args: &ServeArgs, status: Status) -> Result<()> {
-    let rt = runtime()?;
+    let rt = io_runtime()?;
     let model = args.model.clone();
     let opts = epserve_core::experts::LoadOptions {
         expert_dtype: args.expert_dtype,

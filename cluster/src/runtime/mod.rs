@@ -177,8 +177,9 @@ pub async fn shutdown() {
     }
 }
 
-/// A multi-threaded tokio runtime with two I/O threads: the roles' compute
-/// runs on their own pools, the runtime only moves messages.
+/// A multi-threaded tokio runtime with two I/O threads, what every role
+/// (workers, coordinator, single-process server) runs its servers and gRPC
+/// clients on: compute runs on its own pools, the runtime only moves messages.
 pub fn io_runtime() -> Result<tokio::runtime::Runtime> {
     tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)

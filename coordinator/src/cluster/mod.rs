@@ -15,7 +15,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail};
 use clap::Args;
-use epserve_cluster::runtime::Status;
+use epserve_cluster::runtime::{Status, io_runtime};
 use epserve_cluster::state::ClusterState;
 use epserve_cluster::store::EtcdStore;
 use epserve_core::config::ModelConfig;
@@ -121,7 +121,7 @@ pub fn run(args: &CoordinatorArgs, status: Status) -> Result<()> {
             args.eplb.eplb_min_improvement
         );
     }
-    let rt = crate::serve::runtime()?;
+    let rt = io_runtime()?;
     let model_dir = args.serve.model.clone();
     let cfg = ModelConfig::from_dir(&model_dir)?;
     if args.attention_workers > 0 {
