@@ -11,11 +11,11 @@ use rayon::prelude::*;
 
 use crate::config::{ModelConfig, QkNorm};
 use crate::error::{Error, Result};
-use crate::kernels::{dot, linear, rms_norm, softmax};
+use crate::kernels::{dot, rms_norm, softmax};
 use crate::loader::weights::WeightStore;
 use crate::model::kv_cache::{KvPool, SeqCache};
+use crate::model::linear::Linear;
 use crate::model::rope::Rope;
-use crate::tensor::Weight;
 
 /// A span of the flattened batch belonging to one sequence.
 #[derive(Debug, Clone, Copy)]
@@ -30,10 +30,11 @@ pub struct SeqSpan {
 
 /// One attention layer's weights.
 pub struct Attention {
-    q: Weight,
-    k: Weight,
-    v: Weight,
-    o: Weight,
+    q: Linear,
+    k: Linear,
+    /// `None` when the values are the raw key projection (`v_from_k`).
+    v: Option<Linear>,
+    o: Linear,
     q_bias: Option<Vec<f32>>,
     k_bias: Option<Vec<f32>>,
     v_bias: Option<Vec<f32>>,
@@ -42,8 +43,6 @@ pub struct Attention {
     k_norm: Option<Vec<f32>>,
     /// Weightless per-head RMSNorm of the values (a vector of ones).
     v_norm: Option<Vec<f32>>,
-    /// Values are the raw key projection (no `v_proj`).
-    v_from_k: bool,
     /// Per-head sink logits joining each softmax (GPT-OSS).
     sinks: Option<Vec<f32>>,
     qk_norm: QkNorm,
@@ -181,10 +180,12 @@ impl Attention {
         let k_all = ws.get(&format!("{prefix}.k_proj.weight"), &[nkv * hd, h])?;
         let k = k_all.rows(pkvr.start * hd, pkvr.len() * hd);
         let v = if spec.v_from_k {
-            k_all.rows(kvr.start * hd, snkv * hd)
+            None
         } else {
-            ws.get(&format!("{prefix}.v_proj.weight"), &[nkv * hd, h])?
-                .rows(kvr.start * hd, snkv * hd)
+            Some(Linear::new(
+                ws.get(&format!("{prefix}.v_proj.weight"), &[nkv * hd, h])?
+                    .rows(kvr.start * hd, snkv * hd),
+            ))
         };
         let o = ws.get(&format!("{prefix}.o_proj.weight"), &[h, nh * hd])?;
         let o = if shard.is_some() {
@@ -193,12 +194,13 @@ impl Attention {
             o
         };
         Ok(Attention {
-            q: ws
-                .get(&format!("{prefix}.q_proj.weight"), &[nh * hd, h])?
-                .rows(pqr.start * hd, pqr.len() * hd),
-            k,
+            q: Linear::new(
+                ws.get(&format!("{prefix}.q_proj.weight"), &[nh * hd, h])?
+                    .rows(pqr.start * hd, pqr.len() * hd),
+            ),
+            k: Linear::new(k),
             v,
-            o,
+            o: Linear::new(o),
             q_bias: bias("q_proj", nh * hd, &pqr, cfg.qkv_bias)?,
             k_bias: bias("k_proj", nkv * hd, &pkvr, cfg.qkv_bias)?,
             v_bias: bias("v_proj", nkv * hd, &kvr, cfg.qkv_bias && !spec.v_from_k)?,
@@ -210,7 +212,6 @@ impl Attention {
             q_norm,
             k_norm,
             v_norm: cfg.v_norm.then(|| vec![1.0; hd]),
-            v_from_k: spec.v_from_k,
             sinks: if cfg.attn_sinks {
                 Some(ws.get_vec(&format!("{prefix}.sinks"), nh)?[qr.clone()].to_vec())
             } else {
@@ -265,15 +266,14 @@ impl Attention {
         let mut q = vec![0.0f32; t * self.q.shape()[0]];
         let mut k = vec![0.0f32; t * self.k.shape()[0]];
         let mut v = vec![0.0f32; t * nkv * hd];
-        linear(x, t, &self.q, self.q_bias.as_deref(), &mut q);
-        linear(x, t, &self.k, self.k_bias.as_deref(), &mut k);
-        if self.v_from_k {
-            match &self.whole_qk {
+        self.q.forward(x, t, self.q_bias.as_deref(), &mut q);
+        self.k.forward(x, t, self.k_bias.as_deref(), &mut k);
+        match &self.v {
+            Some(vw) => vw.forward(x, t, self.v_bias.as_deref(), &mut v),
+            None => match &self.whole_qk {
                 Some((_, kk)) => v = keep_columns(&k, t, kk),
                 None => v.copy_from_slice(&k),
-            }
-        } else {
-            linear(x, t, &self.v, self.v_bias.as_deref(), &mut v);
+            },
         }
         if let Some(vn) = &self.v_norm {
             rms_norm(&mut v, vn, self.eps);
@@ -362,7 +362,7 @@ impl Attention {
             },
         );
         let mut out = vec![0.0f32; t * hidden];
-        linear(&attn, t, &self.o, self.o_bias.as_deref(), &mut out);
+        self.o.forward(&attn, t, self.o_bias.as_deref(), &mut out);
         out
     }
 }

@@ -20,6 +20,7 @@ use crate::kernels::{dot, linear, rms_norm, softmax};
 use crate::loader::weights::WeightStore;
 use crate::model::attention::{HeadShard, SeqSpan};
 use crate::model::kv_cache::{KvPool, SeqCache};
+use crate::model::linear::Linear;
 use crate::model::rope::Rope;
 use crate::tensor::Weight;
 
@@ -28,24 +29,24 @@ use crate::tensor::Weight;
 const LORA_NORM_EPS: f32 = 1e-6;
 
 enum QProj {
-    Direct(Weight),
+    Direct(Linear),
     Lora {
-        a: Weight,
+        a: Linear,
         a_bias: Option<Vec<f32>>,
         norm: Vec<f32>,
-        b: Weight,
+        b: Linear,
     },
 }
 
 /// One MLA layer's weights.
 pub struct Mla {
     q: QProj,
-    kv_a: Weight,
+    kv_a: Linear,
     kv_a_bias: Option<Vec<f32>>,
     kv_norm: Vec<f32>,
     /// `[heads · (nope + v), rank]`: per head, `nope` key rows then `v` value rows.
     kv_b: Weight,
-    o: Weight,
+    o: Linear,
     o_bias: Option<Vec<f32>>,
     heads: usize,
     m: MlaConfig,
@@ -105,17 +106,18 @@ impl Mla {
             }
         };
         let q = match m.q_lora_rank {
-            None => QProj::Direct(
+            None => QProj::Direct(Linear::new(
                 ws.get(&format!("{prefix}.q_proj.weight"), &[nh * qk, h])?
                     .rows(heads.start * qk, heads.len() * qk),
-            ),
+            )),
             Some(r) => QProj::Lora {
-                a: ws.get(&format!("{prefix}.q_a_proj.weight"), &[r, h])?,
+                a: Linear::new(ws.get(&format!("{prefix}.q_a_proj.weight"), &[r, h])?),
                 a_bias: bias("q_a_proj", r)?,
                 norm: ws.get_vec(&format!("{prefix}.q_a_layernorm.weight"), r)?,
-                b: ws
-                    .get(&format!("{prefix}.q_b_proj.weight"), &[nh * qk, r])?
-                    .rows(heads.start * qk, heads.len() * qk),
+                b: Linear::new(
+                    ws.get(&format!("{prefix}.q_b_proj.weight"), &[nh * qk, r])?
+                        .rows(heads.start * qk, heads.len() * qk),
+                ),
             },
         };
         let o = ws.get(&format!("{prefix}.o_proj.weight"), &[h, nh * m.v_head_dim])?;
@@ -125,16 +127,16 @@ impl Mla {
         };
         Ok(Mla {
             q,
-            kv_a: ws.get(
+            kv_a: Linear::new(ws.get(
                 &format!("{prefix}.kv_a_proj_with_mqa.weight"),
                 &[rank + m.qk_rope_head_dim, h],
-            )?,
+            )?),
             kv_a_bias: bias("kv_a_proj_with_mqa", rank + m.qk_rope_head_dim)?,
             kv_norm: ws.get_vec(&format!("{prefix}.kv_a_layernorm.weight"), rank)?,
             kv_b: ws
                 .get(&format!("{prefix}.kv_b_proj.weight"), &[nh * kvb, rank])?
                 .rows(heads.start * kvb, heads.len() * kvb),
-            o,
+            o: Linear::new(o),
             o_bias: if shard.is_none() {
                 bias("o_proj", h)?
             } else {
@@ -184,19 +186,19 @@ impl Mla {
         // Queries.
         let mut q = vec![0.0f32; t * nh * qk];
         match &self.q {
-            QProj::Direct(w) => linear(x, t, w, None, &mut q),
+            QProj::Direct(w) => w.forward(x, t, None, &mut q),
             QProj::Lora { a, a_bias, norm, b } => {
                 let r = a.shape()[0];
                 let mut qa = vec![0.0f32; t * r];
-                linear(x, t, a, a_bias.as_deref(), &mut qa);
+                a.forward(x, t, a_bias.as_deref(), &mut qa);
                 rms_norm(&mut qa, norm, LORA_NORM_EPS);
-                linear(&qa, t, b, None, &mut q);
+                b.forward(&qa, t, None, &mut q);
             }
         }
         // Latent and RoPE key per position.
         let w = rank + rd;
         let mut ckv = vec![0.0f32; t * w];
-        linear(x, t, &self.kv_a, self.kv_a_bias.as_deref(), &mut ckv);
+        self.kv_a.forward(x, t, self.kv_a_bias.as_deref(), &mut ckv);
         let half = rope.half();
         let (mut cos, mut sin) = (vec![0.0f32; half], vec![0.0f32; half]);
         for sp in spans {
@@ -293,7 +295,7 @@ impl Mla {
             }
         }
         let mut out = vec![0.0f32; t * hidden];
-        linear(&attn, t, &self.o, self.o_bias.as_deref(), &mut out);
+        self.o.forward(&attn, t, self.o_bias.as_deref(), &mut out);
         out
     }
 }

@@ -6,6 +6,7 @@
 pub mod attention;
 pub mod attn_shard;
 pub mod kv_cache;
+pub mod linear;
 pub mod mla;
 pub mod moe;
 pub mod rope;
@@ -17,12 +18,13 @@ use crate::config::{Arch, FfnKind, ModelConfig};
 use crate::error::{Error, Result};
 pub use crate::experts::LoadOptions;
 use crate::experts::LocalDispatcher;
-use crate::kernels::{linear, rms_norm};
+use crate::kernels::rms_norm;
 use crate::loader::names;
 use crate::loader::weights::WeightStore;
 use crate::moe::mlp::GatedMlp;
 use crate::moe::{Dispatcher, Routing};
 use crate::tensor::Weight;
+use linear::{DenseMlp, Linear};
 
 use attention::{Attention, SeqSpan};
 use attn_shard::{AttentionBackend, SeqChunk};
@@ -34,7 +36,7 @@ use rope::Rope;
 // One per layer: the variants' sizes do not matter.
 #[allow(clippy::large_enum_variant)]
 enum Ffn {
-    Dense(GatedMlp),
+    Dense(DenseMlp),
     Moe(MoeBlock),
     /// Gemma 4: a dense MLP and the experts side by side, each with its own norms.
     DenseAndMoe(Box<ParallelFfn>),
@@ -43,7 +45,7 @@ enum Ffn {
 /// Gemma 4's feed-forward: `norm1(mlp(pre(x))) + norm2(experts(pre2(x)))`,
 /// the router reading the un-normalized residual `x`.
 struct ParallelFfn {
-    mlp: GatedMlp,
+    mlp: DenseMlp,
     mlp_out_norm: Vec<f32>,
     moe: MoeBlock,
     moe_in_norm: Vec<f32>,
@@ -125,7 +127,7 @@ pub struct Model {
     embed: Weight,
     layers: Vec<DecoderLayer>,
     norm: Vec<f32>,
-    lm_head: Weight,
+    lm_head: Linear,
     dispatcher: Arc<dyn Dispatcher>,
     /// Set when attention runs on tensor-parallel shards.
     attention: Option<Arc<dyn AttentionBackend>>,
@@ -209,6 +211,7 @@ impl Model {
                     cfg.activation,
                     cfg.mlp_bias,
                 )
+                .map(DenseMlp::from)
             };
             let ffn = match cfg.layers[i].ffn {
                 FfnKind::Dense => Ffn::Dense(dense()?),
@@ -225,7 +228,8 @@ impl Model {
                                     si,
                                     cfg.activation,
                                     cfg.mlp_bias,
-                                )?,
+                                )?
+                                .into(),
                                 gate: ws.get_opt(&format!("{sp}_gate.weight"), &[1, h])?,
                             })
                         }
@@ -277,7 +281,7 @@ impl Model {
             embed,
             layers,
             norm,
-            lm_head,
+            lm_head: Linear::new(lm_head),
             dispatcher,
             attention,
         })
@@ -501,7 +505,7 @@ impl Model {
         }
         rms_norm(&mut sel, &self.norm, cfg.rms_norm_eps);
         let mut logits = vec![0.0f32; rows.len() * cfg.vocab_size];
-        linear(&sel, rows.len(), &self.lm_head, None, &mut logits);
+        self.lm_head.forward(&sel, rows.len(), None, &mut logits);
         if let Some(cap) = cfg.final_logit_softcapping {
             for l in &mut logits {
                 *l = (*l / cap).tanh() * cap;

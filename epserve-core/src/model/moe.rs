@@ -17,7 +17,7 @@ use crate::error::Result;
 use crate::kernels::{linear, sigmoid, softmax};
 use crate::loader::names::router_weight_and_module;
 use crate::loader::weights::WeightStore;
-use crate::moe::mlp::GatedMlp;
+use crate::model::linear::DenseMlp;
 use crate::moe::{Dispatcher, Routing, combine, top_k_indices};
 use crate::tensor::Weight;
 
@@ -250,14 +250,14 @@ fn mask_groups(v: &mut [f32], per_group: usize, keep: &[u32], fill: f32) {
 /// A shared expert that every token passes through, optionally scaled by a
 /// sigmoid gate (Qwen2-MoE).
 pub struct SharedExpert {
-    pub mlp: GatedMlp,
+    pub mlp: DenseMlp,
     pub gate: Option<Weight>,
 }
 
 impl SharedExpert {
     /// Adds `gate(x) · mlp(x)` to `y`.
     pub fn add_to(&self, x: &[f32], rows: usize, y: &mut [f32]) {
-        let h = self.mlp.down.shape()[0];
+        let h = self.mlp.hidden();
         let mut s = vec![0.0f32; rows * h];
         self.mlp.forward(x, rows, &mut s);
         let mut g = vec![1.0f32; rows];
