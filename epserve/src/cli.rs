@@ -34,6 +34,7 @@ pub fn main() {
         Command::Bench(bench) => match &bench.command {
             BenchCommand::Serve(args) => epserve_tools::bench_serve::run(args),
             BenchCommand::Moe(args) => epserve_tools::bench_moe::run(args),
+            BenchCommand::Linear(args) => epserve_tools::bench_linear::run(args),
         },
         Command::Plan(args) => epserve_tools::plan::run(args),
         Command::Ctl(args) => epserve_tools::ctl::run(args),
@@ -70,7 +71,7 @@ pub enum Command {
     AttentionWorker(Box<epserve_attention_worker::AttentionWorkerArgs>),
     /// A whole local cluster on loopback: etcd, expert-workers, attention-workers, coordinator.
     Up(Box<epserve_tools::up::UpArgs>),
-    /// Benchmarks: `bench serve` (a twin of `vllm bench serve`).
+    /// Benchmarks: `bench serve` (a twin of `vllm bench serve`), `bench moe`, `bench linear`.
     Bench(BenchArgs),
     /// Capacity planner: expert-workers, attention-workers, experts per worker and
     /// expected decode throughput for a model on a Graviton instance type.
@@ -98,4 +99,7 @@ pub enum BenchCommand {
     /// expert kernels, against the machine's measured memory bandwidth and FMA
     /// peak and the scalar twin kernels; bf16 and int8, one and all cores.
     Moe(Box<epserve_tools::bench_moe::BenchMoeArgs>),
+    /// The dense projections (attention q/k/v/o, LM head) on the packed bf16
+    /// panels against their scalar twin and the machine's read bandwidth.
+    Linear(Box<epserve_tools::bench_linear::BenchLinearArgs>),
 }

@@ -5,12 +5,15 @@
 //! - [`bench_serve`]: the serving benchmark (a twin of `vllm bench serve`);
 //! - [`bench_moe`]: one MoE layer at real shapes against the machine's
 //!   bandwidth and FMA peak and the scalar twin kernels;
+//! - [`bench_linear`]: the dense projections on the packed panels against
+//!   their scalar twin and the machine's bandwidth;
 //! - [`plan`]: the capacity planner;
 //! - [`ctl`]: the admin client of a running coordinator;
 //! - [`up`]: a whole local cluster on loopback as child processes.
 //!
 //! Tools print their results on stdout; the serving roles never do.
 
+pub mod bench_linear;
 pub mod bench_moe;
 pub mod bench_serve;
 pub mod ctl;

@@ -1,0 +1,260 @@
+//! `epserve bench linear`: the dense projections (attention q/k/v/o, LM head)
+//! through `model::linear::Linear`, the packed bf16 panels on the best kernel
+//! tier, against its scalar twin (`kernels::linear`, the plain path) and
+//! against the machine's streaming read bandwidth, measured in the same run
+//! on the same threads (rayon's pool, what the model uses). Each row cycles
+//! through copies of its weight larger than the last-level cache, as a
+//! model's layers do. Ratios only: the
+//! machines are shared and noisy, so each row is the median of its passes.
+
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result, bail};
+use clap::Args;
+use epserve_core::kernels::dispatch::kernels;
+use epserve_core::kernels::linear;
+use epserve_core::model::linear::Linear;
+use epserve_core::tensor::{DType, Weight};
+use rayon::prelude::*;
+use serde::Serialize;
+
+/// `epserve bench linear`.
+#[derive(Debug, Clone, Args)]
+pub struct BenchLinearArgs {
+    /// Weight shapes `OUTxIN`, comma-separated. Default: Qwen3-30B-A3B's q
+    /// (4096x2048), k/v (512x2048) and o (2048x4096) projections and an 8k-row
+    /// LM head slice (8192x2048).
+    #[arg(long, default_value = "4096x2048,512x2048,2048x4096,8192x2048")]
+    pub shapes: String,
+    /// Token counts (rows of activations), comma-separated.
+    #[arg(long, default_value = "1,16,64,256")]
+    pub tokens: String,
+    /// Bytes of weights each row cycles through, MiB (copies of the shape),
+    /// so that decode rows stream from memory rather than from the cache.
+    #[arg(long, default_value_t = 256)]
+    pub working_set_mib: usize,
+    /// Least time per row and path, milliseconds (at least 3 passes).
+    #[arg(long, default_value_t = 200)]
+    pub min_ms: u64,
+    /// Print one JSON object instead of the table.
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// One measured row.
+#[derive(Debug, Clone, Serialize)]
+pub struct LinearRow {
+    pub out: usize,
+    pub inp: usize,
+    pub tokens: usize,
+    pub plain_ms: f64,
+    pub packed_ms: f64,
+    /// Plain (scalar twin) time over packed time.
+    pub speedup: f64,
+    /// Weight bytes streamed per second by the packed path, GB/s.
+    pub packed_gbps: f64,
+    /// `packed_gbps` as a percentage of the measured read bandwidth.
+    pub pct_bandwidth: f64,
+    /// Packed multiply-adds per second ×2, GFLOP/s.
+    pub packed_gflops: f64,
+}
+
+fn list(s: &str, what: &str) -> Result<Vec<usize>> {
+    s.split(',')
+        .map(|t| {
+            t.trim()
+                .parse::<usize>()
+                .ok()
+                .filter(|&v| v > 0)
+                .with_context(|| format!("{what}: '{t}' is not a positive integer"))
+        })
+        .collect()
+}
+
+fn shapes(s: &str) -> Result<Vec<(usize, usize)>> {
+    s.split(',')
+        .map(|t| {
+            let (a, b) = t
+                .trim()
+                .split_once('x')
+                .with_context(|| format!("--shapes: '{t}' is not OUTxIN"))?;
+            let dims = list(&format!("{a},{b}"), "--shapes")?;
+            Ok((dims[0], dims[1]))
+        })
+        .collect()
+}
+
+/// Random bf16 weights of magnitude below 2⁻⁴ from a fixed seed.
+fn random_bf16(out: usize, inp: usize, seed: u64) -> Weight {
+    let mut z = seed;
+    let bits: Vec<u16> = (0..out * inp)
+        .map(|_| {
+            z = z
+                .wrapping_mul(6_364_136_223_846_793_005)
+                .wrapping_add(1_442_695_040_888_963_407);
+            let v = (z >> 48) as u16;
+            (v & 0x8000) | ((118 + ((v >> 7) & 3)) << 7) | (v & 0x7F)
+        })
+        .collect();
+    let bytes: Vec<u8> = bits.iter().flat_map(|b| b.to_le_bytes()).collect();
+    Weight::from_bytes(DType::BF16, vec![out, inp], &bytes)
+}
+
+/// Streaming read bandwidth of rayon's threads over 256 MiB, best of three, GB/s.
+fn measure_bandwidth() -> f64 {
+    let buf: Vec<u64> = (0..(256usize << 20) / 8).map(|i| i as u64).collect();
+    let threads = rayon::current_num_threads().max(1);
+    let per = buf.len().div_ceil(threads);
+    let mut best = 0.0f64;
+    for _ in 0..3 {
+        let start = Instant::now();
+        let sum: u64 = buf
+            .par_chunks(per)
+            .map(|c| {
+                // Eight independent sums, so the adds are not one dependency chain.
+                let mut acc = [0u64; 8];
+                for l in c.chunks_exact(8) {
+                    for (a, v) in acc.iter_mut().zip(l) {
+                        *a = a.wrapping_add(*v);
+                    }
+                }
+                acc.iter().fold(0u64, |a, b| a.wrapping_add(*b))
+            })
+            .reduce(|| 0, u64::wrapping_add);
+        let secs = start.elapsed().as_secs_f64();
+        std::hint::black_box(sum);
+        best = best.max((buf.len() * 8) as f64 / secs / 1e9);
+    }
+    best
+}
+
+/// Median seconds per call of `f` over at least 3 passes and `min`.
+fn time(min: Duration, mut f: impl FnMut()) -> f64 {
+    f();
+    let start = Instant::now();
+    let mut passes = Vec::new();
+    while passes.len() < 3 || start.elapsed() < min {
+        let t0 = Instant::now();
+        f();
+        passes.push(t0.elapsed().as_secs_f64());
+    }
+    passes.sort_by(f64::total_cmp);
+    passes[passes.len() / 2]
+}
+
+/// Measures every shape at every token count.
+pub fn measure(args: &BenchLinearArgs) -> Result<(f64, Vec<LinearRow>)> {
+    let shapes = shapes(&args.shapes)?;
+    let tokens = list(&args.tokens, "--tokens")?;
+    let min = Duration::from_millis(args.min_ms);
+    let bw = measure_bandwidth();
+    let mut rows = Vec::new();
+    for (i, &(out, inp)) in shapes.iter().enumerate() {
+        // Enough copies that one round over them streams from memory, as a
+        // model's layers do, not from the last-level cache.
+        let copies = (args.working_set_mib << 20).div_ceil(out * inp * 2).max(1);
+        let ws: Vec<Weight> = (0..copies)
+            .map(|c| random_bf16(out, inp, 17 + (i * 1000 + c) as u64))
+            .collect();
+        let lins: Vec<Linear> = ws.iter().cloned().map(Linear::new).collect();
+        if !lins.iter().all(Linear::is_packed) {
+            bail!("{out}x{inp}: a random bf16 weight was not packed");
+        }
+        for &t in &tokens {
+            let x: Vec<f32> = (0..t * inp)
+                .map(|j| ((j % 97) as f32 - 48.0) / 97.0)
+                .collect();
+            let mut y = vec![0.0f32; t * out];
+            let per = |secs: f64| secs / copies as f64;
+            let plain = per(time(min, || {
+                for w in &ws {
+                    linear(&x, t, w, None, &mut y);
+                }
+            }));
+            let packed = per(time(min, || {
+                for l in &lins {
+                    l.forward(&x, t, None, &mut y);
+                }
+            }));
+            let gbps = (out * inp * 2) as f64 / packed / 1e9;
+            rows.push(LinearRow {
+                out,
+                inp,
+                tokens: t,
+                plain_ms: plain * 1e3,
+                packed_ms: packed * 1e3,
+                speedup: plain / packed,
+                packed_gbps: gbps,
+                pct_bandwidth: 100.0 * gbps / bw,
+                packed_gflops: 2.0 * (t * out * inp) as f64 / packed / 1e9,
+            });
+        }
+    }
+    Ok((bw, rows))
+}
+
+/// Runs the command.
+pub fn run(args: &BenchLinearArgs) -> Result<()> {
+    let (bw, rows) = measure(args)?;
+    let tier = kernels().tier().name();
+    let threads = rayon::current_num_threads();
+    if args.json {
+        let v = serde_json::json!({
+            "tier": tier, "threads": threads, "bandwidth_gbps": bw, "rows": rows,
+        });
+        println!("{v}");
+        return Ok(());
+    }
+    println!(
+        "dense linear, bf16 weights, f32 activations: tier {tier}, {threads} threads, \
+         measured read bandwidth {bw:.1} GB/s"
+    );
+    println!(
+        "{:>11} {:>6} {:>10} {:>10} {:>8} {:>8} {:>6} {:>8}",
+        "shape", "tokens", "twin ms", "packed ms", "speedup", "GB/s", "% bw", "GFLOP/s"
+    );
+    for r in &rows {
+        println!(
+            "{:>11} {:>6} {:>10.3} {:>10.3} {:>7.2}x {:>8.1} {:>6.0} {:>8.1}",
+            format!("{}x{}", r.out, r.inp),
+            r.tokens,
+            r.plain_ms,
+            r.packed_ms,
+            r.speedup,
+            r.packed_gbps,
+            r.pct_bandwidth,
+            r.packed_gflops
+        );
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn tiny_bench_runs_and_bad_flags_are_named() -> Result<()> {
+        let args = BenchLinearArgs {
+            shapes: "40x33".into(),
+            tokens: "1,3".into(),
+            working_set_mib: 0,
+            min_ms: 1,
+            json: false,
+        };
+        let (bw, rows) = measure(&args)?;
+        assert!(bw > 0.0);
+        assert_eq!(rows.len(), 2);
+        assert!(rows.iter().all(|r| r.packed_ms > 0.0 && r.speedup > 0.0));
+        let bad = BenchLinearArgs {
+            shapes: "40by33".into(),
+            ..args
+        };
+        let e = measure(&bad)
+            .err()
+            .map(|e| e.to_string())
+            .unwrap_or_default();
+        assert!(e.contains("--shapes"), "{e}");
+        Ok(())
+    }
+}
