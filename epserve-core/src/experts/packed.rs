@@ -194,6 +194,14 @@ impl PackedMatrix {
         &self.data
     }
 
+    /// The bf16 panels, if this matrix holds bf16 (dense linears keep only these).
+    pub fn into_bf16(self) -> Option<AlignedBuf<u16>> {
+        match self.data {
+            PackedData::Bf16(b) => Some(b),
+            PackedData::I8 { .. } => None,
+        }
+    }
+
     /// The elements as the kernels' borrowed view.
     pub(crate) fn data_view(&self) -> DataView<'_> {
         match self.data() {

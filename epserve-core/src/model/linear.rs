@@ -11,7 +11,7 @@
 use rayon::prelude::*;
 
 use crate::config::Activation;
-use crate::experts::packed::{PackedData, PackedDtype, PackedMatrix};
+use crate::experts::packed::{AlignedBuf, PackedDtype, PackedMatrix};
 use crate::kernels::dispatch::{Kernels, kernels};
 use crate::kernels::layout::{NR, bf16_padded_k};
 use crate::kernels::{gated, linear};
@@ -23,10 +23,18 @@ const KC: usize = 512;
 /// Below this many multiply-adds a call stays on the calling thread.
 const PAR_THRESHOLD: usize = 1 << 16;
 
-/// A dense weight `[n, k]` with its packed copy when it has one.
+/// A dense weight `[n, k]`: its packed copy, or the weight as loaded when it
+/// cannot be packed (the loaded one is dropped once packed, so an owned
+/// copy, such as an attention shard's `o_proj` columns, is not held twice).
 pub struct Linear {
-    w: Weight,
-    packed: Option<PackedMatrix>,
+    shape: [usize; 2],
+    form: Form,
+}
+
+enum Form {
+    /// The bf16 panels, `n.div_ceil(16)` of `bf16_padded_k(k) · 16` words.
+    Packed(AlignedBuf<u16>),
+    Plain(Weight),
 }
 
 impl Linear {
@@ -40,23 +48,25 @@ impl Linear {
             }
             j < n
         })
-        .ok();
-        Linear { w, packed }
-    }
-
-    /// The weight as loaded (`[n, k]`).
-    pub fn weight(&self) -> &Weight {
-        &self.w
+        .ok()
+        .and_then(PackedMatrix::into_bf16);
+        Linear {
+            shape: [n, k],
+            form: match packed {
+                Some(p) => Form::Packed(p),
+                None => Form::Plain(w),
+            },
+        }
     }
 
     /// `[n, k]`.
     pub fn shape(&self) -> &[usize] {
-        self.w.shape()
+        &self.shape
     }
 
     /// Whether calls run on the packed panels.
     pub fn is_packed(&self) -> bool {
-        self.packed.is_some()
+        matches!(self.form, Form::Packed(_))
     }
 
     /// `out[rows, n] = x[rows, k] · Wᵀ (+ bias)` with the best tier.
@@ -73,10 +83,11 @@ impl Linear {
         bias: Option<&[f32]>,
         out: &mut [f32],
     ) {
-        let Some(PackedData::Bf16(data)) = self.packed.as_ref().map(|p| p.data()) else {
-            return linear(x, rows, &self.w, bias, out);
+        let data = match &self.form {
+            Form::Plain(w) => return linear(x, rows, w, bias, out),
+            Form::Packed(d) => d,
         };
-        let (n, k) = (self.w.shape()[0], self.w.shape()[1]);
+        let [n, k] = self.shape;
         debug_assert_eq!(x.len(), rows * k);
         debug_assert_eq!(out.len(), rows * n);
         if rows == 0 || n == 0 {
