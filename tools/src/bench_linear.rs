@@ -14,9 +14,11 @@ use clap::Args;
 use epserve_core::kernels::dispatch::kernels;
 use epserve_core::kernels::linear;
 use epserve_core::model::linear::Linear;
-use epserve_core::tensor::{DType, Weight};
+use epserve_core::tensor::Weight;
 use rayon::prelude::*;
 use serde::Serialize;
+
+use crate::bench_moe::random_bf16;
 
 /// `epserve bench linear`.
 #[derive(Debug, Clone, Args)]
@@ -82,22 +84,6 @@ fn shapes(s: &str) -> Result<Vec<(usize, usize)>> {
             Ok((dims[0], dims[1]))
         })
         .collect()
-}
-
-/// Random bf16 weights of magnitude below 2⁻⁴ from a fixed seed.
-fn random_bf16(out: usize, inp: usize, seed: u64) -> Weight {
-    let mut z = seed;
-    let bits: Vec<u16> = (0..out * inp)
-        .map(|_| {
-            z = z
-                .wrapping_mul(6_364_136_223_846_793_005)
-                .wrapping_add(1_442_695_040_888_963_407);
-            let v = (z >> 48) as u16;
-            (v & 0x8000) | ((118 + ((v >> 7) & 3)) << 7) | (v & 0x7F)
-        })
-        .collect();
-    let bytes: Vec<u8> = bits.iter().flat_map(|b| b.to_le_bytes()).collect();
-    Weight::from_bytes(DType::BF16, vec![out, inp], &bytes)
 }
 
 /// Streaming read bandwidth of rayon's threads over 256 MiB, best of three, GB/s.

@@ -192,7 +192,7 @@ impl Rng {
 }
 
 /// Random bf16 weights of magnitude 2⁻⁸..2⁻⁵, built from bits directly.
-fn random_bf16(rows: usize, cols: usize, seed: u64) -> Weight {
+pub(crate) fn random_bf16(rows: usize, cols: usize, seed: u64) -> Weight {
     let mut rng = Rng(seed);
     let n = rows * cols;
     let mut bytes = vec![0u8; 2 * n];
