@@ -7,7 +7,6 @@
 mod service;
 
 use std::net::SocketAddr;
-use std::path::Path;
 use std::sync::Arc;
 
 use anyhow::Result;
@@ -19,24 +18,12 @@ use epserve_cluster::state::{
     ClusterState, Rebalance, RebalanceState, WorkerInfo, desired_experts,
 };
 use epserve_core::config::ModelConfig;
-use epserve_core::experts::{ExpertDtype, LoadOptions, LocalExperts};
+use epserve_core::experts::{ExpertDtype, LoadOptions};
 use epserve_core::loader::weights::WeightStore;
 use epserve_core::placement::Placement;
 use epserve_proto::pb::expert_service_server::ExpertServiceServer;
 
 pub use service::{ExpertWorker, Loaded, check_placement};
-
-/// Loads the experts `(layer, expert)` for which `keep` holds from `dir`
-/// with the portable executor (weights stay memory-mapped).
-pub fn load_experts(
-    dir: &Path,
-    keep: impl Fn(usize, usize) -> bool,
-) -> epserve_core::Result<(ModelConfig, LocalExperts)> {
-    let cfg = ModelConfig::from_dir(dir)?;
-    let ws = WeightStore::open(dir)?;
-    let experts = LocalExperts::load_filtered(&cfg, &ws, keep)?;
-    Ok((cfg, experts))
-}
 
 /// `epserve expert-worker`.
 #[derive(Debug, Clone, Args)]
@@ -189,6 +176,7 @@ async fn follow(
 mod tests {
     use super::*;
     use epserve_cluster::store::MemoryStore;
+    use std::path::Path;
     use std::time::Duration;
 
     /// Waits up to 20 s for `cond`.

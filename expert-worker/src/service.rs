@@ -83,7 +83,7 @@ impl ExpertWorker {
     /// Requests in flight keep the executor they started with.
     #[tracing::instrument(
         level = "info",
-        name = "load_experts",
+        name = "apply_placement",
         skip_all,
         fields(worker = %self.id, version = p.version)
     )]

@@ -80,8 +80,13 @@ fn shapes(s: &str) -> Result<Vec<(usize, usize)>> {
                 .trim()
                 .split_once('x')
                 .with_context(|| format!("--shapes: '{t}' is not OUTxIN"))?;
-            let dims = list(&format!("{a},{b}"), "--shapes")?;
-            Ok((dims[0], dims[1]))
+            let dim = |v: &str| {
+                v.parse::<usize>()
+                    .ok()
+                    .filter(|&d| d > 0)
+                    .with_context(|| format!("--shapes: '{t}' is not OUTxIN"))
+            };
+            Ok((dim(a)?, dim(b)?))
         })
         .collect()
 }

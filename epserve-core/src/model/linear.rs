@@ -14,8 +14,8 @@ use crate::config::Activation;
 use crate::experts::packed::{AlignedBuf, PackedDtype, PackedMatrix};
 use crate::kernels::dispatch::{Kernels, kernels};
 use crate::kernels::layout::{NR, bf16_padded_k};
-use crate::kernels::{gated, linear};
-use crate::moe::mlp::GatedMlp;
+use crate::kernels::linear;
+use crate::moe::mlp::{GatedMlp, gated_forward};
 use crate::tensor::Weight;
 
 /// `k` per block: a 16 KiB chunk of a panel stays in L1 across a token tile.
@@ -170,16 +170,14 @@ impl DenseMlp {
     /// Applies the MLP to `[rows, hidden]` and writes `[rows, hidden]`, as
     /// [`GatedMlp::forward`] does.
     pub fn forward(&self, x: &[f32], rows: usize, out: &mut [f32]) {
-        let inter = self.gate.shape()[0];
-        let mut g = vec![0.0f32; rows * inter];
-        let mut u = vec![0.0f32; rows * inter];
-        self.gate
-            .forward(x, rows, self.gate_bias.as_deref(), &mut g);
-        self.up.forward(x, rows, self.up_bias.as_deref(), &mut u);
-        for (gv, uv) in g.iter_mut().zip(&u) {
-            *gv = gated(self.activation, *gv, *uv);
-        }
-        self.down.forward(&g, rows, self.down_bias.as_deref(), out);
+        gated_forward(
+            self.activation,
+            self.gate.shape()[0],
+            rows,
+            |g| self.gate.forward(x, rows, self.gate_bias.as_deref(), g),
+            |u| self.up.forward(x, rows, self.up_bias.as_deref(), u),
+            |h| self.down.forward(h, rows, self.down_bias.as_deref(), out),
+        );
     }
 }
 

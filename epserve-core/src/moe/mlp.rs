@@ -71,16 +71,38 @@ impl GatedMlp {
 
     /// Applies the MLP to `[rows, hidden]` and writes `[rows, hidden]`.
     pub fn forward(&self, x: &[f32], rows: usize, out: &mut [f32]) {
-        let inter = self.intermediate();
-        let mut g = vec![0.0f32; rows * inter];
-        let mut u = vec![0.0f32; rows * inter];
-        linear(x, rows, &self.gate, self.gate_bias.as_deref(), &mut g);
-        linear(x, rows, &self.up, self.up_bias.as_deref(), &mut u);
-        for (gv, uv) in g.iter_mut().zip(&u) {
-            *gv = gated(self.activation, *gv, *uv);
-        }
-        linear(&g, rows, &self.down, self.down_bias.as_deref(), out);
+        gated_forward(
+            self.activation,
+            self.intermediate(),
+            rows,
+            |g| linear(x, rows, &self.gate, self.gate_bias.as_deref(), g),
+            |u| linear(x, rows, &self.up, self.up_bias.as_deref(), u),
+            |h| linear(h, rows, &self.down, self.down_bias.as_deref(), out),
+        );
     }
+}
+
+/// `down(act(gate) * up)` for `rows` tokens of width `inter`: `gate` and `up`
+/// fill their `[rows, inter]` projections of the input, `down` projects the
+/// gated activations to the output. The one definition of the gated MLP, for
+/// every way its projections are computed (plain here, packed in
+/// `model::linear::DenseMlp`).
+pub fn gated_forward(
+    activation: Activation,
+    inter: usize,
+    rows: usize,
+    gate: impl FnOnce(&mut [f32]),
+    up: impl FnOnce(&mut [f32]),
+    down: impl FnOnce(&[f32]),
+) {
+    let mut g = vec![0.0f32; rows * inter];
+    let mut u = vec![0.0f32; rows * inter];
+    gate(&mut g);
+    up(&mut u);
+    for (gv, uv) in g.iter_mut().zip(&u) {
+        *gv = gated(activation, *gv, *uv);
+    }
+    down(&g);
 }
 
 impl ExpertNames<'_> {
