@@ -204,6 +204,7 @@ impl Engine {
                 &mut [SeqInput {
                     tokens: &next_input,
                     cache: &mut cache,
+                    logits: true,
                 }],
                 &mut pool,
                 LogitsMode::Last,

@@ -32,6 +32,7 @@ fn all_logits(m: &Model, ids: &[u32]) -> Vec<f32> {
         &mut [SeqInput {
             tokens: ids,
             cache: &mut cache,
+            logits: true,
         }],
         &mut pool,
         LogitsMode::All,

@@ -51,6 +51,7 @@ fn check_fixture(name: &str, dtype: &str) {
                 &mut [SeqInput {
                     tokens: &ids,
                     cache: &mut cache,
+                    logits: true,
                 }],
                 &mut pool,
                 LogitsMode::All,
@@ -181,19 +182,24 @@ fn chunked_and_batched_prefill_agree() {
             // Blocks of 4 so chunks straddle block boundaries.
             let mut pool = m.new_pool(4, ids.len().div_ceil(4));
             let mut out = Vec::new();
-            for piece in ids.chunks(chunk) {
-                out = m
+            let pieces = ids.len().div_ceil(chunk);
+            for (i, piece) in ids.chunks(chunk).enumerate() {
+                // Only the last chunk asks for logits, as the scheduler does.
+                let last = i + 1 == pieces;
+                let o = m
                     .forward(
                         &mut [SeqInput {
                             tokens: piece,
                             cache: &mut cache,
+                            logits: last,
                         }],
                         &mut pool,
                         LogitsMode::Last,
                         false,
                     )
-                    .expect("forward")
-                    .logits;
+                    .expect("forward");
+                assert_eq!(o.rows, usize::from(last), "{name}: rows of chunk {i}");
+                out = o.logits;
             }
             out
         };
@@ -212,10 +218,12 @@ fn chunked_and_batched_prefill_agree() {
                     SeqInput {
                         tokens: a,
                         cache: &mut ca,
+                        logits: true,
                     },
                     SeqInput {
                         tokens: b,
                         cache: &mut cb,
+                        logits: true,
                     },
                 ],
                 &mut pool,

@@ -344,6 +344,8 @@ impl Scheduler {
             inputs.push(SeqInput {
                 tokens: &tokens[*num_computed..*num_computed + *step_take],
                 cache,
+                // A prefill chunk short of the prompt's end needs no logits.
+                logits: *num_computed + *step_take == tokens.len(),
             });
         }
         let n_seqs = inputs.len();
@@ -398,13 +400,20 @@ impl Scheduler {
             if s.step_take == 0 {
                 continue;
             }
-            let logits = &out.logits[row * vocab..(row + 1) * vocab];
-            row += 1;
             s.num_computed += s.step_take;
             s.step_take = 0;
             if s.num_computed < s.tokens.len() {
-                continue; // a prefill chunk; more to come
+                continue; // a prefill chunk; more to come (it got no logits)
             }
+            let Some(logits) = out.logits.get(row * vocab..(row + 1) * vocab) else {
+                tracing::error!(row, "the forward pass returned too few logit rows");
+                let _ =
+                    s.tx.send(Event::Error("internal error: missing logits".into()));
+                finished.push(idx);
+                m::request_finished("error");
+                continue;
+            };
+            row += 1;
             if s.on_logits(&self.engine, logits, self.config.max_model_len) {
                 finished.push(idx);
             }

@@ -30,10 +30,9 @@ pub struct SeqSpan {
 
 /// One attention layer's weights.
 pub struct Attention {
-    q: Linear,
-    k: Linear,
-    /// `None` when the values are the raw key projection (`v_from_k`).
-    v: Option<Linear>,
+    /// q, k and (unless the values are the raw key projection, `v_from_k`)
+    /// v stacked: one pass over the input for all three.
+    qkv: Linear,
     o: Linear,
     q_bias: Option<Vec<f32>>,
     k_bias: Option<Vec<f32>>,
@@ -177,16 +176,18 @@ impl Attention {
                 Some(ws.get_vec(&format!("{prefix}.k_norm.weight"), nkv * hd)?),
             ),
         };
-        let k_all = ws.get(&format!("{prefix}.k_proj.weight"), &[nkv * hd, h])?;
-        let k = k_all.rows(pkvr.start * hd, pkvr.len() * hd);
-        let v = if spec.v_from_k {
-            None
-        } else {
-            Some(Linear::new(
+        let mut qkv = vec![
+            ws.get(&format!("{prefix}.q_proj.weight"), &[nh * hd, h])?
+                .rows(pqr.start * hd, pqr.len() * hd),
+            ws.get(&format!("{prefix}.k_proj.weight"), &[nkv * hd, h])?
+                .rows(pkvr.start * hd, pkvr.len() * hd),
+        ];
+        if !spec.v_from_k {
+            qkv.push(
                 ws.get(&format!("{prefix}.v_proj.weight"), &[nkv * hd, h])?
                     .rows(kvr.start * hd, snkv * hd),
-            ))
-        };
+            );
+        }
         let o = ws.get(&format!("{prefix}.o_proj.weight"), &[h, nh * hd])?;
         let o = if shard.is_some() {
             o.columns(qr.start * hd, snh * hd)
@@ -194,12 +195,7 @@ impl Attention {
             o
         };
         Ok(Attention {
-            q: Linear::new(
-                ws.get(&format!("{prefix}.q_proj.weight"), &[nh * hd, h])?
-                    .rows(pqr.start * hd, pqr.len() * hd),
-            ),
-            k: Linear::new(k),
-            v,
+            qkv: Linear::fused(qkv)?,
             o: Linear::new(o),
             q_bias: bias("q_proj", nh * hd, &pqr, cfg.qkv_bias)?,
             k_bias: bias("k_proj", nkv * hd, &pkvr, cfg.qkv_bias)?,
@@ -261,19 +257,24 @@ impl Attention {
         rope: &Rope,
     ) -> Vec<f32> {
         let hidden = self.o.shape()[0];
-        let t = x.len() / self.q.shape()[1];
+        let t = x.len() / self.qkv.shape()[1];
         let (nh, nkv, hd) = (self.heads, self.kv_heads, self.head_dim);
-        let mut q = vec![0.0f32; t * self.q.shape()[0]];
-        let mut k = vec![0.0f32; t * self.k.shape()[0]];
+        let parts = self.qkv.parts();
+        let mut q = vec![0.0f32; t * parts[0]];
+        let mut k = vec![0.0f32; t * parts[1]];
         let mut v = vec![0.0f32; t * nkv * hd];
-        self.q.forward(x, t, self.q_bias.as_deref(), &mut q);
-        self.k.forward(x, t, self.k_bias.as_deref(), &mut k);
-        match &self.v {
-            Some(vw) => vw.forward(x, t, self.v_bias.as_deref(), &mut v),
-            None => match &self.whole_qk {
+        let (qb, kb) = (self.q_bias.as_deref(), self.k_bias.as_deref());
+        if parts.len() == 3 {
+            let vb = self.v_bias.as_deref();
+            self.qkv
+                .forward_parts(x, t, &[qb, kb, vb], &mut [&mut q, &mut k, &mut v]);
+        } else {
+            self.qkv
+                .forward_parts(x, t, &[qb, kb], &mut [&mut q, &mut k]);
+            match &self.whole_qk {
                 Some((_, kk)) => v = keep_columns(&k, t, kk),
                 None => v.copy_from_slice(&k),
-            },
+            }
         }
         if let Some(vn) = &self.v_norm {
             rms_norm(&mut v, vn, self.eps);

@@ -410,10 +410,12 @@ mod tests {
                 SeqInput {
                     tokens: ta,
                     cache: &mut a,
+                    logits: true,
                 },
                 SeqInput {
                     tokens: tb,
                     cache: &mut b,
+                    logits: true,
                 },
             ];
             out.push(

@@ -16,7 +16,7 @@ use rayon::prelude::*;
 
 use crate::config::{MlaConfig, ModelConfig};
 use crate::error::{Error, Result};
-use crate::kernels::{dot, linear, rms_norm, softmax};
+use crate::kernels::{dot, rms_norm, softmax};
 use crate::loader::weights::WeightStore;
 use crate::model::attention::{HeadShard, SeqSpan};
 use crate::model::kv_cache::{KvPool, SeqCache};
@@ -28,10 +28,12 @@ use crate::tensor::Weight;
 /// default eps, not `rms_norm_eps`.
 const LORA_NORM_EPS: f32 = 1e-6;
 
+/// How queries are made from the input.
 enum QProj {
-    Direct(Linear),
+    /// `q_proj` (the first part of `Mla::input`).
+    Direct,
+    /// `q_a_proj` (the first part of `Mla::input`) → RMSNorm → `q_b_proj`.
     Lora {
-        a: Linear,
         a_bias: Option<Vec<f32>>,
         norm: Vec<f32>,
         b: Linear,
@@ -40,12 +42,17 @@ enum QProj {
 
 /// One MLA layer's weights.
 pub struct Mla {
+    /// The two projections of the input stacked: `q_proj` or `q_a_proj`,
+    /// then `kv_a_proj_with_mqa`.
+    input: Linear,
     q: QProj,
-    kv_a: Linear,
     kv_a_bias: Option<Vec<f32>>,
     kv_norm: Vec<f32>,
-    /// `[heads · (nope + v), rank]`: per head, `nope` key rows then `v` value rows.
-    kv_b: Weight,
+    /// Per head, `W_ukᵀ` (`[rank, nope]`): pulls a no-RoPE query into latent
+    /// space. Prepared (transposed and packed) once at load.
+    w_uk_t: Vec<Linear>,
+    /// Per head, `W_uv` (`[v, rank]`): pushes a weighted latent out to values.
+    w_uv: Vec<Linear>,
     o: Linear,
     o_bias: Option<Vec<f32>>,
     heads: usize,
@@ -105,37 +112,57 @@ impl Mla {
                 Ok(None)
             }
         };
-        let q = match m.q_lora_rank {
-            None => QProj::Direct(Linear::new(
+        let (q_in, q) = match m.q_lora_rank {
+            None => (
                 ws.get(&format!("{prefix}.q_proj.weight"), &[nh * qk, h])?
                     .rows(heads.start * qk, heads.len() * qk),
-            )),
-            Some(r) => QProj::Lora {
-                a: Linear::new(ws.get(&format!("{prefix}.q_a_proj.weight"), &[r, h])?),
-                a_bias: bias("q_a_proj", r)?,
-                norm: ws.get_vec(&format!("{prefix}.q_a_layernorm.weight"), r)?,
-                b: Linear::new(
-                    ws.get(&format!("{prefix}.q_b_proj.weight"), &[nh * qk, r])?
-                        .rows(heads.start * qk, heads.len() * qk),
-                ),
-            },
+                QProj::Direct,
+            ),
+            Some(r) => (
+                ws.get(&format!("{prefix}.q_a_proj.weight"), &[r, h])?,
+                QProj::Lora {
+                    a_bias: bias("q_a_proj", r)?,
+                    norm: ws.get_vec(&format!("{prefix}.q_a_layernorm.weight"), r)?,
+                    b: Linear::new(
+                        ws.get(&format!("{prefix}.q_b_proj.weight"), &[nh * qk, r])?
+                            .rows(heads.start * qk, heads.len() * qk),
+                    ),
+                },
+            ),
         };
+        let kv_a = ws.get(
+            &format!("{prefix}.kv_a_proj_with_mqa.weight"),
+            &[rank + m.qk_rope_head_dim, h],
+        )?;
+        let kv_b = ws
+            .get(&format!("{prefix}.kv_b_proj.weight"), &[nh * kvb, rank])?
+            .rows(heads.start * kvb, heads.len() * kvb);
+        let (nope, vd) = (m.qk_nope_head_dim, m.v_head_dim);
+        let mut w_uk_t = Vec::with_capacity(heads.len());
+        let mut w_uv = Vec::with_capacity(heads.len());
+        for hh in 0..heads.len() {
+            let uk = kv_b.rows(hh * kvb, nope).to_f32_vec();
+            let mut t = vec![0.0f32; rank * nope];
+            for d in 0..nope {
+                for r in 0..rank {
+                    t[r * nope + d] = uk[d * rank + r];
+                }
+            }
+            w_uk_t.push(Linear::new(Weight::from_f32(vec![rank, nope], &t)));
+            w_uv.push(Linear::new(kv_b.rows(hh * kvb + nope, vd)));
+        }
         let o = ws.get(&format!("{prefix}.o_proj.weight"), &[h, nh * m.v_head_dim])?;
         let o = match shard {
             None => o,
             Some(_) => o.columns(heads.start * m.v_head_dim, heads.len() * m.v_head_dim),
         };
         Ok(Mla {
+            input: Linear::fused(vec![q_in, kv_a])?,
             q,
-            kv_a: Linear::new(ws.get(
-                &format!("{prefix}.kv_a_proj_with_mqa.weight"),
-                &[rank + m.qk_rope_head_dim, h],
-            )?),
             kv_a_bias: bias("kv_a_proj_with_mqa", rank + m.qk_rope_head_dim)?,
             kv_norm: ws.get_vec(&format!("{prefix}.kv_a_layernorm.weight"), rank)?,
-            kv_b: ws
-                .get(&format!("{prefix}.kv_b_proj.weight"), &[nh * kvb, rank])?
-                .rows(heads.start * kvb, heads.len() * kvb),
+            w_uk_t,
+            w_uv,
             o: Linear::new(o),
             o_bias: if shard.is_none() {
                 bias("o_proj", h)?
@@ -183,22 +210,31 @@ impl Mla {
             self.m.kv_lora_rank,
         );
         let qk = nope + rd;
-        // Queries.
-        let mut q = vec![0.0f32; t * nh * qk];
-        match &self.q {
-            QProj::Direct(w) => w.forward(x, t, None, &mut q),
-            QProj::Lora { a, a_bias, norm, b } => {
-                let r = a.shape()[0];
-                let mut qa = vec![0.0f32; t * r];
-                a.forward(x, t, a_bias.as_deref(), &mut qa);
-                rms_norm(&mut qa, norm, LORA_NORM_EPS);
-                b.forward(&qa, t, None, &mut q);
-            }
-        }
-        // Latent and RoPE key per position.
+        // Queries (or their low-rank input), and the latent and RoPE key per
+        // position, in one pass over the input.
         let w = rank + rd;
         let mut ckv = vec![0.0f32; t * w];
-        self.kv_a.forward(x, t, self.kv_a_bias.as_deref(), &mut ckv);
+        let mut q_in = vec![0.0f32; t * self.input.parts()[0]];
+        let kv_bias = self.kv_a_bias.as_deref();
+        let mut q = match &self.q {
+            QProj::Direct => {
+                self.input
+                    .forward_parts(x, t, &[None, kv_bias], &mut [&mut q_in, &mut ckv]);
+                q_in
+            }
+            QProj::Lora { a_bias, norm, b } => {
+                self.input.forward_parts(
+                    x,
+                    t,
+                    &[a_bias.as_deref(), kv_bias],
+                    &mut [&mut q_in, &mut ckv],
+                );
+                rms_norm(&mut q_in, norm, LORA_NORM_EPS);
+                let mut q = vec![0.0f32; t * nh * qk];
+                b.forward(&q_in, t, None, &mut q);
+                q
+            }
+        };
         let half = rope.half();
         let (mut cos, mut sin) = (vec![0.0f32; half], vec![0.0f32; half]);
         for sp in spans {
@@ -227,16 +263,12 @@ impl Mla {
             .par_chunks_mut(t * rank)
             .enumerate()
             .for_each(|(h, dst)| {
-                let mut wrow = vec![0.0f32; rank];
-                for d in 0..nope {
-                    self.kv_b.row_to_f32(h * (nope + vd) + d, &mut wrow);
-                    for tok in 0..t {
-                        let a = q[tok * nh * qk + h * qk + d];
-                        for (o, wv) in dst[tok * rank..(tok + 1) * rank].iter_mut().zip(&wrow) {
-                            *o += a * wv;
-                        }
-                    }
+                let mut q_nope = Vec::with_capacity(t * nope);
+                for tok in 0..t {
+                    let at = tok * nh * qk + h * qk;
+                    q_nope.extend_from_slice(&q[at..at + nope]);
                 }
+                self.w_uk_t[h].forward(&q_nope, t, None, dst);
             });
         // Scores against the cached latents and RoPE keys; weighted latents.
         let mut row_seq = vec![0usize; t];
@@ -276,15 +308,8 @@ impl Mla {
         let per_head: Vec<Vec<f32>> = (0..nh)
             .into_par_iter()
             .map(|h| {
-                let wv = self.kv_b.rows(h * (nope + vd) + nope, vd);
                 let mut out = vec![0.0f32; t * vd];
-                linear(
-                    &o_lat[h * t * rank..(h + 1) * t * rank],
-                    t,
-                    &wv,
-                    None,
-                    &mut out,
-                );
+                self.w_uv[h].forward(&o_lat[h * t * rank..(h + 1) * t * rank], t, None, &mut out);
                 out
             })
             .collect();

@@ -93,6 +93,10 @@ struct DecoderLayer {
 pub struct SeqInput<'a> {
     pub tokens: &'a [u32],
     pub cache: &'a mut SeqCache,
+    /// Whether this sequence's rows get logits. `false` for a prefill chunk
+    /// that is not the prompt's last: its logits would be discarded, so the
+    /// final norm and LM head skip it.
+    pub logits: bool,
 }
 
 /// Which positions get logits.
@@ -114,7 +118,8 @@ pub struct RouterTrace {
 /// Output of [`Model::forward`].
 #[derive(Debug, Clone)]
 pub struct ForwardOutput {
-    /// `[rows, vocab]`: one row per sequence (`Last`) or per token (`All`).
+    /// `[rows, vocab]`: one row per sequence (`Last`) or per token (`All`),
+    /// for the sequences that asked for logits, in batch order.
     pub logits: Vec<f32>,
     pub rows: usize,
     /// Filled when tracing was requested.
@@ -211,7 +216,7 @@ impl Model {
                     cfg.activation,
                     cfg.mlp_bias,
                 )
-                .map(DenseMlp::from)
+                .and_then(DenseMlp::try_from)
             };
             let ffn = match cfg.layers[i].ffn {
                 FfnKind::Dense => Ffn::Dense(dense()?),
@@ -229,7 +234,7 @@ impl Model {
                                     cfg.activation,
                                     cfg.mlp_bias,
                                 )?
-                                .into(),
+                                .try_into()?,
                                 gate: ws.get_opt(&format!("{sp}_gate.weight"), &[1, h])?,
                             })
                         }
@@ -495,9 +500,12 @@ impl Model {
             s.cache.advance(sp.len);
         }
         // Final norm and LM head on the rows that need logits.
+        let wanted = spans.iter().zip(seqs.iter()).filter(|(_, s)| s.logits);
         let rows: Vec<usize> = match mode {
-            LogitsMode::All => (0..t).collect(),
-            LogitsMode::Last => spans.iter().map(|s| s.start + s.len - 1).collect(),
+            LogitsMode::All => wanted
+                .flat_map(|(sp, _)| sp.start..sp.start + sp.len)
+                .collect(),
+            LogitsMode::Last => wanted.map(|(sp, _)| sp.start + sp.len - 1).collect(),
         };
         let mut sel = Vec::with_capacity(rows.len() * h);
         for &r in &rows {

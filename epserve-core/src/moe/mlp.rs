@@ -75,15 +75,18 @@ impl GatedMlp {
             self.activation,
             self.intermediate(),
             rows,
-            |g| linear(x, rows, &self.gate, self.gate_bias.as_deref(), g),
-            |u| linear(x, rows, &self.up, self.up_bias.as_deref(), u),
+            |g, u| {
+                linear(x, rows, &self.gate, self.gate_bias.as_deref(), g);
+                linear(x, rows, &self.up, self.up_bias.as_deref(), u);
+            },
             |h| linear(h, rows, &self.down, self.down_bias.as_deref(), out),
         );
     }
 }
 
-/// `down(act(gate) * up)` for `rows` tokens of width `inter`: `gate` and `up`
-/// fill their `[rows, inter]` projections of the input, `down` projects the
+/// `down(act(gate) * up)` for `rows` tokens of width `inter`: `gate_up`
+/// fills the gate and up `[rows, inter]` projections of the input (one fused
+/// call where the weights allow), `down` projects the
 /// gated activations to the output. The one definition of the gated MLP, for
 /// every way its projections are computed (plain here, packed in
 /// `model::linear::DenseMlp`).
@@ -91,14 +94,12 @@ pub fn gated_forward(
     activation: Activation,
     inter: usize,
     rows: usize,
-    gate: impl FnOnce(&mut [f32]),
-    up: impl FnOnce(&mut [f32]),
+    gate_up: impl FnOnce(&mut [f32], &mut [f32]),
     down: impl FnOnce(&[f32]),
 ) {
     let mut g = vec![0.0f32; rows * inter];
     let mut u = vec![0.0f32; rows * inter];
-    gate(&mut g);
-    up(&mut u);
+    gate_up(&mut g, &mut u);
     for (gv, uv) in g.iter_mut().zip(&u) {
         *gv = gated(activation, *gv, *uv);
     }
