@@ -15,6 +15,7 @@
 //! - [`model`]: attention, router / shared expert / MoE block, the decoder
 //! - [`sampling`]: logits → tokens
 //! - [`engine`], [`detok`]: the generate loop, streaming detokenization
+//! - [`profile`]: per-phase time of forward passes (`epserve bench step`)
 //! - [`placement`], [`eplb`]: which worker holds which expert, and rebalancing it
 #![deny(clippy::print_stdout)]
 
@@ -29,6 +30,7 @@ pub mod loader;
 pub mod model;
 pub mod moe;
 pub mod placement;
+pub mod profile;
 pub mod sampling;
 pub mod tensor;
 

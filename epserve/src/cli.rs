@@ -35,6 +35,7 @@ pub fn main() {
             BenchCommand::Serve(args) => epserve_tools::bench_serve::run(args),
             BenchCommand::Moe(args) => epserve_tools::bench_moe::run(args),
             BenchCommand::Linear(args) => epserve_tools::bench_linear::run(args),
+            BenchCommand::Step(args) => epserve_tools::bench_step::run(args),
         },
         Command::Plan(args) => epserve_tools::plan::run(args),
         Command::Ctl(args) => epserve_tools::ctl::run(args),
@@ -71,7 +72,8 @@ pub enum Command {
     AttentionWorker(Box<epserve_attention_worker::AttentionWorkerArgs>),
     /// A whole local cluster on loopback: etcd, expert-workers, attention-workers, coordinator.
     Up(Box<epserve_tools::up::UpArgs>),
-    /// Benchmarks: `bench serve` (a twin of `vllm bench serve`), `bench moe`, `bench linear`.
+    /// Benchmarks: `bench serve` (a twin of `vllm bench serve`), `bench moe`, `bench linear`,
+    /// `bench step`.
     Bench(BenchArgs),
     /// Capacity planner: expert-workers, attention-workers, experts per worker and
     /// expected decode throughput for a model on a Graviton instance type.
@@ -102,4 +104,8 @@ pub enum BenchCommand {
     /// The dense projections (attention q/k/v/o, LM head) on the packed bf16
     /// panels against their scalar twin and the machine's read bandwidth.
     Linear(Box<epserve_tools::bench_linear::BenchLinearArgs>),
+    /// One forward step of a model folder, per phase (attention projections,
+    /// attention, router, experts, combine, LM head, sampling), each against its
+    /// roofline, at decode batches and prefill lengths.
+    Step(Box<epserve_tools::bench_step::BenchStepArgs>),
 }

@@ -7,6 +7,8 @@
 //!   bandwidth and FMA peak and the scalar twin kernels;
 //! - [`bench_linear`]: the dense projections on the packed panels against
 //!   their scalar twin and the machine's bandwidth;
+//! - [`bench_step`]: one forward step of a model folder, per phase, each
+//!   against its roofline;
 //! - [`plan`]: the capacity planner;
 //! - [`ctl`]: the admin client of a running coordinator;
 //! - [`up`]: a whole local cluster on loopback as child processes.
@@ -16,6 +18,7 @@
 pub mod bench_linear;
 pub mod bench_moe;
 pub mod bench_serve;
+pub mod bench_step;
 pub mod ctl;
 pub mod generate;
 pub mod plan;

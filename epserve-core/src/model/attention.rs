@@ -16,6 +16,7 @@ use crate::loader::weights::WeightStore;
 use crate::model::kv_cache::{KvPool, SeqCache};
 use crate::model::linear::Linear;
 use crate::model::rope::Rope;
+use crate::profile::{self, Phase};
 
 /// A span of the flattened batch belonging to one sequence.
 #[derive(Debug, Clone, Copy)]
@@ -264,6 +265,7 @@ impl Attention {
         let mut k = vec![0.0f32; t * parts[1]];
         let mut v = vec![0.0f32; t * nkv * hd];
         let (qb, kb) = (self.q_bias.as_deref(), self.k_bias.as_deref());
+        let proj = profile::timer(Phase::AttnProj).work(|| (self.qkv.bytes(), self.qkv.macs(t)));
         if parts.len() == 3 {
             let vb = self.v_bias.as_deref();
             self.qkv
@@ -276,6 +278,7 @@ impl Attention {
                 None => v.copy_from_slice(&k),
             }
         }
+        drop(proj);
         if let Some(vn) = &self.v_norm {
             rms_norm(&mut v, vn, self.eps);
         }
@@ -363,6 +366,7 @@ impl Attention {
             },
         );
         let mut out = vec![0.0f32; t * hidden];
+        let _o = profile::timer(Phase::AttnOut).work(|| (self.o.bytes(), self.o.macs(t)));
         self.o.forward(&attn, t, self.o_bias.as_deref(), &mut out);
         out
     }

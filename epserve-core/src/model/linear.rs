@@ -111,6 +111,19 @@ impl Linear {
         matches!(self.form, Form::Packed(_))
     }
 
+    /// Weight bytes one call reads (what bounds a decode step).
+    pub fn bytes(&self) -> usize {
+        match &self.form {
+            Form::Packed(_) => self.shape[0] * self.shape[1] * 2,
+            Form::Plain(ws) => ws.iter().map(|w| w.bytes().len()).sum(),
+        }
+    }
+
+    /// Multiply-adds of a call on `rows` rows.
+    pub fn macs(&self, rows: usize) -> usize {
+        rows * self.shape[0] * self.shape[1]
+    }
+
     /// `out[rows, n] = x[rows, k] · Wᵀ (+ bias)` with the best tier (a
     /// single-part linear).
     pub fn forward(&self, x: &[f32], rows: usize, bias: Option<&[f32]>, out: &mut [f32]) {
@@ -249,6 +262,14 @@ impl DenseMlp {
     /// Output width (the model's hidden size).
     pub fn hidden(&self) -> usize {
         self.down.shape()[0]
+    }
+
+    /// Weight bytes and multiply-adds of a call on `rows` rows.
+    pub fn work(&self, rows: usize) -> (usize, usize) {
+        (
+            self.gate_up.bytes() + self.down.bytes(),
+            self.gate_up.macs(rows) + self.down.macs(rows),
+        )
     }
 
     /// Applies the MLP to `[rows, hidden]` and writes `[rows, hidden]`, as

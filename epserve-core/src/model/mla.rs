@@ -22,6 +22,7 @@ use crate::model::attention::{HeadShard, SeqSpan};
 use crate::model::kv_cache::{KvPool, SeqCache};
 use crate::model::linear::Linear;
 use crate::model::rope::Rope;
+use crate::profile::{self, Phase};
 use crate::tensor::Weight;
 
 /// transformers builds `q_a_layernorm` / `kv_a_layernorm` with the class
@@ -216,6 +217,13 @@ impl Mla {
         let mut ckv = vec![0.0f32; t * w];
         let mut q_in = vec![0.0f32; t * self.input.parts()[0]];
         let kv_bias = self.kv_a_bias.as_deref();
+        let proj = profile::timer(Phase::AttnProj).work(|| {
+            let b = match &self.q {
+                QProj::Direct => (0, 0),
+                QProj::Lora { b, .. } => (b.bytes(), b.macs(t)),
+            };
+            (self.input.bytes() + b.0, self.input.macs(t) + b.1)
+        });
         let mut q = match &self.q {
             QProj::Direct => {
                 self.input
@@ -235,6 +243,7 @@ impl Mla {
                 q
             }
         };
+        drop(proj);
         let half = rope.half();
         let (mut cos, mut sin) = (vec![0.0f32; half], vec![0.0f32; half]);
         for sp in spans {
@@ -320,6 +329,7 @@ impl Mla {
             }
         }
         let mut out = vec![0.0f32; t * hidden];
+        let _o = profile::timer(Phase::AttnOut).work(|| (self.o.bytes(), self.o.macs(t)));
         self.o.forward(&attn, t, self.o_bias.as_deref(), &mut out);
         out
     }

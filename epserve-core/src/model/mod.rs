@@ -23,6 +23,7 @@ use crate::loader::names;
 use crate::loader::weights::WeightStore;
 use crate::moe::mlp::GatedMlp;
 use crate::moe::{Dispatcher, Routing};
+use crate::profile::{self, Phase};
 use crate::tensor::Weight;
 use linear::{DenseMlp, Linear};
 
@@ -388,6 +389,7 @@ impl Model {
             }
         }
         let t = tokens.len();
+        let embed_t = profile::timer(Phase::Embed);
         let mut x = vec![0.0f32; t * h];
         for (row, &tok) in tokens.iter().enumerate() {
             self.embed
@@ -398,6 +400,7 @@ impl Model {
                 *v *= s;
             }
         }
+        drop(embed_t);
         let caches: Vec<&SeqCache> = seqs.iter().map(|s| &*s.cache).collect();
         let chunks: Vec<SeqChunk> = spans
             .iter()
@@ -416,6 +419,7 @@ impl Model {
             normed.copy_from_slice(&x);
             rms_norm(&mut normed, &layer.input_norm, cfg.rms_norm_eps);
             let attn_span = tracing::trace_span!("attention").entered();
+            let attn_t = profile::timer(Phase::Attention);
             let mut a = match &layer.attn {
                 LayerAttn::Gqa(att) => att.forward(&normed, &spans, &caches, pool, li, &layer.rope),
                 LayerAttn::Mla(att) => att.forward(&normed, &spans, &caches, pool, li, &layer.rope),
@@ -440,6 +444,7 @@ impl Model {
                     a
                 }
             };
+            drop(attn_t);
             drop(attn_span);
             if let Some(n) = &layer.attn_out_norm {
                 rms_norm(&mut a, n, cfg.rms_norm_eps);
@@ -451,7 +456,10 @@ impl Model {
             rms_norm(&mut normed, &layer.post_norm, cfg.rms_norm_eps);
             let _ffn = tracing::trace_span!("ffn").entered();
             match &layer.ffn {
-                Ffn::Dense(mlp) => mlp.forward(&normed, t, &mut ffn_out),
+                Ffn::Dense(mlp) => {
+                    let _t = profile::timer(Phase::DenseMlp).work(|| mlp.work(t));
+                    mlp.forward(&normed, t, &mut ffn_out)
+                }
                 Ffn::Moe(block) => {
                     let routing =
                         block.forward(li, &normed, t, h, self.dispatcher.as_ref(), &mut ffn_out)?;
@@ -460,7 +468,10 @@ impl Model {
                     }
                 }
                 Ffn::DenseAndMoe(p) => {
-                    p.mlp.forward(&normed, t, &mut ffn_out);
+                    {
+                        let _t = profile::timer(Phase::DenseMlp).work(|| p.mlp.work(t));
+                        p.mlp.forward(&normed, t, &mut ffn_out);
+                    }
                     rms_norm(&mut ffn_out, &p.mlp_out_norm, cfg.rms_norm_eps);
                     let mut moe_in = x.clone();
                     rms_norm(&mut moe_in, &p.moe_in_norm, cfg.rms_norm_eps);
@@ -507,6 +518,10 @@ impl Model {
                 .collect(),
             LogitsMode::Last => wanted.map(|(sp, _)| sp.start + sp.len - 1).collect(),
         };
+        let _lm = profile::timer(Phase::LmHead).work(|| match rows.len() {
+            0 => (0, 0),
+            n => (self.lm_head.bytes(), self.lm_head.macs(n)),
+        });
         let mut sel = Vec::with_capacity(rows.len() * h);
         for &r in &rows {
             sel.extend_from_slice(&x[r * h..(r + 1) * h]);

@@ -17,13 +17,16 @@ use crate::error::Result;
 use crate::kernels::{linear, sigmoid, softmax};
 use crate::loader::names::router_weight_and_module;
 use crate::loader::weights::WeightStore;
-use crate::model::linear::DenseMlp;
+use crate::model::linear::{DenseMlp, Linear};
 use crate::moe::{Dispatcher, Routing, combine, top_k_indices};
+use crate::profile::{self, Phase};
 use crate::tensor::Weight;
 
 /// The gate of an MoE layer.
 pub struct Router {
-    weight: Weight,
+    /// `[experts, hidden]`, on the packed path (f32 activations and
+    /// accumulation, as the plain path; only the summation order differs).
+    weight: Linear,
     kind: RouterKind,
     top_k: usize,
     /// Added to the logits (GPT-OSS).
@@ -42,7 +45,7 @@ impl Router {
     /// A router from its `[experts, hidden]` weight.
     pub fn new(weight: Weight, kind: RouterKind, top_k: usize) -> Self {
         Router {
-            weight,
+            weight: Linear::new(weight),
             kind,
             top_k,
             bias: None,
@@ -129,8 +132,11 @@ impl Router {
             }
             None => x,
         };
+        let _t =
+            profile::timer(Phase::Router).work(|| (self.weight.bytes(), self.weight.macs(rows)));
         let mut logits = vec![0.0f32; rows * e];
-        linear(x, rows, &self.weight, self.bias.as_deref(), &mut logits);
+        self.weight
+            .forward(x, rows, self.bias.as_deref(), &mut logits);
         let k = self.top_k;
         let mut ids = Vec::with_capacity(rows * k);
         let mut weights = Vec::with_capacity(rows * k);
@@ -310,9 +316,16 @@ impl MoeBlock {
         y: &mut [f32],
     ) -> Result<Routing> {
         let routing = self.router.route(router_x, rows);
-        let slots = dispatcher.dispatch(layer, x, hidden, &routing)?;
-        combine(&slots, rows, routing.top_k, hidden, y);
+        let slots = {
+            let _t = profile::timer(Phase::Experts);
+            dispatcher.dispatch(layer, x, hidden, &routing)?
+        };
+        {
+            let _t = profile::timer(Phase::Combine);
+            combine(&slots, rows, routing.top_k, hidden, y);
+        }
         if let Some(sh) = &self.shared {
+            let _t = profile::timer(Phase::Shared).work(|| sh.mlp.work(rows));
             sh.add_to(x, rows, y);
         }
         Ok(routing)

@@ -1,0 +1,511 @@
+//! `epserve bench step`: where one forward step of a real model folder spends
+//! its time, per phase (attention projections, attention itself, output
+//! projection, router, experts, combine, shared expert, dense MLP, LM head,
+//! sampling), each against its own roofline measured in the same run: the
+//! bytes it must read over the machine's streaming bandwidth, or its
+//! multiply-adds over the FMA peak, whichever is longer. A phase far from its
+//! roofline is the next thing to make fast, without a profiler.
+//!
+//! Rows: decode steps of B sequences (one new token each, `--context`
+//! positions already cached) and prefills of one T-token prompt. Timings are
+//! medians of passes; ratios only (the machines are shared and noisy).
+
+use std::path::PathBuf;
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result, bail};
+use clap::Args;
+use epserve_core::config::ModelConfig;
+use epserve_core::experts::{ExpertDtype, LoadOptions};
+use epserve_core::kernels::dispatch::kernels;
+use epserve_core::model::{LogitsMode, Model, SeqInput};
+use epserve_core::profile::{self, Phase, Profile};
+use epserve_core::sampling::{Sampler, SamplingParams};
+use serde::Serialize;
+
+/// `epserve bench step`.
+#[derive(Debug, Clone, Args)]
+pub struct BenchStepArgs {
+    /// Model folder (Hugging Face layout).
+    #[arg(long)]
+    pub model: PathBuf,
+    /// Decode batch sizes (sequences, one new token each), comma-separated.
+    #[arg(long, default_value = "1,8,64")]
+    pub decode: String,
+    /// Positions already cached per decode sequence.
+    #[arg(long, default_value_t = 128)]
+    pub context: usize,
+    /// Prefill lengths (one prompt per row), comma-separated; empty for none.
+    #[arg(long, default_value = "512")]
+    pub prefill: String,
+    /// Least time per row, milliseconds (at least 3 passes).
+    #[arg(long, default_value_t = 2000)]
+    pub min_ms: u64,
+    /// Expert precision: auto (bf16 when exact), bf16, int8 (W8A8).
+    #[arg(long, default_value = "auto")]
+    pub expert_dtype: ExpertDtype,
+    /// Print one JSON object instead of the tables.
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// One phase of one row.
+#[derive(Debug, Clone, Serialize)]
+pub struct PhaseRow {
+    pub phase: String,
+    /// Milliseconds per step.
+    pub ms: f64,
+    /// Share of the step, percent.
+    pub pct_step: f64,
+    /// The roofline's milliseconds (max of bytes / bandwidth and FLOPs / peak),
+    /// when the phase declares its work.
+    pub roofline_ms: Option<f64>,
+    /// `roofline_ms / ms`, percent.
+    pub pct_roofline: Option<f64>,
+    /// What bounds it: "bw" or "fma".
+    pub bound: Option<&'static str>,
+}
+
+/// One measured row.
+#[derive(Debug, Clone, Serialize)]
+pub struct StepRow {
+    /// "decode" or "prefill".
+    pub kind: &'static str,
+    pub seqs: usize,
+    pub tokens: usize,
+    pub context: usize,
+    pub step_ms: f64,
+    pub tokens_per_s: f64,
+    pub phases: Vec<PhaseRow>,
+}
+
+fn list(s: &str, what: &str) -> Result<Vec<usize>> {
+    s.split(',')
+        .filter(|t| !t.trim().is_empty())
+        .map(|t| {
+            t.trim()
+                .parse::<usize>()
+                .ok()
+                .filter(|&v| v > 0)
+                .with_context(|| format!("{what}: '{t}' is not a positive integer"))
+        })
+        .collect()
+}
+
+/// f32 FMA peak of rayon's threads with the best tier, GFLOP/s.
+fn fma_peak() -> f64 {
+    let k = kernels();
+    let mut best = 0.0f64;
+    for _ in 0..3 {
+        let start = Instant::now();
+        let r = rayon::broadcast(|_| k.fma_probe(20_000_000));
+        let secs = start.elapsed().as_secs_f64();
+        let flops: f64 = r.iter().map(|(f, _)| f).sum();
+        std::hint::black_box(r);
+        best = best.max(flops / secs / 1e9);
+    }
+    best
+}
+
+/// Bytes of one expert's weights in the precision it is kept in.
+fn expert_bytes(cfg: &ModelConfig, dtype: ExpertDtype) -> usize {
+    let per = match dtype {
+        ExpertDtype::Int8 => 1,
+        _ => 2,
+    };
+    3 * cfg.hidden_size * cfg.moe_intermediate_size * per
+}
+
+/// Multiply-adds of attention itself per query row per cached position,
+/// summed over layers: per query head, a key dot and a value axpy.
+fn attn_macs_per_pos(cfg: &ModelConfig) -> usize {
+    let nh = cfg.num_attention_heads;
+    cfg.layers
+        .iter()
+        .map(|l| match &cfg.mla {
+            Some(m) => nh * (2 * m.kv_lora_rank + m.qk_rope_head_dim),
+            None => nh * 2 * l.head_dim,
+        })
+        .sum()
+}
+
+/// A roofline time in seconds and what bounds it ("bw" or "fma").
+type Roof = (f64, &'static str);
+
+/// What the median pass of a row did.
+struct Measured {
+    step: f64,
+    sampling: f64,
+    profile: Profile,
+    /// Distinct experts touched per step, summed over layers.
+    experts: usize,
+    /// Routed (token, expert) pairs per step, summed over layers.
+    pairs: usize,
+    /// KV bytes attention read per step.
+    kv_bytes: usize,
+    /// Attention multiply-adds per step.
+    attn_macs: usize,
+}
+
+fn random_tokens(n: usize, vocab: usize, seed: &mut u64) -> Vec<u32> {
+    (0..n)
+        .map(|_| {
+            *seed = seed
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            ((*seed >> 33) % vocab as u64) as u32
+        })
+        .collect()
+}
+
+/// Most timed passes of one row (bounds the cache a decode row grows into).
+const MAX_PASSES: usize = 48;
+
+/// Times one row: `seqs` sequences with `past` cached positions each take
+/// `new` tokens. Decode rows prefill their context once and then step
+/// repeatedly (the context grows by one per pass); prefill rows start from an
+/// empty cache every pass.
+fn measure_row(
+    model: &Model,
+    seqs: usize,
+    past: usize,
+    new: usize,
+    min: Duration,
+) -> Result<Measured> {
+    let cfg = &model.config;
+    let vocab = cfg.vocab_size;
+    let grow = if past > 0 {
+        (MAX_PASSES + 1) * new
+    } else {
+        new
+    };
+    let block = 16;
+    let mut pool = model.new_pool(block, seqs * (past + grow).div_ceil(block));
+    let mut seed = 0x5eed_u64 ^ (seqs * 1000 + past * 7 + new) as u64;
+    let mut sampler = Sampler::new(SamplingParams {
+        temperature: 1.0,
+        top_p: 0.95,
+        ..Default::default()
+    });
+    let kv_per_pos: usize = model
+        .kv_layer_widths()
+        .iter()
+        .map(|(k, v)| (k + v) * 4)
+        .sum();
+    let macs_per_pos = attn_macs_per_pos(cfg);
+    let mut caches: Vec<_> = (0..seqs).map(|_| model.new_cache()).collect();
+    let prefill_context = |caches: &mut Vec<_>, pool: &mut _, seed: &mut u64| -> Result<()> {
+        if past == 0 {
+            return Ok(());
+        }
+        let prompts: Vec<Vec<u32>> = (0..seqs)
+            .map(|_| random_tokens(past, vocab, seed))
+            .collect();
+        let mut inputs: Vec<SeqInput> = caches
+            .iter_mut()
+            .zip(&prompts)
+            .map(|(c, p)| SeqInput {
+                tokens: p,
+                cache: c,
+                logits: false,
+            })
+            .collect();
+        model.forward(&mut inputs, pool, LogitsMode::Last, false)?;
+        Ok(())
+    };
+    prefill_context(&mut caches, &mut pool, &mut seed)?;
+    // (step seconds, sampling seconds, profile) of each counted pass.
+    let mut passes: Vec<(f64, f64, Profile)> = Vec::new();
+    let (mut experts, mut pairs, mut attended) = (0usize, 0usize, 0usize);
+    let start = Instant::now();
+    // The first pass warms caches and threads and is not counted.
+    let mut pass = 0;
+    while pass < 4 || (start.elapsed() < min && pass <= MAX_PASSES) {
+        if past == 0 && pass > 0 {
+            for c in &mut caches {
+                model.release(&mut pool, c);
+            }
+            model.flush_releases();
+        }
+        let cached: usize = caches.iter().map(|c| c.len()).sum();
+        let news: Vec<Vec<u32>> = (0..seqs)
+            .map(|_| random_tokens(new, vocab, &mut seed))
+            .collect();
+        let mut inputs: Vec<SeqInput> = caches
+            .iter_mut()
+            .zip(&news)
+            .map(|(c, p)| SeqInput {
+                tokens: p,
+                cache: c,
+                logits: true,
+            })
+            .collect();
+        let _ = profile::take();
+        profile::set_enabled(true);
+        let t0 = Instant::now();
+        let out = model.forward(&mut inputs, &mut pool, LogitsMode::Last, true);
+        let step = t0.elapsed().as_secs_f64();
+        profile::set_enabled(false);
+        let prof = profile::take();
+        let mut out = out?;
+        drop(inputs);
+        let t1 = Instant::now();
+        for row in out.logits.chunks_mut(vocab) {
+            std::hint::black_box(sampler.sample(row, &[], &[]));
+        }
+        let sampling = t1.elapsed().as_secs_f64();
+        if pass > 0 {
+            passes.push((step, sampling, prof));
+            (experts, pairs) = (0, 0);
+            for t in &out.router {
+                let mut ids = t.routing.topk_ids.clone();
+                pairs += ids.len();
+                ids.sort_unstable();
+                ids.dedup();
+                experts += ids.len();
+            }
+            // Each new token attends to what was cached and to the new ones
+            // before it (causal).
+            attended = cached * new + seqs * new * (new + 1) / 2;
+        }
+        pass += 1;
+    }
+    for c in &mut caches {
+        model.release(&mut pool, c);
+    }
+    model.flush_releases();
+    // The median pass by step time, with its own phases (so they add up).
+    passes.sort_by(|a, b| a.0.total_cmp(&b.0));
+    let (step, sampling, profile) = passes.swap_remove(passes.len() / 2);
+    Ok(Measured {
+        step,
+        sampling,
+        profile,
+        experts,
+        pairs,
+        // Every position attended to is read once per step (per KV head group).
+        kv_bytes: (attended / new.max(1)) * kv_per_pos,
+        attn_macs: attended * macs_per_pos,
+    })
+}
+
+/// Measures every row.
+pub fn measure(args: &BenchStepArgs) -> Result<(f64, f64, Vec<StepRow>)> {
+    let decode = list(&args.decode, "--decode")?;
+    let prefill = list(&args.prefill, "--prefill")?;
+    if decode.is_empty() && prefill.is_empty() {
+        bail!("nothing to measure: --decode and --prefill are both empty");
+    }
+    let opts = LoadOptions {
+        expert_dtype: args.expert_dtype,
+        ..Default::default()
+    };
+    let model = Model::load_with(&args.model, &opts)
+        .with_context(|| format!("loading {}", args.model.display()))?;
+    let cfg = &model.config;
+    if args.context + 1 > cfg.max_position_embeddings {
+        bail!(
+            "--context {} exceeds the model's {} positions",
+            args.context,
+            cfg.max_position_embeddings
+        );
+    }
+    let bw = crate::bench_linear::measure_bandwidth();
+    let peak = fma_peak();
+    let min = Duration::from_millis(args.min_ms);
+    let e_bytes = expert_bytes(cfg, args.expert_dtype);
+    let e_macs = 3 * cfg.hidden_size * cfg.moe_intermediate_size;
+    let mut rows = Vec::new();
+    let runs = decode
+        .iter()
+        .map(|&b| ("decode", b, args.context, 1))
+        .chain(prefill.iter().map(|&t| ("prefill", 1, 0, t)));
+    for (kind, seqs, past, new) in runs {
+        let m = measure_row(&model, seqs, past, new, min)?;
+        let roof = |bytes: usize, macs: usize| -> (f64, &'static str) {
+            let (b, f) = (bytes as f64 / bw / 1e9, 2.0 * macs as f64 / peak / 1e9);
+            if b >= f { (b, "bw") } else { (f, "fma") }
+        };
+        let p = &m.profile;
+        let secs = |ph: Phase| p.get(ph).seconds;
+        let declared = |ph: Phase| {
+            let t = p.get(ph);
+            (t.bytes as usize, t.macs as usize)
+        };
+        let attn_core = secs(Phase::Attention) - secs(Phase::AttnProj) - secs(Phase::AttnOut);
+        let mut phases: Vec<(String, f64, Option<Roof>)> = Vec::new();
+        let with_work = |ph: Phase| {
+            let (b, mc) = declared(ph);
+            (b > 0 || mc > 0).then(|| roof(b, mc))
+        };
+        phases.push(("embed".into(), secs(Phase::Embed), None));
+        phases.push((
+            Phase::AttnProj.name().into(),
+            secs(Phase::AttnProj),
+            with_work(Phase::AttnProj),
+        ));
+        phases.push((
+            "attention (core)".into(),
+            attn_core,
+            Some(roof(m.kv_bytes, m.attn_macs)),
+        ));
+        phases.push((
+            Phase::AttnOut.name().into(),
+            secs(Phase::AttnOut),
+            with_work(Phase::AttnOut),
+        ));
+        phases.push((
+            Phase::Router.name().into(),
+            secs(Phase::Router),
+            with_work(Phase::Router),
+        ));
+        phases.push((
+            Phase::Experts.name().into(),
+            secs(Phase::Experts),
+            (m.experts > 0).then(|| roof(m.experts * e_bytes, m.pairs * e_macs)),
+        ));
+        for ph in [
+            Phase::Combine,
+            Phase::Shared,
+            Phase::DenseMlp,
+            Phase::LmHead,
+        ] {
+            phases.push((ph.name().into(), secs(ph), with_work(ph)));
+        }
+        let listed: f64 = phases.iter().map(|(_, s, _)| s).sum();
+        phases.push((
+            "other (norms, rope, ...)".into(),
+            (m.step - listed).max(0.0),
+            None,
+        ));
+        phases.push(("sampling (after step)".into(), m.sampling, None));
+        let step = m.step;
+        rows.push(StepRow {
+            kind,
+            seqs,
+            tokens: seqs * new,
+            context: past,
+            step_ms: step * 1e3,
+            tokens_per_s: (seqs * new) as f64 / step,
+            phases: phases
+                .into_iter()
+                .filter(|(name, s, r)| *s > 0.0 || r.is_some() || name.starts_with("other"))
+                .map(|(phase, s, r)| PhaseRow {
+                    phase,
+                    ms: s * 1e3,
+                    pct_step: 100.0 * s / step,
+                    roofline_ms: r.map(|(t, _)| t * 1e3),
+                    pct_roofline: r.map(|(t, _)| if s > 0.0 { 100.0 * t / s } else { 0.0 }),
+                    bound: r.map(|(_, b)| b),
+                })
+                .collect(),
+        });
+    }
+    Ok((bw, peak, rows))
+}
+
+/// Runs the command.
+pub fn run(args: &BenchStepArgs) -> Result<()> {
+    let (bw, peak, rows) = measure(args)?;
+    let tier = kernels().tier().name();
+    let threads = rayon::current_num_threads();
+    if args.json {
+        let v = serde_json::json!({
+            "model": args.model, "tier": tier, "threads": threads,
+            "bandwidth_gbps": bw, "fma_peak_gflops": peak, "rows": rows,
+        });
+        println!("{v}");
+        return Ok(());
+    }
+    println!(
+        "one forward step of {}: tier {tier}, {threads} threads, read bandwidth {bw:.1} GB/s, \
+         f32 FMA peak {peak:.0} GFLOP/s",
+        args.model.display()
+    );
+    for r in &rows {
+        println!();
+        println!(
+            "{} {} seq x {} new token(s), {} cached: {:.2} ms per step, {:.1} tok/s",
+            r.kind,
+            r.seqs,
+            r.tokens / r.seqs.max(1),
+            r.context,
+            r.step_ms,
+            r.tokens_per_s
+        );
+        println!(
+            "  {:<26} {:>9} {:>7} {:>12} {:>11}",
+            "phase", "ms", "% step", "roofline ms", "% roofline"
+        );
+        for p in &r.phases {
+            let (roof, pct) = match (p.roofline_ms, p.pct_roofline, p.bound) {
+                (Some(t), Some(pc), Some(b)) => (format!("{t:.3} {b:>3}"), format!("{pc:.0}")),
+                _ => ("-".into(), "-".into()),
+            };
+            println!(
+                "  {:<26} {:>9.3} {:>7.1} {:>12} {:>11}",
+                p.phase, p.ms, p.pct_step, roof, pct
+            );
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn fixture() -> PathBuf {
+        PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/qwen3_moe_a/bf16")
+    }
+
+    #[test]
+    fn tiny_bench_runs_and_names_every_phase() -> Result<()> {
+        let args = BenchStepArgs {
+            model: fixture(),
+            decode: "2".into(),
+            context: 5,
+            prefill: "7".into(),
+            min_ms: 0,
+            expert_dtype: ExpertDtype::Auto,
+            json: false,
+        };
+        let (_, _, rows) = measure(&args)?;
+        assert_eq!(rows.len(), 2);
+        assert_eq!(
+            (rows[0].kind, rows[0].seqs, rows[0].tokens),
+            ("decode", 2, 2)
+        );
+        assert_eq!((rows[1].kind, rows[1].tokens), ("prefill", 7));
+        for r in &rows {
+            let names: Vec<&str> = r.phases.iter().map(|p| p.phase.as_str()).collect();
+            for want in [
+                "attn q/k/v proj",
+                "attention (core)",
+                "router",
+                "experts",
+                "lm head",
+            ] {
+                assert!(names.contains(&want), "{want} missing from {names:?}");
+            }
+            let sum: f64 = r
+                .phases
+                .iter()
+                .filter(|p| !p.phase.starts_with("sampling"))
+                .map(|p| p.ms)
+                .sum();
+            assert!(
+                sum <= r.step_ms * 1.0001 + 1e-6,
+                "phases {sum} exceed the step {}",
+                r.step_ms
+            );
+        }
+        let bad = BenchStepArgs {
+            decode: "0".into(),
+            ..args
+        };
+        let e = measure(&bad).expect_err("zero batch");
+        assert!(format!("{e:#}").contains("--decode"), "{e:#}");
+        Ok(())
+    }
+}
