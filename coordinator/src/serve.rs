@@ -60,6 +60,10 @@ pub struct ServeArgs {
     /// Expert precision: auto (bf16 when exact), bf16, int8 (W8A8).
     #[arg(long, default_value = "auto")]
     pub expert_dtype: epserve_core::experts::ExpertDtype,
+    /// Precision of the dense projections outside the experts (attention,
+    /// dense MLPs, shared experts, LM head): bf16, or int8 (W8A8, quantized at load).
+    #[arg(long, default_value = "bf16")]
+    pub dense_dtype: epserve_core::experts::DenseDtype,
 }
 
 /// Parses `2GiB`, `512MiB`, `1.5G`, `1000000`.
@@ -142,6 +146,7 @@ pub fn run(args: &ServeArgs, status: Status) -> Result<()> {
     let model = args.model.clone();
     let opts = epserve_core::experts::LoadOptions {
         expert_dtype: args.expert_dtype,
+        dense_dtype: args.dense_dtype,
         ..Default::default()
     };
     serve_with(&rt, args, status, move || {

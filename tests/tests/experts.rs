@@ -5,12 +5,13 @@
 //! - bf16 packed vs the portable `LocalExperts` twin: logits at every position
 //!   of prompt + transformers' greedy continuation agree to 1e-4 (weights are
 //!   bf16-exact and activations stay f32; only summation order differs).
-//! - int8 W8A8 vs bf16, teacher-forced on the same sequence: the next-token
+//! - int8 W8A8 experts (and, separately, int8 dense projections) vs bf16,
+//!   teacher-forced on the same sequence: the next-token
 //!   argmax agrees on at least 90% of the generation positions and always at
 //!   the first one; the mean per-token KL(bf16 ‖ int8) of the next-token
 //!   distributions is printed (`cargo test --test experts -- --nocapture`).
 
-use epserve_core::experts::{ExecutorKind, ExpertDtype, LoadOptions};
+use epserve_core::experts::{DenseDtype, ExecutorKind, ExpertDtype, LoadOptions};
 use epserve_core::model::{LogitsMode, Model, SeqInput};
 use epserve_tests::{fixture_dir, fixture_names, golden};
 
@@ -92,6 +93,17 @@ fn packed_bf16_matches_portable_on_fixtures() {
 /// of `cand` agrees with `reference` on at least 90% of the generation
 /// positions and always at the first; returns (agreeing, positions, Σ KL).
 fn agreement(name: &str, what: &str, reference: &Model, cand: &Model) -> (usize, usize, f64) {
+    agreement_at_least(name, what, reference, cand, 0.9)
+}
+
+/// [`agreement`] with the least share of agreeing positions `min_rate`.
+fn agreement_at_least(
+    name: &str,
+    what: &str,
+    reference: &Model,
+    cand: &Model,
+    min_rate: f64,
+) -> (usize, usize, f64) {
     let v = golden(name).vocab_size;
     let (mut agree_all, mut total_all, mut kl_all) = (0usize, 0usize, 0.0f64);
     for (case, ids, start) in sequences(name) {
@@ -118,7 +130,7 @@ fn agreement(name: &str, what: &str, reference: &Model, cand: &Model) -> (usize,
             100.0 * rate,
             kl / positions as f64
         );
-        assert!(rate >= 0.9, "{name}/{case}: {what} agreement {rate}");
+        assert!(rate >= min_rate, "{name}/{case}: {what} agreement {rate}");
         agree_all += agree;
         total_all += positions;
         kl_all += kl;
@@ -139,6 +151,35 @@ fn int8_agrees_with_bf16_on_fixtures_and_reports_kl() {
     }
     eprintln!(
         "all fixtures: int8 vs bf16 greedy agreement {agree_all}/{total_all} ({:.1}%), mean KL {:.2e} nats/token",
+        100.0 * agree_all as f64 / total_all.max(1) as f64,
+        kl_all / total_all.max(1) as f64
+    );
+}
+
+/// `--dense-dtype int8`: the attention / dense-MLP / shared-expert / LM-head
+/// projections in W8A8 (experts bf16), against everything bf16: the first
+/// greedy token always agrees and at least 80% of the rest (int8 experts
+/// keep 90%: on these hidden-64 random fixtures every token crosses every
+/// dense projection, and per-row activation scales are coarse at that width;
+/// measured 87.5-100% per case), KL printed.
+#[test]
+fn int8_dense_agrees_with_bf16_on_fixtures_and_reports_kl() {
+    let (mut agree_all, mut total_all, mut kl_all) = (0usize, 0usize, 0.0f64);
+    for name in fixture_names() {
+        let bf = load(&name, ExecutorKind::Packed, ExpertDtype::Auto);
+        let opts = LoadOptions {
+            dense_dtype: DenseDtype::Int8,
+            ..LoadOptions::default()
+        };
+        let dir = fixture_dir(&name).join("bf16");
+        let q = Model::load_with(&dir, &opts).unwrap_or_else(|e| panic!("{name}: {e}"));
+        let (a, t, k) = agreement_at_least(&name, "int8 dense vs bf16", &bf, &q, 0.8);
+        agree_all += a;
+        total_all += t;
+        kl_all += k;
+    }
+    eprintln!(
+        "all fixtures: int8 dense vs bf16 greedy agreement {agree_all}/{total_all} ({:.1}%), mean KL {:.2e} nats/token",
         100.0 * agree_all as f64 / total_all.max(1) as f64,
         kl_all / total_all.max(1) as f64
     );

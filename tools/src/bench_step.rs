@@ -16,7 +16,7 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, Result, bail};
 use clap::Args;
 use epserve_core::config::ModelConfig;
-use epserve_core::experts::{ExpertDtype, LoadOptions};
+use epserve_core::experts::{DenseDtype, ExpertDtype, LoadOptions};
 use epserve_core::kernels::dispatch::kernels;
 use epserve_core::model::{LogitsMode, Model, SeqInput};
 use epserve_core::profile::{self, Phase, Profile};
@@ -44,6 +44,10 @@ pub struct BenchStepArgs {
     /// Expert precision: auto (bf16 when exact), bf16, int8 (W8A8).
     #[arg(long, default_value = "auto")]
     pub expert_dtype: ExpertDtype,
+    /// Precision of the dense projections outside the experts (attention,
+    /// dense MLPs, shared experts, LM head): bf16, or int8 (W8A8, quantized at load).
+    #[arg(long, default_value = "bf16")]
+    pub dense_dtype: DenseDtype,
     /// Print one JSON object instead of the tables.
     #[arg(long)]
     pub json: bool,
@@ -298,6 +302,7 @@ pub fn measure(args: &BenchStepArgs) -> Result<(f64, f64, Vec<StepRow>)> {
     }
     let opts = LoadOptions {
         expert_dtype: args.expert_dtype,
+        dense_dtype: args.dense_dtype,
         ..Default::default()
     };
     let model = Model::load_with(&args.model, &opts)
@@ -468,6 +473,7 @@ mod tests {
             prefill: "7".into(),
             min_ms: 0,
             expert_dtype: ExpertDtype::Auto,
+            dense_dtype: DenseDtype::Int8,
             json: false,
         };
         let (_, _, rows) = measure(&args)?;

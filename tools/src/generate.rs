@@ -53,6 +53,10 @@ pub struct GenerateArgs {
     /// Expert precision: auto (bf16 when exact), bf16, int8 (W8A8).
     #[arg(long, default_value = "auto")]
     pub expert_dtype: epserve_core::experts::ExpertDtype,
+    /// Precision of the dense projections outside the experts (attention,
+    /// dense MLPs, shared experts, LM head): bf16, or int8 (W8A8, quantized at load).
+    #[arg(long, default_value = "bf16")]
+    pub dense_dtype: epserve_core::experts::DenseDtype,
 }
 
 /// Runs the command.
@@ -60,6 +64,7 @@ pub fn run(args: &GenerateArgs) -> Result<()> {
     let start = std::time::Instant::now();
     let opts = epserve_core::experts::LoadOptions {
         expert_dtype: args.expert_dtype,
+        dense_dtype: args.dense_dtype,
         ..Default::default()
     };
     let engine = Engine::load_with(&args.model, &opts)?;

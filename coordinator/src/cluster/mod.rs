@@ -311,11 +311,13 @@ fn serve_with_dispatcher(
     attention: Option<Arc<attention::RemoteAttention>>,
 ) -> Result<()> {
     let dir = args.model.clone();
+    let dense_dtype = args.dense_dtype;
     crate::serve::serve_with(rt, args, status, move || {
         let ws = WeightStore::open(&dir)?;
         let attention =
             attention.map(|a| a as Arc<dyn epserve_core::model::attn_shard::AttentionBackend>);
-        let model = Model::from_store_with(cfg, &ws, dispatcher, attention)?;
+        let mut model = Model::from_store_with(cfg, &ws, dispatcher, attention)?;
+        model.set_dense_dtype(dense_dtype);
         let tokenizer = Tokenizer::from_dir(&dir)?;
         let generation = GenerationConfig::from_dir(&dir)?;
         Ok(Engine::from_parts(model, tokenizer, generation, &dir))

@@ -23,7 +23,7 @@ mod load;
 pub mod local;
 pub mod packed;
 pub mod pool;
-mod run;
+pub(crate) mod run;
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -85,6 +85,31 @@ impl std::str::FromStr for ExpertDtype {
     }
 }
 
+/// Precision of the dense projections outside the experts (attention q/k/v/o
+/// and MLA input/output projections, dense MLPs, shared experts, the LM
+/// head; routers stay exact).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum DenseDtype {
+    /// bf16 panels when the weights are bf16-exact (f32 activations), the
+    /// plain path otherwise.
+    #[default]
+    Bf16,
+    /// int8 W8A8: weights requantized per output channel at load,
+    /// activations per row at each call.
+    Int8,
+}
+
+impl std::str::FromStr for DenseDtype {
+    type Err = String;
+    fn from_str(s: &str) -> std::result::Result<Self, String> {
+        match s.trim().to_ascii_lowercase().as_str() {
+            "bf16" | "bfloat16" | "auto" => Ok(DenseDtype::Bf16),
+            "int8" | "i8" | "w8a8" => Ok(DenseDtype::Int8),
+            _ => Err(format!("unknown dense dtype '{s}' (bf16, int8)")),
+        }
+    }
+}
+
 /// Which executor runs the experts.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub enum ExecutorKind {
@@ -101,6 +126,8 @@ pub struct LoadOptions {
     pub executor: ExecutorKind,
     /// Default precision of every expert.
     pub expert_dtype: ExpertDtype,
+    /// Precision of the dense projections outside the experts.
+    pub dense_dtype: DenseDtype,
     /// Per-expert precision `(layer, expert) → dtype` (e.g. cold experts int8,
     /// hot ones bf16), overriding `expert_dtype`.
     pub expert_dtype_overrides: BTreeMap<(usize, usize), ExpertDtype>,

@@ -28,10 +28,10 @@ const ITEMS_PER_THREAD: usize = 4;
 
 /// One work item: panels `p0..p1` of expert `e`'s matrix.
 #[derive(Clone, Copy)]
-pub(super) struct Item {
-    pub(super) e: u32,
-    pub(super) p0: u32,
-    pub(super) p1: u32,
+pub(crate) struct Item {
+    pub(crate) e: u32,
+    pub(crate) p0: u32,
+    pub(crate) p1: u32,
 }
 
 impl Item {
@@ -80,7 +80,7 @@ pub(super) fn build_items(
 /// (`row(i)` is row `i`'s index in `src`) and hands each panel's results to
 /// `epi(i, panel, val)` where `val[c]` is row `i`'s dequantized channel `c`.
 #[allow(clippy::too_many_arguments)]
-pub(super) fn run_panels(
+pub(crate) fn run_panels(
     k: &Kernels,
     bf16x: bool,
     data: &DataView<'_>,

@@ -241,6 +241,11 @@ impl Attention {
         }
     }
 
+    /// The dense projections (q/k/v stack, o), for requantizing.
+    pub fn linears_mut(&mut self) -> [&mut Linear; 2] {
+        [&mut self.qkv, &mut self.o]
+    }
+
     /// Floats per cached position (keys or values).
     pub fn kv_width(&self) -> usize {
         self.kv_heads * self.head_dim

@@ -1,27 +1,37 @@
-//! Dense linear layers (`y = x·Wᵀ + b`) on the packed bf16 panels the expert
-//! kernels read: a weight that is exactly bf16-representable (every bf16
-//! checkpoint, and the bf16-rounded f32 fixtures) is repacked once at load
-//! into 16-channel panels, and every call runs the best tier's bf16 tile
-//! (`kernels::dispatch`, `EPSERVE_KERNEL` to force one) over token tiles and
-//! K blocks, in parallel over panels. Other weights (f16, true f32) keep the
-//! plain [`kernels::linear`](crate::kernels::linear), which is also this
-//! path's scalar twin in the tests. [`DenseMlp`] is a dense MLP or shared
-//! expert on such projections.
+//! Dense linear layers (`y = x·Wᵀ + b`) on the packed panels and the very
+//! panel runner the experts use ([`run_panels`]): a weight that is exactly
+//! bf16-representable (every bf16 checkpoint, and the bf16-rounded f32
+//! fixtures) is repacked once at load into 16-channel bf16 panels; with
+//! `--dense-dtype int8` it is requantized to int8 W8A8 panels
+//! ([`Linear::to_int8`]). Every call runs the best tier
+//! (`kernels::dispatch`, `EPSERVE_KERNEL` to force one): decode streams each
+//! panel once over the whole K; prefill takes blocks of [`MB`] rows against
+//! runs of panels (the two-panel tile, or AMX tiles where the CPU has them),
+//! in parallel over (row block, panel run). Other weights (f16, true f32)
+//! keep the plain [`kernels::linear`](crate::kernels::linear), which is also
+//! this path's scalar twin in the tests. [`DenseMlp`] is a dense MLP or
+//! shared expert on such projections.
 
 use rayon::prelude::*;
 
 use crate::config::Activation;
-use crate::experts::packed::{AlignedBuf, PackedDtype, PackedMatrix};
+use crate::experts::packed::{PackedData, PackedDtype, PackedMatrix};
+use crate::experts::run::{Item, run_panels};
 use crate::kernels::dispatch::{Kernels, kernels};
-use crate::kernels::layout::{NR, bf16_padded_k};
+use crate::kernels::layout::{
+    NR, Src, bf16_bits_to_f32, bf16_index, bf16_padded_k, i8_padded_k, quantize_row_i8,
+};
 use crate::kernels::linear;
 use crate::moe::mlp::{GatedMlp, gated_forward};
 use crate::tensor::Weight;
 
-/// `k` per block: a 16 KiB chunk of a panel stays in L1 across a token tile.
-const KC: usize = 512;
+/// Rows per block on the prefill path: a block's activations (f32, K up to
+/// a few thousand) stay in L2 while runs of panels stream past them.
+pub const MB: usize = 64;
 /// Below this many multiply-adds a call stays on the calling thread.
 const PAR_THRESHOLD: usize = 1 << 16;
+/// Work items per thread (load balance vs. scheduling overhead).
+const ITEMS_PER_THREAD: usize = 4;
 
 /// A dense weight `[n, k]`, or several weights of the same input width
 /// stacked into one (fused q/k/v, gate/up: one pass over the input and one
@@ -37,9 +47,9 @@ pub struct Linear {
 }
 
 enum Form {
-    /// The bf16 panels of all parts' rows, `n.div_ceil(16)` of
-    /// `bf16_padded_k(k) · 16` words (a panel may straddle two parts).
-    Packed(AlignedBuf<u16>),
+    /// bf16 or int8 panels of all parts' rows, `n.div_ceil(16)` panels (a
+    /// panel may straddle two parts).
+    Packed(PackedMatrix),
     /// One weight per part.
     Plain(Vec<Weight>),
 }
@@ -84,8 +94,7 @@ impl Linear {
             }
             j < n
         })
-        .ok()
-        .and_then(PackedMatrix::into_bf16);
+        .ok();
         Linear {
             shape: [n, k],
             parts,
@@ -93,6 +102,54 @@ impl Linear {
                 Some(p) => Form::Packed(p),
                 None => Form::Plain(ws),
             },
+        }
+    }
+
+    /// Row `j` of the stacked weight as f32 (exact for bf16 panels).
+    fn row_f32(&self, j: usize, buf: &mut [f32]) {
+        let k = self.shape[1];
+        match &self.form {
+            Form::Plain(ws) => {
+                let mut r = j;
+                for w in ws {
+                    if r < w.shape()[0] {
+                        return w.row_to_f32(r, buf);
+                    }
+                    r -= w.shape()[0];
+                }
+            }
+            Form::Packed(pm) => match pm.data() {
+                PackedData::Bf16(d) => {
+                    let panel = &d.as_slice()[(j / NR) * bf16_padded_k(k) * NR..];
+                    for (kk, v) in buf.iter_mut().enumerate().take(k) {
+                        *v = bf16_bits_to_f32(panel[bf16_index(kk, j % NR)]);
+                    }
+                }
+                // Already int8: not requantized (callers check the dtype).
+                PackedData::I8 { .. } => buf.fill(0.0),
+            },
+        }
+    }
+
+    /// Requantizes the weights to int8 panels (per-output-channel symmetric
+    /// scales; activations are quantized per row at each call: W8A8).
+    pub fn to_int8(&mut self) {
+        if self.dtype() == Some(PackedDtype::Int8) {
+            return;
+        }
+        let [n, k] = self.shape;
+        let mut tmp = vec![0.0f32; k];
+        let packed =
+            PackedMatrix::pack(k, n.div_ceil(NR), PackedDtype::Int8, false, |p, c, buf| {
+                let j = p * NR + c;
+                if j < n {
+                    self.row_f32(j, &mut tmp);
+                    buf.copy_from_slice(&tmp);
+                }
+                j < n
+            });
+        if let Ok(p) = packed {
+            self.form = Form::Packed(p);
         }
     }
 
@@ -111,10 +168,18 @@ impl Linear {
         matches!(self.form, Form::Packed(_))
     }
 
+    /// The packed precision, `None` on the plain path.
+    pub fn dtype(&self) -> Option<PackedDtype> {
+        match &self.form {
+            Form::Packed(p) => Some(p.dtype()),
+            Form::Plain(_) => None,
+        }
+    }
+
     /// Weight bytes one call reads (what bounds a decode step).
     pub fn bytes(&self) -> usize {
         match &self.form {
-            Form::Packed(_) => self.shape[0] * self.shape[1] * 2,
+            Form::Packed(p) => p.bytes(),
             Form::Plain(ws) => ws.iter().map(|w| w.bytes().len()).sum(),
         }
     }
@@ -170,60 +235,113 @@ impl Linear {
             outs.len(),
             biases.len()
         );
-        let data = match &self.form {
+        let pm = match &self.form {
             Form::Plain(ws) => {
                 for ((w, b), out) in ws.iter().zip(biases).zip(outs.iter_mut()) {
                     linear(x, rows, w, *b, out);
                 }
                 return;
             }
-            Form::Packed(d) => d,
+            Form::Packed(pm) => pm,
         };
         let [n, k] = self.shape;
         debug_assert_eq!(x.len(), rows * k);
         if rows == 0 || n == 0 {
             return;
         }
-        let panel_len = bf16_padded_k(k) * NR;
-        let data = data.as_slice();
-        let mr = kern.bf16_mr();
-        // [panel][row][16]: each panel's outputs are one contiguous chunk.
-        let mut tmp = vec![0.0f32; n.div_ceil(NR) * rows * NR];
-        let run = |p: usize, dst: &mut [f32]| {
-            let panel = &data[p * panel_len..(p + 1) * panel_len];
-            for (ti, acc) in dst.chunks_mut(mr * NR).enumerate() {
-                let t0 = ti * mr;
-                let tn = acc.len() / NR;
-                let mut k0 = 0;
-                while k0 < k {
-                    let kc = KC.min(k - k0);
-                    let w = &panel[k0 * NR..(k0 + bf16_padded_k(kc)) * NR];
-                    let mut xs: [&[f32]; crate::kernels::dispatch::MAX_MR] = [&[]; _];
-                    for (r, slot) in xs.iter_mut().enumerate().take(tn) {
-                        *slot = &x[(t0 + r) * k + k0..(t0 + r + 1) * k];
-                    }
-                    kern.bf16_tile(w, kc, &xs[..tn], acc);
-                    k0 += kc;
-                }
+        let parallel = rows * n * k >= PAR_THRESHOLD;
+        // W8A8: each row's activations quantized once per call.
+        let (mut xq, mut xs) = (Vec::new(), Vec::new());
+        if pm.dtype() == PackedDtype::Int8 {
+            let kp = i8_padded_k(k);
+            xq.resize(rows * kp, 0i8);
+            xs.resize(rows, 0.0f32);
+            let quant = |((q, s), xr): ((&mut [i8], &mut f32), &[f32])| *s = quantize_row_i8(xr, q);
+            if parallel {
+                xq.par_chunks_mut(kp)
+                    .zip(xs.par_iter_mut())
+                    .zip(x.par_chunks(k))
+                    .for_each(quant);
+            } else {
+                xq.chunks_mut(kp)
+                    .zip(xs.iter_mut())
+                    .zip(x.chunks(k))
+                    .for_each(quant);
             }
+        }
+        let src = Src {
+            f32_rows: x,
+            f32_stride: k,
+            i8_rows: &xq,
+            i8_stride: i8_padded_k(k),
+            i8_scales: &xs,
+            b16_rows: &[],
+            b16_stride: 0,
         };
-        if rows * n * k < PAR_THRESHOLD {
-            for (p, dst) in tmp.chunks_mut(rows * NR).enumerate() {
-                run(p, dst);
-            }
+        let view = pm.data_view();
+        let panels = pm.panels();
+        // Decode (one tile of rows) takes every row at once; prefill blocks
+        // of MB rows.
+        let mb = if rows <= kern.bf16_mr().max(kern.i8_mr()) {
+            rows
         } else {
-            tmp.par_chunks_mut(rows * NR)
-                .enumerate()
-                .for_each(|(p, dst)| run(p, dst));
+            MB
+        };
+        let blocks = rows.div_ceil(mb);
+        let threads = if parallel {
+            rayon::current_num_threads().max(1)
+        } else {
+            1
+        };
+        let runs_per_block = (threads * ITEMS_PER_THREAD)
+            .div_ceil(blocks)
+            .clamp(1, panels);
+        let run = panels.div_ceil(runs_per_block);
+        // [row block][panel][row in block][16]: each item's outputs are one
+        // contiguous chunk.
+        let mut tmp = vec![0.0f32; rows * panels * NR];
+        let mut work: Vec<(usize, usize, usize, &mut [f32])> = Vec::new();
+        for (b, block) in tmp.chunks_mut(mb * panels * NR).enumerate() {
+            let rb = block.len() / (panels * NR);
+            for (ri, dst) in block.chunks_mut(run * rb * NR).enumerate() {
+                work.push((b * mb, rb, ri * run, dst));
+            }
+        }
+        let go = |(r0, rb, p0, dst): (usize, usize, usize, &mut [f32])| {
+            let p1 = p0 + dst.len() / (rb * NR);
+            let it = Item {
+                e: 0,
+                p0: p0 as u32,
+                p1: p1 as u32,
+            };
+            run_panels(
+                kern,
+                false,
+                &view,
+                k,
+                rb,
+                &it,
+                &|i| r0 + i,
+                &src,
+                |i, p, val| dst[((p - p0) * rb + i) * NR..][..NR].copy_from_slice(val),
+            );
+        };
+        if parallel {
+            work.into_par_iter().for_each(go);
+        } else {
+            work.into_iter().for_each(go);
         }
         let mut j0 = 0;
         for ((&np, bias), out) in self.parts.iter().zip(biases).zip(outs.iter_mut()) {
             debug_assert_eq!(out.len(), rows * np);
             for (t, row) in out.chunks_exact_mut(np).enumerate() {
+                let (b, i) = (t / mb, t % mb);
+                let rb = mb.min(rows - b * mb);
+                let block = &tmp[b * mb * panels * NR..];
                 for (jj, o) in row.iter_mut().enumerate() {
                     let j = j0 + jj;
                     let (p, c) = (j / NR, j % NR);
-                    *o = tmp[(p * rows + t) * NR + c] + bias.map_or(0.0, |b| b[jj]);
+                    *o = block[(p * rb + i) * NR + c] + bias.map_or(0.0, |b| b[jj]);
                 }
             }
             j0 += np;
@@ -262,6 +380,11 @@ impl DenseMlp {
     /// Output width (the model's hidden size).
     pub fn hidden(&self) -> usize {
         self.down.shape()[0]
+    }
+
+    /// The projections (gate/up stack, down), for requantizing.
+    pub fn linears_mut(&mut self) -> [&mut Linear; 2] {
+        [&mut self.gate_up, &mut self.down]
     }
 
     /// Weight bytes and multiply-adds of a call on `rows` rows.
@@ -318,7 +441,9 @@ mod tests {
             let bias: Vec<f32> = (0..n).map(|_| rng.random_range(-1.0..1.0)).collect();
             let lin = Linear::new(w.clone());
             assert!(lin.is_packed(), "a bf16 weight is packed");
-            for rows in [1usize, 5, 13, 40] {
+            // Below, at and above each tier's tile height, and more than one
+            // row block (MB) with a partial last block.
+            for rows in [1usize, 5, 13, 40, MB + 6, 2 * MB + 3] {
                 let x: Vec<f32> = (0..rows * k).map(|_| rng.random_range(-1.0..1.0)).collect();
                 let mut want = vec![0.0f32; rows * n];
                 linear(&x, rows, &w, Some(&bias), &mut want);
@@ -402,6 +527,44 @@ mod tests {
         linear(&x, 1, &plain, None, &mut want);
         assert_eq!(b, want);
         assert!(Linear::fused(vec![ws[0].clone(), bf16_weight(3, k + 1, &mut rng)]).is_err());
+    }
+
+    /// int8 W8A8: every tier gives the same bits (integer accumulation, one
+    /// dequantization expression), close to the bf16 result.
+    #[test]
+    fn int8_linear_is_identical_on_every_tier_and_close_to_bf16() {
+        let mut rng = rand::rngs::StdRng::seed_from_u64(5);
+        let (n, k) = (53, 300);
+        let w = bf16_weight(n, k, &mut rng);
+        let mut lin = Linear::fused(vec![w.clone()]).expect("one part");
+        lin.to_int8();
+        assert_eq!(lin.dtype(), Some(PackedDtype::Int8));
+        assert!(lin.bytes() < n * k * 2, "int8 reads fewer bytes than bf16");
+        for rows in [1usize, 4, MB + 9] {
+            let x: Vec<f32> = (0..rows * k).map(|_| rng.random_range(-1.0..1.0)).collect();
+            let mut want = vec![0.0f32; rows * n];
+            linear(&x, rows, &w, None, &mut want);
+            let scale = want.iter().fold(0.0f32, |m, v| m.max(v.abs()));
+            let mut first: Option<Vec<f32>> = None;
+            for tier in Tier::available() {
+                let Some(kern) = Kernels::for_tier(tier) else {
+                    continue;
+                };
+                let mut got = vec![f32::NAN; rows * n];
+                lin.forward_with(&kern, &x, rows, None, &mut got);
+                for (i, (a, b)) in got.iter().zip(&want).enumerate() {
+                    assert!(
+                        (a - b).abs() <= 0.02 * scale,
+                        "tier {} rows {rows} out {i}: int8 {a} vs bf16 {b}",
+                        tier.name()
+                    );
+                }
+                match &first {
+                    None => first = Some(got),
+                    Some(f) => assert_eq!(f, &got, "tier {} differs", tier.name()),
+                }
+            }
+        }
     }
 
     #[test]

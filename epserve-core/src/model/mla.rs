@@ -185,6 +185,16 @@ impl Mla {
         }
     }
 
+    /// The dense projections (input stack, `q_b_proj`, o), for
+    /// requantizing; the absorbed per-head `kv_b` slices stay as loaded.
+    pub fn linears_mut(&mut self) -> Vec<&mut Linear> {
+        let mut v = vec![&mut self.input, &mut self.o];
+        if let QProj::Lora { b, .. } = &mut self.q {
+            v.push(b);
+        }
+        v
+    }
+
     /// Floats per cached position: (latent + RoPE key, nothing for values).
     pub fn kv_widths(&self) -> (usize, usize) {
         (self.m.kv_lora_rank + self.m.qk_rope_head_dim, 0)

@@ -14,6 +14,8 @@ pub mod rope;
 use std::path::Path;
 use std::sync::Arc;
 
+use rayon::prelude::*;
+
 use crate::config::{Arch, FfnKind, ModelConfig};
 use crate::error::{Error, Result};
 pub use crate::experts::LoadOptions;
@@ -154,7 +156,41 @@ impl Model {
         let ws = WeightStore::open(dir)?;
         let experts = crate::experts::load_executor(&cfg, &ws, opts)?;
         let dispatcher = Arc::new(LocalDispatcher::new(experts));
-        Self::from_store(cfg, &ws, dispatcher)
+        let mut model = Self::from_store(cfg, &ws, dispatcher)?;
+        model.set_dense_dtype(opts.dense_dtype);
+        Ok(model)
+    }
+
+    /// Requantizes the dense projections outside the experts (attention and
+    /// MLA projections, dense MLPs, shared experts, the LM head; not the
+    /// routers) to `dtype`. bf16 is how they load, so only int8 changes them.
+    pub fn set_dense_dtype(&mut self, dtype: crate::experts::DenseDtype) {
+        if dtype != crate::experts::DenseDtype::Int8 {
+            return;
+        }
+        let mut all: Vec<&mut Linear> = vec![&mut self.lm_head];
+        for layer in &mut self.layers {
+            match &mut layer.attn {
+                LayerAttn::Gqa(a) => all.extend(a.linears_mut()),
+                LayerAttn::Mla(a) => all.extend(a.linears_mut()),
+                LayerAttn::Remote { .. } => {}
+            }
+            match &mut layer.ffn {
+                Ffn::Dense(m) => all.extend(m.linears_mut()),
+                Ffn::Moe(b) => {
+                    if let Some(sh) = &mut b.shared {
+                        all.extend(sh.mlp.linears_mut());
+                    }
+                }
+                Ffn::DenseAndMoe(p) => {
+                    all.extend(p.mlp.linears_mut());
+                    if let Some(sh) = &mut p.moe.shared {
+                        all.extend(sh.mlp.linears_mut());
+                    }
+                }
+            }
+        }
+        all.into_par_iter().for_each(|l| l.to_int8());
     }
 
     /// Loads the non-expert weights and uses `dispatcher` for the experts.
