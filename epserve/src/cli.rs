@@ -23,6 +23,14 @@ pub fn main() {
         .with_writer(std::io::stderr)
         .init();
     let cli = Cli::parse();
+    // Commands that run dense phases and experts in one process share one
+    // pinned pool; the workers size their own from --cores.
+    if matches!(
+        cli.command,
+        Command::Generate(_) | Command::Serve(_) | Command::Coordinator(_) | Command::Bench(_)
+    ) {
+        epserve_core::experts::pool::init_global_pool();
+    }
     let status = Status::new(|line| println!("{line}"));
     let result = match &cli.command {
         Command::Generate(args) => epserve_tools::generate::run(args),
