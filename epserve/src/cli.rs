@@ -35,6 +35,7 @@ pub fn main() {
             BenchCommand::Serve(args) => epserve_tools::bench_serve::run(args),
             BenchCommand::Moe(args) => epserve_tools::bench_moe::run(args),
             BenchCommand::Linear(args) => epserve_tools::bench_linear::run(args),
+            BenchCommand::Attention(args) => epserve_tools::bench_attention::run(args),
         },
         Command::Plan(args) => epserve_tools::plan::run(args),
         Command::Ctl(args) => epserve_tools::ctl::run(args),
@@ -71,7 +72,8 @@ pub enum Command {
     AttentionWorker(Box<epserve_attention_worker::AttentionWorkerArgs>),
     /// A whole local cluster on loopback: etcd, expert-workers, attention-workers, coordinator.
     Up(Box<epserve_tools::up::UpArgs>),
-    /// Benchmarks: `bench serve` (a twin of `vllm bench serve`), `bench moe`, `bench linear`.
+    /// Benchmarks: `bench serve` (a twin of `vllm bench serve`), `bench moe`, `bench linear`,
+    /// `bench attention`.
     Bench(BenchArgs),
     /// Capacity planner: expert-workers, attention-workers, experts per worker and
     /// expected decode throughput for a model on a Graviton instance type.
@@ -102,4 +104,7 @@ pub enum BenchCommand {
     /// The dense projections (attention q/k/v/o, LM head) on the packed bf16
     /// panels against their scalar twin and the machine's read bandwidth.
     Linear(Box<epserve_tools::bench_linear::BenchLinearArgs>),
+    /// The flash attention kernel (decode at 128 / 2k / 8k context, 512-row
+    /// prefill; f32 and bf16 KV) against its scalar twin and the read bandwidth.
+    Attention(Box<epserve_tools::bench_attention::BenchAttentionArgs>),
 }

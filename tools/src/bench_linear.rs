@@ -92,7 +92,7 @@ fn shapes(s: &str) -> Result<Vec<(usize, usize)>> {
 }
 
 /// Streaming read bandwidth of rayon's threads over 256 MiB, best of three, GB/s.
-fn measure_bandwidth() -> f64 {
+pub(crate) fn measure_bandwidth() -> f64 {
     let buf: Vec<u64> = (0..(256usize << 20) / 8).map(|i| i as u64).collect();
     let threads = rayon::current_num_threads().max(1);
     let per = buf.len().div_ceil(threads);
@@ -120,7 +120,7 @@ fn measure_bandwidth() -> f64 {
 }
 
 /// Median seconds per call of `f` over at least 3 passes and `min`.
-fn time(min: Duration, mut f: impl FnMut()) -> f64 {
+pub(crate) fn time(min: Duration, mut f: impl FnMut()) -> f64 {
     f();
     let start = Instant::now();
     let mut passes = Vec::new();
