@@ -58,6 +58,11 @@ pub struct AttentionWorkerArgs {
     /// Positions per KV block (the coordinator's --block-size must be a multiple).
     #[arg(long, default_value_t = 16)]
     pub block_size: usize,
+    /// KV cache element type: auto (the model's declared dtype: bf16 for
+    /// bfloat16 checkpoints, else f32), bf16 (half the memory per block), f32.
+    /// This worker's own setting (the coordinator's flag does not reach it).
+    #[arg(long, default_value = "auto")]
+    pub kv_cache_dtype: epserve_core::model::kv_cache::KvCacheDtype,
 }
 
 /// Runs the worker until SIGINT/SIGTERM; `status` gets the operator-facing
@@ -91,7 +96,8 @@ pub fn run(args: &AttentionWorkerArgs, status: Status) -> Result<()> {
         index: args.shard,
         of: args.of,
     };
-    let loaded = AttentionShard::load(&cfg, &ws, shard, kv_bytes, args.block_size)?;
+    let kv_dtype = args.kv_cache_dtype.resolve(cfg.declared_dtype.as_deref());
+    let loaded = AttentionShard::load(&cfg, &ws, shard, kv_bytes, args.block_size, kv_dtype)?;
     drop(ws);
     let id = w.id_or(|| format!("attention-{}-of-{}", args.shard, args.of));
     let advertise = w.advertise(args.listen);
@@ -113,8 +119,8 @@ pub fn run(args: &AttentionWorkerArgs, status: Status) -> Result<()> {
         };
         let mut lease = state.register(&info).await?;
         status.say(&format!(
-            "epserve attention-worker '{id}' serving AttentionService at {advertise}: shard {} of {} ({} KV blocks of {} positions, cores {cores:?})",
-            args.shard, args.of, stats.blocks_total, stats.block_size
+            "epserve attention-worker '{id}' serving AttentionService at {advertise}: shard {} of {} ({} {} KV blocks of {} positions, cores {cores:?})",
+            args.shard, args.of, stats.blocks_total, kv_dtype.name(), stats.block_size
         ));
         let server = tonic::transport::Server::builder()
             .add_service(

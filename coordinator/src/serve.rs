@@ -64,6 +64,11 @@ pub struct ServeArgs {
     /// dense MLPs, shared experts, LM head): bf16, or int8 (W8A8, quantized at load).
     #[arg(long, default_value = "bf16")]
     pub dense_dtype: epserve_core::experts::DenseDtype,
+    /// KV cache element type: auto (the model's declared dtype: bf16 for
+    /// bfloat16 checkpoints, else f32), bf16 (half the memory per block), f32. With
+    /// remote attention the attention-workers' own flag decides.
+    #[arg(long, default_value = "auto")]
+    pub kv_cache_dtype: epserve_core::model::kv_cache::KvCacheDtype,
 }
 
 /// Parses `2GiB`, `512MiB`, `1.5G`, `1000000`.
@@ -103,6 +108,7 @@ pub fn scheduler_config(args: &ServeArgs, engine: &Engine) -> Result<SchedulerCo
             (total_memory().unwrap_or(8 << 30) as f64 * args.kv_cache_fraction) as usize
         }
     };
+    let kv_dtype = engine.model.kv_dtype(args.kv_cache_dtype);
     let num_blocks = match engine.model.remote_attention() {
         // The KV lives on the attention shards: count blocks up to what the
         // smallest shard holds, so a step the scheduler admits fits there too.
@@ -112,7 +118,13 @@ pub fn scheduler_config(args: &ServeArgs, engine: &Engine) -> Result<SchedulerCo
                 .context("the attention shards did not report their KV cache capacity")?;
             cap / args.block_size
         }
-        None => kv_bytes / engine.model.kv_block_bytes(args.block_size).max(1),
+        None => {
+            kv_bytes
+                / engine
+                    .model
+                    .kv_block_bytes(args.block_size, kv_dtype)
+                    .max(1)
+        }
     };
     let capacity = num_blocks * args.block_size;
     if capacity < max_model_len {
@@ -128,6 +140,7 @@ pub fn scheduler_config(args: &ServeArgs, engine: &Engine) -> Result<SchedulerCo
         block_size: args.block_size,
         num_blocks,
         max_waiting: args.max_waiting,
+        kv_dtype,
     })
 }
 
@@ -203,6 +216,7 @@ where
             tracing::info!(
                 blocks = cfg.num_blocks,
                 block_size = cfg.block_size,
+                kv_cache_dtype = cfg.kv_dtype.name(),
                 max_model_len = cfg.max_model_len,
                 load_s = started.elapsed().as_secs_f64(),
                 "model loaded"

@@ -8,6 +8,7 @@ use std::path::{Path, PathBuf};
 use crate::error::{Error, Result};
 use crate::loader::generation::GenerationConfig;
 use crate::loader::tokenizer::{ChatMessage, Tokenizer};
+use crate::model::kv_cache::{KvCacheDtype, KvDtype};
 use crate::model::{LogitsMode, Model, SeqInput};
 use crate::sampling::{Sampler, SamplingParams};
 
@@ -17,6 +18,9 @@ pub struct Engine {
     pub tokenizer: Tokenizer,
     pub generation: GenerationConfig,
     pub dir: PathBuf,
+    /// Element type of the KV cache [`generate`](Self::generate) allocates
+    /// (default: the model's declared dtype, `--kv-cache-dtype auto`).
+    pub kv_dtype: KvDtype,
     eos_ids: Vec<u32>,
 }
 
@@ -122,11 +126,13 @@ impl Engine {
         {
             eos_ids.push(id);
         }
+        let kv_dtype = model.kv_dtype(KvCacheDtype::Auto);
         Engine {
             model,
             tokenizer,
             generation,
             dir: dir.to_path_buf(),
+            kv_dtype,
             eos_ids,
         }
     }
@@ -194,7 +200,7 @@ impl Engine {
         let stops = StopStrings::new(&req.stop);
         let mut cache = self.model.new_cache();
         let total = (n_prompt + req.max_tokens).min(max_len);
-        let mut pool = self.model.pool_for_tokens(total);
+        let mut pool = self.model.pool_for_tokens(total, self.kv_dtype);
         let mut generated: Vec<u32> = Vec::new();
         let mut next_input = req.prompt_token_ids.clone();
         let mut finish = FinishReason::Length;

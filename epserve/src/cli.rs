@@ -44,6 +44,7 @@ pub fn main() {
             BenchCommand::Moe(args) => epserve_tools::bench_moe::run(args),
             BenchCommand::Linear(args) => epserve_tools::bench_linear::run(args),
             BenchCommand::Step(args) => epserve_tools::bench_step::run(args),
+            BenchCommand::Attention(args) => epserve_tools::bench_attention::run(args),
         },
         Command::Plan(args) => epserve_tools::plan::run(args),
         Command::Ctl(args) => epserve_tools::ctl::run(args),
@@ -81,7 +82,7 @@ pub enum Command {
     /// A whole local cluster on loopback: etcd, expert-workers, attention-workers, coordinator.
     Up(Box<epserve_tools::up::UpArgs>),
     /// Benchmarks: `bench serve` (a twin of `vllm bench serve`), `bench moe`, `bench linear`,
-    /// `bench step`.
+    /// `bench step`, `bench attention`.
     Bench(BenchArgs),
     /// Capacity planner: expert-workers, attention-workers, experts per worker and
     /// expected decode throughput for a model on a Graviton instance type.
@@ -116,4 +117,7 @@ pub enum BenchCommand {
     /// attention, router, experts, combine, LM head, sampling), each against its
     /// roofline, at decode batches and prefill lengths.
     Step(Box<epserve_tools::bench_step::BenchStepArgs>),
+    /// The flash attention kernel (decode at 128 / 2k / 8k context, 512-row
+    /// prefill; f32 and bf16 KV) against its scalar twin and the read bandwidth.
+    Attention(Box<epserve_tools::bench_attention::BenchAttentionArgs>),
 }

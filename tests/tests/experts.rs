@@ -28,7 +28,11 @@ fn load(name: &str, executor: ExecutorKind, dtype: ExpertDtype) -> Model {
 /// Logits `[n, vocab]` at every position of `ids` in one prefill.
 fn all_logits(m: &Model, ids: &[u32]) -> Vec<f32> {
     let mut cache = m.new_cache();
-    let mut pool = m.new_pool(16, ids.len().div_ceil(16));
+    let mut pool = m.new_pool(
+        16,
+        ids.len().div_ceil(16),
+        epserve_core::model::kv_cache::KvDtype::F32,
+    );
     m.forward(
         &mut [SeqInput {
             tokens: ids,

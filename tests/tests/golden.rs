@@ -6,9 +6,12 @@
 //! Tolerances: the bf16 folder holds the same (bf16-representable) weights as
 //! the f32 one and the engine computes in f32 either way, so both are held to
 //! the same bound: |logit − reference| ≤ 1e-4 (logits are O(1..10); measured ≤ 2e-5).
+//! The goldens run with an f32 KV cache explicitly (`auto` would pick bf16
+//! for the bf16 folders); `bf16_kv_cache_is_close` checks the bf16 cache.
 
 use epserve_core::engine::{Engine, GenerateRequest};
-use epserve_core::model::{LogitsMode, SeqInput};
+use epserve_core::model::kv_cache::KvDtype;
+use epserve_core::model::{LogitsMode, Model, SeqInput};
 use epserve_core::sampling::SamplingParams;
 use epserve_tests::{fixture_dir, fixture_names, golden};
 
@@ -25,7 +28,8 @@ fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
 fn check_fixture(name: &str, dtype: &str) {
     let g = golden(name);
     let dir = fixture_dir(name).join(dtype);
-    let engine = Engine::load(&dir).unwrap_or_else(|e| panic!("{name}/{dtype}: {e}"));
+    let mut engine = Engine::load(&dir).unwrap_or_else(|e| panic!("{name}/{dtype}: {e}"));
+    engine.kv_dtype = KvDtype::F32;
     assert_eq!(
         engine.model.config.moe_layers(),
         g.moe_layers,
@@ -44,7 +48,7 @@ fn check_fixture(name: &str, dtype: &str) {
 
         // Whole prompt in one batched prefill, logits at every position.
         let mut cache = engine.model.new_cache();
-        let mut pool = engine.model.pool_for_tokens(ids.len());
+        let mut pool = engine.model.pool_for_tokens(ids.len(), KvDtype::F32);
         let out = engine
             .model
             .forward(
@@ -180,7 +184,7 @@ fn chunked_and_batched_prefill_agree() {
         let last_alone = |ids: &[u32], chunk: usize| -> Vec<f32> {
             let mut cache = m.new_cache();
             // Blocks of 4 so chunks straddle block boundaries.
-            let mut pool = m.new_pool(4, ids.len().div_ceil(4));
+            let mut pool = m.new_pool(4, ids.len().div_ceil(4), KvDtype::F32);
             let mut out = Vec::new();
             let pieces = ids.len().div_ceil(chunk);
             for (i, piece) in ids.chunks(chunk).enumerate() {
@@ -211,7 +215,7 @@ fn chunked_and_batched_prefill_agree() {
         }
         let (mut ca, mut cb) = (m.new_cache(), m.new_cache());
         // A small, shared pool: the two sequences' blocks interleave.
-        let mut pool = m.new_pool(2, (a.len() + b.len()).div_ceil(2) + 2);
+        let mut pool = m.new_pool(2, (a.len() + b.len()).div_ceil(2) + 2, KvDtype::F32);
         let out = m
             .forward(
                 &mut [
@@ -241,3 +245,112 @@ fn chunked_and_batched_prefill_agree() {
         );
     }
 }
+
+/// Logits `[n, vocab]` at every position of `ids`: a prefill of all but the
+/// last 4 tokens, then 4 decode steps (so attention reads cached K/V); and
+/// every MoE layer's expert choices.
+fn prefill_then_decode(m: &Model, ids: &[u32], dtype: KvDtype) -> (Vec<f32>, Vec<u32>) {
+    let mut cache = m.new_cache();
+    let mut pool = m.new_pool(4, ids.len().div_ceil(4), dtype);
+    let split = ids.len().saturating_sub(4).max(1);
+    let (mut logits, mut experts) = (Vec::new(), Vec::new());
+    for piece in std::iter::once(&ids[..split]).chain(ids[split..].chunks(1)) {
+        let out = m
+            .forward(
+                &mut [SeqInput {
+                    tokens: piece,
+                    cache: &mut cache,
+                    logits: true,
+                }],
+                &mut pool,
+                LogitsMode::All,
+                true,
+            )
+            .expect("forward");
+        logits.extend(out.logits);
+        for t in out.router {
+            experts.extend(t.routing.topk_ids);
+        }
+    }
+    (logits, experts)
+}
+
+/// A bf16 KV cache (keys and values rounded to bf16 on write) stays close
+/// to the f32 cache on every fixture, and gives the same 32 greedy tokens
+/// as transformers on qwen3_moe_a, mixtral, olmoe and deepseek_v3.
+/// Measured (2026-12-01, every fixture's cases, every position, prefill then
+/// decode): max |logit(bf16 KV) − logit(f32 KV)| = 0.157 (qwen3_moe_b/long;
+/// 0.015..0.11 elsewhere) on the 29 of 33 cases routed alike; in 4 a near-tie
+/// expert choice flips, and deepseek_v3/plain's logits then move by up to 2.93.
+#[test]
+fn bf16_kv_cache_is_close() {
+    let (mut worst, mut flips, mut cases) = (0.0f32, 0, 0);
+    for name in fixture_names() {
+        let g = golden(&name);
+        cases += g.cases.len();
+        let mut engine = Engine::load(&fixture_dir(&name).join("bf16")).expect("load");
+        assert_eq!(
+            engine.kv_dtype,
+            KvDtype::Bf16,
+            "{name}: auto picks bf16 for a bf16 folder"
+        );
+        for case in &g.cases {
+            let ids = &case.prompt_token_ids;
+            let (f, fe) = prefill_then_decode(&engine.model, ids, KvDtype::F32);
+            let (b, be) = prefill_then_decode(&engine.model, ids, KvDtype::Bf16);
+            let d = max_abs_diff(&f, &b);
+            let flipped = fe != be;
+            eprintln!(
+                "{name}/{}: bf16 vs f32 KV max logit diff {d:.3e}{}",
+                case.name,
+                if flipped {
+                    " (an expert choice flipped)"
+                } else {
+                    ""
+                }
+            );
+            if flipped {
+                // Top-k routing is discontinuous: a near-tie between two
+                // experts may go the other way, and that position's logits
+                // then move by O(1). Only the routed-alike cases are bounded.
+                flips += 1;
+                continue;
+            }
+            worst = worst.max(d);
+            assert!(
+                d <= BF16_KV_TOL,
+                "{name}/{}: bf16 KV differs by {d}",
+                case.name
+            );
+        }
+        if ["qwen3_moe_a", "mixtral", "olmoe", "deepseek_v3"].contains(&name.as_str()) {
+            engine.kv_dtype = KvDtype::Bf16;
+            for case in &g.cases {
+                let out = engine
+                    .generate(&GenerateRequest {
+                        prompt_token_ids: case.prompt_token_ids.clone(),
+                        max_tokens: case.greedy_token_ids.len(),
+                        sampling: SamplingParams::default(),
+                        stop: vec![],
+                        ignore_eos: true,
+                    })
+                    .expect("generate");
+                assert_eq!(
+                    out.token_ids, case.greedy_token_ids,
+                    "{name}/{}: greedy tokens with a bf16 KV cache",
+                    case.name
+                );
+            }
+        }
+    }
+    eprintln!(
+        "bf16 vs f32 KV cache: worst max logit diff {worst:.3e}; {flips} of {cases} cases with a flipped expert choice"
+    );
+    assert!(
+        flips * 4 <= cases,
+        "{flips} of {cases} cases route differently"
+    );
+}
+
+/// Bound of [`bf16_kv_cache_is_close`].
+const BF16_KV_TOL: f32 = 0.25;

@@ -120,7 +120,7 @@ pub(crate) fn measure_bandwidth() -> f64 {
 }
 
 /// Median seconds per call of `f` over at least 3 passes and `min`.
-fn time(min: Duration, mut f: impl FnMut()) -> f64 {
+pub(crate) fn time(min: Duration, mut f: impl FnMut()) -> f64 {
     f();
     let start = Instant::now();
     let mut passes = Vec::new();

@@ -18,6 +18,7 @@ use clap::Args;
 use epserve_core::config::ModelConfig;
 use epserve_core::experts::{DenseDtype, ExpertDtype, LoadOptions};
 use epserve_core::kernels::dispatch::kernels;
+use epserve_core::model::kv_cache::{KvCacheDtype, KvDtype};
 use epserve_core::model::{LogitsMode, Model, SeqInput};
 use epserve_core::profile::{self, Phase, Profile};
 use epserve_core::sampling::{Sampler, SamplingParams};
@@ -48,6 +49,9 @@ pub struct BenchStepArgs {
     /// dense MLPs, shared experts, LM head): bf16, or int8 (W8A8, quantized at load).
     #[arg(long, default_value = "bf16")]
     pub dense_dtype: DenseDtype,
+    /// KV cache element type: auto (the model's declared dtype), bf16, f32.
+    #[arg(long, default_value = "auto")]
+    pub kv_cache_dtype: KvCacheDtype,
     /// Print one JSON object instead of the tables.
     #[arg(long)]
     pub json: bool,
@@ -171,6 +175,7 @@ const MAX_PASSES: usize = 48;
 /// empty cache every pass.
 fn measure_row(
     model: &Model,
+    kv: KvDtype,
     seqs: usize,
     past: usize,
     new: usize,
@@ -184,7 +189,7 @@ fn measure_row(
         new
     };
     let block = 16;
-    let mut pool = model.new_pool(block, seqs * (past + grow).div_ceil(block));
+    let mut pool = model.new_pool(block, seqs * (past + grow).div_ceil(block), kv);
     let mut seed = 0x5eed_u64 ^ (seqs * 1000 + past * 7 + new) as u64;
     let mut sampler = Sampler::new(SamplingParams {
         temperature: 1.0,
@@ -194,7 +199,7 @@ fn measure_row(
     let kv_per_pos: usize = model
         .kv_layer_widths()
         .iter()
-        .map(|(k, v)| (k + v) * 4)
+        .map(|(k, v)| (k + v) * kv.bytes())
         .sum();
     let macs_per_pos = attn_macs_per_pos(cfg);
     let mut caches: Vec<_> = (0..seqs).map(|_| model.new_cache()).collect();
@@ -315,6 +320,7 @@ pub fn measure(args: &BenchStepArgs) -> Result<(f64, f64, Vec<StepRow>)> {
             cfg.max_position_embeddings
         );
     }
+    let kv = model.kv_dtype(args.kv_cache_dtype);
     let bw = crate::bench_linear::measure_bandwidth();
     let peak = fma_peak();
     let min = Duration::from_millis(args.min_ms);
@@ -326,7 +332,7 @@ pub fn measure(args: &BenchStepArgs) -> Result<(f64, f64, Vec<StepRow>)> {
         .map(|&b| ("decode", b, args.context, 1))
         .chain(prefill.iter().map(|&t| ("prefill", 1, 0, t)));
     for (kind, seqs, past, new) in runs {
-        let m = measure_row(&model, seqs, past, new, min)?;
+        let m = measure_row(&model, kv, seqs, past, new, min)?;
         let roof = |bytes: usize, macs: usize| -> (f64, &'static str) {
             let (b, f) = (bytes as f64 / bw / 1e9, 2.0 * macs as f64 / peak / 1e9);
             if b >= f { (b, "bw") } else { (f, "fma") }
@@ -474,6 +480,7 @@ mod tests {
             min_ms: 0,
             expert_dtype: ExpertDtype::Auto,
             dense_dtype: DenseDtype::Int8,
+            kv_cache_dtype: KvCacheDtype::Bf16,
             json: false,
         };
         let (_, _, rows) = measure(&args)?;

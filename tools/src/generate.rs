@@ -57,6 +57,10 @@ pub struct GenerateArgs {
     /// dense MLPs, shared experts, LM head): bf16, or int8 (W8A8, quantized at load).
     #[arg(long, default_value = "bf16")]
     pub dense_dtype: epserve_core::experts::DenseDtype,
+    /// KV cache element type: auto (the model's declared dtype: bf16 for
+    /// bfloat16 checkpoints, else f32), bf16 (half the memory per block), f32.
+    #[arg(long, default_value = "auto")]
+    pub kv_cache_dtype: epserve_core::model::kv_cache::KvCacheDtype,
 }
 
 /// Runs the command.
@@ -67,10 +71,12 @@ pub fn run(args: &GenerateArgs) -> Result<()> {
         dense_dtype: args.dense_dtype,
         ..Default::default()
     };
-    let engine = Engine::load_with(&args.model, &opts)?;
+    let mut engine = Engine::load_with(&args.model, &opts)?;
+    engine.kv_dtype = engine.model.kv_dtype(args.kv_cache_dtype);
     tracing::info!(
         model = %args.model.display(),
         model_type = %engine.model.config.model_type,
+        kv_cache_dtype = engine.kv_dtype.name(),
         load_ms = start.elapsed().as_millis() as u64,
         "model loaded"
     );

@@ -9,12 +9,15 @@
 //!   their scalar twin and the machine's bandwidth;
 //! - [`bench_step`]: one forward step of a model folder, per phase, each
 //!   against its roofline;
+//! - [`bench_attention`]: the flash attention kernel (decode, prefill; f32
+//!   and bf16 KV) against its scalar twin and the machine's bandwidth;
 //! - [`plan`]: the capacity planner;
 //! - [`ctl`]: the admin client of a running coordinator;
 //! - [`up`]: a whole local cluster on loopback as child processes.
 //!
 //! Tools print their results on stdout; the serving roles never do.
 
+pub mod bench_attention;
 pub mod bench_linear;
 pub mod bench_moe;
 pub mod bench_serve;

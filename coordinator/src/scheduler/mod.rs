@@ -39,6 +39,8 @@ pub struct SchedulerConfig {
     pub num_blocks: usize,
     /// Requests allowed to wait; beyond it new ones are refused (503).
     pub max_waiting: usize,
+    /// Element type of the KV cache.
+    pub kv_dtype: epserve_core::model::kv_cache::KvDtype,
 }
 
 /// A validated generation request.
@@ -148,7 +150,9 @@ impl SchedulerHandle {
 pub fn start(engine: Arc<Engine>, config: SchedulerConfig) -> std::io::Result<SchedulerHandle> {
     let (tx, rx) = mpsc::channel();
     let waiting = Arc::new(AtomicUsize::new(0));
-    let pool = engine.model.new_pool(config.block_size, config.num_blocks);
+    let pool = engine
+        .model
+        .new_pool(config.block_size, config.num_blocks, config.kv_dtype);
     let handle = SchedulerHandle {
         tx,
         waiting: waiting.clone(),
@@ -475,6 +479,7 @@ mod tests {
                 block_size: 16,
                 num_blocks: 16,
                 max_waiting: 4,
+                kv_dtype: Default::default(),
             },
         )
         .expect("scheduler");

@@ -9,6 +9,7 @@
 
 use std::sync::OnceLock;
 
+use super::attention::KvRows;
 use super::generic;
 use super::layout::{I8_GROUP_BYTES, KG, NR, bf16_padded_k};
 
@@ -156,6 +157,16 @@ type Bf16Tile = unsafe fn(&[u16], usize, &[&[f32]], &mut [f32]);
 type Bf16PairTile = unsafe fn([&[u16]; 2], usize, usize, &[f32], [&mut [f32]; 2]);
 type Bf16xTile = unsafe fn(&[u16], &[&[u16]], &mut [f32]);
 type I8Tile = unsafe fn(&[i8], &[&[i8]], &mut [i32]);
+type AttnScores = unsafe fn(&[f32], usize, *const u8, usize, usize, f32, &mut [f32], usize);
+type AttnAccum = unsafe fn(&[f32], usize, *const u8, usize, usize, &mut [f32], usize);
+
+/// A tier's attention micro-kernels, `[f32 rows, bf16 rows]` each (see
+/// [`Kernels::attn_scores`], [`Kernels::attn_accum`]).
+#[derive(Clone, Copy)]
+struct AttnFns {
+    scores: [AttnScores; 2],
+    accum: [AttnAccum; 2],
+}
 
 /// The micro-kernels of one supported tier.
 #[derive(Clone, Copy)]
@@ -172,6 +183,8 @@ pub struct Kernels {
     i8: I8Tile,
     /// AMX tiles for the prefill path (bf16 activations and int8).
     amx: bool,
+    /// Attention's inner loops (`None`: the scalar twins).
+    attn: Option<AttnFns>,
 }
 
 impl std::fmt::Debug for Kernels {
@@ -209,7 +222,7 @@ impl Kernels {
             Tier::Generic => Kernels::generic(),
             #[cfg(target_arch = "x86_64")]
             Tier::Avx2 => {
-                use super::x86::avx2;
+                use super::x86::{attn, avx2};
                 Kernels {
                     tier,
                     bf16_mr: avx2::BF16_MR,
@@ -219,11 +232,15 @@ impl Kernels {
                     i8_mr: avx2::I8_MR,
                     i8: avx2::i8_tile,
                     amx: false,
+                    attn: Some(AttnFns {
+                        scores: [attn::scores256::<false>, attn::scores256::<true>],
+                        accum: [attn::accum256::<false>, attn::accum256::<true>],
+                    }),
                 }
             }
             #[cfg(target_arch = "x86_64")]
             Tier::Avx512 | Tier::Avx512Vnni | Tier::Avx512Bf16 | Tier::Amx => {
-                use super::x86::{avx2, avx512};
+                use super::x86::{attn, avx2, avx512};
                 let (i8_mr, i8): (usize, I8Tile) = match tier {
                     Tier::Avx512 => (avx2::I8_MR, avx2::i8_tile),
                     _ => (avx512::I8_MR, avx512::i8_tile_vnni),
@@ -238,11 +255,15 @@ impl Kernels {
                     i8_mr,
                     i8,
                     amx: tier == Tier::Amx,
+                    attn: Some(AttnFns {
+                        scores: [attn::scores512::<false>, attn::scores512::<true>],
+                        accum: [attn::accum512::<false>, attn::accum512::<true>],
+                    }),
                 }
             }
             #[cfg(target_arch = "aarch64")]
             Tier::Neon | Tier::NeonDot | Tier::NeonI8mm | Tier::NeonBf16 => {
-                use super::aarch64::neon;
+                use super::aarch64::{attn, neon};
                 let (i8_mr, i8): (usize, I8Tile) = match tier {
                     Tier::NeonI8mm | Tier::NeonBf16 => (neon::I8MM_MR, neon::i8_tile_mmla),
                     Tier::NeonDot => (neon::I8_MR, neon::i8_tile_dot),
@@ -258,6 +279,10 @@ impl Kernels {
                     i8_mr,
                     i8,
                     amx: false,
+                    attn: Some(AttnFns {
+                        scores: [attn::scores::<false>, attn::scores::<true>],
+                        accum: [attn::accum::<false>, attn::accum::<true>],
+                    }),
                 }
             }
             #[allow(unreachable_patterns)]
@@ -280,6 +305,7 @@ impl Kernels {
             i8_mr: 4,
             i8: generic_i8,
             amx: false,
+            attn: None,
         }
     }
 
@@ -382,6 +408,72 @@ impl Kernels {
         // SAFETY: as in `bf16_tile`; the value range is the quantizer's
         // contract (violating it can only change results, never memory).
         unsafe { (self.i8)(w, x, acc) }
+    }
+}
+
+impl Kernels {
+    /// Attention scores of `q.len() / dk` query vectors (rows of `dk`)
+    /// against `n` cached key rows `stride` elements apart in `k` (f32 or
+    /// bf16): `out[m·ldo + i] = scale · q_m · k_i`. Panics unless every row
+    /// touched is inside the slices.
+    #[allow(clippy::too_many_arguments)]
+    #[inline]
+    pub fn attn_scores(
+        &self,
+        q: &[f32],
+        dk: usize,
+        k: KvRows<'_>,
+        stride: usize,
+        n: usize,
+        scale: f32,
+        out: &mut [f32],
+        ldo: usize,
+    ) {
+        if n == 0 || q.is_empty() {
+            return;
+        }
+        let m = q.len() / dk.max(1);
+        assert!(dk > 0 && q.len() == m * dk && ldo >= n && stride >= dk);
+        assert!(k.len() >= (n - 1) * stride + dk && out.len() >= (m - 1) * ldo + n);
+        match self.attn {
+            // SAFETY: this tier was checked as supported when `self` was
+            // built, and the extents were just asserted.
+            Some(f) => unsafe {
+                (f.scores[k.is_bf16() as usize])(q, dk, k.as_ptr(), stride, n, scale, out, ldo)
+            },
+            None => generic::attn_scores(q, dk, k, stride, n, scale, out, ldo),
+        }
+    }
+
+    /// Weighted sum of `n` cached value rows (`stride` elements apart in
+    /// `v`, f32 or bf16) into `acc.len() / dv` accumulator rows of `dv`:
+    /// `acc[m·dv + c] += Σ_i p[m·ldp + i] · v_i[c]`. Panics unless every row
+    /// touched is inside the slices.
+    #[allow(clippy::too_many_arguments)]
+    #[inline]
+    pub fn attn_accum(
+        &self,
+        p: &[f32],
+        ldp: usize,
+        v: KvRows<'_>,
+        stride: usize,
+        n: usize,
+        acc: &mut [f32],
+        dv: usize,
+    ) {
+        if n == 0 || acc.is_empty() {
+            return;
+        }
+        let m = acc.len() / dv.max(1);
+        assert!(dv > 0 && acc.len() == m * dv && ldp >= n && stride >= dv);
+        assert!(v.len() >= (n - 1) * stride + dv && p.len() >= (m - 1) * ldp + n);
+        match self.attn {
+            // SAFETY: as in `attn_scores`.
+            Some(f) => unsafe {
+                (f.accum[v.is_bf16() as usize])(p, ldp, v.as_ptr(), stride, n, acc, dv)
+            },
+            None => generic::attn_accum(p, ldp, v, stride, n, acc, dv),
+        }
     }
 }
 

@@ -78,3 +78,68 @@ pub fn i8_tile(w: &[i8], x: &[&[i8]], acc: &mut [i32]) {
         }
     }
 }
+
+/// Attention scores (the twin of the tiers' `scores`): `out[m·ldo + i] =
+/// scale · Σ_c q[m·dk + c] · k_i[c]` for the `q.len() / dk` query vectors
+/// and the `n` key rows `stride` elements apart (f32 or bf16 widened), each
+/// dot as [`super::dot`] sums (eight partial sums).
+#[allow(clippy::too_many_arguments)]
+pub fn attn_scores(
+    q: &[f32],
+    dk: usize,
+    k: super::attention::KvRows<'_>,
+    stride: usize,
+    n: usize,
+    scale: f32,
+    out: &mut [f32],
+    ldo: usize,
+) {
+    use super::attention::KvRows;
+    let mut row = vec![0.0f32; dk];
+    for i in 0..n {
+        let kr: &[f32] = match k {
+            KvRows::F32(s) => &s[i * stride..i * stride + dk],
+            KvRows::Bf16(s) => {
+                for (d, &b) in row.iter_mut().zip(&s[i * stride..i * stride + dk]) {
+                    *d = bf16_bits_to_f32(b);
+                }
+                &row
+            }
+        };
+        for (m, qm) in q.chunks_exact(dk).enumerate() {
+            out[m * ldo + i] = super::dot(qm, kr) * scale;
+        }
+    }
+}
+
+/// Weighted sum of values (the twin of the tiers' `accum`):
+/// `acc[m·dv + c] += Σ_{i<n} p[m·ldp + i] · v_i[c]` for the `acc.len() / dv`
+/// query vectors, rows in order.
+pub fn attn_accum(
+    p: &[f32],
+    ldp: usize,
+    v: super::attention::KvRows<'_>,
+    stride: usize,
+    n: usize,
+    acc: &mut [f32],
+    dv: usize,
+) {
+    use super::attention::KvRows;
+    for (m, a) in acc.chunks_exact_mut(dv).enumerate() {
+        for i in 0..n {
+            let pv = p[m * ldp + i];
+            match v {
+                KvRows::F32(s) => {
+                    for (o, x) in a.iter_mut().zip(&s[i * stride..i * stride + dv]) {
+                        *o += pv * x;
+                    }
+                }
+                KvRows::Bf16(s) => {
+                    for (o, &x) in a.iter_mut().zip(&s[i * stride..i * stride + dv]) {
+                        *o += pv * bf16_bits_to_f32(x);
+                    }
+                }
+            }
+        }
+    }
+}

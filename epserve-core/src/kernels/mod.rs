@@ -6,6 +6,7 @@
 #[cfg(target_arch = "aarch64")]
 pub mod aarch64;
 pub(crate) mod amx_plan;
+pub mod attention;
 pub mod dispatch;
 pub mod generic;
 pub mod layout;

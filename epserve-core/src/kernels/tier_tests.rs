@@ -377,3 +377,53 @@ fn tier_names_round_trip() {
     assert!(best.supported());
     assert_eq!(Tier::available().last().copied(), Some(best));
 }
+
+/// Attention's inner loops (`attn_scores`, `attn_accum`) on f32 and bf16
+/// rows against the scalar twins: query counts around the 8/4/1 groups,
+/// widths around every vector width (tails), strides wider than a row.
+#[test]
+fn attn_kernels_match_twin() {
+    use crate::kernels::attention::KvRows;
+    let mut rng = StdRng::seed_from_u64(11);
+    let twin = Kernels::generic();
+    for k in tiers() {
+        for &d in &[1usize, 3, 4, 7, 8, 13, 16, 17, 31, 64, 128, 576] {
+            for &m in &[1usize, 3, 4, 5, 8, 9, 13, 16] {
+                let (n, stride, ld) = (7usize, d + 5, 11usize);
+                let q: Vec<f32> = (0..m * d).map(|_| rng.random_range(-1.0f32..1.0)).collect();
+                let kf: Vec<f32> = (0..(n - 1) * stride + d)
+                    .map(|_| rng.random_range(-1.0f32..1.0))
+                    .collect();
+                let kb: Vec<u16> = kf.iter().map(|&x| f32_to_bf16_bits(x)).collect();
+                let p: Vec<f32> = (0..m * ld).map(|_| rng.random_range(0.0f32..1.0)).collect();
+                for rows in [KvRows::F32(&kf), KvRows::Bf16(&kb)] {
+                    let mut want = vec![0.5f32; m * ld];
+                    let mut got = want.clone();
+                    twin.attn_scores(&q, d, rows, stride, n, 0.7, &mut want, ld);
+                    k.attn_scores(&q, d, rows, stride, n, 0.7, &mut got, ld);
+                    for (i, (a, b)) in got.iter().zip(&want).enumerate() {
+                        // |q|, |k| ≤ 1: the dot's magnitude sum is ≤ d.
+                        assert!(
+                            (a - b).abs() <= 1e-5 * d as f32,
+                            "{:?} scores d={d} m={m} bf16={} at {i}: {a} vs {b}",
+                            k.tier(),
+                            rows.is_bf16()
+                        );
+                    }
+                    let init: Vec<f32> = (0..m * d).map(|i| i as f32 * 0.01).collect();
+                    let (mut want, mut got) = (init.clone(), init.clone());
+                    twin.attn_accum(&p, ld, rows, stride, n, &mut want, d);
+                    k.attn_accum(&p, ld, rows, stride, n, &mut got, d);
+                    for (i, (a, b)) in got.iter().zip(&want).enumerate() {
+                        assert!(
+                            (a - b).abs() <= 1e-5 * (n as f32 + init[i].abs()),
+                            "{:?} accum d={d} m={m} bf16={} at {i}: {a} vs {b}",
+                            k.tier(),
+                            rows.is_bf16()
+                        );
+                    }
+                }
+            }
+        }
+    }
+}

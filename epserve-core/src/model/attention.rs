@@ -7,11 +7,11 @@
 //! model's (a tensor-parallel shard): the output projection then yields a
 //! partial sum that the caller adds across shards.
 
-use rayon::prelude::*;
-
 use crate::config::{ModelConfig, QkNorm};
 use crate::error::{Error, Result};
-use crate::kernels::{dot, rms_norm, softmax};
+use crate::kernels::attention::{self, AttnSeq, AttnShape, KvView};
+use crate::kernels::dispatch::kernels;
+use crate::kernels::rms_norm;
 use crate::loader::weights::WeightStore;
 use crate::model::kv_cache::{KvPool, SeqCache};
 use crate::model::linear::Linear;
@@ -323,52 +323,45 @@ impl Attention {
                 let r = pool.row(cache, sp.past + i);
                 let src = sp.start + i;
                 let lp = pool.layer_mut(layer);
-                lp.k[r * w..(r + 1) * w].copy_from_slice(&k[src * w..(src + 1) * w]);
-                lp.v[r * w..(r + 1) * w].copy_from_slice(&v[src * w..(src + 1) * w]);
+                lp.k.write(r * w, &k[src * w..(src + 1) * w]);
+                lp.v.write(r * w, &v[src * w..(src + 1) * w]);
             }
         }
-        // Attention per query row, all heads.
-        let mut row_seq = vec![0usize; t];
-        for (si, sp) in spans.iter().enumerate() {
-            row_seq[sp.start..sp.start + sp.len].fill(si);
-        }
+        // Flash attention over the paged cache, all heads of a KV group together.
         let pool: &KvPool = pool;
         let kv = pool.layer(layer);
+        let seqs: Vec<AttnSeq<'_>> = spans
+            .iter()
+            .zip(caches)
+            .map(|(sp, c)| AttnSeq {
+                blocks: c.blocks(),
+                start: sp.start,
+                len: sp.len,
+                past: sp.past,
+            })
+            .collect();
+        let view = |rows| KvView {
+            rows,
+            stride: w,
+            head_stride: hd,
+            width: hd,
+        };
         let mut attn = vec![0.0f32; t * nh * hd];
-        let group = nh / nkv;
-        attn.par_chunks_mut(nh * hd).enumerate().for_each_init(
-            Vec::new,
-            |scores: &mut Vec<f32>, (row, dst)| {
-                let sp = &spans[row_seq[row]];
-                let cache = caches[row_seq[row]];
-                let pos = sp.past + (row - sp.start);
-                let first = match self.sliding_window {
-                    Some(win) => (pos + 1).saturating_sub(win),
-                    None => 0,
-                };
-                for h in 0..nh {
-                    let kvh = h / group;
-                    let qh = &q[row * nh * hd + h * hd..row * nh * hd + (h + 1) * hd];
-                    scores.clear();
-                    scores.extend((first..=pos).map(|j| {
-                        let r = pool.row(cache, j);
-                        dot(qh, &kv.k[r * w + kvh * hd..r * w + (kvh + 1) * hd]) * self.scale
-                    }));
-                    match &self.sinks {
-                        None => softmax(scores),
-                        Some(sinks) => softmax_with_sink(scores, sinks[h]),
-                    }
-                    let out = &mut dst[h * hd..(h + 1) * hd];
-                    out.fill(0.0);
-                    for (jj, p) in scores.iter().enumerate() {
-                        let r = pool.row(cache, first + jj);
-                        let vr = &kv.v[r * w + kvh * hd..r * w + (kvh + 1) * hd];
-                        for (o, vv) in out.iter_mut().zip(vr) {
-                            *o += p * vv;
-                        }
-                    }
-                }
+        attention::attention(
+            kernels(),
+            &AttnShape {
+                heads: nh,
+                kv_heads: nkv,
+                scale: self.scale,
+                window: self.sliding_window,
+                sinks: self.sinks.as_deref(),
+                block_size: pool.block_size(),
             },
+            &seqs,
+            &q,
+            view(kv.k.rows()),
+            view(kv.v.rows()),
+            &mut attn,
         );
         let mut out = vec![0.0f32; t * hidden];
         let _o = profile::timer(Phase::AttnOut).work(|| (self.o.bytes(), self.o.macs(t)));
@@ -385,30 +378,4 @@ fn keep_columns(m: &[f32], rows: usize, keep: &std::ops::Range<usize>) -> Vec<f3
         out.extend_from_slice(&m[r * w + keep.start..r * w + keep.end]);
     }
     out
-}
-
-/// Softmax over `scores` plus one extra logit `sink` that takes probability
-/// mass but has no value (GPT-OSS attention sinks).
-fn softmax_with_sink(scores: &mut [f32], sink: f32) {
-    let m = scores.iter().copied().fold(sink, f32::max);
-    let mut sum = (sink - m).exp();
-    for v in scores.iter_mut() {
-        *v = (*v - m).exp();
-        sum += *v;
-    }
-    for v in scores.iter_mut() {
-        *v /= sum;
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn sink_takes_mass() {
-        let mut s = vec![0.0, 0.0];
-        softmax_with_sink(&mut s, 0.0);
-        assert!((s[0] - 1.0 / 3.0).abs() < 1e-7 && (s[1] - 1.0 / 3.0).abs() < 1e-7);
-    }
 }

@@ -14,7 +14,7 @@ use crate::error::{Error, Result};
 use crate::loader::names;
 use crate::loader::weights::WeightStore;
 use crate::model::attention::{Attention, HeadShard, SeqSpan};
-use crate::model::kv_cache::{KvPool, SeqCache};
+use crate::model::kv_cache::{KvDtype, KvPool, SeqCache};
 use crate::model::mla::Mla;
 use crate::model::rope::Rope;
 
@@ -88,7 +88,8 @@ pub struct ShardStats {
 
 impl AttentionShard {
     /// Loads shard `shard` of every attention layer of `cfg` from `ws`, with
-    /// a KV cache of at most `kv_bytes` in blocks of `block_size` positions.
+    /// a KV cache of at most `kv_bytes` in blocks of `block_size` positions,
+    /// elements stored as `kv_dtype`.
     /// Refuses head counts that cannot be split evenly over the shards.
     #[tracing::instrument(
         level = "info",
@@ -102,6 +103,7 @@ impl AttentionShard {
         shard: HeadShard,
         kv_bytes: usize,
         block_size: usize,
+        kv_dtype: KvDtype,
     ) -> Result<Self> {
         let mut layers = Vec::with_capacity(cfg.num_hidden_layers);
         for i in 0..cfg.num_hidden_layers {
@@ -116,18 +118,19 @@ impl AttentionShard {
         }
         let widths: Vec<(usize, usize)> = layers.iter().map(|(a, _)| a.kv_widths()).collect();
         let block_size = block_size.max(1);
-        let num_blocks = kv_bytes / KvPool::block_bytes(&widths, block_size).max(1);
+        let num_blocks = kv_bytes / KvPool::block_bytes(&widths, block_size, kv_dtype).max(1);
         if num_blocks == 0 {
             return Err(Error::InvalidInput(format!(
-                "a KV cache of {kv_bytes} bytes holds not even one block of {block_size} positions ({} bytes on this shard)",
-                KvPool::block_bytes(&widths, block_size)
+                "a KV cache of {kv_bytes} bytes holds not even one block of {block_size} positions ({} bytes on this shard with {} elements)",
+                KvPool::block_bytes(&widths, block_size, kv_dtype),
+                kv_dtype.name()
             )));
         }
         Ok(AttentionShard {
             shard,
             hidden: cfg.hidden_size,
             layers,
-            pool: KvPool::new(&widths, block_size, num_blocks),
+            pool: KvPool::new(&widths, block_size, num_blocks, kv_dtype),
             seqs: HashMap::new(),
         })
     }
@@ -138,10 +141,11 @@ impl AttentionShard {
         shard: HeadShard,
         kv_bytes: usize,
         block_size: usize,
+        kv_dtype: KvDtype,
     ) -> Result<Self> {
         let cfg = ModelConfig::from_dir(dir)?;
         let ws = WeightStore::open(dir)?;
-        Self::load(&cfg, &ws, shard, kv_bytes, block_size)
+        Self::load(&cfg, &ws, shard, kv_bytes, block_size, kv_dtype)
     }
 
     /// Which shard this is.
@@ -305,14 +309,21 @@ pub struct LocalShards {
 }
 
 impl LocalShards {
-    /// Shards `0..of` of the model in `dir`, each with `kv_bytes` of KV cache.
+    /// Shards `0..of` of the model in `dir`, each with `kv_bytes` of f32 KV cache.
     pub fn load(dir: &Path, of: usize, kv_bytes: usize, block_size: usize) -> Result<Self> {
         let cfg = ModelConfig::from_dir(dir)?;
         let ws = WeightStore::open(dir)?;
         let shards = (0..of)
             .map(|index| {
-                AttentionShard::load(&cfg, &ws, HeadShard { index, of }, kv_bytes, block_size)
-                    .map(Mutex::new)
+                AttentionShard::load(
+                    &cfg,
+                    &ws,
+                    HeadShard { index, of },
+                    kv_bytes,
+                    block_size,
+                    KvDtype::F32,
+                )
+                .map(Mutex::new)
             })
             .collect::<Result<Vec<_>>>()?;
         Ok(LocalShards { shards })
@@ -395,7 +406,7 @@ mod tests {
     fn run(model: &Model) -> Result<Vec<Vec<f32>>> {
         let vocab = model.config.vocab_size as u32;
         let toks: Vec<u32> = (0..40u32).map(|i| (i * 37 + 11) % vocab).collect();
-        let mut pool = model.pool_for_tokens(256);
+        let mut pool = model.pool_for_tokens(256, KvDtype::F32);
         let (mut a, mut b) = (model.new_cache(), model.new_cache());
         let mut out = Vec::new();
         let steps: [(&[u32], &[u32]); 5] = [
@@ -487,7 +498,14 @@ mod tests {
         let cfg = ModelConfig::from_dir(&dir)?;
         let ws = WeightStore::open(&dir)?;
         let h = cfg.hidden_size;
-        let mut sh = AttentionShard::load(&cfg, &ws, HeadShard { index: 1, of: 2 }, 1 << 20, 4)?;
+        let mut sh = AttentionShard::load(
+            &cfg,
+            &ws,
+            HeadShard { index: 1, of: 2 },
+            1 << 20,
+            4,
+            KvDtype::F32,
+        )?;
         let x: Vec<f32> = (0..5 * h).map(|i| ((i % 13) as f32 - 6.0) * 0.1).collect();
         let free0 = sh.stats().blocks_free;
         let fresh = sh.forward(
@@ -554,11 +572,25 @@ mod tests {
         let cfg = ModelConfig::from_dir(&dir)?;
         let ws = WeightStore::open(&dir)?;
         let h = cfg.hidden_size;
-        let probe = AttentionShard::load(&cfg, &ws, HeadShard { index: 0, of: 2 }, 1 << 20, 4)?;
+        let probe = AttentionShard::load(
+            &cfg,
+            &ws,
+            HeadShard { index: 0, of: 2 },
+            1 << 20,
+            4,
+            KvDtype::F32,
+        )?;
         let widths: Vec<(usize, usize)> = probe.layers.iter().map(|(a, _)| a.kv_widths()).collect();
         // Room for exactly two blocks of 4 positions.
-        let bytes = 2 * KvPool::block_bytes(&widths, 4);
-        let mut sh = AttentionShard::load(&cfg, &ws, HeadShard { index: 0, of: 2 }, bytes, 4)?;
+        let bytes = 2 * KvPool::block_bytes(&widths, 4, KvDtype::F32);
+        let mut sh = AttentionShard::load(
+            &cfg,
+            &ws,
+            HeadShard { index: 0, of: 2 },
+            bytes,
+            4,
+            KvDtype::F32,
+        )?;
         let x = vec![0.1f32; 9 * h];
         sh.forward(
             0,

@@ -7,12 +7,117 @@
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use crate::error::{Error, Result};
+use crate::kernels::attention::KvRows;
+use crate::kernels::layout::f32_to_bf16_bits;
+
+/// Element type of the cached keys and values.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum KvDtype {
+    #[default]
+    F32,
+    /// bf16, rounded to nearest even on write; half the bytes per block.
+    Bf16,
+}
+
+impl KvDtype {
+    /// Bytes per cached element.
+    pub fn bytes(self) -> usize {
+        match self {
+            KvDtype::F32 => 4,
+            KvDtype::Bf16 => 2,
+        }
+    }
+    /// `f32` or `bf16`.
+    pub fn name(self) -> &'static str {
+        match self {
+            KvDtype::F32 => "f32",
+            KvDtype::Bf16 => "bf16",
+        }
+    }
+}
+
+/// What `--kv-cache-dtype` asks for: `auto` is the model's declared dtype
+/// (`bfloat16` → bf16, anything else → f32), as vLLM does.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum KvCacheDtype {
+    #[default]
+    Auto,
+    F32,
+    Bf16,
+}
+
+impl KvCacheDtype {
+    /// Parses `auto`, `bf16` or `f32`.
+    pub fn parse(s: &str) -> Option<Self> {
+        match s.trim().to_ascii_lowercase().as_str() {
+            "auto" => Some(KvCacheDtype::Auto),
+            "bf16" | "bfloat16" => Some(KvCacheDtype::Bf16),
+            "f32" | "float32" | "float" => Some(KvCacheDtype::F32),
+            _ => None,
+        }
+    }
+
+    /// The cache dtype for a model declaring `declared` (config.json's
+    /// `dtype` / `torch_dtype`).
+    pub fn resolve(self, declared: Option<&str>) -> KvDtype {
+        match self {
+            KvCacheDtype::F32 => KvDtype::F32,
+            KvCacheDtype::Bf16 => KvDtype::Bf16,
+            KvCacheDtype::Auto => match declared.map(|d| d.trim().to_ascii_lowercase()) {
+                Some(d) if d == "bfloat16" || d == "bf16" => KvDtype::Bf16,
+                _ => KvDtype::F32,
+            },
+        }
+    }
+}
+
+impl std::str::FromStr for KvCacheDtype {
+    type Err = String;
+    fn from_str(s: &str) -> std::result::Result<Self, String> {
+        KvCacheDtype::parse(s)
+            .ok_or_else(|| format!("unknown KV cache dtype '{s}' (auto, bf16, f32)"))
+    }
+}
+
+/// Cached elements as stored.
+#[derive(Debug, Clone)]
+pub enum KvData {
+    F32(Vec<f32>),
+    Bf16(Vec<u16>),
+}
+
+impl KvData {
+    fn zeros(dtype: KvDtype, n: usize) -> Self {
+        match dtype {
+            KvDtype::F32 => KvData::F32(vec![0.0; n]),
+            KvDtype::Bf16 => KvData::Bf16(vec![0; n]),
+        }
+    }
+    /// The elements, for the attention kernels.
+    pub fn rows(&self) -> KvRows<'_> {
+        match self {
+            KvData::F32(v) => KvRows::F32(v),
+            KvData::Bf16(v) => KvRows::Bf16(v),
+        }
+    }
+    /// Writes `src` at element `off` (bf16 rounded to nearest even).
+    pub fn write(&mut self, off: usize, src: &[f32]) {
+        match self {
+            KvData::F32(v) => v[off..off + src.len()].copy_from_slice(src),
+            KvData::Bf16(v) => {
+                for (d, &x) in v[off..off + src.len()].iter_mut().zip(src) {
+                    *d = f32_to_bf16_bits(x);
+                }
+            }
+        }
+    }
+}
 
 /// Storage of one layer: keys and values, `[num_blocks * block_size, width]`.
 #[derive(Debug, Clone)]
 pub struct LayerPool {
-    pub k: Vec<f32>,
-    pub v: Vec<f32>,
+    pub k: KvData,
+    pub v: KvData,
     pub k_width: usize,
     pub v_width: usize,
 }
@@ -22,6 +127,7 @@ pub struct LayerPool {
 pub struct KvPool {
     block_size: usize,
     num_blocks: usize,
+    dtype: KvDtype,
     layers: Vec<LayerPool>,
     free: Vec<u32>,
 }
@@ -79,17 +185,24 @@ impl KvPool {
     /// A pool of `num_blocks` blocks of `block_size` positions for layers with
     /// the given (key width, value width) in floats per position. Memory is
     /// zero-initialized lazily by the OS, so a large pool costs nothing until used.
-    pub fn new(layer_widths: &[(usize, usize)], block_size: usize, num_blocks: usize) -> Self {
+    /// Elements are stored as `dtype`.
+    pub fn new(
+        layer_widths: &[(usize, usize)],
+        block_size: usize,
+        num_blocks: usize,
+        dtype: KvDtype,
+    ) -> Self {
         let block_size = block_size.max(1);
         let rows = block_size * num_blocks;
         KvPool {
             block_size,
             num_blocks,
+            dtype,
             layers: layer_widths
                 .iter()
                 .map(|&(kw, vw)| LayerPool {
-                    k: vec![0.0; rows * kw],
-                    v: vec![0.0; rows * vw],
+                    k: KvData::zeros(dtype, rows * kw),
+                    v: KvData::zeros(dtype, rows * vw),
                     k_width: kw,
                     v_width: vw,
                 })
@@ -98,9 +211,22 @@ impl KvPool {
         }
     }
 
-    /// Bytes one block takes over all layers.
-    pub fn block_bytes(layer_widths: &[(usize, usize)], block_size: usize) -> usize {
-        layer_widths.iter().map(|(k, v)| (k + v) * 4).sum::<usize>() * block_size
+    /// Bytes one block takes over all layers with elements of `dtype`.
+    pub fn block_bytes(
+        layer_widths: &[(usize, usize)],
+        block_size: usize,
+        dtype: KvDtype,
+    ) -> usize {
+        layer_widths
+            .iter()
+            .map(|(k, v)| (k + v) * dtype.bytes())
+            .sum::<usize>()
+            * block_size
+    }
+
+    /// Element type of the cached keys and values.
+    pub fn dtype(&self) -> KvDtype {
+        self.dtype
     }
 
     /// Positions per block.
@@ -177,7 +303,7 @@ mod tests {
 
     #[test]
     fn blocks_are_reused_and_exhaustion_is_an_error() {
-        let mut p = KvPool::new(&[(4, 4)], 4, 3);
+        let mut p = KvPool::new(&[(4, 4)], 4, 3, KvDtype::F32);
         let mut a = SeqCache::new();
         p.reserve(&mut a, 9).expect("fits");
         assert_eq!(a.blocks().len(), 3);
@@ -189,5 +315,28 @@ mod tests {
         assert_eq!(p.free_blocks(), 3);
         p.reserve(&mut b, 5).expect("fits after release");
         assert_eq!(p.row(&b, 5), b.blocks()[1] as usize * 4 + 1);
+    }
+
+    #[test]
+    fn bf16_pools_halve_the_bytes_and_round_to_nearest_even() {
+        let w = [(8, 8), (5, 0)];
+        assert_eq!(
+            KvPool::block_bytes(&w, 16, KvDtype::F32),
+            2 * KvPool::block_bytes(&w, 16, KvDtype::Bf16)
+        );
+        let mut p = KvPool::new(&w, 2, 2, KvDtype::Bf16);
+        // 1 + 2^-8 is halfway between two bf16 values: ties go to even (1.0);
+        // 1 + 3·2^-8 rounds up to 1 + 2^-6.
+        p.layer_mut(0)
+            .k
+            .write(3, &[1.0 + 1.0 / 256.0, 1.0 + 3.0 / 256.0]);
+        let rows = p.layer(0).k.rows();
+        assert_eq!((rows.get(3), rows.get(4)), (1.0, 1.0 + 1.0 / 64.0));
+        assert_eq!(KvCacheDtype::Auto.resolve(Some("bfloat16")), KvDtype::Bf16);
+        assert_eq!(KvCacheDtype::Auto.resolve(Some("float32")), KvDtype::F32);
+        assert_eq!(KvCacheDtype::Auto.resolve(None), KvDtype::F32);
+        assert_eq!(KvCacheDtype::F32.resolve(Some("bfloat16")), KvDtype::F32);
+        assert_eq!("bf16".parse::<KvCacheDtype>(), Ok(KvCacheDtype::Bf16));
+        assert!("fp8".parse::<KvCacheDtype>().is_err());
     }
 }

@@ -16,7 +16,9 @@ use rayon::prelude::*;
 
 use crate::config::{MlaConfig, ModelConfig};
 use crate::error::{Error, Result};
-use crate::kernels::{dot, rms_norm, softmax};
+use crate::kernels::attention::{self, AttnSeq, AttnShape, KvView};
+use crate::kernels::dispatch::kernels;
+use crate::kernels::rms_norm;
 use crate::loader::weights::WeightStore;
 use crate::model::attention::{HeadShard, SeqSpan};
 use crate::model::kv_cache::{KvPool, SeqCache};
@@ -272,8 +274,9 @@ impl Mla {
             for i in 0..sp.len {
                 let r = pool.row(cache, sp.past + i);
                 let src = sp.start + i;
-                pool.layer_mut(layer).k[r * w..(r + 1) * w]
-                    .copy_from_slice(&ckv[src * w..(src + 1) * w]);
+                pool.layer_mut(layer)
+                    .k
+                    .write(r * w, &ckv[src * w..(src + 1) * w]);
             }
         }
         // Absorb each head's no-RoPE query into latent space: q_lat = q_nope · W_uk.
@@ -289,39 +292,61 @@ impl Mla {
                 }
                 self.w_uk_t[h].forward(&q_nope, t, None, dst);
             });
-        // Scores against the cached latents and RoPE keys; weighted latents.
-        let mut row_seq = vec![0usize; t];
-        for (si, sp) in spans.iter().enumerate() {
-            row_seq[sp.start..sp.start + sp.len].fill(si);
+        // Scores against the cached latents and RoPE keys; weighted latents:
+        // the flash kernel as MQA with one shared latent row, key = latent +
+        // RoPE key (`rank + rd`), value = the latent (its first `rank`).
+        let mut qf = vec![0.0f32; t * nh * w]; // [token][head][rank + rd]
+        for tok in 0..t {
+            for h in 0..nh {
+                let d = &mut qf[(tok * nh + h) * w..(tok * nh + h + 1) * w];
+                d[..rank].copy_from_slice(&q_lat[(h * t + tok) * rank..(h * t + tok + 1) * rank]);
+                d[rank..].copy_from_slice(
+                    &q[tok * nh * qk + h * qk + nope..tok * nh * qk + (h + 1) * qk],
+                );
+            }
         }
         let pool: &KvPool = pool;
         let kv = pool.layer(layer);
-        let mut o_lat = vec![0.0f32; nh * t * rank]; // [head][token][rank]
-        o_lat.par_chunks_mut(rank).enumerate().for_each_init(
-            Vec::new,
-            |scores: &mut Vec<f32>, (idx, dst)| {
-                let (h, row) = (idx / t, idx % t);
-                let sp = &spans[row_seq[row]];
-                let cache = caches[row_seq[row]];
-                let pos = sp.past + (row - sp.start);
-                let ql = &q_lat[(h * t + row) * rank..(h * t + row + 1) * rank];
-                let qr = &q[row * nh * qk + h * qk + nope..row * nh * qk + (h + 1) * qk];
-                scores.clear();
-                scores.extend((0..=pos).map(|j| {
-                    let r = pool.row(cache, j);
-                    let c = &kv.k[r * w..(r + 1) * w];
-                    (dot(ql, &c[..rank]) + dot(qr, &c[rank..])) * self.m.softmax_scale
-                }));
-                softmax(scores);
-                dst.fill(0.0);
-                for (j, p) in scores.iter().enumerate() {
-                    let r = pool.row(cache, j);
-                    for (o, c) in dst.iter_mut().zip(&kv.k[r * w..r * w + rank]) {
-                        *o += p * c;
-                    }
-                }
+        let seqs: Vec<AttnSeq<'_>> = spans
+            .iter()
+            .zip(caches)
+            .map(|(sp, c)| AttnSeq {
+                blocks: c.blocks(),
+                start: sp.start,
+                len: sp.len,
+                past: sp.past,
+            })
+            .collect();
+        let view = |width| KvView {
+            rows: kv.k.rows(),
+            stride: w,
+            head_stride: 0,
+            width,
+        };
+        let mut o_tok = vec![0.0f32; t * nh * rank]; // [token][head][rank]
+        attention::attention(
+            kernels(),
+            &AttnShape {
+                heads: nh,
+                kv_heads: 1,
+                scale: self.m.softmax_scale,
+                window: None,
+                sinks: None,
+                block_size: pool.block_size(),
             },
+            &seqs,
+            &qf,
+            view(w),
+            view(rank),
+            &mut o_tok,
         );
+        let mut o_lat = vec![0.0f32; nh * t * rank]; // [head][token][rank]
+        for tok in 0..t {
+            for h in 0..nh {
+                o_lat[(h * t + tok) * rank..(h * t + tok + 1) * rank]
+                    .copy_from_slice(&o_tok[(tok * nh + h) * rank..(tok * nh + h + 1) * rank]);
+            }
+        }
         // Values: each head's weighted latent through its W_uv rows.
         let mut attn = vec![0.0f32; t * nh * vd];
         let per_head: Vec<Vec<f32>> = (0..nh)

@@ -31,7 +31,7 @@ use linear::{DenseMlp, Linear};
 
 use attention::{Attention, SeqSpan};
 use attn_shard::{AttentionBackend, SeqChunk};
-use kv_cache::{KvPool, SeqCache};
+use kv_cache::{KvCacheDtype, KvDtype, KvPool, SeqCache};
 use mla::Mla;
 use moe::{MoeBlock, Router, SharedExpert};
 use rope::Rope;
@@ -360,19 +360,26 @@ impl Model {
         self.layers.iter().map(|l| l.attn.kv_widths()).collect()
     }
 
-    /// A KV pool of `num_blocks` blocks of `block_size` positions.
-    pub fn new_pool(&self, block_size: usize, num_blocks: usize) -> KvPool {
-        KvPool::new(&self.kv_layer_widths(), block_size, num_blocks)
+    /// A KV pool of `num_blocks` blocks of `block_size` positions, elements
+    /// stored as `dtype`.
+    pub fn new_pool(&self, block_size: usize, num_blocks: usize, dtype: KvDtype) -> KvPool {
+        KvPool::new(&self.kv_layer_widths(), block_size, num_blocks, dtype)
     }
 
     /// A pool with room for `tokens` positions in blocks of 16 (tests, one-off runs).
-    pub fn pool_for_tokens(&self, tokens: usize) -> KvPool {
-        self.new_pool(16, tokens.div_ceil(16))
+    pub fn pool_for_tokens(&self, tokens: usize, dtype: KvDtype) -> KvPool {
+        self.new_pool(16, tokens.div_ceil(16), dtype)
     }
 
-    /// Bytes of KV cache per block of `block_size` positions.
-    pub fn kv_block_bytes(&self, block_size: usize) -> usize {
-        KvPool::block_bytes(&self.kv_layer_widths(), block_size)
+    /// Bytes of KV cache per block of `block_size` positions stored as `dtype`.
+    pub fn kv_block_bytes(&self, block_size: usize, dtype: KvDtype) -> usize {
+        KvPool::block_bytes(&self.kv_layer_widths(), block_size, dtype)
+    }
+
+    /// The KV cache dtype `requested` means for this model (`auto`: its
+    /// declared dtype).
+    pub fn kv_dtype(&self, requested: KvCacheDtype) -> KvDtype {
+        requested.resolve(self.config.declared_dtype.as_deref())
     }
 
     /// Runs one step for several sequences at once. Each sequence's tokens are

@@ -8,4 +8,6 @@
 //! - `neon` + `i8mm`: int8 through SMMLA, two tokens × two channels per
 //!   instruction (Neoverse V1/V2, Graviton 3/4).
 
+/// Attention's inner loops (NEON).
+pub mod attn;
 pub mod neon;

@@ -1,0 +1,244 @@
+//! NEON attention micro-kernels: the aarch64 twins of
+//! `kernels/x86/attn.rs` (`scores`: up to eight queries share each key load;
+//! `accum`: up to eight queries' accumulators stay in registers over the
+//! value rows). bf16 rows are widened with `ushll #16`.
+//!
+//! The functions are `unsafe`: callers must have checked NEON (done once in
+//! [`crate::kernels::dispatch`]) and the slice lengths.
+
+#![allow(clippy::needless_range_loop, clippy::too_many_arguments)]
+
+use std::arch::aarch64::*;
+
+const fn esize(bf: bool) -> usize {
+    if bf { 2 } else { 4 }
+}
+
+/// 4 elements at element `i` of the row at `p`, widened to f32.
+#[inline]
+#[target_feature(enable = "neon")]
+unsafe fn ld4<const BF: bool>(p: *const u8, i: usize) -> float32x4_t {
+    // SAFETY: the caller guarantees 4 elements at `i`.
+    unsafe {
+        if BF {
+            vreinterpretq_f32_u32(vshll_n_u16::<16>(vld1_u16((p as *const u16).add(i))))
+        } else {
+            vld1q_f32((p as *const f32).add(i))
+        }
+    }
+}
+
+/// `rem < 4` elements at element `i`, zero-filled to 4.
+#[inline]
+#[target_feature(enable = "neon")]
+unsafe fn ld4_tail<const BF: bool>(p: *const u8, i: usize, rem: usize) -> float32x4_t {
+    // SAFETY: the caller guarantees `rem` elements at `i`.
+    unsafe {
+        if BF {
+            let mut buf = [0u16; 4];
+            std::ptr::copy_nonoverlapping((p as *const u16).add(i), buf.as_mut_ptr(), rem);
+            ld4::<true>(buf.as_ptr() as *const u8, 0)
+        } else {
+            let mut buf = [0.0f32; 4];
+            std::ptr::copy_nonoverlapping((p as *const f32).add(i), buf.as_mut_ptr(), rem);
+            vld1q_f32(buf.as_ptr())
+        }
+    }
+}
+
+#[inline]
+#[target_feature(enable = "neon")]
+unsafe fn dots<const G: usize, const BF: bool>(
+    q: *const f32,
+    dk: usize,
+    k: *const u8,
+    out: &mut [f32; G],
+) {
+    let mut a = [vdupq_n_f32(0.0); G];
+    let (full, rem) = (dk / 4, dk % 4);
+    // SAFETY: `q` holds `G` rows of `dk`, `k` one row of `dk` elements.
+    unsafe {
+        for c in 0..full {
+            let kv = ld4::<BF>(k, c * 4);
+            for g in 0..G {
+                a[g] = vfmaq_f32(a[g], vld1q_f32(q.add(g * dk + c * 4)), kv);
+            }
+        }
+        if rem > 0 {
+            let kv = ld4_tail::<BF>(k, full * 4, rem);
+            for g in 0..G {
+                let qv = ld4_tail::<false>(q.add(g * dk) as *const u8, full * 4, rem);
+                a[g] = vfmaq_f32(a[g], qv, kv);
+            }
+        }
+        for g in 0..G {
+            out[g] = vaddvq_f32(a[g]);
+        }
+    }
+}
+
+/// Scores of `q.len() / dk` queries against `n` key rows (see
+/// `kernels/x86/attn.rs`).
+///
+/// # Safety
+/// NEON; `k` holds `(n - 1) · stride + dk` elements, `out` row `m` at
+/// `m · ldo` has `n`.
+#[target_feature(enable = "neon")]
+pub unsafe fn scores<const BF: bool>(
+    q: &[f32],
+    dk: usize,
+    k: *const u8,
+    stride: usize,
+    n: usize,
+    scale: f32,
+    out: &mut [f32],
+    ldo: usize,
+) {
+    let m = q.len() / dk;
+    // SAFETY: the caller guarantees the features and the extents.
+    unsafe {
+        for i in 0..n {
+            let kr = k.add(i * stride * esize(BF));
+            let mut mi = 0;
+            while mi + 8 <= m {
+                let mut d = [0.0f32; 8];
+                dots::<8, BF>(q.as_ptr().add(mi * dk), dk, kr, &mut d);
+                for g in 0..8 {
+                    out[(mi + g) * ldo + i] = d[g] * scale;
+                }
+                mi += 8;
+            }
+            while mi + 4 <= m {
+                let mut d = [0.0f32; 4];
+                dots::<4, BF>(q.as_ptr().add(mi * dk), dk, kr, &mut d);
+                for g in 0..4 {
+                    out[(mi + g) * ldo + i] = d[g] * scale;
+                }
+                mi += 4;
+            }
+            while mi < m {
+                let mut d = [0.0f32; 1];
+                dots::<1, BF>(q.as_ptr().add(mi * dk), dk, kr, &mut d);
+                out[mi * ldo + i] = d[0] * scale;
+                mi += 1;
+            }
+        }
+    }
+}
+
+#[inline]
+#[target_feature(enable = "neon")]
+unsafe fn axpys<const G: usize, const BF: bool>(
+    p: *const f32,
+    ldp: usize,
+    v: *const u8,
+    stride: usize,
+    n: usize,
+    acc: *mut f32,
+    dv: usize,
+    c0: usize,
+    rem: usize,
+) {
+    // SAFETY: `G` accumulator rows of `dv`, `G` rows of `n` probabilities
+    // `ldp` apart and `n` value rows, as the caller guarantees.
+    unsafe {
+        let mut a = [vdupq_n_f32(0.0); G];
+        for g in 0..G {
+            a[g] = if rem == 0 {
+                vld1q_f32(acc.add(g * dv + c0))
+            } else {
+                ld4_tail::<false>(acc.add(g * dv) as *const u8, c0, rem)
+            };
+        }
+        for i in 0..n {
+            let vr = v.add(i * stride * esize(BF));
+            let vv = if rem == 0 {
+                ld4::<BF>(vr, c0)
+            } else {
+                ld4_tail::<BF>(vr, c0, rem)
+            };
+            for g in 0..G {
+                a[g] = vfmaq_n_f32(a[g], vv, *p.add(g * ldp + i));
+            }
+        }
+        for g in 0..G {
+            if rem == 0 {
+                vst1q_f32(acc.add(g * dv + c0), a[g]);
+            } else {
+                let mut buf = [0.0f32; 4];
+                vst1q_f32(buf.as_mut_ptr(), a[g]);
+                std::ptr::copy_nonoverlapping(buf.as_ptr(), acc.add(g * dv + c0), rem);
+            }
+        }
+    }
+}
+
+/// `acc[m·dv + c] += Σ_i p[m·ldp + i] · v_i[c]` for `acc.len() / dv` queries.
+///
+/// # Safety
+/// NEON; `v` holds `(n - 1) · stride + dv` elements, `p` row `m` at
+/// `m · ldp` has `n` values.
+#[target_feature(enable = "neon")]
+pub unsafe fn accum<const BF: bool>(
+    p: &[f32],
+    ldp: usize,
+    v: *const u8,
+    stride: usize,
+    n: usize,
+    acc: &mut [f32],
+    dv: usize,
+) {
+    let m = acc.len() / dv;
+    let (pp, ap) = (p.as_ptr(), acc.as_mut_ptr());
+    // SAFETY: as documented above.
+    unsafe {
+        let mut c0 = 0;
+        while c0 < dv {
+            let rem = if dv - c0 >= 4 { 0 } else { dv - c0 };
+            let mut mi = 0;
+            while mi + 8 <= m {
+                axpys::<8, BF>(
+                    pp.add(mi * ldp),
+                    ldp,
+                    v,
+                    stride,
+                    n,
+                    ap.add(mi * dv),
+                    dv,
+                    c0,
+                    rem,
+                );
+                mi += 8;
+            }
+            while mi + 4 <= m {
+                axpys::<4, BF>(
+                    pp.add(mi * ldp),
+                    ldp,
+                    v,
+                    stride,
+                    n,
+                    ap.add(mi * dv),
+                    dv,
+                    c0,
+                    rem,
+                );
+                mi += 4;
+            }
+            while mi < m {
+                axpys::<1, BF>(
+                    pp.add(mi * ldp),
+                    ldp,
+                    v,
+                    stride,
+                    n,
+                    ap.add(mi * dv),
+                    dv,
+                    c0,
+                    rem,
+                );
+                mi += 1;
+            }
+            c0 += 4;
+        }
+    }
+}

@@ -1,0 +1,581 @@
+//! Flash-style attention over the paged KV cache, for GQA/MQA/MHA and MLA's
+//! absorbed core alike.
+//!
+//! Work is split into items of (sequence, KV head, a chunk of that KV head's
+//! query heads, a tile of consecutive query rows) and run in parallel
+//! (rayon). An item gathers its `M = rows × heads` query vectors, then walks
+//! the keys its rows may see in blocks of [`KEY_BLOCK`] positions, reading
+//! K/V rows straight from the pool through the block table (runs of
+//! consecutive rows inside one cache block): scores tile `S = Q·Kᵀ`
+//! (`M × block`), causal / sliding-window mask, online softmax (running max
+//! and sum per query vector, the accumulator rescaled when the max grows),
+//! then `O += P·V`. No score vector over the whole context is materialized,
+//! and every K/V row is read once per item, i.e. once per KV-head group for
+//! a decode step and once per tile of rows for prefill, where the block
+//! stays in cache across the tile's queries. Attention sinks (GPT-OSS) join
+//! the final normalization as one more logit without a value.
+//!
+//! The inner loops (`scores`, `accum`) are the tier micro-kernels of
+//! [`Kernels`] (AVX2, AVX-512, NEON, and the scalar twins in
+//! [`super::generic`]); keys and values may be f32 or bf16 ([`KvRows`]).
+//! [`reference`] is the plain per-row, per-head algorithm the model used
+//! before (materialized scores, softmax, weighted sum): the tests compare
+//! against it.
+
+use rayon::prelude::*;
+
+use super::dispatch::Kernels;
+use super::fast_exp;
+use super::layout::bf16_bits_to_f32;
+
+/// Key positions per online-softmax step.
+pub const KEY_BLOCK: usize = 64;
+/// Query vectors (rows × heads) per work item of a prefill tile.
+const TILE_M: usize = 32;
+/// Most query heads per work item (larger groups, e.g. MLA's one latent for
+/// all heads, are split so a decode step still has parallel work).
+const MAX_ITEM_HEADS: usize = 16;
+
+/// Cached rows of one layer's keys or values, as stored.
+#[derive(Debug, Clone, Copy)]
+pub enum KvRows<'a> {
+    F32(&'a [f32]),
+    /// bf16 bits, widened to f32 by a 16-bit shift.
+    Bf16(&'a [u16]),
+}
+
+impl<'a> KvRows<'a> {
+    /// Elements held.
+    pub fn len(&self) -> usize {
+        match self {
+            KvRows::F32(s) => s.len(),
+            KvRows::Bf16(s) => s.len(),
+        }
+    }
+    /// Whether nothing is held.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+    /// Whether the rows are bf16.
+    pub fn is_bf16(&self) -> bool {
+        matches!(self, KvRows::Bf16(_))
+    }
+    /// The first element's address (for the tier kernels).
+    pub fn as_ptr(&self) -> *const u8 {
+        match self {
+            KvRows::F32(s) => s.as_ptr().cast(),
+            KvRows::Bf16(s) => s.as_ptr().cast(),
+        }
+    }
+    /// The elements from `off` on.
+    pub fn slice_from(&self, off: usize) -> KvRows<'a> {
+        match *self {
+            KvRows::F32(s) => KvRows::F32(&s[off..]),
+            KvRows::Bf16(s) => KvRows::Bf16(&s[off..]),
+        }
+    }
+    /// Element `i` as f32.
+    #[inline]
+    pub fn get(&self, i: usize) -> f32 {
+        match self {
+            KvRows::F32(s) => s[i],
+            KvRows::Bf16(s) => bf16_bits_to_f32(s[i]),
+        }
+    }
+}
+
+/// Where the keys (or values) of each KV head sit in a layer's storage:
+/// pool row `r`, KV head `h` is `width` elements at `r·stride + h·head_stride`.
+#[derive(Debug, Clone, Copy)]
+pub struct KvView<'a> {
+    pub rows: KvRows<'a>,
+    pub stride: usize,
+    pub head_stride: usize,
+    pub width: usize,
+}
+
+/// The attention's shape and options.
+#[derive(Debug, Clone, Copy)]
+pub struct AttnShape<'a> {
+    /// Query heads (a multiple of `kv_heads`).
+    pub heads: usize,
+    /// KV heads; query head `h` reads KV head `h / (heads / kv_heads)`.
+    pub kv_heads: usize,
+    /// Multiplies every score.
+    pub scale: f32,
+    /// Sliding window: position `p` sees keys `p + 1 − window ..= p`.
+    pub window: Option<usize>,
+    /// Per query head, one extra logit taking probability mass with no value.
+    pub sinks: Option<&'a [f32]>,
+    /// Positions per cache block.
+    pub block_size: usize,
+}
+
+/// One sequence of the flattened batch.
+#[derive(Debug, Clone, Copy)]
+pub struct AttnSeq<'a> {
+    /// Its block table (cache block ids; position `j` is at pool row
+    /// `blocks[j / block_size] · block_size + j % block_size`).
+    pub blocks: &'a [u32],
+    /// First row of its queries in the batch.
+    pub start: usize,
+    /// Query rows (new tokens).
+    pub len: usize,
+    /// Positions cached before its first query row (query row `i` is at
+    /// position `past + i` and sees keys up to it; its own K/V must already
+    /// be in the cache).
+    pub past: usize,
+}
+
+/// One work item: `nr` query rows from `r0` of sequence `seq`, query heads
+/// `h0..h0 + nh` of KV head `kvh`.
+#[derive(Debug, Clone, Copy)]
+struct Item {
+    seq: usize,
+    kvh: usize,
+    h0: usize,
+    nh: usize,
+    r0: usize,
+    nr: usize,
+}
+
+fn plan(shape: &AttnShape<'_>, seqs: &[AttnSeq<'_>]) -> Vec<Item> {
+    let group = shape.heads / shape.kv_heads;
+    let chunks = group.div_ceil(MAX_ITEM_HEADS);
+    let hc = group.div_ceil(chunks);
+    let qt = (TILE_M / hc).max(1);
+    let mut items = Vec::new();
+    for (si, s) in seqs.iter().enumerate() {
+        for kvh in 0..shape.kv_heads {
+            let mut h = 0;
+            while h < group {
+                let nh = hc.min(group - h);
+                let mut r = 0;
+                while r < s.len {
+                    let nr = qt.min(s.len - r);
+                    items.push(Item {
+                        seq: si,
+                        kvh,
+                        h0: kvh * group + h,
+                        nh,
+                        r0: r,
+                        nr,
+                    });
+                    r += nr;
+                }
+                h += nh;
+            }
+        }
+    }
+    items
+}
+
+/// Attention of the batch: `q` is `[rows, heads, k.width]`, `out` is
+/// `[rows, heads, v.width]` (fully overwritten); each sequence's K/V for
+/// positions `0..past + len` must be in the pool. Panics on inconsistent
+/// shapes (a programming error).
+pub fn attention(
+    kern: &Kernels,
+    shape: &AttnShape<'_>,
+    seqs: &[AttnSeq<'_>],
+    q: &[f32],
+    k: KvView<'_>,
+    v: KvView<'_>,
+    out: &mut [f32],
+) {
+    let (heads, dk, dv) = (shape.heads, k.width, v.width);
+    assert!(shape.kv_heads > 0 && heads.is_multiple_of(shape.kv_heads) && shape.block_size > 0);
+    assert!(dk > 0 && dv > 0 && q.len().is_multiple_of(heads * dk));
+    assert_eq!(out.len() / (heads * dv), q.len() / (heads * dk));
+    assert!(shape.sinks.is_none_or(|s| s.len() >= heads));
+    let items = plan(shape, seqs);
+    let results: Vec<Vec<f32>> = items
+        .par_iter()
+        .map(|it| run_item(kern, shape, &seqs[it.seq], it, q, k, v))
+        .collect();
+    for (it, acc) in items.iter().zip(results) {
+        let s = &seqs[it.seq];
+        for ri in 0..it.nr {
+            let row = s.start + it.r0 + ri;
+            let dst = &mut out[(row * heads + it.h0) * dv..(row * heads + it.h0 + it.nh) * dv];
+            dst.copy_from_slice(&acc[ri * it.nh * dv..(ri + 1) * it.nh * dv]);
+        }
+    }
+}
+
+/// Calls `f(j, n, row0)` for each run `j..j + n` of positions in `j0..j1`
+/// that are consecutive pool rows (inside one cache block) from `row0`.
+#[inline]
+fn runs(s: &AttnSeq<'_>, bs: usize, j0: usize, j1: usize, mut f: impl FnMut(usize, usize, usize)) {
+    let mut j = j0;
+    while j < j1 {
+        let b = j / bs;
+        let end = ((b + 1) * bs).min(j1);
+        f(j, end - j, s.blocks[b] as usize * bs + j % bs);
+        j = end;
+    }
+}
+
+/// One work item; returns its `[rows, heads, dv]` output.
+fn run_item(
+    kern: &Kernels,
+    shape: &AttnShape<'_>,
+    s: &AttnSeq<'_>,
+    it: &Item,
+    q: &[f32],
+    k: KvView<'_>,
+    v: KvView<'_>,
+) -> Vec<f32> {
+    let (heads, dk, dv, bs) = (shape.heads, k.width, v.width, shape.block_size);
+    let (nh, nr) = (it.nh, it.nr);
+    let m = nr * nh;
+    let mut qb = Vec::with_capacity(m * dk);
+    for ri in 0..nr {
+        let row = s.start + it.r0 + ri;
+        qb.extend_from_slice(&q[(row * heads + it.h0) * dk..(row * heads + it.h0 + nh) * dk]);
+    }
+    let pos = |ri: usize| s.past + it.r0 + ri;
+    let first = |ri: usize| match shape.window {
+        Some(w) => (pos(ri) + 1).saturating_sub(w),
+        None => 0,
+    };
+    // Keys any row sees, and those every row sees.
+    let (lo, hi) = (first(0), pos(nr - 1) + 1);
+    let (all_lo, all_hi) = (first(nr - 1), pos(0) + 1);
+    let (koff, voff) = (it.kvh * k.head_stride, it.kvh * v.head_stride);
+    let mut sc = vec![0.0f32; m * KEY_BLOCK];
+    let mut mx = vec![f32::NEG_INFINITY; m];
+    let mut sum = vec![0.0f32; m];
+    let mut acc = vec![0.0f32; m * dv];
+    let mut j0 = lo;
+    while j0 < hi {
+        let j1 = (j0 + KEY_BLOCK).min(hi);
+        let n = j1 - j0;
+        runs(s, bs, j0, j1, |j, len, row0| {
+            kern.attn_scores(
+                &qb,
+                dk,
+                k.rows.slice_from(row0 * k.stride + koff),
+                k.stride,
+                len,
+                shape.scale,
+                &mut sc[j - j0..],
+                KEY_BLOCK,
+            );
+        });
+        let masked = j0 < all_lo || j1 > all_hi;
+        for mi in 0..m {
+            let srow = &mut sc[mi * KEY_BLOCK..mi * KEY_BLOCK + n];
+            let (f, p) = (first(mi / nh), pos(mi / nh));
+            if masked {
+                for (jj, x) in srow.iter_mut().enumerate() {
+                    if j0 + jj < f || j0 + jj > p {
+                        *x = f32::NEG_INFINITY;
+                    }
+                }
+            }
+            let cmax = srow.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+            if cmax == f32::NEG_INFINITY {
+                srow.fill(0.0);
+                continue;
+            }
+            if cmax > mx[mi] {
+                if mx[mi] != f32::NEG_INFINITY {
+                    let alpha = fast_exp(mx[mi] - cmax);
+                    sum[mi] *= alpha;
+                    for a in &mut acc[mi * dv..(mi + 1) * dv] {
+                        *a *= alpha;
+                    }
+                }
+                mx[mi] = cmax;
+            }
+            let top = mx[mi];
+            let mut tot = 0.0f32;
+            for x in srow.iter_mut() {
+                *x = fast_exp(*x - top);
+                tot += *x;
+            }
+            if masked {
+                tot = 0.0;
+                for (jj, x) in srow.iter_mut().enumerate() {
+                    if j0 + jj < f || j0 + jj > p {
+                        *x = 0.0;
+                    }
+                    tot += *x;
+                }
+            }
+            sum[mi] += tot;
+        }
+        runs(s, bs, j0, j1, |j, len, row0| {
+            kern.attn_accum(
+                &sc[j - j0..],
+                KEY_BLOCK,
+                v.rows.slice_from(row0 * v.stride + voff),
+                v.stride,
+                len,
+                &mut acc,
+                dv,
+            );
+        });
+        j0 = j1;
+    }
+    for mi in 0..m {
+        let h = it.h0 + mi % nh;
+        let norm = match shape.sinks {
+            Some(sinks) => {
+                let top = mx[mi].max(sinks[h]);
+                let a = (mx[mi] - top).exp();
+                a / (sum[mi] * a + (sinks[h] - top).exp())
+            }
+            None => 1.0 / sum[mi],
+        };
+        for a in &mut acc[mi * dv..(mi + 1) * dv] {
+            *a *= norm;
+        }
+    }
+    acc
+}
+
+/// Softmax over `scores` plus one extra logit `sink` that takes probability
+/// mass but has no value (GPT-OSS attention sinks).
+pub fn softmax_with_sink(scores: &mut [f32], sink: f32) {
+    let m = scores.iter().copied().fold(sink, f32::max);
+    let mut sum = (sink - m).exp();
+    for v in scores.iter_mut() {
+        *v = (*v - m).exp();
+        sum += *v;
+    }
+    for v in scores.iter_mut() {
+        *v /= sum;
+    }
+}
+
+/// The plain algorithm (what the model ran before the flash kernel): per
+/// query row and head, every visible key's score, softmax (with the sink),
+/// then the weighted sum of values. Same contract as [`attention`]; slow,
+/// the reference in tests and the baseline of `epserve bench attention`.
+pub fn reference(
+    shape: &AttnShape<'_>,
+    seqs: &[AttnSeq<'_>],
+    q: &[f32],
+    k: KvView<'_>,
+    v: KvView<'_>,
+    out: &mut [f32],
+) {
+    let (heads, dk, dv, bs) = (shape.heads, k.width, v.width, shape.block_size);
+    let group = heads / shape.kv_heads;
+    let (mut kr, mut scores) = (vec![0.0f32; dk], Vec::new());
+    for s in seqs {
+        for i in 0..s.len {
+            let row = s.start + i;
+            let pos = s.past + i;
+            let first = match shape.window {
+                Some(w) => (pos + 1).saturating_sub(w),
+                None => 0,
+            };
+            for h in 0..heads {
+                let kvh = h / group;
+                let qh = &q[(row * heads + h) * dk..(row * heads + h + 1) * dk];
+                scores.clear();
+                for j in first..=pos {
+                    let r = s.blocks[j / bs] as usize * bs + j % bs;
+                    let base = r * k.stride + kvh * k.head_stride;
+                    for (c, x) in kr.iter_mut().enumerate() {
+                        *x = k.rows.get(base + c);
+                    }
+                    scores.push(super::dot(qh, &kr) * shape.scale);
+                }
+                match shape.sinks {
+                    None => super::softmax(&mut scores),
+                    Some(sinks) => softmax_with_sink(&mut scores, sinks[h]),
+                }
+                let o = &mut out[(row * heads + h) * dv..(row * heads + h + 1) * dv];
+                o.fill(0.0);
+                for (jj, p) in scores.iter().enumerate() {
+                    let j = first + jj;
+                    let r = s.blocks[j / bs] as usize * bs + j % bs;
+                    let base = r * v.stride + kvh * v.head_stride;
+                    for (c, x) in o.iter_mut().enumerate() {
+                        *x += p * v.rows.get(base + c);
+                    }
+                }
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use rand::rngs::StdRng;
+    use rand::seq::SliceRandom;
+    use rand::{Rng, SeedableRng};
+
+    use super::*;
+    use crate::kernels::dispatch::Tier;
+    use crate::kernels::layout::f32_to_bf16_bits;
+
+    #[test]
+    fn sink_takes_mass() {
+        let mut s = vec![0.0, 0.0];
+        softmax_with_sink(&mut s, 0.0);
+        assert!((s[0] - 1.0 / 3.0).abs() < 1e-7 && (s[1] - 1.0 / 3.0).abs() < 1e-7);
+    }
+
+    /// A random layer storage and batch; checks every tier's flash kernel
+    /// against [`reference`] on the same (f32 or bf16) cache.
+    #[allow(clippy::too_many_arguments)]
+    fn case(
+        rng: &mut StdRng,
+        heads: usize,
+        kv_heads: usize,
+        dk: usize,
+        dv: usize,
+        mla: bool,
+        window: Option<usize>,
+        sinks: bool,
+        bs: usize,
+        seqs: &[(usize, usize)],
+        bf16: bool,
+    ) {
+        let total_blocks: usize = seqs.iter().map(|&(p, l)| (p + l).div_ceil(bs)).sum();
+        let mut ids: Vec<u32> = (0..total_blocks as u32 + 3).collect();
+        ids.shuffle(rng);
+        let rows = (total_blocks + 3) * bs;
+        // MLA: one row holds the latent (values = its first dv) + RoPE key.
+        let kstride = if mla { dk } else { kv_heads * dk + 3 };
+        let vstride = if mla { dk } else { kv_heads * dv + 1 };
+        let kf: Vec<f32> = (0..rows * kstride)
+            .map(|_| rng.random_range(-1.0f32..1.0))
+            .collect();
+        let vf: Vec<f32> = (0..rows * vstride)
+            .map(|_| rng.random_range(-1.0f32..1.0))
+            .collect();
+        let (kb, vb): (Vec<u16>, Vec<u16>) = (
+            kf.iter().map(|&x| f32_to_bf16_bits(x)).collect(),
+            vf.iter().map(|&x| f32_to_bf16_bits(x)).collect(),
+        );
+        let (krows, vrows) = if bf16 {
+            (KvRows::Bf16(&kb[..]), KvRows::Bf16(&vb[..]))
+        } else {
+            (KvRows::F32(&kf[..]), KvRows::F32(&vf[..]))
+        };
+        let k = KvView {
+            rows: krows,
+            stride: kstride,
+            head_stride: if mla { 0 } else { dk },
+            width: dk,
+        };
+        let v = if mla {
+            KvView {
+                rows: krows,
+                stride: kstride,
+                head_stride: 0,
+                width: dv,
+            }
+        } else {
+            KvView {
+                rows: vrows,
+                stride: vstride,
+                head_stride: dv,
+                width: dv,
+            }
+        };
+        let mut tables = Vec::new();
+        let mut next = 0;
+        for &(p, l) in seqs {
+            let nb = (p + l).div_ceil(bs);
+            tables.push(ids[next..next + nb].to_vec());
+            next += nb;
+        }
+        let mut batch = Vec::new();
+        let mut start = 0;
+        for (i, &(p, l)) in seqs.iter().enumerate() {
+            batch.push(AttnSeq {
+                blocks: &tables[i],
+                start,
+                len: l,
+                past: p,
+            });
+            start += l;
+        }
+        let t = start;
+        let q: Vec<f32> = (0..t * heads * dk)
+            .map(|_| rng.random_range(-1.0f32..1.0))
+            .collect();
+        let sink_v: Vec<f32> = (0..heads).map(|_| rng.random_range(-2.0f32..2.0)).collect();
+        let shape = AttnShape {
+            heads,
+            kv_heads,
+            scale: (dk as f32).powf(-0.5) * 2.0,
+            window,
+            sinks: sinks.then_some(&sink_v[..]),
+            block_size: bs,
+        };
+        let mut want = vec![0.0f32; t * heads * dv];
+        reference(&shape, &batch, &q, k, v, &mut want);
+        for tier in Tier::available() {
+            let Some(kern) = Kernels::for_tier(tier) else {
+                continue;
+            };
+            let mut got = vec![f32::NAN; t * heads * dv];
+            attention(&kern, &shape, &batch, &q, k, v, &mut got);
+            let worst = got
+                .iter()
+                .zip(&want)
+                .map(|(a, b)| (a - b).abs())
+                .fold(0.0f32, f32::max);
+            assert!(
+                worst <= 2e-5,
+                "{} heads={heads}/{kv_heads} dk={dk} dv={dv} mla={mla} window={window:?} sinks={sinks} bs={bs} seqs={seqs:?} bf16={bf16}: max diff {worst}",
+                tier.name()
+            );
+        }
+    }
+
+    #[test]
+    fn flash_matches_reference_on_every_tier() {
+        let mut rng = StdRng::seed_from_u64(7);
+        for bf16 in [false, true] {
+            // GQA groups, prefill + decode mixes, blocks splitting sequences.
+            let mix: &[(usize, usize)] = &[(0, 37), (70, 1), (5, 9), (129, 1)];
+            case(&mut rng, 8, 2, 32, 32, false, None, false, 16, mix, bf16);
+            case(&mut rng, 8, 2, 32, 32, false, None, false, 3, mix, bf16);
+            case(
+                &mut rng,
+                32,
+                4,
+                128,
+                128,
+                false,
+                None,
+                false,
+                16,
+                &[(0, 100), (300, 1)],
+                bf16,
+            );
+            case(&mut rng, 4, 4, 20, 20, false, None, false, 1, mix, bf16);
+            case(&mut rng, 6, 1, 13, 13, false, Some(8), false, 5, mix, bf16);
+            // Sliding window + sinks (GPT-OSS).
+            case(&mut rng, 8, 2, 64, 64, false, Some(16), true, 16, mix, bf16);
+            case(&mut rng, 8, 2, 24, 24, false, None, true, 7, mix, bf16);
+            case(&mut rng, 4, 2, 16, 16, false, Some(1), true, 4, mix, bf16);
+            // MLA: one latent for all heads, key = latent + RoPE key, value
+            // = the latent (dk != dv); groups beyond one item's heads.
+            case(&mut rng, 4, 1, 40, 32, true, None, false, 16, mix, bf16);
+            case(&mut rng, 20, 1, 72, 64, true, None, false, 3, mix, bf16);
+            case(
+                &mut rng,
+                2,
+                1,
+                9,
+                7,
+                true,
+                None,
+                false,
+                2,
+                &[(0, 70), (3, 1)],
+                bf16,
+            );
+        }
+    }
+}

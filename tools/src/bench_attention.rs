@@ -1,0 +1,293 @@
+//! `epserve bench attention`: the flash attention kernel
+//! (`kernels::attention`) on the best tier against its scalar twin (the
+//! same kernel on the `generic` tier) and against the machine's streaming
+//! read bandwidth (the probe of `bench linear`), for a decode step (one
+//! query row against contexts of 128 / 2k / 8k positions) and a prefill
+//! (512 rows, causal), with f32 and bf16 KV caches in a paged pool. Decode
+//! rows cycle through copies of the cache larger than the last-level cache,
+//! as a model's layers do. Default shape: Qwen3-30B-A3B (32 query heads, 4
+//! KV heads, head_dim 128). Each row is the median of its passes.
+
+use std::time::Duration;
+
+use anyhow::{Context, Result, bail};
+use clap::Args;
+use epserve_core::kernels::attention::{AttnSeq, AttnShape, KvView, attention};
+use epserve_core::kernels::dispatch::{Kernels, kernels};
+use epserve_core::model::kv_cache::{KvDtype, KvPool, SeqCache};
+use serde::Serialize;
+
+use crate::bench_linear::{measure_bandwidth, time};
+
+/// `epserve bench attention`.
+#[derive(Debug, Clone, Args)]
+pub struct BenchAttentionArgs {
+    /// Query heads.
+    #[arg(long, default_value_t = 32)]
+    pub heads: usize,
+    /// KV heads (a divisor of --heads).
+    #[arg(long, default_value_t = 4)]
+    pub kv_heads: usize,
+    /// Head dimension (keys and values).
+    #[arg(long, default_value_t = 128)]
+    pub head_dim: usize,
+    /// Decode contexts (positions cached, the new one included), comma-separated.
+    #[arg(long, default_value = "128,2048,8192")]
+    pub contexts: String,
+    /// Prefill rows (one causal sequence; 0 skips the prefill row).
+    #[arg(long, default_value_t = 512)]
+    pub prefill: usize,
+    /// Positions per KV block.
+    #[arg(long, default_value_t = 16)]
+    pub block_size: usize,
+    /// Bytes of KV cache each decode row cycles through, MiB (copies of the
+    /// context), so that decode streams from memory rather than from the cache.
+    #[arg(long, default_value_t = 256)]
+    pub working_set_mib: usize,
+    /// Least time per row and path, milliseconds (at least 3 passes).
+    #[arg(long, default_value_t = 200)]
+    pub min_ms: u64,
+    /// Print one JSON object instead of the table.
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// One measured row.
+#[derive(Debug, Clone, Serialize)]
+pub struct AttentionRow {
+    /// `decode` or `prefill`.
+    pub kind: &'static str,
+    pub kv_dtype: &'static str,
+    /// Positions attended over (the longest row's).
+    pub context: usize,
+    /// Query rows.
+    pub rows: usize,
+    pub twin_ms: f64,
+    pub fast_ms: f64,
+    /// Twin time over fast time.
+    pub speedup: f64,
+    /// KV bytes read per second by the fast path (each cached row once), GB/s.
+    pub kv_gbps: f64,
+    /// `kv_gbps` as a percentage of the measured read bandwidth.
+    pub pct_bandwidth: f64,
+    /// Multiply-adds of `Q·Kᵀ` and `P·V` ×2 per second, GFLOP/s.
+    pub gflops: f64,
+}
+
+fn list(s: &str, what: &str) -> Result<Vec<usize>> {
+    s.split(',')
+        .map(|t| {
+            t.trim()
+                .parse::<usize>()
+                .ok()
+                .filter(|&v| v > 0)
+                .with_context(|| format!("{what}: '{t}' is not a positive integer"))
+        })
+        .collect()
+}
+
+/// A pool holding `copies` sequences of `len` positions of random K/V.
+fn filled_pool(
+    args: &BenchAttentionArgs,
+    len: usize,
+    copies: usize,
+    dtype: KvDtype,
+) -> Result<(KvPool, Vec<SeqCache>)> {
+    let w = args.kv_heads * args.head_dim;
+    let bs = args.block_size;
+    let mut pool = KvPool::new(&[(w, w)], bs, copies * len.div_ceil(bs), dtype);
+    let mut seqs = Vec::with_capacity(copies);
+    let mut row = vec![0.0f32; w];
+    let mut state = 0x9E37_79B9_7F4A_7C15u64;
+    for _ in 0..copies {
+        let mut s = SeqCache::new();
+        pool.reserve(&mut s, len)
+            .map_err(|e| anyhow::anyhow!("{e}"))?;
+        for pos in 0..len {
+            let r = pool.row(&s, pos);
+            for kv in 0..2 {
+                for x in row.iter_mut() {
+                    state = state
+                        .wrapping_mul(6364136223846793005)
+                        .wrapping_add(1442695040888963407);
+                    *x = ((state >> 40) as f32 / (1u64 << 24) as f32) - 0.5;
+                }
+                let lp = pool.layer_mut(0);
+                if kv == 0 {
+                    lp.k.write(r * w, &row);
+                } else {
+                    lp.v.write(r * w, &row);
+                }
+            }
+        }
+        seqs.push(s);
+    }
+    Ok((pool, seqs))
+}
+
+/// Measures every decode context and the prefill, f32 and bf16 KV.
+pub fn measure(args: &BenchAttentionArgs) -> Result<(f64, Vec<AttentionRow>)> {
+    let (heads, kvh, hd) = (args.heads, args.kv_heads, args.head_dim);
+    if kvh == 0 || hd == 0 || heads == 0 || !heads.is_multiple_of(kvh) {
+        bail!(
+            "--heads {heads} must be a positive multiple of --kv-heads {kvh}; --head-dim must be positive"
+        );
+    }
+    if args.block_size == 0 {
+        bail!("--block-size must be positive");
+    }
+    let contexts = list(&args.contexts, "--contexts")?;
+    let min = Duration::from_millis(args.min_ms);
+    let bw = measure_bandwidth();
+    let (fast, twin) = (kernels(), Kernels::generic());
+    let w = kvh * hd;
+    let shape = AttnShape {
+        heads,
+        kv_heads: kvh,
+        scale: (hd as f32).powf(-0.5),
+        window: None,
+        sinks: None,
+        block_size: args.block_size,
+    };
+    let mut cases: Vec<(&'static str, usize, usize)> =
+        contexts.iter().map(|&c| ("decode", c, 1)).collect();
+    if args.prefill > 0 {
+        cases.push(("prefill", args.prefill, args.prefill));
+    }
+    let mut rows = Vec::new();
+    for &(kind, ctx, nq) in &cases {
+        for dtype in [KvDtype::F32, KvDtype::Bf16] {
+            let kv_bytes = ctx * w * 2 * dtype.bytes();
+            let copies = if kind == "decode" {
+                (args.working_set_mib << 20).div_ceil(kv_bytes).max(1)
+            } else {
+                1
+            };
+            let (pool, seqs) = filled_pool(args, ctx, copies, dtype)?;
+            let lp = pool.layer(0);
+            let view = |rows| KvView {
+                rows,
+                stride: w,
+                head_stride: hd,
+                width: hd,
+            };
+            let (k, v) = (view(lp.k.rows()), view(lp.v.rows()));
+            let q: Vec<f32> = (0..nq * heads * hd)
+                .map(|i| ((i % 89) as f32 - 44.0) / 89.0)
+                .collect();
+            let mut out = vec![0.0f32; nq * heads * hd];
+            let batches: Vec<AttnSeq<'_>> = seqs
+                .iter()
+                .map(|s| AttnSeq {
+                    blocks: s.blocks(),
+                    start: 0,
+                    len: nq,
+                    past: ctx - nq,
+                })
+                .collect();
+            let mut run = |kern: &Kernels| {
+                time(min, || {
+                    for b in &batches {
+                        attention(kern, &shape, std::slice::from_ref(b), &q, k, v, &mut out);
+                    }
+                }) / copies as f64
+            };
+            let (t_twin, t_fast) = (run(&twin), run(fast));
+            // Score and value multiply-adds: each query row sees `past + i + 1` keys.
+            let pairs: usize = (0..nq).map(|i| ctx - nq + i + 1).sum();
+            let flops = 2.0 * (heads * pairs * 2 * hd) as f64;
+            let gbps = kv_bytes as f64 / t_fast / 1e9;
+            rows.push(AttentionRow {
+                kind,
+                kv_dtype: dtype.name(),
+                context: ctx,
+                rows: nq,
+                twin_ms: t_twin * 1e3,
+                fast_ms: t_fast * 1e3,
+                speedup: t_twin / t_fast,
+                kv_gbps: gbps,
+                pct_bandwidth: 100.0 * gbps / bw,
+                gflops: flops / t_fast / 1e9,
+            });
+        }
+    }
+    Ok((bw, rows))
+}
+
+/// Runs the command.
+pub fn run(args: &BenchAttentionArgs) -> Result<()> {
+    let (bw, rows) = measure(args)?;
+    let tier = kernels().tier().name();
+    let threads = rayon::current_num_threads();
+    if args.json {
+        let v = serde_json::json!({
+            "tier": tier, "threads": threads, "bandwidth_gbps": bw, "rows": rows,
+        });
+        println!("{v}");
+        return Ok(());
+    }
+    println!(
+        "flash attention, {} query heads / {} KV heads, head_dim {}, blocks of {}: tier {tier}, \
+         {threads} threads, measured read bandwidth {bw:.1} GB/s",
+        args.heads, args.kv_heads, args.head_dim, args.block_size
+    );
+    println!(
+        "{:>8} {:>5} {:>7} {:>5} {:>9} {:>9} {:>8} {:>7} {:>5} {:>8}",
+        "kind", "KV", "context", "rows", "twin ms", "fast ms", "speedup", "GB/s", "% bw", "GFLOP/s"
+    );
+    for r in &rows {
+        println!(
+            "{:>8} {:>5} {:>7} {:>5} {:>9.3} {:>9.3} {:>7.2}x {:>7.1} {:>5.0} {:>8.1}",
+            r.kind,
+            r.kv_dtype,
+            r.context,
+            r.rows,
+            r.twin_ms,
+            r.fast_ms,
+            r.speedup,
+            r.kv_gbps,
+            r.pct_bandwidth,
+            r.gflops
+        );
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn tiny_bench_runs_and_bad_flags_are_named() -> Result<()> {
+        let args = BenchAttentionArgs {
+            heads: 4,
+            kv_heads: 2,
+            head_dim: 16,
+            contexts: "5,33".into(),
+            prefill: 7,
+            block_size: 4,
+            working_set_mib: 0,
+            min_ms: 1,
+            json: false,
+        };
+        let (bw, rows) = measure(&args)?;
+        assert!(bw > 0.0);
+        assert_eq!(rows.len(), 6);
+        assert!(rows.iter().all(|r| r.fast_ms > 0.0 && r.speedup > 0.0));
+        let bad = BenchAttentionArgs {
+            contexts: "5,x".into(),
+            ..args.clone()
+        };
+        let e = measure(&bad)
+            .err()
+            .map(|e| e.to_string())
+            .unwrap_or_default();
+        assert!(e.contains("--contexts"), "{e}");
+        let bad = BenchAttentionArgs {
+            kv_heads: 3,
+            ..args
+        };
+        assert!(measure(&bad).is_err());
+        Ok(())
+    }
+}
