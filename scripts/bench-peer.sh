@@ -32,6 +32,8 @@
 #   LLAMA_CPP_PYTHON_VERSION=0.3.36   the sdist llama.cpp comes from
 #   RESULT=DIR/result.md
 #   EPSERVE_COMMIT=abc1234   label of the epserve build in the table (default: the checkout's HEAD)
+#   TABLE_FROM=DIR/runs/<stamp>   no runs: print the table of earlier results (copy a
+#                        rerun server's JSON files into one folder to combine runs)
 set -euo pipefail
 
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -135,7 +137,14 @@ if [[ ! -x $EPSERVE ]]; then
 fi
 
 # --- 5. the runs -------------------------------------------------------------
-RUN=$DIR/runs/$(date +%Y%m%d-%H%M%S)
+if [[ -n ${TABLE_FROM:-} ]]; then
+    RUN=$TABLE_FROM
+    SERVERS_RUN=
+    LOAD_BEFORE='?'
+else
+    RUN=$DIR/runs/$(date +%Y%m%d-%H%M%S)
+    SERVERS_RUN=$SERVERS
+fi
 mkdir -p "$RUN"
 PIN=()
 if command -v taskset >/dev/null && ((THREADS <= $(nproc))); then
@@ -226,12 +235,13 @@ workload_lens() { # WORKLOAD -> "IN OUT PER_CONC"
 
 for w in $WORKLOADS; do workload_lens "$w" >/dev/null; done
 log "results in $RUN"
-LOAD_BEFORE=$(cut -d' ' -f1-3 /proc/loadavg)
-for srv in $SERVERS; do
+LOAD_BEFORE=${LOAD_BEFORE:-$(cut -d' ' -f1-3 /proc/loadavg)}
+for srv in $SERVERS_RUN; do
     log "starting $srv"
     start_server "$srv"
     log "$srv ready; warm-up"
-    bench "$RUN/$srv-warmup.json" 128 16 1 2 999 >"$RUN/$srv-warmup.txt" 2>&1
+    bench "$RUN/$srv-warmup.json" 128 16 1 2 999 >"$RUN/$srv-warmup.txt" 2>&1 ||
+        log "warm-up failed, see $RUN/$srv-warmup.txt"
     seed=0
     for w in $WORKLOADS; do
         read -r input output per <<<"$(workload_lens "$w")"
@@ -276,7 +286,8 @@ for w in workloads:
         for s in servers:
             r = load(s, w, c)
             if r is None:
-                print(f"| {w} ({lens[w]}) | {c} | {label.get(s, s)} | failed | | | | | |")
+                ran = (run / f"{s}-{w}-c{c}.txt").exists()
+                print(f"| {w} ({lens[w]}) | {c} | {label.get(s, s)} | {'failed' if ran else 'not run'} | | | | | |")
                 continue
             mark = ""
             want = r["num_prompts"] * int(lens[w].split("/")[1])
