@@ -447,3 +447,111 @@ fn bad_flags_are_one_line_errors() {
         assert!(stderr.contains(needle), "{args:?}: {stderr}");
     }
 }
+
+/// A mock that keeps connections alive (chunked SSE responses, several
+/// requests per connection); counts the connections that carried a
+/// completions request.
+fn keepalive_mock() -> (String, Arc<AtomicUsize>) {
+    let listener = TcpListener::bind("127.0.0.1:0").expect("bind");
+    let addr = listener.local_addr().expect("addr");
+    let conns = Arc::new(AtomicUsize::new(0));
+    let c = conns.clone();
+    thread::spawn(move || {
+        for stream in listener.incoming().flatten() {
+            let c = c.clone();
+            thread::spawn(move || {
+                let _ = keepalive_conn(stream, &c);
+            });
+        }
+    });
+    (format!("http://{addr}"), conns)
+}
+
+fn keepalive_conn(stream: TcpStream, conns: &AtomicUsize) -> std::io::Result<()> {
+    stream.set_read_timeout(Some(Duration::from_secs(30)))?;
+    let mut reader = BufReader::new(stream.try_clone()?);
+    let mut out = stream;
+    let mut counted = false;
+    loop {
+        let mut request_line = String::new();
+        if reader.read_line(&mut request_line)? == 0 {
+            return Ok(());
+        }
+        let mut content_length = 0;
+        loop {
+            let mut line = String::new();
+            reader.read_line(&mut line)?;
+            let line = line.trim_end();
+            if line.is_empty() {
+                break;
+            }
+            if let Some((k, v)) = line.split_once(':')
+                && k.eq_ignore_ascii_case("content-length")
+            {
+                content_length = v.trim().parse().unwrap_or(0);
+            }
+        }
+        let mut body = vec![0; content_length];
+        reader.read_exact(&mut body)?;
+        if !request_line.starts_with("POST /v1/completions") {
+            write!(out, "HTTP/1.1 404 Not Found\r\nContent-Length: 0\r\n\r\n")?;
+            continue;
+        }
+        if !counted {
+            counted = true;
+            conns.fetch_add(1, Ordering::SeqCst);
+        }
+        write!(
+            out,
+            "HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n"
+        )?;
+        let events = [
+            json!({"object": "text_completion", "choices": [{"index": 0, "text": " a", "finish_reason": null}]}),
+            json!({"object": "text_completion", "choices": [{"index": 0, "text": " b", "finish_reason": "length"}]}),
+            json!({"choices": [], "usage": {"prompt_tokens": 8, "completion_tokens": 2, "total_tokens": 10}}),
+        ];
+        for e in events {
+            let data = format!("data: {e}\n\n");
+            write!(out, "{:x}\r\n{data}\r\n", data.len())?;
+        }
+        let done = "data: [DONE]\n\n";
+        write!(out, "{:x}\r\n{done}\r\n0\r\n\r\n", done.len())?;
+        out.flush()?;
+    }
+}
+
+#[test]
+fn no_connection_reuse_opens_a_connection_per_request() {
+    let tok = fixture_tokenizer();
+    let run = |extra: &[&str]| {
+        let (url, conns) = keepalive_mock();
+        let mut args = vec![
+            "--base-url",
+            &url,
+            "--model",
+            "m",
+            "--tokenizer",
+            tok.to_str().expect("utf-8 path"),
+            "--num-prompts",
+            "3",
+            "--max-concurrency",
+            "1",
+            "--random-input-len",
+            "8",
+            "--random-output-len",
+            "2",
+            "--disable-tqdm",
+        ];
+        args.extend_from_slice(extra);
+        let out = bench(&args);
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        assert!(
+            out.status.success() && stdout.contains(&format!("{:<40} 3", "Successful requests:")),
+            "{stdout}\n{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        conns.load(Ordering::SeqCst)
+    };
+    assert_eq!(run(&[]), 1, "one request at a time reuses one connection");
+    assert_eq!(run(&["--no-connection-reuse"]), 3);
+}

@@ -164,6 +164,12 @@ pub struct BenchServeArgs {
     /// Accept any TLS certificate (self-signed servers).
     #[arg(long)]
     pub insecure: bool,
+    /// epserve extension: open a new connection for every request instead of
+    /// reusing idle ones. For servers that announce keep-alive but close the
+    /// connection after a streamed response (llama.cpp's llama-server), where a
+    /// reused connection fails the next request.
+    #[arg(long)]
+    pub no_connection_reuse: bool,
     /// JSON object merged into every request body.
     #[arg(long)]
     pub extra_body: Option<String>,

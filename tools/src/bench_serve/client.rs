@@ -105,12 +105,16 @@ pub struct Endpoint {
 }
 
 /// Builds the HTTP client: 6-hour total timeout as vLLM's, optional
-/// acceptance of any TLS certificate.
-pub fn http_client(insecure: bool) -> anyhow::Result<reqwest::Client> {
-    reqwest::Client::builder()
+/// acceptance of any TLS certificate; with `reuse` false no connection is kept
+/// idle, so every request opens its own.
+pub fn http_client(insecure: bool, reuse: bool) -> anyhow::Result<reqwest::Client> {
+    let mut b = reqwest::Client::builder()
         .timeout(Duration::from_secs(6 * 60 * 60))
-        .danger_accept_invalid_certs(insecure)
-        .build()
+        .danger_accept_invalid_certs(insecure);
+    if !reuse {
+        b = b.pool_max_idle_per_host(0);
+    }
+    b.build()
         .map_err(|e| anyhow::anyhow!("cannot build the HTTP client: {e}"))
 }
 

@@ -196,7 +196,12 @@ async fn align_prompts(
             Some(ids)
         }
     };
-    let Some(first_ids) = tokenize(first.prompt.clone()).await else {
+    // A server whose /tokenize reads another field (llama.cpp's takes
+    // `content`) answers no tokens for a non-empty prompt: unavailable too.
+    let Some(first_ids) = tokenize(first.prompt.clone())
+        .await
+        .filter(|ids| !ids.is_empty() || first.prompt.is_empty())
+    else {
         println!("WARNING: /tokenize unavailable, skipping alignment.");
         return requests;
     };
@@ -396,7 +401,7 @@ async fn run_async(args: &BenchServeArgs) -> Result<()> {
     let goodput = Goodput::parse(&args.goodput).map_err(anyhow::Error::msg)?;
     let metadata = key_values(&args.metadata, "--metadata")?;
     let headers = client::headers(&args.header, args.api_key.as_deref())?;
-    let http = client::http_client(args.insecure)?;
+    let http = client::http_client(args.insecure, !args.no_connection_reuse)?;
 
     let model_id = match &args.model {
         Some(m) => m.clone(),
