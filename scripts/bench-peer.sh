@@ -21,8 +21,8 @@
 # Environment (all optional):
 #   EPSERVE=path         epserve binary (default: target/release/epserve, built if missing)
 #   EPSERVE_FLAGS=""     extra `epserve serve` flags for both epserve servers
-#   EPSERVE_INT8_FLAGS="--expert-dtype int8"   what makes epserve-int8 (add e.g.
-#                        --dense-dtype int8 where the build has it, as Q8_0 quantizes all)
+#   EPSERVE_INT8_FLAGS="--expert-dtype int8 --dense-dtype int8"   what makes
+#                        epserve-int8 (everything but routers and norms in int8, as Q8_0)
 #   THREADS=2            threads of both servers (llama-server -t/-tb; epserve is pinned
 #                        with taskset to as many cores, and so is llama-server)
 #   WORKLOADS="quick long"   quick = 128 in / 64 out, long = 512 in / 512 out
@@ -185,7 +185,7 @@ start_server() { # SERVER
         # shellcheck disable=SC2206 # flags split on spaces on purpose
         cmd+=(${EPSERVE_FLAGS:-})
         # shellcheck disable=SC2206
-        [[ $srv == epserve-int8 ]] && cmd+=(${EPSERVE_INT8_FLAGS:---expert-dtype int8})
+        [[ $srv == epserve-int8 ]] && cmd+=(${EPSERVE_INT8_FLAGS:---expert-dtype int8 --dense-dtype int8})
         RAYON_NUM_THREADS=$THREADS "${cmd[@]}" >"$RUN/$srv.log" 2>&1 &
         ;;
     llama-bf16 | llama-q8_0)

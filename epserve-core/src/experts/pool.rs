@@ -38,7 +38,12 @@ static GLOBAL_PINNED: AtomicBool = AtomicBool::new(false);
 /// the global pool already exists.
 pub fn init_global_pool() -> bool {
     let cores = core_affinity::get_core_ids().unwrap_or_default();
-    let n = std::thread::available_parallelism().map_or(1, |n| n.get());
+    // RAYON_NUM_THREADS as rayon reads it; else one per core this process may use.
+    let n = std::env::var("RAYON_NUM_THREADS")
+        .ok()
+        .and_then(|v| v.trim().parse::<usize>().ok())
+        .filter(|&n| n > 0)
+        .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()));
     let pin = !cores.is_empty();
     let mut b = rayon::ThreadPoolBuilder::new()
         .num_threads(n)
