@@ -702,9 +702,10 @@ impl Kernels {
         }
     }
 
-    /// Measures the native bf16 dot-product throughput (`vdpbf16ps`, `bfdot`)
-    /// like [`fma_probe`](Self::fma_probe), counting two FLOPs per
-    /// multiply-add; `None` on tiers without one.
+    /// Measures the native bf16 dot-product throughput (`vdpbf16ps`; on the
+    /// `amx` tier `tdpbf16ps`, on `neon-bf16` `bfmmla`: the prefill tiles'
+    /// instructions) like [`fma_probe`](Self::fma_probe), counting two FLOPs
+    /// per multiply-add; `None` on tiers without one.
     pub fn bf16_dot_probe(&self, iters: usize) -> Option<(f64, f32, &'static str)> {
         let seed = std::hint::black_box(1.0f32);
         match self.tier {
@@ -726,9 +727,11 @@ impl Kernels {
             }
             #[cfg(target_arch = "aarch64")]
             Tier::NeonBf16 => {
+                // The prefill tile's instruction (twice BFDOT's multiply-adds
+                // per instruction), as AMX's on the `amx` tier.
                 // SAFETY: this tier requires the bf16 feature.
-                let r = unsafe { super::aarch64::neon::bfdot_probe(iters, seed) };
-                Some(((iters * 24 * 4 * 4) as f64, r, "bf16 dot, NEON BFDOT"))
+                let r = unsafe { super::aarch64::neon::bfmmla_probe(iters, seed) };
+                Some(((iters * 24 * 32) as f64, r, "bf16 matmul, NEON BFMMLA"))
             }
             _ => {
                 let _ = (iters, seed);

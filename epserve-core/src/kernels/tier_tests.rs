@@ -461,6 +461,21 @@ fn packed_layouts_compute_the_matmul() {
 }
 
 #[test]
+fn peak_probes_run_on_every_tier() {
+    for k in tiers() {
+        let (flops, r) = k.fma_probe(10);
+        assert!(flops > 0.0 && r.is_finite(), "{:?} fma probe", k.tier());
+        if let Some((flops, r, name)) = k.bf16_dot_probe(10) {
+            assert!(
+                flops > 0.0 && r.is_finite() && !name.is_empty(),
+                "{:?} bf16 probe",
+                k.tier()
+            );
+        }
+    }
+}
+
+#[test]
 fn tier_names_round_trip() {
     for t in Tier::ALL {
         assert_eq!(Tier::parse(t.name()), Some(t));

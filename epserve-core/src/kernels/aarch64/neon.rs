@@ -416,6 +416,38 @@ pub unsafe fn bfdot_probe(iters: usize, seed: f32) -> f32 {
     vaddvq_f32(s)
 }
 
+/// Runs `iters` rounds of 24 independent BFMMLAs (a 2×2 block × four `k`s:
+/// 16 multiply-adds each) and returns a value that depends on all of them;
+/// the FLOPs are `iters · 24 · 32`. `epserve bench moe` takes it as the
+/// `neon-bf16` tier's bf16 peak (what its prefill tile issues).
+///
+/// # Safety
+/// The CPU must support `bf16`.
+#[target_feature(enable = "neon,bf16")]
+pub unsafe fn bfmmla_probe(iters: usize, seed: f32) -> f32 {
+    let one = vreinterpretq_u16_u32(vdupq_n_u32(0x3F80_3F80));
+    let mut c = [vdupq_n_f32(seed); 24];
+    for _ in 0..iters {
+        for v in c.iter_mut() {
+            // SAFETY: register-only instruction.
+            unsafe {
+                asm!(
+                    "bfmmla {acc:v}.4s, {a:v}.8h, {b:v}.8h",
+                    acc = inout(vreg) *v,
+                    a = in(vreg) one,
+                    b = in(vreg) one,
+                    options(pure, nomem, nostack),
+                );
+            }
+        }
+    }
+    let mut s = vdupq_n_f32(0.0);
+    for v in c {
+        s = vaddq_f32(s, v);
+    }
+    vaddvq_f32(s)
+}
+
 /// Adds accumulator lanes `[c, c, c+1, c+1]` of eight channel pairs to `acc`.
 ///
 /// # Safety
