@@ -146,9 +146,10 @@ pub struct Row {
     pub bandwidth_pct: f64,
     pub gflops: f64,
     pub fma_peak_pct: f64,
-    /// bf16 rows on a tier with a bf16 dot tile: percent of the bf16 dot peak
-    /// (informational; the target is against the FMA peak, and the executor
-    /// uses the dot tile on the decode path only).
+    /// bf16 rows on a tier with a bf16 dot tile: percent of the tier's bf16
+    /// peak (`Kernels::bf16_dot_probe`: the prefill tiles' instruction on
+    /// `amx` and `neon-bf16`; informational, the target is against the FMA
+    /// peak).
     pub bf16_dot_peak_pct: Option<f64>,
     pub scalar_time_ms: Option<f64>,
     pub speedup_vs_scalar: Option<f64>,

@@ -5,8 +5,8 @@
 //! channels per row to the phase's epilogue. Per expert, as many tokens as
 //! one tile holds take the decode path (the whole `K` per panel), more take
 //! a prefill path: `K` blocks kept in L1, the two-panel tile over a packed
-//! stream ([`run_pairs_f32`]), or the AMX tiles (planned in
-//! `kernels/amx_plan.rs`).
+//! stream ([`run_pairs_f32`]), the BFMMLA tile over packed bf16 activations
+//! ([`run_bf16mm`]), or the AMX tiles (planned in `kernels/amx_plan.rs`).
 //!
 //! [`PackedExperts`]: super::PackedExperts
 
@@ -15,8 +15,8 @@ use std::cell::RefCell;
 use crate::kernels::amx_plan::run_panels_amx;
 use crate::kernels::dispatch::{Kernels, MAX_MR};
 use crate::kernels::layout::{
-    BF16_PAIR_KC, DataView, I8_GROUP_BYTES, KG, NR, Src, as_row, bf16_padded_k, dequant,
-    i8_padded_k, pack_pairs_f32,
+    BF16_MM_KC, BF16_PAIR_KC, DataView, I8_GROUP_BYTES, KG, NR, Src, as_row, bf16_padded_k,
+    dequant, i8_padded_k, mm_padded_k, pack_mm_bf16, pack_pairs_f32,
 };
 
 /// `k` per block on the bf16 prefill path (a 16 KiB panel chunk).
@@ -47,6 +47,10 @@ thread_local! {
     /// Two-panel prefill path: the packed activation stream and the two
     /// panels' accumulators.
     static PAIRS_F32: RefCell<(Vec<f32>, Vec<f32>)> =
+        const { RefCell::new((Vec::new(), Vec::new())) };
+    /// BFMMLA prefill path: the packed bf16 activation stream and the
+    /// accumulators.
+    static MM_BF16: RefCell<(Vec<u16>, Vec<f32>)> =
         const { RefCell::new((Vec::new(), Vec::new())) };
 }
 
@@ -138,6 +142,11 @@ pub(crate) fn run_panels(
                 }
             })
         }
+        // Prefill with bf16 activations on tiers with a BFMMLA tile (aarch64
+        // `neon-bf16`): twice BFDOT's multiply-adds per instruction.
+        DataView::Bf16(w) if bf16x && n > k.bf16x_mr().unwrap_or(0) && k.bf16mm_mr().is_some() => {
+            run_bf16mm(k, w, kdim, n, it, row, src, epi)
+        }
         // Prefill on tiers with a two-panel tile.
         DataView::Bf16(w) if n > k.bf16_mr() && k.bf16_pair_mr().is_some() => {
             run_pairs_f32(k, w, kdim, n, it, row, src, epi)
@@ -209,6 +218,74 @@ pub(crate) fn run_panels(
             }
         }),
     }
+}
+
+/// The prefill path of bf16 experts with bf16 activations on tiers with a
+/// BFMMLA tile: the expert's rows are packed once per work item into the
+/// tile's stream (token tiles of equal, even size: BFMMLA takes rows in
+/// pairs; each K block contiguous, k-quads zero-padded), then every panel
+/// runs over K blocks of [`BF16_MM_KC`] (the panel chunk and one packed
+/// tile stay in L1) and token tiles.
+#[allow(clippy::too_many_arguments)]
+fn run_bf16mm(
+    k: &Kernels,
+    w: &[u16],
+    kdim: usize,
+    n: usize,
+    it: &Item,
+    row: &dyn Fn(usize) -> usize,
+    src: &Src<'_>,
+    mut epi: impl FnMut(usize, usize, &[f32; NR]),
+) {
+    let mr = k.bf16mm_mr().unwrap_or(MAX_MR);
+    // Token tiles of equal, even size (10 tokens: 6 + 4, not 8 + 2).
+    let tn_max = n.div_ceil(n.div_ceil(mr)).next_multiple_of(2).min(mr);
+    let kp = bf16_padded_k(kdim);
+    // Every tile but the last has `tn_max` (even) rows: the tile at `t0`
+    // starts `t0 · kq` values in, its K block at `k0` (whole quads before
+    // it) `k0 · 2⌈tn/2⌉` values further.
+    let kq = mm_padded_k(kp);
+    let panel_len = kp * NR;
+    MM_BF16.with_borrow_mut(|(xa, acc)| {
+        xa.clear();
+        let mut t0 = 0;
+        while t0 < n {
+            let tn = tn_max.min(n - t0);
+            let mut rows: [&[u16]; MAX_MR] = [&[]; MAX_MR];
+            for (i, r) in rows.iter_mut().enumerate().take(tn) {
+                let base = row(t0 + i) * src.b16_stride;
+                *r = &src.b16_rows[base..base + kp];
+            }
+            let mut k0 = 0;
+            while k0 < kp {
+                let kc = BF16_MM_KC.min(kp - k0);
+                pack_mm_bf16(&rows[..tn], k0, kc, xa);
+                k0 += kc;
+            }
+            t0 += tn;
+        }
+        acc.resize(n * NR, 0.0);
+        for p in it.panels() {
+            acc.fill(0.0);
+            let panel = &w[p * panel_len..(p + 1) * panel_len];
+            let mut k0 = 0;
+            while k0 < kp {
+                let kc = BF16_MM_KC.min(kp - k0);
+                let wc = &panel[k0 * NR..(k0 + kc) * NR];
+                let mut t0 = 0;
+                while t0 < n {
+                    let tn = tn_max.min(n - t0);
+                    let off = t0 * kq + k0 * tn.div_ceil(2) * 2;
+                    k.bf16mm_tile(wc, tn, &xa[off..], &mut acc[t0 * NR..(t0 + tn) * NR]);
+                    t0 += tn;
+                }
+                k0 += kc;
+            }
+            for i in 0..n {
+                epi(i, p, as_row(&acc[i * NR..(i + 1) * NR]));
+            }
+        }
+    })
 }
 
 /// The prefill path of bf16 experts with f32 activations on tiers with a

@@ -233,6 +233,98 @@ fn experts_packed_bf16_activations_are_close_on_every_tier() {
 }
 
 #[test]
+fn experts_bf16_activation_prefill_matches_decode() {
+    // Hidden 1030: three K blocks on the BFMMLA path (512, 512, 6: the last
+    // not whole k-quads); width 35: an odd pair count on the down
+    // projection. Where the prefill path also runs on bf16 activations
+    // (BFMMLA on `neon-bf16`, AMX), all rows at once must match the rows one
+    // at a time (the bf16 dot decode tile): only summation order differs,
+    // and through it a rare last-bit flip of h's bf16 rounding. Every tier
+    // stays within the bf16-activation bound of the portable reference.
+    let c = Case {
+        hidden: 1030,
+        inter: 35,
+        experts: 3,
+        top_k: 1,
+    };
+    let pool = Arc::new(ExpertPool::new(Some(2), false).expect("pool"));
+    let mut rng = StdRng::seed_from_u64(19);
+    let ms = mlps(&mut rng, &c);
+    let reference = portable(&ms, c.hidden);
+    let rows = 41usize;
+    let x: Vec<f32> = (0..rows * c.hidden)
+        .map(|_| rng.random_range(-1.0f32..1.0))
+        .collect();
+    let (ids, w) = routing(&mut rng, rows, &c);
+    let want = run(&reference, &x, &ids, &w, &c);
+    let mut compared = false;
+    for tier in Tier::available() {
+        let k = Kernels::for_tier(tier).expect("tier");
+        let experts = ms
+            .iter()
+            .map(|m| {
+                PackedExpert::from_mlp(m, PackedDtype::Bf16, false)
+                    .map(|e| Some(e.with_bf16_activations(true)))
+            })
+            .collect::<crate::Result<Vec<_>>>()
+            .expect("pack");
+        let ex = PackedExperts::new(vec![None, Some(experts)], c.hidden, pool.clone())
+            .expect("executor")
+            .with_kernels(k);
+        let prefill = run(&ex, &x, &ids, &w, &c);
+        let bf16_prefill = k.bf16x_mr().is_some() && (k.bf16mm_mr().is_some() || k.amx());
+        let mut decode = vec![7.0f32; prefill.len()];
+        if bf16_prefill {
+            compared = true;
+            let h = c.hidden;
+            for r in 0..rows {
+                let (ir, hr) = (r * c.top_k..(r + 1) * c.top_k, r * h..(r + 1) * h);
+                let mut out = vec![7.0f32; c.top_k * h];
+                ex.execute(1, &x[hr], &ids[ir.clone()], &w[ir], c.top_k, &mut out)
+                    .expect("execute");
+                decode[r * c.top_k * h..(r + 1) * c.top_k * h].copy_from_slice(&out);
+            }
+        }
+        for (s, id) in ids.iter().enumerate() {
+            let span = s * c.hidden..(s + 1) * c.hidden;
+            let (a, b) = (&prefill[span.clone()], &want[span.clone()]);
+            if *id == SKIP_SLOT {
+                assert!(a.iter().all(|&v| v == 7.0), "skipped slot written");
+                continue;
+            }
+            let norm = b.iter().fold(0.0f32, |m, v| m.max(v.abs()));
+            let err = a
+                .iter()
+                .zip(b)
+                .fold(0.0f32, |m, (p, q)| m.max((p - q).abs()));
+            assert!(
+                err <= 0.02 * norm + 1e-6,
+                "{} slot {s}: err {err} vs norm {norm}",
+                tier.name()
+            );
+            if bf16_prefill {
+                let d = &decode[span];
+                let err = a
+                    .iter()
+                    .zip(d)
+                    .fold(0.0f32, |m, (p, q)| m.max((p - q).abs()));
+                assert!(
+                    err <= 5e-3 * norm + 1e-5,
+                    "{} prefill vs decode slot {s}: err {err} vs norm {norm}",
+                    tier.name()
+                );
+            }
+        }
+    }
+    if !compared {
+        eprintln!(
+            "SKIPPED: no tier here runs the prefill path on bf16 activations (BFMMLA, AMX); \
+             prefill vs decode not compared"
+        );
+    }
+}
+
+#[test]
 fn experts_packed_int8_is_close_and_identical_across_tiers() {
     let pool = Arc::new(ExpertPool::new(Some(2), false).expect("pool"));
     let mut rng = StdRng::seed_from_u64(12);

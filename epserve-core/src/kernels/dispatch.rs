@@ -11,7 +11,7 @@ use std::sync::OnceLock;
 
 use super::attention::KvRows;
 use super::generic;
-use super::layout::{I8_GROUP_BYTES, KG, NR, bf16_padded_k};
+use super::layout::{I8_GROUP_BYTES, KG, NR, bf16_padded_k, mm_padded_k};
 
 /// A set of micro-kernels for one instruction-set level.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -35,7 +35,8 @@ pub enum Tier {
     NeonDot,
     /// aarch64 NEON + SMMLA (i8mm) for int8.
     NeonI8mm,
-    /// aarch64 NEON + SMMLA for int8 + BFDOT for bf16 activations.
+    /// aarch64 NEON + SMMLA for int8 + BFDOT (decode) and BFMMLA (prefill)
+    /// for bf16 activations.
     NeonBf16,
 }
 
@@ -156,6 +157,7 @@ impl Tier {
 type Bf16Tile = unsafe fn(&[u16], usize, &[&[f32]], &mut [f32]);
 type Bf16PairTile = unsafe fn([&[u16]; 2], usize, usize, &[f32], [&mut [f32]; 2]);
 type Bf16xTile = unsafe fn(&[u16], &[&[u16]], &mut [f32]);
+type Bf16mmTile = unsafe fn(&[u16], usize, &[u16], &mut [f32]);
 type I8Tile = unsafe fn(&[i8], &[&[i8]], &mut [i32]);
 type AttnScores = unsafe fn(&[f32], usize, *const u8, usize, usize, f32, &mut [f32], usize);
 type AttnAccum = unsafe fn(&[f32], usize, *const u8, usize, usize, &mut [f32], usize);
@@ -179,6 +181,9 @@ pub struct Kernels {
     bf16_pair: Option<(usize, Bf16PairTile)>,
     /// A native bf16 × bf16 dot-product tile, where the tier has one.
     bf16x: Option<(usize, Bf16xTile)>,
+    /// A bf16 × bf16 matrix-multiply tile over packed activations for the
+    /// prefill path (BFMMLA), where the tier has one.
+    bf16mm: Option<(usize, Bf16mmTile)>,
     i8_mr: usize,
     i8: I8Tile,
     /// AMX tiles for the prefill path (bf16 activations and int8).
@@ -194,6 +199,7 @@ impl std::fmt::Debug for Kernels {
             .field("bf16_mr", &self.bf16_mr)
             .field("bf16_pair_mr", &self.bf16_pair.map(|b| b.0))
             .field("bf16x_mr", &self.bf16x.map(|b| b.0))
+            .field("bf16mm_mr", &self.bf16mm.map(|b| b.0))
             .field("i8_mr", &self.i8_mr)
             .field("amx", &self.amx)
             .finish()
@@ -229,6 +235,7 @@ impl Kernels {
                     bf16: avx2::bf16_tile,
                     bf16_pair: None,
                     bf16x: None,
+                    bf16mm: None,
                     i8_mr: avx2::I8_MR,
                     i8: avx2::i8_tile,
                     amx: false,
@@ -252,6 +259,7 @@ impl Kernels {
                     bf16_pair: Some((avx512::BF16_PAIR_MR, avx512::bf16_pair_tile as Bf16PairTile)),
                     bf16x: matches!(tier, Tier::Avx512Bf16 | Tier::Amx)
                         .then_some((avx512::BF16X_MR, avx512::bf16x_tile as Bf16xTile)),
+                    bf16mm: None,
                     i8_mr,
                     i8,
                     amx: tier == Tier::Amx,
@@ -276,6 +284,8 @@ impl Kernels {
                     bf16_pair: Some((neon::BF16_MR, neon::bf16_pair_tile as Bf16PairTile)),
                     bf16x: (tier == Tier::NeonBf16)
                         .then_some((neon::BF16_MR, neon::bf16x_tile_bfdot as Bf16xTile)),
+                    bf16mm: (tier == Tier::NeonBf16)
+                        .then_some((neon::BF16MM_MR, neon::bf16mm_tile_bfmmla as Bf16mmTile)),
                     i8_mr,
                     i8,
                     amx: false,
@@ -291,6 +301,10 @@ impl Kernels {
         debug_assert!(k.bf16_mr <= MAX_MR && k.i8_mr <= MAX_MR);
         debug_assert!(k.bf16x.is_none_or(|b| b.0 <= MAX_MR));
         debug_assert!(k.bf16_pair.is_none_or(|b| b.0 <= MAX_MR));
+        debug_assert!(
+            k.bf16mm
+                .is_none_or(|b| b.0 <= MAX_MR && b.0.is_multiple_of(2))
+        );
         Some(k)
     }
 
@@ -302,6 +316,7 @@ impl Kernels {
             bf16: generic_bf16,
             bf16_pair: None,
             bf16x: None,
+            bf16mm: None,
             i8_mr: 4,
             i8: generic_i8,
             amx: false,
@@ -394,6 +409,31 @@ impl Kernels {
             // SAFETY: as in `bf16_tile`.
             Some((_, f)) => unsafe { f(w, x, acc) },
             None => generic::bf16x_tile(w, x, acc),
+        }
+    }
+
+    /// Most rows per bf16 × bf16 matrix-multiply (prefill) tile, if this
+    /// tier has one (even: BFMMLA takes rows in pairs).
+    pub fn bf16mm_mr(&self) -> Option<usize> {
+        self.bf16mm.map(|b| b.0)
+    }
+
+    /// `acc[r·16 + c] += Σ_k x[r][k] · W[k, c]` with **bf16** activations
+    /// over a bf16 panel chunk `w` (`pairs · 32` words) for `t` rows packed
+    /// by [`super::layout::pack_mm_bf16`] into `xa` (at least
+    /// `mm_padded_k(2 · pairs) · 2⌈t/2⌉` values); `1 ≤ t ≤ bf16mm_mr`. On a
+    /// tier without a native tile this is the scalar twin (up to `MAX_MR`
+    /// rows).
+    #[inline]
+    pub fn bf16mm_tile(&self, w: &[u16], t: usize, xa: &[u16], acc: &mut [f32]) {
+        let kp = w.len() / NR;
+        let mr = self.bf16mm_mr().unwrap_or(MAX_MR);
+        assert!(w.len().is_multiple_of(2 * NR) && t >= 1 && t <= mr);
+        assert!(xa.len() >= mm_padded_k(kp) * t.div_ceil(2) * 2 && acc.len() >= t * NR);
+        match self.bf16mm {
+            // SAFETY: as in `bf16_tile`.
+            Some((_, f)) => unsafe { f(w, t, xa, acc) },
+            None => generic::bf16mm_tile(w, t, xa, acc),
         }
     }
 
@@ -662,9 +702,10 @@ impl Kernels {
         }
     }
 
-    /// Measures the native bf16 dot-product throughput (`vdpbf16ps`, `bfdot`)
-    /// like [`fma_probe`](Self::fma_probe), counting two FLOPs per
-    /// multiply-add; `None` on tiers without one.
+    /// Measures the native bf16 dot-product throughput (`vdpbf16ps`; on the
+    /// `amx` tier `tdpbf16ps`, on `neon-bf16` `bfmmla`: the prefill tiles'
+    /// instructions) like [`fma_probe`](Self::fma_probe), counting two FLOPs
+    /// per multiply-add; `None` on tiers without one.
     pub fn bf16_dot_probe(&self, iters: usize) -> Option<(f64, f32, &'static str)> {
         let seed = std::hint::black_box(1.0f32);
         match self.tier {
@@ -686,9 +727,11 @@ impl Kernels {
             }
             #[cfg(target_arch = "aarch64")]
             Tier::NeonBf16 => {
+                // The prefill tile's instruction (twice BFDOT's multiply-adds
+                // per instruction), as AMX's on the `amx` tier.
                 // SAFETY: this tier requires the bf16 feature.
-                let r = unsafe { super::aarch64::neon::bfdot_probe(iters, seed) };
-                Some(((iters * 24 * 4 * 4) as f64, r, "bf16 dot, NEON BFDOT"))
+                let r = unsafe { super::aarch64::neon::bfmmla_probe(iters, seed) };
+                Some(((iters * 24 * 32) as f64, r, "bf16 matmul, NEON BFMMLA"))
             }
             _ => {
                 let _ = (iters, seed);

@@ -6,7 +6,8 @@
 //! [`super::layout`]) and adds into `acc[t · 16 + c]`, logical channel order.
 
 use super::layout::{
-    I8_GROUP_BYTES, KG, NR, bf16_bits_to_f32, bf16_index, bf16_padded_k, i8_index, pair_index,
+    I8_GROUP_BYTES, KG, NR, bf16_bits_to_f32, bf16_index, bf16_padded_k, i8_index, mm_index,
+    pair_index,
 };
 
 /// `acc[t·16 + c] += Σ_{k<kc} x[t][k] · W[k, c]` for a bf16 panel chunk `w`
@@ -51,6 +52,24 @@ pub fn bf16x_tile(w: &[u16], x: &[&[u16]], acc: &mut [f32]) {
         let a = &mut acc[t * NR..(t + 1) * NR];
         for (k, &xv) in xr.iter().enumerate().take(kp) {
             let xv = bf16_bits_to_f32(xv);
+            for (c, av) in a.iter_mut().enumerate() {
+                *av += xv * bf16_bits_to_f32(w[bf16_index(k, c)]);
+            }
+        }
+    }
+}
+
+/// `acc[r·16 + c] += Σ_k x[r][k] · W[k, c]` for a bf16 panel chunk `w`
+/// (`pairs · 32` words) and `t` rows of **bf16** activations packed by
+/// [`super::layout::pack_mm_bf16`] into `xa` (the chunk's `2 · pairs` `k`s,
+/// zero-padded): the twin of the BFMMLA prefill tile. The same arithmetic as
+/// [`bf16x_tile`]: exact bf16 products, f32 sums in `k` order.
+pub fn bf16mm_tile(w: &[u16], t: usize, xa: &[u16], acc: &mut [f32]) {
+    let kp = w.len() / NR;
+    for r in 0..t {
+        let a = &mut acc[r * NR..(r + 1) * NR];
+        for k in 0..kp {
+            let xv = bf16_bits_to_f32(xa[mm_index(k, r, t)]);
             for (c, av) in a.iter_mut().enumerate() {
                 *av += xv * bf16_bits_to_f32(w[bf16_index(k, c)]);
             }

@@ -135,6 +135,43 @@ pub fn pack_pairs_f32(x: &[&[f32]], k0: usize, kc: usize, dst: &mut Vec<f32>) {
     }
 }
 
+/// `k` per block on the BFMMLA prefill path (aarch64 `neon-bf16`, bf16
+/// activations): a 16 KiB panel chunk and an 8-row packed tile of 8 KiB stay
+/// in L1. A multiple of 4, so every block but the last is whole k-quads.
+pub const BF16_MM_KC: usize = 512;
+
+/// `kc` rounded up to whole k-quads: the `k`s one block of a BFMMLA stream
+/// holds per row (see [`pack_mm_bf16`]).
+#[inline]
+pub const fn mm_padded_k(kc: usize) -> usize {
+    kc.div_ceil(4) * 4
+}
+
+/// Where row `r`'s bf16 activation at `k` sits in a BFMMLA stream of `t`
+/// rows (see [`pack_mm_bf16`]): k-quad `k / 4`, then the row pair `r / 2`,
+/// then the row in the pair, then `k % 4`. Each 8 values are one BFMMLA `A`
+/// operand: two rows × four consecutive `k`s.
+#[inline]
+pub const fn mm_index(k: usize, r: usize, t: usize) -> usize {
+    ((k / 4) * t.div_ceil(2) + r / 2) * 8 + (r % 2) * 4 + k % 4
+}
+
+/// Packs `kc` bf16 activations of `x.len()` rows (`kc` from `k0` of each)
+/// into the BFMMLA tile's stream ([`mm_index`]), zero past `kc` and in the
+/// missing row of an odd last pair: `mm_padded_k(kc) · 2·⌈t/2⌉` values,
+/// appended to `dst`.
+pub fn pack_mm_bf16(x: &[&[u16]], k0: usize, kc: usize, dst: &mut Vec<u16>) {
+    let t = x.len();
+    let start = dst.len();
+    dst.resize(start + mm_padded_k(kc) * t.div_ceil(2) * 2, 0);
+    let d = &mut dst[start..];
+    for (r, row) in x.iter().enumerate() {
+        for (k, &v) in row[k0..k0 + kc].iter().enumerate() {
+            d[mm_index(k, r, t)] = v;
+        }
+    }
+}
+
 /// Where `(k, c)` sits in an int8 panel (or a chunk of one starting at a
 /// group boundary): group `k / 8`, then the architecture's order within it
 /// (module docs).
@@ -235,6 +272,34 @@ mod tests {
         assert_eq!(seen, (0..6 * NR).collect::<Vec<_>>());
         assert_eq!(bf16_padded_k(5), 6);
         assert_eq!(bf16_padded_k(6), 6);
+    }
+
+    #[test]
+    fn mm_stream_covers_the_padded_tile_once() {
+        for t in 1..=5usize {
+            let rp = t.div_ceil(2) * 2;
+            let mut seen: Vec<usize> = (0..8)
+                .flat_map(|k| (0..rp).map(move |r| mm_index(k, r, t)))
+                .collect();
+            seen.sort_unstable();
+            assert_eq!(seen, (0..8 * rp).collect::<Vec<_>>());
+        }
+        // One operand: rows 0 and 1 at k 4..8.
+        assert_eq!(mm_index(4, 0, 2), 8);
+        assert_eq!(mm_index(5, 1, 2), 13);
+        // Odd rows and a partial quad are zero-padded.
+        let rows = [
+            vec![1u16, 2, 3, 4, 5, 6],
+            vec![7u16, 8, 9, 10, 11, 12],
+            vec![13u16; 6],
+        ];
+        let x: Vec<&[u16]> = rows.iter().map(|r| &r[..]).collect();
+        let mut d = vec![99u16];
+        pack_mm_bf16(&x, 1, 5, &mut d);
+        assert_eq!(d.len(), 1 + mm_padded_k(5) * 4);
+        assert_eq!(&d[1..9], &[2, 3, 4, 5, 8, 9, 10, 11]);
+        assert_eq!(&d[9..17], &[13, 13, 13, 13, 0, 0, 0, 0]);
+        assert_eq!(&d[17..25], &[6, 0, 0, 0, 12, 0, 0, 0]);
     }
 
     #[test]

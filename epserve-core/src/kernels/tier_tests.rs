@@ -4,7 +4,7 @@
 //! Tolerances: int8 tiles accumulate exactly in i32, so they must equal the
 //! twin bit for bit. bf16 tiles (f32 or bf16 activations) sum the same exact
 //! f32 products in a different order (split accumulators; `vdpbf16ps` and
-//! `bfdot` add two products per step), so `|fast − twin| ≤ 1e-5 · Σ|x·w| +
+//! `bfdot` add two products per step, `bfmmla` four, rounding to odd), so `|fast − twin| ≤ 1e-5 · Σ|x·w| +
 //! 1e-30`. Tiers this CPU lacks are listed on stderr as SKIPPED.
 
 use rand::rngs::StdRng;
@@ -61,6 +61,60 @@ fn check_bf16x(k: &Kernels, w: &[u16], rows: &[Vec<u16>]) {
             assert!(
                 (a - b).abs() <= 1e-5 * mag + 1e-30,
                 "{:?} bf16x kp={kp} t={t} row {tt} ch {c}: {a} vs {b}",
+                k.tier()
+            );
+        }
+    }
+}
+
+/// The BFMMLA prefill tile (or, on tiers without one, the twin behind
+/// `Kernels::bf16mm_tile`) on `rows` split into token tiles of at most
+/// `bf16mm_mr` rows (equal and even, as the executor splits them), each
+/// packed by `pack_mm_bf16` from offset 1, against the twin. The twin itself
+/// must equal the bf16 × bf16 decode twin on the unpacked rows bit for bit
+/// (the same products summed in the same order).
+fn check_bf16mm(k: &Kernels, w: &[u16], rows: &[Vec<u16>]) {
+    let kp = w.len() / NR;
+    let n = rows.len();
+    let mr = k.bf16mm_mr().unwrap_or(4);
+    let tn_max = n.div_ceil(n.div_ceil(mr)).next_multiple_of(2).min(mr);
+    let init: Vec<f32> = (0..n * NR).map(|i| i as f32 * 0.25).collect();
+    let mut got = init.clone();
+    let mut twin = init.clone();
+    let mut t0 = 0;
+    while t0 < n {
+        let tn = tn_max.min(n - t0);
+        let x: Vec<&[u16]> = rows[t0..t0 + tn].iter().map(|r| &r[..]).collect();
+        // Pack behind a non-empty prefix: the stream is appended.
+        let mut xa = vec![0x7FC0u16; 5];
+        pack_mm_bf16(&x, 1, kp, &mut xa);
+        assert_eq!(xa.len(), 5 + mm_padded_k(kp) * tn.div_ceil(2) * 2);
+        let span = t0 * NR..(t0 + tn) * NR;
+        k.bf16mm_tile(w, tn, &xa[5..], &mut got[span.clone()]);
+        generic::bf16mm_tile(w, tn, &xa[5..], &mut twin[span.clone()]);
+        let shifted: Vec<&[u16]> = x.iter().map(|r| &r[1..]).collect();
+        let mut dec = init[span.clone()].to_vec();
+        generic::bf16x_tile(w, &shifted, &mut dec);
+        assert_eq!(
+            &twin[span],
+            &dec[..],
+            "bf16mm twin vs bf16x twin kp={kp} t={tn}"
+        );
+        t0 += tn;
+    }
+    for r in 0..n {
+        for c in 0..NR {
+            let mag: f32 = (0..kp)
+                .map(|kk| {
+                    (bf16_bits_to_f32(rows[r][1 + kk]) * bf16_bits_to_f32(w[bf16_index(kk, c)]))
+                        .abs()
+                })
+                .sum::<f32>()
+                + init[r * NR + c].abs();
+            let (a, b) = (got[r * NR + c], twin[r * NR + c]);
+            assert!(
+                (a - b).abs() <= 1e-5 * mag + 1e-30,
+                "{:?} bf16mm kp={kp} n={n} row {r} ch {c}: {a} vs {b}",
                 k.tier()
             );
         }
@@ -229,6 +283,18 @@ fn bf16_tiles_on_adversarial_values() {
                     check_bf16x(&k, &w, &rows);
                 }
             }
+            if let Some(mr) = k.bf16mm_mr() {
+                for t in 1..=2 * mr + 1 {
+                    let rows: Vec<Vec<u16>> = (0..t)
+                        .map(|r| {
+                            (0..=bf16_padded_k(kc))
+                                .map(|i| f32_to_bf16_bits(vals[(i + r) % 4 + 4]))
+                                .collect()
+                        })
+                        .collect();
+                    check_bf16mm(&k, &w, &rows);
+                }
+            }
         }
     }
 }
@@ -262,6 +328,38 @@ fn bf16x_tiles_match_twin_on_random_shapes() {
     check_bf16x(&g, &w, &[rand_bf16(&mut rng, 6)]);
     if !ran {
         eprintln!("SKIPPED: no tier with a native bf16 dot-product tile on this CPU");
+    }
+}
+
+#[test]
+fn bf16mm_tiles_match_twin_on_random_shapes() {
+    let mut rng = StdRng::seed_from_u64(6);
+    let mut ran = false;
+    // The generic twin behind tiers without a BFMMLA tile runs too.
+    for k in tiers().into_iter().chain([Kernels::generic()]) {
+        let mr = k.bf16mm_mr().unwrap_or(4);
+        ran |= k.bf16mm_mr().is_some();
+        // Odd pair counts (1, 5, 17, 257) and K not a multiple of 4.
+        for &kc in KCS {
+            let kp = bf16_padded_k(kc);
+            let w = rand_bf16(&mut rng, kp * NR);
+            for t in 1..=2 * mr + 1 {
+                // One value before the packed range (NaN bits) and zero
+                // padding past kc, as the executor lays rows out.
+                let rows: Vec<Vec<u16>> = (0..t)
+                    .map(|_| {
+                        let mut r = rand_bf16(&mut rng, kp + 3);
+                        r[0] = 0x7FC0;
+                        r[1 + kc..].fill(0);
+                        r
+                    })
+                    .collect();
+                check_bf16mm(&k, &w, &rows);
+            }
+        }
+    }
+    if !ran {
+        eprintln!("SKIPPED: no tier with a native bf16 matrix-multiply (BFMMLA) tile on this CPU");
     }
 }
 
@@ -358,6 +456,21 @@ fn packed_layouts_compute_the_matmul() {
             let deq = acci[c] as f32 * scales[ch] * xs;
             let full: f32 = (0..kk).map(|i| x[i] * w[ch * kk + i]).sum();
             assert!((deq - full).abs() < 0.05, "int8 ch {ch}: {deq} vs {full}");
+        }
+    }
+}
+
+#[test]
+fn peak_probes_run_on_every_tier() {
+    for k in tiers() {
+        let (flops, r) = k.fma_probe(10);
+        assert!(flops > 0.0 && r.is_finite(), "{:?} fma probe", k.tier());
+        if let Some((flops, r, name)) = k.bf16_dot_probe(10) {
+            assert!(
+                flops > 0.0 && r.is_finite() && !name.is_empty(),
+                "{:?} bf16 probe",
+                k.tier()
+            );
         }
     }
 }

@@ -8,13 +8,15 @@
 //!   activations come packed (one stream, a token's `k`, `k + 1` in one
 //!   8-byte load, FMLA by lane): [`bf16_pair_tile`].
 //! - bf16 with bf16 activations (`bf16` feature): BFDOT straight on the
-//!   packed pairs, no widening (tier `neon-bf16`).
+//!   packed pairs, no widening (tier `neon-bf16`); on the prefill path
+//!   BFMMLA ([`bf16mm_tile_bfmmla`]): two k-pair rows of the panel, zipped,
+//!   are its `B` operand (two channels × four `k`s) as packed, no repacking.
 //! - int8 baseline: `smull` of each channel's eight weights with the eight
 //!   activations, `addp` pairs into i16 (2·127² fits), `sadalp` into i32.
 //! - int8 SDOT: one `sdot` per pair of channels and token.
 //! - int8 SMMLA: one `smmla` per pair of channels and pair of tokens.
 //!
-//! SDOT, SMMLA and BFDOT are issued with inline assembly (their intrinsics are not
+//! SDOT, SMMLA, BFDOT and BFMMLA are issued with inline assembly (their intrinsics are not
 //! stable Rust); the functions carrying them enable the matching target
 //! feature, and callers check it once in [`crate::kernels::dispatch`].
 
@@ -33,6 +35,8 @@ pub const BF16_MR: usize = 6;
 pub const I8_MR: usize = 2;
 /// Most tokens per int8 tile with SMMLA (two pairs).
 pub const I8MM_MR: usize = 4;
+/// Most tokens per bf16 × bf16 BFMMLA tile (four pairs).
+pub const BF16MM_MR: usize = 8;
 
 /// bf16 tile, any `x.len()` in `1..=BF16_MR`.
 ///
@@ -261,6 +265,125 @@ unsafe fn bf16x_t<const T: usize>(
     }
 }
 
+/// bf16 tile with **bf16** activations through BFMMLA (the prefill path),
+/// any `t` in `1..=BF16MM_MR`, over activations packed by
+/// [`crate::kernels::layout::pack_mm_bf16`].
+///
+/// BFMMLA multiplies a 2×4 bf16 `A` (two rows × four `k`s: one 16-byte load
+/// of the packed stream) by a 4×2 bf16 `B` held as two channels × four `k`s
+/// into a 2×2 f32 block. In the panel, pair `k/2`'s row holds channel `c`'s
+/// `k`, `k + 1` in 32-bit word `c`; zipping the 32-bit words of the rows of
+/// pairs `q` and `q + 1` (`zip1`: channels `c`, `c + 1`; `zip2`: `c + 2`,
+/// `c + 3`) gives exactly that `B` for a k-quad. The panel runs as two halves
+/// of eight channels (16 accumulators: four row pairs × four channel pairs),
+/// each over the whole chunk; an odd last pair zips with zeros.
+///
+/// # Safety
+/// The CPU must support `bf16`; `w.len()` is a multiple of 32, `xa` holds at
+/// least `mm_padded_k(w.len() / 16) · 2⌈t/2⌉` values and `acc` at least
+/// `16 · t`.
+pub unsafe fn bf16mm_tile_bfmmla(w: &[u16], t: usize, xa: &[u16], acc: &mut [f32]) {
+    let pairs = w.len() / (2 * NR);
+    let (w, xa, acc) = (w.as_ptr(), xa.as_ptr(), acc.as_mut_ptr());
+    // SAFETY: the caller guarantees the features and the lengths above.
+    unsafe {
+        match t {
+            1 | 2 => bf16mm_t::<1>(w, pairs, xa, t, acc),
+            3 | 4 => bf16mm_t::<2>(w, pairs, xa, t, acc),
+            5 | 6 => bf16mm_t::<3>(w, pairs, xa, t, acc),
+            7 | 8 => bf16mm_t::<4>(w, pairs, xa, t, acc),
+            _ => {}
+        }
+    }
+}
+
+/// One k-quad of [`bf16mm_t`]: the four `B` operands of a channel half from
+/// the pair rows `lo` (pair `q`) and `hi` (pair `q + 1`), times the `P`
+/// packed `A` operands at `x`, into `a`.
+macro_rules! mm_quad {
+    ($a:ident, $lo:expr, $hi:expr, $x:expr) => {{
+        let (lo, hi): ([uint32x4_t; 2], [uint32x4_t; 2]) = ($lo, $hi);
+        let b = [
+            vreinterpretq_u16_u32(vzip1q_u32(lo[0], hi[0])),
+            vreinterpretq_u16_u32(vzip2q_u32(lo[0], hi[0])),
+            vreinterpretq_u16_u32(vzip1q_u32(lo[1], hi[1])),
+            vreinterpretq_u16_u32(vzip2q_u32(lo[1], hi[1])),
+        ];
+        for p in 0..P {
+            let av = vld1q_u16($x.add(8 * p));
+            for m in 0..4 {
+                asm!(
+                    "bfmmla {acc:v}.4s, {a:v}.8h, {b:v}.8h",
+                    acc = inout(vreg) $a[p][m],
+                    a = in(vreg) av,
+                    b = in(vreg) b[m],
+                    options(pure, nomem, nostack),
+                );
+            }
+        }
+    }};
+}
+
+/// `P` row pairs; `t` real rows (the missing row of an odd last pair is zero
+/// in the packed stream and is not stored).
+#[target_feature(enable = "neon,bf16")]
+unsafe fn bf16mm_t<const P: usize>(
+    w: *const u16,
+    pairs: usize,
+    xa: *const u16,
+    t: usize,
+    acc: *mut f32,
+) {
+    // Eight words (four channels × one k-pair) as four 32-bit lanes.
+    macro_rules! ld {
+        ($p:expr) => {
+            vreinterpretq_u32_u16(vld1q_u16($p))
+        };
+    }
+    // SAFETY: quad `j` reads pair rows `2j` and (when `2j + 1 < pairs`)
+    // `2j + 1` of `w`, words `16h..16h + 16` of each, and the `8P` values
+    // `8Pj..8P(j + 1)` of `xa` (inside `mm_padded_k(2 · pairs) · 2P`); stores
+    // touch rows `< t` of `acc`. `bfmmla` only touches the named registers.
+    unsafe {
+        for h in 0..2 {
+            let mut a = [[vdupq_n_f32(0.0); 4]; P];
+            // Channels 8h..8h + 8: words 16h..16h + 16 of every pair row.
+            let wh = w.add(16 * h);
+            for j in 0..pairs / 2 {
+                let p = wh.add(j * 4 * NR);
+                let q = p.add(2 * NR);
+                let x = xa.add(j * 8 * P);
+                mm_quad!(a, [ld!(p), ld!(p.add(8))], [ld!(q), ld!(q.add(8))], x);
+            }
+            if pairs % 2 == 1 {
+                let j = pairs / 2;
+                let p = wh.add(j * 4 * NR);
+                let zero = vdupq_n_u32(0);
+                let x = xa.add(j * 8 * P);
+                mm_quad!(a, [ld!(p), ld!(p.add(8))], [zero, zero], x);
+            }
+            // a[p][m] lanes: [r0·c, r0·c+1, r1·c, r1·c+1] for rows 2p, 2p+1
+            // and channels c = 8h + 2m: 64-bit zips give each row's four
+            // consecutive channels.
+            for p in 0..P {
+                let r0 = acc.add(2 * p * NR + 8 * h);
+                for m2 in 0..2 {
+                    let x0 = vreinterpretq_u64_f32(a[p][2 * m2]);
+                    let x1 = vreinterpretq_u64_f32(a[p][2 * m2 + 1]);
+                    let d = r0.add(4 * m2);
+                    let v = vreinterpretq_f32_u64(vzip1q_u64(x0, x1));
+                    vst1q_f32(d, vaddq_f32(vld1q_f32(d), v));
+                    if 2 * p + 1 < t {
+                        let d = d.add(NR);
+                        let v = vreinterpretq_f32_u64(vzip2q_u64(x0, x1));
+                        vst1q_f32(d, vaddq_f32(vld1q_f32(d), v));
+                    }
+                }
+            }
+        }
+    }
+}
+
 /// Runs `iters` rounds of 24 independent BFDOTs (four lanes × two
 /// multiply-adds each) and returns a value that depends on all of them; the
 /// FLOPs are `iters · 24 · 4 · 4`. Used by `epserve bench moe` for the bf16
@@ -281,6 +404,38 @@ pub unsafe fn bfdot_probe(iters: usize, seed: f32) -> f32 {
                     acc = inout(vreg) *v,
                     w = in(vreg) one,
                     x = in(vreg) one,
+                    options(pure, nomem, nostack),
+                );
+            }
+        }
+    }
+    let mut s = vdupq_n_f32(0.0);
+    for v in c {
+        s = vaddq_f32(s, v);
+    }
+    vaddvq_f32(s)
+}
+
+/// Runs `iters` rounds of 24 independent BFMMLAs (a 2×2 block × four `k`s:
+/// 16 multiply-adds each) and returns a value that depends on all of them;
+/// the FLOPs are `iters · 24 · 32`. `epserve bench moe` takes it as the
+/// `neon-bf16` tier's bf16 peak (what its prefill tile issues).
+///
+/// # Safety
+/// The CPU must support `bf16`.
+#[target_feature(enable = "neon,bf16")]
+pub unsafe fn bfmmla_probe(iters: usize, seed: f32) -> f32 {
+    let one = vreinterpretq_u16_u32(vdupq_n_u32(0x3F80_3F80));
+    let mut c = [vdupq_n_f32(seed); 24];
+    for _ in 0..iters {
+        for v in c.iter_mut() {
+            // SAFETY: register-only instruction.
+            unsafe {
+                asm!(
+                    "bfmmla {acc:v}.4s, {a:v}.8h, {b:v}.8h",
+                    acc = inout(vreg) *v,
+                    a = in(vreg) one,
+                    b = in(vreg) one,
                     options(pure, nomem, nostack),
                 );
             }
