@@ -104,7 +104,7 @@ unsafe fn dots512<const G: usize, const BF: bool>(
         }
     }
     for g in 0..G {
-        out[g] = _mm512_reduce_add_ps(a[g]);
+        out[g] = reduce1(a[g]);
     }
 }
 
@@ -116,6 +116,21 @@ fn half_sum(v: __m512) -> __m256 {
         _mm512_castps512_ps256(v),
         _mm256_castpd_ps(_mm512_extractf64x4_pd::<1>(_mm512_castps_pd(v))),
     )
+}
+
+/// The horizontal sum of `v` in exactly [`reduce8`]'s order, so a score does
+/// not depend on how many queries were computed with it (a sequence's
+/// result must not depend on the rest of the batch).
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx2,fma")]
+fn reduce1(v: __m512) -> f32 {
+    let h = half_sum(v);
+    let t = _mm256_hadd_ps(h, h);
+    let u = _mm256_hadd_ps(t, t);
+    _mm_cvtss_f32(_mm_add_ss(
+        _mm256_castps256_ps128(u),
+        _mm256_extractf128_ps::<1>(u),
+    ))
 }
 
 /// The eight horizontal sums of `a[0..8]`, in order, as one vector (a
