@@ -175,12 +175,18 @@ fn forward(name: String, child: &mut Child, tx: mpsc::Sender<(String, String)>) 
 /// The coordinator's `--block-size` among its extra arguments (attention-workers
 /// must use the same, or a divisor).
 fn block_size_arg(coordinator_args: &[String]) -> Option<String> {
+    flag_arg(coordinator_args, "--block-size")
+}
+
+/// The last value of `flag` (`FLAG V` or `FLAG=V`) among the coordinator's
+/// extra arguments.
+fn flag_arg(coordinator_args: &[String], flag: &str) -> Option<String> {
     let mut found = None;
     let mut it = coordinator_args.iter();
     while let Some(a) = it.next() {
-        if a == "--block-size" {
+        if a == flag {
             found = it.next().cloned();
-        } else if let Some(v) = a.strip_prefix("--block-size=") {
+        } else if let Some(v) = a.strip_prefix(flag).and_then(|r| r.strip_prefix('=')) {
             found = Some(v.to_string());
         }
     }
@@ -272,6 +278,13 @@ pub fn run(args: &UpArgs) -> Result<()> {
             .args(
                 block_size_arg(&args.coordinator_args)
                     .map(|b| vec!["--block-size".to_string(), b])
+                    .unwrap_or_default(),
+            )
+            // The KV lives on the attention-workers: the coordinator's
+            // `--kv-cache-dtype` is theirs.
+            .args(
+                flag_arg(&args.coordinator_args, "--kv-cache-dtype")
+                    .map(|d| vec!["--kv-cache-dtype".to_string(), d])
                     .unwrap_or_default(),
             )
             .stdout(Stdio::piped())
@@ -393,7 +406,7 @@ fn which(name: &str) -> Option<PathBuf> {
 
 #[cfg(test)]
 mod tests {
-    use super::block_size_arg;
+    use super::{block_size_arg, flag_arg};
 
     #[test]
     fn block_size_reaches_the_attention_workers() {
@@ -405,5 +418,14 @@ mod tests {
             v(&["--block-size", "8", "--block-size", "4"]),
             Some("4".into())
         );
+        let d = |a: &[&str]| {
+            flag_arg(
+                &a.iter().map(|s| s.to_string()).collect::<Vec<_>>(),
+                "--kv-cache-dtype",
+            )
+        };
+        assert_eq!(d(&["--kv-cache-dtype", "bf16"]), Some("bf16".into()));
+        assert_eq!(d(&["--kv-cache-dtype=f32"]), Some("f32".into()));
+        assert_eq!(d(&["--kv-cache-dtypex=f32"]), None);
     }
 }

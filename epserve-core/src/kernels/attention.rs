@@ -247,7 +247,9 @@ fn run_item(
     let mut mx = vec![f32::NEG_INFINITY; m];
     let mut sum = vec![0.0f32; m];
     let mut acc = vec![0.0f32; m * dv];
-    let mut j0 = lo;
+    // Key blocks at multiples of KEY_BLOCK (not at `lo`): a row then sees
+    // the same blocks, and gets the same bits, in any tile or batch.
+    let mut j0 = lo - lo % KEY_BLOCK;
     while j0 < hi {
         let j1 = (j0 + KEY_BLOCK).min(hi);
         let n = j1 - j0;
@@ -264,6 +266,7 @@ fn run_item(
             );
         });
         let masked = j0 < all_lo || j1 > all_hi;
+        debug_assert!(j1 > lo);
         for mi in 0..m {
             let srow = &mut sc[mi * KEY_BLOCK..mi * KEY_BLOCK + n];
             let (f, p) = (first(mi / nh), pos(mi / nh));
@@ -529,6 +532,78 @@ mod tests {
                 "{} heads={heads}/{kv_heads} dk={dk} dv={dv} mla={mla} window={window:?} sinks={sinks} bs={bs} seqs={seqs:?} bf16={bf16}: max diff {worst}",
                 tier.name()
             );
+        }
+    }
+
+    /// A row's output does not depend on the tile or batch it ran in: the
+    /// last rows of a prefill equal the same rows run as their own chunk,
+    /// bit for bit (attention-workers retry a step and must agree).
+    #[test]
+    fn rows_are_bit_identical_in_any_tile() {
+        let mut rng = StdRng::seed_from_u64(3);
+        let (heads, kv_heads, d, bs) = (16usize, 2usize, 40usize, 4usize);
+        let (past, len) = (150usize, 21usize);
+        let total = past + len;
+        let w = kv_heads * d;
+        let blocks: Vec<u32> = (0..total.div_ceil(bs) as u32).rev().collect();
+        let kv: Vec<f32> = (0..total.div_ceil(bs) * bs * w)
+            .map(|_| rng.random_range(-1.0f32..1.0))
+            .collect();
+        let view = KvView {
+            rows: KvRows::F32(&kv),
+            stride: w,
+            head_stride: d,
+            width: d,
+        };
+        let q: Vec<f32> = (0..len * heads * d)
+            .map(|_| rng.random_range(-1.0f32..1.0))
+            .collect();
+        let sinks: Vec<f32> = (0..heads).map(|h| h as f32 * 0.1).collect();
+        for window in [None, Some(37)] {
+            let shape = AttnShape {
+                heads,
+                kv_heads,
+                scale: 0.3,
+                window,
+                sinks: Some(&sinks),
+                block_size: bs,
+            };
+            for tier in Tier::available() {
+                let Some(kern) = Kernels::for_tier(tier) else {
+                    continue;
+                };
+                let whole = AttnSeq {
+                    blocks: &blocks,
+                    start: 0,
+                    len,
+                    past,
+                };
+                let mut a = vec![0.0f32; len * heads * d];
+                attention(&kern, &shape, &[whole], &q, view, view, &mut a);
+                let tail = 3;
+                let part = AttnSeq {
+                    blocks: &blocks,
+                    start: 0,
+                    len: tail,
+                    past: past + len - tail,
+                };
+                let mut b = vec![0.0f32; tail * heads * d];
+                attention(
+                    &kern,
+                    &shape,
+                    &[part],
+                    &q[(len - tail) * heads * d..],
+                    view,
+                    view,
+                    &mut b,
+                );
+                assert_eq!(
+                    &a[(len - tail) * heads * d..],
+                    &b[..],
+                    "{} window {window:?}",
+                    tier.name()
+                );
+            }
         }
     }
 

@@ -104,7 +104,88 @@ unsafe fn dots512<const G: usize, const BF: bool>(
         }
     }
     for g in 0..G {
-        out[g] = _mm512_reduce_add_ps(a[g]);
+        out[g] = reduce1(a[g]);
+    }
+}
+
+/// The two 256-bit halves of `v` added.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx2,fma")]
+fn half_sum(v: __m512) -> __m256 {
+    _mm256_add_ps(
+        _mm512_castps512_ps256(v),
+        _mm256_castpd_ps(_mm512_extractf64x4_pd::<1>(_mm512_castps_pd(v))),
+    )
+}
+
+/// The horizontal sum of `v` in exactly [`reduce8`]'s order, so a score does
+/// not depend on how many queries were computed with it (a sequence's
+/// result must not depend on the rest of the batch).
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx2,fma")]
+fn reduce1(v: __m512) -> f32 {
+    let h = half_sum(v);
+    let t = _mm256_hadd_ps(h, h);
+    let u = _mm256_hadd_ps(t, t);
+    _mm_cvtss_f32(_mm_add_ss(
+        _mm256_castps256_ps128(u),
+        _mm256_extractf128_ps::<1>(u),
+    ))
+}
+
+/// The eight horizontal sums of `a[0..8]`, in order, as one vector (a
+/// transpose-and-add tree: a quarter of the shuffles of eight reductions).
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx2,fma")]
+fn reduce8(a: &[__m512; 8]) -> __m256 {
+    let t0 = _mm256_hadd_ps(half_sum(a[0]), half_sum(a[1]));
+    let t1 = _mm256_hadd_ps(half_sum(a[2]), half_sum(a[3]));
+    let t2 = _mm256_hadd_ps(half_sum(a[4]), half_sum(a[5]));
+    let t3 = _mm256_hadd_ps(half_sum(a[6]), half_sum(a[7]));
+    let u0 = _mm256_hadd_ps(t0, t1);
+    let u1 = _mm256_hadd_ps(t2, t3);
+    _mm256_add_ps(
+        _mm256_permute2f128_ps::<0x20>(u0, u1),
+        _mm256_permute2f128_ps::<0x31>(u0, u1),
+    )
+}
+
+/// Eight queries (rows `dk` apart at `q`) against two key rows: each query
+/// chunk loaded once feeds both keys (16 accumulators).
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx2,fma")]
+unsafe fn dots512x2<const BF: bool>(
+    q: *const f32,
+    dk: usize,
+    k: [*const u8; 2],
+    out: &mut [[f32; 8]; 2],
+) {
+    let mut a = [[_mm512_setzero_ps(); 8]; 2];
+    let (full, rem) = (dk / 16, dk % 16);
+    // SAFETY: `q` holds 8 rows of `dk`, each `k[j]` one row of `dk` elements.
+    unsafe {
+        for c in 0..full {
+            let k0 = ld16::<BF>(k[0], c * 16);
+            let k1 = ld16::<BF>(k[1], c * 16);
+            for g in 0..8 {
+                let qv = _mm512_loadu_ps(q.add(g * dk + c * 16));
+                a[0][g] = _mm512_fmadd_ps(qv, k0, a[0][g]);
+                a[1][g] = _mm512_fmadd_ps(qv, k1, a[1][g]);
+            }
+        }
+        if rem > 0 {
+            let k0 = ld16_tail::<BF>(k[0], full * 16, rem);
+            let k1 = ld16_tail::<BF>(k[1], full * 16, rem);
+            let mask = ((1u32 << rem) - 1) as u16;
+            for g in 0..8 {
+                let qv = _mm512_maskz_loadu_ps(mask, q.add(g * dk + full * 16));
+                a[0][g] = _mm512_fmadd_ps(qv, k0, a[0][g]);
+                a[1][g] = _mm512_fmadd_ps(qv, k1, a[1][g]);
+            }
+        }
+        for j in 0..2 {
+            _mm256_storeu_ps(out[j].as_mut_ptr(), reduce8(&a[j]));
+        }
     }
 }
 
@@ -125,12 +206,33 @@ pub unsafe fn scores512<const BF: bool>(
     ldo: usize,
 ) {
     let m = q.len() / dk;
+    let rb = stride * esize(BF);
     // SAFETY: the caller guarantees the features and the extents.
     unsafe {
+        // Pairs of keys for each group of eight queries.
+        let m8 = m / 8 * 8;
+        let mut i = 0;
+        while m8 > 0 && i + 2 <= n {
+            let kr = [k.add(i * rb), k.add((i + 1) * rb)];
+            prefetch_row(kr[0], rb, dk * esize(BF));
+            prefetch_row(kr[1], rb, dk * esize(BF));
+            for mi in (0..m8).step_by(8) {
+                let mut d = [[0.0f32; 8]; 2];
+                dots512x2::<BF>(q.as_ptr().add(mi * dk), dk, kr, &mut d);
+                for g in 0..8 {
+                    out[(mi + g) * ldo + i] = d[0][g] * scale;
+                    out[(mi + g) * ldo + i + 1] = d[1][g] * scale;
+                }
+            }
+            i += 2;
+        }
+        let done = i;
         for i in 0..n {
             let kr = k.add(i * stride * esize(BF));
-            prefetch_row(kr, stride * esize(BF), dk * esize(BF));
-            let mut mi = 0;
+            let mut mi = if i < done { m8 } else { 0 };
+            if mi == 0 {
+                prefetch_row(kr, stride * esize(BF), dk * esize(BF));
+            }
             while mi + 8 <= m {
                 let mut d = [0.0f32; 8];
                 dots512::<8, BF>(q.as_ptr().add(mi * dk), dk, kr, &mut d);
@@ -205,6 +307,48 @@ unsafe fn axpys512<const G: usize, const BF: bool>(
     }
 }
 
+/// Eight queries' accumulators for the two full column chunks at `c0` and
+/// `c0 + 16` over `n` value rows: each broadcast probability feeds two FMAs.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx2,fma")]
+unsafe fn axpys512x2<const BF: bool>(
+    p: *const f32,
+    ldp: usize,
+    v: *const u8,
+    stride: usize,
+    n: usize,
+    acc: *mut f32,
+    dv: usize,
+    c0: usize,
+    prefetch: bool,
+) {
+    // SAFETY: as in `axpys512`, with columns `c0..c0 + 32` inside `dv`.
+    unsafe {
+        let mut a = [[_mm512_setzero_ps(); 8]; 2];
+        for g in 0..8 {
+            a[0][g] = _mm512_loadu_ps(acc.add(g * dv + c0));
+            a[1][g] = _mm512_loadu_ps(acc.add(g * dv + c0 + 16));
+        }
+        for i in 0..n {
+            let vr = v.add(i * stride * esize(BF));
+            if prefetch {
+                prefetch_row(vr, stride * esize(BF), dv * esize(BF));
+            }
+            let v0 = ld16::<BF>(vr, c0);
+            let v1 = ld16::<BF>(vr, c0 + 16);
+            for g in 0..8 {
+                let pv = _mm512_set1_ps(*p.add(g * ldp + i));
+                a[0][g] = _mm512_fmadd_ps(pv, v0, a[0][g]);
+                a[1][g] = _mm512_fmadd_ps(pv, v1, a[1][g]);
+            }
+        }
+        for g in 0..8 {
+            _mm512_storeu_ps(acc.add(g * dv + c0), a[0][g]);
+            _mm512_storeu_ps(acc.add(g * dv + c0 + 16), a[1][g]);
+        }
+    }
+}
+
 /// `acc[m·dv + c] += Σ_i p[m·ldp + i] · v_i[c]` for `acc.len() / dv` queries.
 ///
 /// # Safety
@@ -224,10 +368,27 @@ pub unsafe fn accum512<const BF: bool>(
     let (pp, ap) = (p.as_ptr(), acc.as_mut_ptr());
     // SAFETY: as documented above.
     unsafe {
+        // Groups of eight queries over pairs of full column chunks.
+        let (m8, c32) = (m / 8 * 8, dv / 32 * 32);
+        for mi in (0..m8).step_by(8) {
+            for c0 in (0..c32).step_by(32) {
+                axpys512x2::<BF>(
+                    pp.add(mi * ldp),
+                    ldp,
+                    v,
+                    stride,
+                    n,
+                    ap.add(mi * dv),
+                    dv,
+                    c0,
+                    c0 == 0 && mi == 0,
+                );
+            }
+        }
         let mut c0 = 0;
         while c0 < dv {
             let rem = if dv - c0 >= 16 { 0 } else { dv - c0 };
-            let mut mi = 0;
+            let mut mi = if c0 < c32 { m8 } else { 0 };
             while mi + 8 <= m {
                 axpys512::<8, BF>(
                     pp.add(mi * ldp),
