@@ -276,7 +276,7 @@ import json, sys
 from pathlib import Path
 run, workloads, concs, servers = Path(sys.argv[1]), sys.argv[2].split(), sys.argv[3].split(), sys.argv[4].split()
 label = {"epserve-bf16": "epserve serve, bf16", "llama-bf16": "llama.cpp BF16",
-         "epserve-int8": "epserve serve, `--expert-dtype int8`", "llama-q8_0": "llama.cpp Q8_0"}
+         "epserve-int8": "epserve serve, int8 (`EPSERVE_INT8_FLAGS`)", "llama-q8_0": "llama.cpp Q8_0"}
 peer = {"epserve-bf16": "llama-bf16", "epserve-int8": "llama-q8_0"}
 lens = {"quick": "128/64", "long": "512/512"}
 def load(srv, w, c):
@@ -312,7 +312,7 @@ for w in workloads:
             print(f"| {w} ({lens[w]}) | {c} | {label.get(s, s)} | {fmt(r['output_throughput'])}{mark} "
                   f"| {fmt(r['median_ttft_ms'], 0)} | {fmt(r['median_tpot_ms'])} | " + " | ".join(ratios) + " |")
 print()
-print("Ratios are epserve / llama.cpp at the same precision (bf16 vs BF16, int8 experts vs Q8_0): "
+print("Ratios are epserve / llama.cpp at the same precision (bf16 vs BF16, epserve int8 vs Q8_0; EPSERVE_INT8_FLAGS defaults to int8 experts and dense projections): "
       "above 1 is better for tok/s, below 1 is better for TTFT and TPOT. "
       f"Prompts per run: {', '.join(f'{w} c={c}: ' + str(json.loads((run / f'{servers[0]}-{w}-c{c}.json').read_text())['num_prompts']) for w in workloads for c in concs if (run / f'{servers[0]}-{w}-c{c}.json').exists())}.")
 for n in notes:
