@@ -79,7 +79,7 @@ SCENARIOS: dict[str, dict] = {
         "attentionWorkers": {"replicas": 4, "antiAffinity": "hard"},
         "expertWorkers": {"replicas": 6, "antiAffinity": "hard", "advertise": "podIP", "cores": "0-13", "expertDtype": "int8"},
         "metrics": {"workerPort": 9090, "serviceMonitor": {"enabled": True, "labels": {"release": "kps"}}},
-        "coordinator": {"replicas": 2, "maxModelLen": 8192, "kvCacheMemory": "8GiB"},
+        "coordinator": {"replicas": 2, "maxModelLen": 8192, "kvCacheMemory": "8GiB", "kvCacheDtype": "bf16", "denseDtype": "int8"},
         "model": {"servedModelName": ["a/b", "b"]},
     },
     "tls-inline-karpenter": {
@@ -448,6 +448,23 @@ def test_coordinator_waits_for_every_attention_shard(scenario):
     w = containers(sts)[0]
     assert int(one(w, "--of")) == n
     assert one(w, "--block-size") == one(c, "--block-size")
+    # The attention-workers hold the KV cache: they store it as the coordinator says.
+    dtype = values["coordinator"].get("kvCacheDtype")
+    if dtype:
+        assert one(c, "--kv-cache-dtype") == dtype
+        assert one(w, "--kv-cache-dtype") == dtype
+    else:
+        assert "--kv-cache-dtype" not in flags(w)
+
+
+def test_coordinator_precision_flags_follow_values(scenario):
+    name, values, objs = scenario
+    c = containers(find(objs, "Deployment", fullname("coordinator")))[0]
+    for key, flag in (("denseDtype", "--dense-dtype"), ("kvCacheDtype", "--kv-cache-dtype")):
+        if values["coordinator"].get(key):
+            assert one(c, flag) == values["coordinator"][key]
+        else:
+            assert flag not in flags(c)
 
 
 def test_etcd_endpoints_match(scenario):

@@ -48,6 +48,12 @@ $(POD_NAME) and friends are expanded by Kubernetes from the container's env.
 - --kv-cache-memory={{ . }}
 {{- end }}
 - --block-size={{ $c.blockSize }}
+{{- with $c.kvCacheDtype }}
+- --kv-cache-dtype={{ . }}
+{{- end }}
+{{- with $c.denseDtype }}
+- --dense-dtype={{ . }}
+{{- end }}
 - --eplb-window={{ $c.eplb.window }}
 {{- if $c.eplb.expertLoadMetrics }}
 - --expert-load-metrics
@@ -111,6 +117,9 @@ $(POD_NAME) and friends are expanded by Kubernetes from the container's env.
 - --kv-cache-memory={{ . }}
 {{- end }}
 - --block-size={{ .Values.coordinator.blockSize }}
+{{- with .Values.coordinator.kvCacheDtype }}
+- --kv-cache-dtype={{ . }}
+{{- end }}
 {{- if gt (int .Values.metrics.workerPort) 0 }}
 - --metrics-port={{ .Values.metrics.workerPort }}
 {{- end }}
