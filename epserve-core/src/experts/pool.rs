@@ -44,7 +44,10 @@ pub fn init_global_pool() -> bool {
         .and_then(|v| v.trim().parse::<usize>().ok())
         .filter(|&n| n > 0)
         .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()));
-    let pin = !cores.is_empty();
+    // EPSERVE_PIN_THREADS=0 leaves them to the OS scheduler (hosts that share
+    // the cores with other busy processes).
+    let pin =
+        !cores.is_empty() && std::env::var("EPSERVE_PIN_THREADS").map_or(true, |v| v.trim() != "0");
     let mut b = rayon::ThreadPoolBuilder::new()
         .num_threads(n)
         .thread_name(|i| format!("epserve-{i}"));
