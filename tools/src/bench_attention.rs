@@ -10,14 +10,14 @@
 
 use std::time::Duration;
 
-use anyhow::{Context, Result, bail};
+use anyhow::{Result, bail};
 use clap::Args;
 use epserve_core::kernels::attention::{AttnSeq, AttnShape, KvView, attention};
 use epserve_core::kernels::dispatch::{Kernels, kernels};
 use epserve_core::model::kv_cache::{KvDtype, KvPool, SeqCache};
 use serde::Serialize;
 
-use crate::bench_linear::{measure_bandwidth, time};
+use crate::bench_linear::{list, measure_bandwidth, time};
 
 /// `epserve bench attention`.
 #[derive(Debug, Clone, Args)]
@@ -72,18 +72,6 @@ pub struct AttentionRow {
     pub pct_bandwidth: f64,
     /// Multiply-adds of `Q·Kᵀ` and `P·V` ×2 per second, GFLOP/s.
     pub gflops: f64,
-}
-
-fn list(s: &str, what: &str) -> Result<Vec<usize>> {
-    s.split(',')
-        .map(|t| {
-            t.trim()
-                .parse::<usize>()
-                .ok()
-                .filter(|&v| v > 0)
-                .with_context(|| format!("{what}: '{t}' is not a positive integer"))
-        })
-        .collect()
 }
 
 /// A pool holding `copies` sequences of `len` positions of random K/V.

@@ -61,7 +61,8 @@ pub struct LinearRow {
     pub packed_gflops: f64,
 }
 
-fn list(s: &str, what: &str) -> Result<Vec<usize>> {
+/// A comma-separated list of positive integers (the benches' count flags).
+pub(crate) fn list(s: &str, what: &str) -> Result<Vec<usize>> {
     s.split(',')
         .map(|t| {
             t.trim()

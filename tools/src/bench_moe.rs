@@ -289,7 +289,7 @@ fn measure_bandwidth(pool: &ExpertPool, buf: &[u64]) -> f64 {
 }
 
 /// f32 FMA peak of `pool`'s threads with the best kernel tier, in GFLOP/s.
-fn measure_fma_peak(pool: &ExpertPool, k: &Kernels) -> f64 {
+pub(crate) fn measure_fma_peak(pool: &ExpertPool, k: &Kernels) -> f64 {
     let iters = 20_000_000;
     let mut best = 0.0f64;
     for _ in 0..3 {

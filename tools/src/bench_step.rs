@@ -16,6 +16,7 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, Result, bail};
 use clap::Args;
 use epserve_core::config::ModelConfig;
+use epserve_core::experts::pool::ExpertPool;
 use epserve_core::experts::{DenseDtype, ExpertDtype, LoadOptions};
 use epserve_core::kernels::dispatch::kernels;
 use epserve_core::model::kv_cache::{KvCacheDtype, KvDtype};
@@ -23,6 +24,9 @@ use epserve_core::model::{LogitsMode, Model, SeqInput};
 use epserve_core::profile::{self, Phase, Profile};
 use epserve_core::sampling::{Sampler, SamplingParams};
 use serde::Serialize;
+
+use crate::bench_linear::list;
+use crate::bench_moe::measure_fma_peak;
 
 /// `epserve bench step`.
 #[derive(Debug, Clone, Args)]
@@ -85,34 +89,6 @@ pub struct StepRow {
     pub step_ms: f64,
     pub tokens_per_s: f64,
     pub phases: Vec<PhaseRow>,
-}
-
-fn list(s: &str, what: &str) -> Result<Vec<usize>> {
-    s.split(',')
-        .filter(|t| !t.trim().is_empty())
-        .map(|t| {
-            t.trim()
-                .parse::<usize>()
-                .ok()
-                .filter(|&v| v > 0)
-                .with_context(|| format!("{what}: '{t}' is not a positive integer"))
-        })
-        .collect()
-}
-
-/// f32 FMA peak of rayon's threads with the best tier, GFLOP/s.
-fn fma_peak() -> f64 {
-    let k = kernels();
-    let mut best = 0.0f64;
-    for _ in 0..3 {
-        let start = Instant::now();
-        let r = rayon::broadcast(|_| k.fma_probe(20_000_000));
-        let secs = start.elapsed().as_secs_f64();
-        let flops: f64 = r.iter().map(|(f, _)| f).sum();
-        std::hint::black_box(r);
-        best = best.max(flops / secs / 1e9);
-    }
-    best
 }
 
 /// Bytes of one expert's weights in the precision it is kept in.
@@ -300,8 +276,16 @@ fn measure_row(
 
 /// Measures every row.
 pub fn measure(args: &BenchStepArgs) -> Result<(f64, f64, Vec<StepRow>)> {
-    let decode = list(&args.decode, "--decode")?;
-    let prefill = list(&args.prefill, "--prefill")?;
+    // An empty list turns a kind of row off.
+    let some = |s: &str, what| {
+        if s.trim().is_empty() {
+            Ok(Vec::new())
+        } else {
+            list(s, what)
+        }
+    };
+    let decode = some(&args.decode, "--decode")?;
+    let prefill = some(&args.prefill, "--prefill")?;
     if decode.is_empty() && prefill.is_empty() {
         bail!("nothing to measure: --decode and --prefill are both empty");
     }
@@ -322,7 +306,8 @@ pub fn measure(args: &BenchStepArgs) -> Result<(f64, f64, Vec<StepRow>)> {
     }
     let kv = model.kv_dtype(args.kv_cache_dtype);
     let bw = crate::bench_linear::measure_bandwidth();
-    let peak = fma_peak();
+    // The experts' shared pool is rayon's global pool: the threads every phase runs on.
+    let peak = measure_fma_peak(&*ExpertPool::shared()?, kernels());
     let min = Duration::from_millis(args.min_ms);
     let e_bytes = expert_bytes(cfg, args.expert_dtype);
     let e_macs = 3 * cfg.hidden_size * cfg.moe_intermediate_size;
