@@ -8,6 +8,7 @@
 //! | `rebalance` | the live rebalance in progress or last finished ([`Rebalance`] JSON) |
 //! | `rebalance-ready/<worker>` | the rebalance id a worker has loaded its new replicas for |
 //! | `drained` | JSON list of worker ids drained by `DrainWorker` (no experts planned on them) |
+//! | `drain-requests/<worker>` | [`DrainRequest`] JSON: a worker asks to be drained (SIGTERM); the coordinator's controller moves its experts away and deletes the key |
 
 use std::collections::BTreeSet;
 use std::sync::Arc;
@@ -18,8 +19,9 @@ use tokio::sync::mpsc;
 
 use crate::store::{KvStore, LeaseGuard, StoreError, StoreResult};
 
-/// Seconds a worker's registration outlives its last keep-alive.
-pub const WORKER_TTL_SECS: i64 = 10;
+/// Seconds a worker's registration outlives its last keep-alive, by
+/// default (`--lease-ttl-secs`).
+pub const WORKER_TTL_SECS: i64 = 5;
 
 /// First wait before re-establishing a watch that ended.
 pub const WATCH_RETRY_MIN: std::time::Duration = std::time::Duration::from_millis(100);
@@ -41,6 +43,16 @@ pub struct WorkerInfo {
     /// Attention shard `(index, of)`.
     pub shard: Option<(u32, u32)>,
     pub pid: u32,
+}
+
+/// A worker's request to be drained (written on SIGTERM).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct DrainRequest {
+    /// Unix milliseconds when it was asked.
+    pub requested_ms: u64,
+    /// Why (`SIGTERM`, ...).
+    #[serde(default)]
+    pub reason: String,
 }
 
 /// States of a live rebalance, in order. `Proposed`, `Loading`, `Ready` and
@@ -175,11 +187,52 @@ impl ClusterState {
         format!("{}/workers/{role}/", self.prefix)
     }
 
-    /// Registers a worker under a lease; keep the guard alive while serving.
+    /// Registers a worker under a lease of [`WORKER_TTL_SECS`]; keep the
+    /// guard alive while serving.
     pub async fn register(&self, info: &WorkerInfo) -> StoreResult<LeaseGuard> {
+        self.register_ttl(info, WORKER_TTL_SECS).await
+    }
+
+    /// Registers a worker under a lease of `ttl_secs` (the registration
+    /// vanishes that long after the worker's last keep-alive).
+    pub async fn register_ttl(&self, info: &WorkerInfo, ttl_secs: i64) -> StoreResult<LeaseGuard> {
         let key = format!("{}{}", self.workers_prefix(&info.role), info.id);
         let value = serde_json::to_vec(info).map_err(json_err)?;
-        self.store.put_leased(&key, value, WORKER_TTL_SECS).await
+        self.store.put_leased(&key, value, ttl_secs.max(1)).await
+    }
+
+    fn drain_requests_prefix(&self) -> String {
+        format!("{}/drain-requests/", self.prefix)
+    }
+
+    /// Worker `id` asks to be drained (its experts moved to others).
+    pub async fn request_drain(&self, id: &str, req: &DrainRequest) -> StoreResult<()> {
+        let value = serde_json::to_vec(req).map_err(json_err)?;
+        self.store
+            .put(&format!("{}{id}", self.drain_requests_prefix()), value)
+            .await
+    }
+
+    /// Pending drain requests, by worker id (sorted).
+    pub async fn drain_requests(&self) -> StoreResult<Vec<(String, DrainRequest)>> {
+        let prefix = self.drain_requests_prefix();
+        let mut out = Vec::new();
+        for (k, v) in self.store.list(&prefix).await? {
+            if let Some(id) = k.strip_prefix(&prefix) {
+                out.push((
+                    id.to_string(),
+                    serde_json::from_slice(&v).map_err(json_err)?,
+                ));
+            }
+        }
+        Ok(out)
+    }
+
+    /// Removes worker `id`'s drain request (handled, or withdrawn).
+    pub async fn clear_drain_request(&self, id: &str) -> StoreResult<()> {
+        self.store
+            .delete(&format!("{}{id}", self.drain_requests_prefix()))
+            .await
     }
 
     /// Registered workers of a role, sorted by id.
@@ -544,6 +597,14 @@ mod tests {
         let d: BTreeSet<String> = ["b".to_string()].into_iter().collect();
         st.set_drained(&d).await?;
         assert_eq!(st.drained().await?, d);
+        let req = DrainRequest {
+            requested_ms: 7,
+            reason: "SIGTERM".into(),
+        };
+        st.request_drain("b", &req).await?;
+        assert_eq!(st.drain_requests().await?, vec![("b".to_string(), req)]);
+        st.clear_drain_request("b").await?;
+        assert!(st.drain_requests().await?.is_empty());
         Ok(())
     }
 }
