@@ -178,6 +178,21 @@ pub fn serve_with<F>(
 where
     F: FnOnce() -> Result<Engine> + Send + 'static,
 {
+    serve_with_health(rt, args, status, None, load)
+}
+
+/// [`serve_with`], with `health` run by `/health` once the model is loaded
+/// (the cluster's check: every expert has a live replica).
+pub fn serve_with_health<F>(
+    rt: &tokio::runtime::Runtime,
+    args: &ServeArgs,
+    status: Status,
+    health: Option<server::HealthCheck>,
+    load: F,
+) -> Result<()>
+where
+    F: FnOnce() -> Result<Engine> + Send + 'static,
+{
     crate::metrics::init();
     if !args.model.is_dir() {
         bail!(
@@ -196,6 +211,9 @@ where
         max_body_bytes: args.max_request_body_bytes,
         max_logprobs: args.max_logprobs,
     });
+    if let Some(h) = health {
+        let _ = state.health.set(h);
+    }
     rt.block_on(async {
         let listener = tokio::net::TcpListener::bind((args.host.as_str(), args.port))
             .await

@@ -44,6 +44,9 @@ pub struct RemoteAttention {
     timeout: Duration,
     pending: Mutex<Vec<u64>>,
     capacity: usize,
+    /// Shards whose worker is no longer registered (and none replaced it),
+    /// as last seen in etcd: `/health` reports them.
+    missing: Mutex<Vec<String>>,
 }
 
 /// Errors for models whose heads cannot be split evenly over `n` shards.
@@ -225,6 +228,7 @@ impl RemoteAttention {
             timeout,
             pending: Mutex::new(Vec::new()),
             capacity,
+            missing: Mutex::new(Vec::new()),
         })
     }
 
@@ -280,6 +284,29 @@ impl RemoteAttention {
         changed
     }
 
+    /// Records which shards have no registered worker now.
+    fn note_missing(&self, registered: &[WorkerInfo]) {
+        let Ok(shards) = self.shard_list() else {
+            return;
+        };
+        let n = shards.len();
+        let missing: Vec<String> = shards
+            .iter()
+            .enumerate()
+            .filter(|(_, s)| !registered.iter().any(|w| w.id == s.id))
+            .map(|(i, s)| format!("attention shard {i} of {n} ({}) is not registered", s.id))
+            .collect();
+        if let Ok(mut m) = self.missing.lock() {
+            *m = missing;
+        }
+    }
+
+    /// Shards with no registered worker, as last seen in etcd (empty while
+    /// etcd is unreachable: the last good view stands).
+    pub fn missing_shards(&self) -> Vec<String> {
+        self.missing.lock().map(|m| m.clone()).unwrap_or_default()
+    }
+
     /// Polls etcd every second for re-registered shards (see
     /// [`update_shards`](Self::update_shards)) while the coordinator runs;
     /// each change is also a `status` line.
@@ -299,6 +326,7 @@ impl RemoteAttention {
                             tracing::warn!("{c}");
                             status.say(&format!("epserve coordinator: {c}"));
                         }
+                        me.note_missing(&ws);
                     }
                     Err(e) => tracing::debug!(error = %e, "listing attention-workers failed"),
                 }
@@ -585,6 +613,7 @@ mod tests {
             timeout: Duration::from_secs(1),
             pending: Mutex::new(Vec::new()),
             capacity: 1,
+            missing: Mutex::new(Vec::new()),
         };
         let addrs = |ra: &RemoteAttention| -> Vec<String> {
             ra.shard_list()

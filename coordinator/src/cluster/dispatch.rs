@@ -9,23 +9,36 @@
 //!   increase over the previous dispatch's; the scheduler runs one forward
 //!   at a time).
 //! - Replicas: the tokens of an expert with several replicas go round-robin
-//!   over them, per (layer, expert) and across steps, so they split evenly;
-//!   replicas on workers that are no longer registered are skipped.
+//!   over its live replicas, per (layer, expert) and across steps, so they
+//!   split evenly.
+//! - Failover: a call that fails or misses its deadline marks its worker dead
+//!   ([`Liveness`]) and its slots are re-sent, within the same layer of the
+//!   same step, to other live replicas of their experts; the dead worker is
+//!   skipped from then on until a health probe finds it serving again. The
+//!   clients are `tower` stacks (deadline, in-flight limit) and re-sends draw
+//!   from a `tower` retry budget, so a sick cluster is not flooded.
+//! - Lost experts: a slot whose expert has no live replica is not sent; its
+//!   token row is reported through [`Dispatcher::take_faults`] (the scheduler
+//!   fails those sequences with a retryable 503 and the rest of the batch goes
+//!   on), or, with [`OnExpertLoss::Reroute`], the row's top-k is renormalized
+//!   over its live experts and the row is flagged as degraded.
 //! - Load: every dispatch is recorded in a [`LoadStats`] window.
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::sync::{Arc, Mutex, RwLock};
 use std::time::{Duration, Instant};
 
-use epserve_core::moe::{Dispatcher, Routing, SKIP_SLOT};
+use epserve_core::moe::{Dispatcher, Routing, RowFault, SKIP_SLOT};
 use epserve_core::placement::Placement;
 use epserve_core::{Error, Result};
 use epserve_proto::pb::expert_service_client::ExpertServiceClient;
-use epserve_proto::pb::{DispatchRequest, Dtype};
+use epserve_proto::pb::{DispatchRequest, DispatchResponse, Dtype, HealthRequest};
 use epserve_proto::wire;
 use futures_util::future::join_all;
-use metrics::{counter, histogram};
+use metrics::{counter, gauge, histogram};
+use tonic::Status;
 use tonic::transport::{Channel, Endpoint};
+use tower::retry::budget::{Budget, TpsBudget};
 use tracing::Instrument;
 
 use super::load::{LoadSnapshot, LoadStats};
@@ -38,12 +51,134 @@ pub struct Route {
     pub addrs: HashMap<String, String>,
 }
 
+/// What happens to a token whose expert has no live replica
+/// (`--on-expert-loss`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
+pub enum OnExpertLoss {
+    /// The request fails with a retryable error (503 + Retry-After); every
+    /// request whose tokens do not need the lost experts goes on.
+    #[default]
+    Fail,
+    /// Degraded mode: the token's top-k weights are renormalized over its
+    /// live experts (same total weight), and the response says so.
+    Reroute,
+}
+
+/// How long a probe of a worker's health may take.
+const PROBE_TIMEOUT: Duration = Duration::from_secs(1);
+/// In-flight calls per worker client (tower concurrency limit).
+const MAX_IN_FLIGHT: usize = 64;
+
+#[derive(Debug, Clone)]
+struct WorkerHealth {
+    live: bool,
+    since: Instant,
+    reason: String,
+}
+
+/// Which workers are believed alive, from failed calls and health probes
+/// (not only from their etcd leases: etcd may be away while a worker serves,
+/// and a hung worker may keep its lease). A worker never seen is live.
+#[derive(Debug, Default)]
+pub struct Liveness {
+    workers: Mutex<HashMap<String, WorkerHealth>>,
+}
+
+impl Liveness {
+    /// True unless `worker` was marked dead and not seen serving since.
+    pub fn is_live(&self, worker: &str) -> bool {
+        self.workers
+            .lock()
+            .map(|m| m.get(worker).is_none_or(|h| h.live))
+            .unwrap_or(true)
+    }
+
+    /// Marks `worker` dead (a failed call or probe); true if it was live.
+    pub fn mark_dead(&self, worker: &str, reason: &str) -> bool {
+        let Ok(mut m) = self.workers.lock() else {
+            return false;
+        };
+        let was_live = m.get(worker).is_none_or(|h| h.live);
+        if was_live {
+            tracing::warn!(
+                worker,
+                reason,
+                "expert-worker marked dead; its replicas are skipped"
+            );
+            counter!("epserve_expert_worker_failures_total", "worker" => worker.to_string())
+                .increment(1);
+            m.insert(
+                worker.to_string(),
+                WorkerHealth {
+                    live: false,
+                    since: Instant::now(),
+                    reason: reason.to_string(),
+                },
+            );
+        }
+        gauge!("epserve_expert_worker_up", "worker" => worker.to_string()).set(0.0);
+        was_live
+    }
+
+    /// Marks `worker` live (a probe found it serving); true if it was dead.
+    pub fn mark_live(&self, worker: &str) -> bool {
+        let Ok(mut m) = self.workers.lock() else {
+            return false;
+        };
+        let was_dead = m.get(worker).is_some_and(|h| !h.live);
+        if was_dead {
+            tracing::info!(worker, "expert-worker serving again");
+        }
+        if was_dead || !m.contains_key(worker) {
+            m.insert(
+                worker.to_string(),
+                WorkerHealth {
+                    live: true,
+                    since: Instant::now(),
+                    reason: String::new(),
+                },
+            );
+        }
+        gauge!("epserve_expert_worker_up", "worker" => worker.to_string()).set(1.0);
+        was_dead
+    }
+
+    /// Dead workers: id, why, and for how long.
+    pub fn dead(&self) -> Vec<(String, String, Duration)> {
+        let mut v: Vec<_> = self
+            .workers
+            .lock()
+            .map(|m| {
+                m.iter()
+                    .filter(|(_, h)| !h.live)
+                    .map(|(w, h)| (w.clone(), h.reason.clone(), h.since.elapsed()))
+                    .collect()
+            })
+            .unwrap_or_default();
+        v.sort();
+        v
+    }
+}
+
 /// The route one forward step uses for all its MoE layers.
 #[derive(Default)]
 struct StepState {
     route: Option<Arc<Route>>,
     last_layer: Option<usize>,
     in_step: bool,
+    /// Rows of this step whose experts were not all reached.
+    faults: Vec<RowFault>,
+}
+
+type RpcService = tower::limit::ConcurrencyLimit<tower::timeout::Timeout<Channel>>;
+
+/// One worker's clients over one connection: `rpc` for Dispatch (deadline,
+/// in-flight limit), `probe` for health checks (not queued behind work).
+#[derive(Clone)]
+struct Conn {
+    addr: String,
+    rpc: ExpertServiceClient<RpcService>,
+    probe: ExpertServiceClient<Channel>,
 }
 
 /// Dispatches expert work to expert-workers over gRPC.
@@ -56,18 +191,43 @@ pub struct GrpcDispatcher {
     expert_metrics: bool,
     last_expert_metrics: Mutex<Option<Instant>>,
     route: RwLock<Arc<Route>>,
-    /// Worker id → (address, client); a worker that comes back on a new
-    /// address gets a new client.
-    clients: std::sync::Mutex<HashMap<String, (String, ExpertServiceClient<Channel>)>>,
+    /// Worker id → its connection; a worker that comes back on a new address
+    /// gets a new one.
+    clients: Mutex<HashMap<String, Conn>>,
+    liveness: Arc<Liveness>,
+    /// Re-sends after a failed call draw from it; first sends deposit.
+    budget: TpsBudget,
+    on_loss: OnExpertLoss,
     dtype: Dtype,
     timeout: Duration,
 }
 
+#[derive(Debug)]
 struct WorkerBatch {
+    /// Index of the worker in the placement.
+    index: u32,
     worker: String,
     rows: Vec<usize>,
     ids: Vec<u32>,
     weights: Vec<f32>,
+}
+
+impl WorkerBatch {
+    /// The (token, slot) pairs this batch carries.
+    fn slots(&self, k: usize) -> impl Iterator<Item = (usize, usize)> + '_ {
+        self.rows.iter().enumerate().flat_map(move |(ri, &t)| {
+            (0..k)
+                .filter(move |&s| self.ids[ri * k + s] != SKIP_SLOT)
+                .map(move |s| (t, s))
+        })
+    }
+}
+
+/// A slot no live replica could take.
+struct LostSlot {
+    token: usize,
+    slot: usize,
+    why: String,
 }
 
 impl GrpcDispatcher {
@@ -90,26 +250,51 @@ impl GrpcDispatcher {
             expert_metrics,
             last_expert_metrics: Mutex::new(None),
             route: RwLock::new(Arc::new(route)),
-            clients: std::sync::Mutex::new(HashMap::new()),
+            clients: Mutex::new(HashMap::new()),
+            liveness: Arc::new(Liveness::default()),
+            // Re-sends: up to 20 % of the calls of the last 10 s, and at
+            // least 10 per second.
+            budget: TpsBudget::new(Duration::from_secs(10), 10, 0.2),
+            on_loss: OnExpertLoss::Fail,
             dtype,
             timeout,
         }
     }
 
+    /// What to do with tokens whose expert has no live replica.
+    pub fn with_on_expert_loss(mut self, policy: OnExpertLoss) -> Self {
+        self.on_loss = policy;
+        self
+    }
+
+    /// Which workers are believed alive.
+    pub fn liveness(&self) -> &Arc<Liveness> {
+        &self.liveness
+    }
+
     /// Switches to a new route (takes effect at the next step's first MoE layer).
     /// A route with an older placement version than the one in force only
     /// updates the worker addresses: placements never go backwards (a slow
-    /// refresh from etcd must not undo a switch).
+    /// refresh from etcd must not undo a switch). A placed worker missing
+    /// from the new addresses (its registration lapsed, e.g. while etcd was
+    /// away) keeps its last known address: whether it is alive is for calls
+    /// and health probes to tell.
     pub fn set_route(&self, route: Route) {
         if let Ok(mut g) = self.route.write() {
-            if route.placement.version < g.placement.version {
-                *g = Arc::new(Route {
-                    placement: g.placement.clone(),
-                    addrs: route.addrs,
-                });
+            let placement = if route.placement.version < g.placement.version {
+                g.placement.clone()
             } else {
-                *g = Arc::new(route);
+                route.placement
+            };
+            let mut addrs = route.addrs;
+            for w in &placement.workers {
+                if !addrs.contains_key(w)
+                    && let Some(a) = g.addrs.get(w)
+                {
+                    addrs.insert(w.clone(), a.clone());
+                }
             }
+            *g = Arc::new(Route { placement, addrs });
         }
     }
 
@@ -153,6 +338,48 @@ impl GrpcDispatcher {
         }
     }
 
+    /// True if placed worker `index` can take work: it has an address and
+    /// is not marked dead.
+    fn is_live(&self, route: &Route, index: u32) -> bool {
+        route
+            .placement
+            .workers
+            .get(index as usize)
+            .is_some_and(|id| route.addrs.contains_key(id) && self.liveness.is_live(id))
+    }
+
+    /// `(layer, expert)` pairs of the route in force with no live replica,
+    /// each with the reason its replicas are down (empty when all are served).
+    pub fn unserved(&self) -> Vec<(usize, usize, String)> {
+        let Some(route) = self.route() else {
+            return Vec::new();
+        };
+        let dead: HashMap<String, String> = self
+            .liveness
+            .dead()
+            .into_iter()
+            .map(|(w, why, _)| (w, why))
+            .collect();
+        let mut out = Vec::new();
+        for lp in &route.placement.layers {
+            for (e, reps) in lp.experts.iter().enumerate() {
+                if !reps.iter().any(|&w| self.is_live(&route, w)) {
+                    let why = reps
+                        .iter()
+                        .filter_map(|&w| route.placement.workers.get(w as usize))
+                        .map(|w| match dead.get(w) {
+                            Some(r) => format!("{w}: {r}"),
+                            None => format!("{w}: not registered"),
+                        })
+                        .collect::<Vec<_>>()
+                        .join("; ");
+                    out.push((lp.layer, e, why));
+                }
+            }
+        }
+        out
+    }
+
     /// The route for this dispatch: a new snapshot at a step's first MoE layer.
     fn step_route(&self, layer: usize) -> Result<Arc<Route>> {
         let mut s = self
@@ -169,6 +396,7 @@ impl GrpcDispatcher {
             }
             s.route = Some(route);
             s.in_step = true;
+            s.faults.clear();
         }
         s.last_layer = Some(layer);
         s.route
@@ -244,31 +472,50 @@ impl GrpcDispatcher {
         }
     }
 
-    fn client(&self, worker: &str, addr: &str) -> Result<ExpertServiceClient<Channel>> {
+    fn conn(&self, worker: &str, addr: &str) -> Result<Conn> {
         let mut clients = self
             .clients
             .lock()
             .map_err(|_| Error::Dispatch("client cache lock poisoned".into()))?;
-        if let Some((a, c)) = clients.get(worker)
-            && a == addr
+        if let Some(c) = clients.get(worker)
+            && c.addr == addr
         {
             return Ok(c.clone());
         }
         let ep = Endpoint::from_shared(addr.to_string())
             .map_err(|e| Error::Dispatch(format!("worker {worker}: bad address {addr}: {e}")))?
             .tcp_nodelay(true)
-            .connect_timeout(Duration::from_secs(5))
-            .timeout(self.timeout);
+            .connect_timeout(Duration::from_secs(2));
         // connect_lazy spawns the connection task: it needs the runtime entered.
         let _guard = self.rt.enter();
-        let c = ExpertServiceClient::new(ep.connect_lazy())
-            .max_decoding_message_size(1 << 30)
-            .max_encoding_message_size(1 << 30);
-        clients.insert(worker.to_string(), (addr.to_string(), c.clone()));
+        let channel = ep.connect_lazy();
+        let svc = tower::ServiceBuilder::new()
+            .concurrency_limit(MAX_IN_FLIGHT)
+            .timeout(self.timeout)
+            .service(channel.clone());
+        let c = Conn {
+            addr: addr.to_string(),
+            rpc: ExpertServiceClient::new(svc)
+                .max_decoding_message_size(1 << 30)
+                .max_encoding_message_size(1 << 30),
+            probe: ExpertServiceClient::new(channel),
+        };
+        clients.insert(worker.to_string(), c.clone());
         Ok(c)
     }
 
-    fn plan(&self, route: &Route, layer: usize, routing: &Routing) -> Result<Vec<WorkerBatch>> {
+    /// Groups the `(token, slot)` pairs `todo` (in token order) by the live
+    /// replica that takes each, skipping workers in `excluded`; slots whose
+    /// expert has no live replica go to `lost`.
+    fn plan(
+        &self,
+        route: &Route,
+        layer: usize,
+        routing: &Routing,
+        todo: &[(usize, usize)],
+        excluded: &HashSet<u32>,
+        lost: &mut Vec<LostSlot>,
+    ) -> Result<Vec<WorkerBatch>> {
         let lp = route.placement.layer(layer).ok_or_else(|| {
             Error::Dispatch(format!(
                 "placement v{} has no layer {layer}",
@@ -276,7 +523,7 @@ impl GrpcDispatcher {
             ))
         })?;
         let k = routing.top_k;
-        let mut by_worker: HashMap<u32, WorkerBatch> = HashMap::new();
+        let mut by_worker: BTreeMap<u32, WorkerBatch> = BTreeMap::new();
         let mut rr = self
             .next_replica
             .lock()
@@ -285,56 +532,275 @@ impl GrpcDispatcher {
         if next.len() < lp.experts.len() {
             next.resize(lp.experts.len(), 0);
         }
-        for t in 0..routing.num_tokens {
-            for s in 0..k {
-                let e = routing.topk_ids[t * k + s] as usize;
-                let reps = lp.experts.get(e).filter(|r| !r.is_empty()).ok_or_else(|| {
-                    Error::Dispatch(format!("layer {layer}: expert {e} has no replica"))
-                })?;
-                // Spread a replicated expert's tokens over its replicas, round-robin.
-                let w = if reps.len() == 1 {
-                    reps[0]
-                } else {
-                    let i = next[e] as usize % reps.len();
-                    next[e] = next[e].wrapping_add(1);
-                    // Skip replicas on workers no longer registered (dead:
-                    // their lease expired) while another replica lives.
-                    let live = |w: u32| {
-                        route
-                            .placement
-                            .workers
-                            .get(w as usize)
-                            .is_some_and(|id| route.addrs.contains_key(id))
-                    };
-                    (0..reps.len())
-                        .map(|j| reps[(i + j) % reps.len()])
-                        .find(|&w| live(w))
-                        .unwrap_or(reps[i])
-                };
-                let b = by_worker.entry(w).or_insert_with(|| WorkerBatch {
-                    worker: route
-                        .placement
-                        .workers
-                        .get(w as usize)
-                        .cloned()
-                        .unwrap_or_default(),
-                    rows: Vec::new(),
-                    ids: Vec::new(),
-                    weights: Vec::new(),
-                });
-                if b.rows.last() != Some(&t) {
-                    b.rows.push(t);
-                    b.ids.extend(std::iter::repeat_n(SKIP_SLOT, k));
-                    b.weights.extend(std::iter::repeat_n(0.0, k));
-                }
-                let base = (b.rows.len() - 1) * k;
-                b.ids[base + s] = e as u32;
-                b.weights[base + s] = routing.topk_weights[t * k + s];
+        for &(t, s) in todo {
+            let e = routing.topk_ids[t * k + s] as usize;
+            let reps = lp.experts.get(e).filter(|r| !r.is_empty()).ok_or_else(|| {
+                Error::Dispatch(format!("layer {layer}: expert {e} has no replica"))
+            })?;
+            // Spread a replicated expert's tokens over its live replicas,
+            // round-robin.
+            let i = next[e] as usize % reps.len();
+            if reps.len() > 1 {
+                next[e] = next[e].wrapping_add(1);
             }
+            let Some(w) = (0..reps.len())
+                .map(|j| reps[(i + j) % reps.len()])
+                .find(|w| !excluded.contains(w) && self.is_live(route, *w))
+            else {
+                let names: Vec<&str> = reps
+                    .iter()
+                    .filter_map(|&w| route.placement.workers.get(w as usize))
+                    .map(String::as_str)
+                    .collect();
+                lost.push(LostSlot {
+                    token: t,
+                    slot: s,
+                    why: format!(
+                        "layer {layer}: expert {e} has no live replica (on {})",
+                        names.join(", ")
+                    ),
+                });
+                continue;
+            };
+            let b = by_worker.entry(w).or_insert_with(|| WorkerBatch {
+                index: w,
+                worker: route
+                    .placement
+                    .workers
+                    .get(w as usize)
+                    .cloned()
+                    .unwrap_or_default(),
+                rows: Vec::new(),
+                ids: Vec::new(),
+                weights: Vec::new(),
+            });
+            if b.rows.last() != Some(&t) {
+                b.rows.push(t);
+                b.ids.extend(std::iter::repeat_n(SKIP_SLOT, k));
+                b.weights.extend(std::iter::repeat_n(0.0, k));
+            }
+            let base = (b.rows.len() - 1) * k;
+            b.ids[base + s] = e as u32;
+            b.weights[base + s] = routing.topk_weights[t * k + s];
         }
         let mut v: Vec<WorkerBatch> = by_worker.into_values().collect();
         v.sort_by(|a, b| a.worker.cmp(&b.worker));
         Ok(v)
+    }
+
+    /// Probes the health of every placed worker once: one that answers
+    /// ready is live, one that does not answer (or is not ready) is dead.
+    pub async fn probe_once(&self) {
+        let Some(route) = self.route() else {
+            return;
+        };
+        let mut probes = Vec::new();
+        for w in &route.placement.workers {
+            let Some(addr) = route.addrs.get(w) else {
+                continue;
+            };
+            let Ok(conn) = self.conn(w, addr) else {
+                continue;
+            };
+            let w = w.clone();
+            probes.push(async move {
+                let mut c = conn.probe;
+                let mut r = tonic::Request::new(HealthRequest {});
+                r.set_timeout(PROBE_TIMEOUT);
+                let res = tokio::time::timeout(PROBE_TIMEOUT, c.health(r)).await;
+                let ok = match res {
+                    Ok(Ok(h)) if h.get_ref().ready => Ok(()),
+                    Ok(Ok(_)) => Err("not ready (loading its experts)".to_string()),
+                    Ok(Err(s)) => Err(format!("health check failed: {}", s.message())),
+                    Err(_) => Err("health check timed out".to_string()),
+                };
+                (w, ok)
+            });
+        }
+        for (w, ok) in join_all(probes).await {
+            match ok {
+                Ok(()) => {
+                    self.liveness.mark_live(&w);
+                }
+                Err(why) => {
+                    self.liveness.mark_dead(&w, &why);
+                }
+            }
+        }
+    }
+
+    /// Probes every placed worker each `period`, forever (spawn it).
+    pub async fn probe_forever(self: Arc<Self>, period: Duration) {
+        loop {
+            tokio::time::sleep(period).await;
+            self.probe_once().await;
+        }
+    }
+
+    /// Sends one round of batches; one result per batch.
+    fn send(
+        &self,
+        route: &Route,
+        layer: usize,
+        x: &[f32],
+        hidden: usize,
+        k: usize,
+        batches: &[WorkerBatch],
+    ) -> Vec<std::result::Result<DispatchResponse, String>> {
+        let version = route.placement.version;
+        let mut calls = Vec::with_capacity(batches.len());
+        for b in batches {
+            let conn = match route.addrs.get(&b.worker) {
+                Some(addr) => self.conn(&b.worker, addr),
+                None => Err(Error::Dispatch(format!(
+                    "worker {} is not registered",
+                    b.worker
+                ))),
+            };
+            let mut xs = Vec::with_capacity(b.rows.len() * hidden);
+            for &t in &b.rows {
+                xs.extend_from_slice(&x[t * hidden..(t + 1) * hidden]);
+            }
+            let req = DispatchRequest {
+                layer: layer as u32,
+                top_k: k as u32,
+                tokens: Some(wire::encode(&xs, b.rows.len(), hidden, self.dtype)),
+                topk_ids: b.ids.clone(),
+                topk_weights: b.weights.clone(),
+                placement_version: version,
+                output_dtype: self.dtype as i32,
+            };
+            let sent = req.tokens.as_ref().map(|t| t.data.len()).unwrap_or(0);
+            counter!("epserve_dispatch_bytes_sent_total", "worker" => b.worker.clone())
+                .increment(sent as u64);
+            let timeout = self.timeout;
+            let span =
+                tracing::debug_span!("dispatch_call", worker = %b.worker, rows = b.rows.len());
+            calls.push(
+                async move {
+                    let mut client = match conn {
+                        Ok(c) => c.rpc,
+                        Err(e) => return Err(Status::unavailable(e.to_string())),
+                    };
+                    let mut r = tonic::Request::new(req);
+                    r.set_timeout(timeout);
+                    client.dispatch(r).await.map(|r| r.into_inner())
+                }
+                .instrument(span),
+            );
+        }
+        self.rt
+            .block_on(join_all(calls))
+            .into_iter()
+            .zip(batches)
+            .map(|(res, b)| {
+                res.map_err(|s| {
+                    let addr = route.addrs.get(&b.worker).map_or("?", String::as_str);
+                    let msg = format!(
+                        "expert-worker {} ({addr}) failed: {} ({:?})",
+                        b.worker,
+                        s.message(),
+                        s.code()
+                    );
+                    if s.code() == tonic::Code::InvalidArgument {
+                        // Our request was malformed: a bug, not a failure of
+                        // the worker; re-sending would fail the same way.
+                        format!("invalid: {msg}")
+                    } else {
+                        msg
+                    }
+                })
+            })
+            .collect()
+    }
+
+    /// Copies one worker's returned slot outputs into `out`.
+    fn scatter(
+        b: &WorkerBatch,
+        resp: DispatchResponse,
+        k: usize,
+        hidden: usize,
+        out: &mut [f32],
+    ) -> std::result::Result<(), String> {
+        let worker = &b.worker;
+        histogram!("epserve_expert_worker_queue_seconds", "worker" => worker.clone())
+            .record(resp.queue_us as f64 / 1e6);
+        histogram!("epserve_expert_worker_compute_seconds", "worker" => worker.clone())
+            .record(resp.compute_us as f64 / 1e6);
+        let t = resp
+            .outputs
+            .ok_or_else(|| format!("expert-worker {worker}: empty response"))?;
+        counter!("epserve_dispatch_bytes_received_total", "worker" => worker.clone())
+            .increment(t.data.len() as u64);
+        let ys = wire::decode(&t).map_err(|e| format!("expert-worker {worker}: {e}"))?;
+        let want = b.ids.iter().filter(|&&i| i != SKIP_SLOT).count();
+        if ys.len() != want * hidden {
+            return Err(format!(
+                "expert-worker {worker} returned {} values for {want} slots",
+                ys.len()
+            ));
+        }
+        for (next, (tok, s)) in b.slots(k).enumerate() {
+            let dst = (tok * k + s) * hidden;
+            out[dst..dst + hidden].copy_from_slice(&ys[next * hidden..(next + 1) * hidden]);
+        }
+        Ok(())
+    }
+
+    /// Handles slots no live replica took: records each row's fault and,
+    /// when rerouting, rescales the row's live slots to the full top-k weight.
+    fn settle_lost(
+        &self,
+        routing: &Routing,
+        hidden: usize,
+        lost: Vec<LostSlot>,
+        out: &mut [f32],
+    ) -> Result<()> {
+        let k = routing.top_k;
+        let mut by_row: BTreeMap<usize, Vec<LostSlot>> = BTreeMap::new();
+        for l in lost {
+            by_row.entry(l.token).or_default().push(l);
+        }
+        let mut faults = Vec::with_capacity(by_row.len());
+        for (t, slots) in by_row {
+            let why = slots
+                .iter()
+                .map(|l| l.why.as_str())
+                .collect::<Vec<_>>()
+                .join("; ");
+            let w = &routing.topk_weights[t * k..(t + 1) * k];
+            let total: f32 = w.iter().sum();
+            let live: f32 = (0..k)
+                .filter(|s| !slots.iter().any(|l| l.slot == *s))
+                .map(|s| w[s])
+                .sum();
+            let reroute = self.on_loss == OnExpertLoss::Reroute && live > 0.0;
+            if reroute {
+                let scale = total / live;
+                for s in 0..k {
+                    let dst = &mut out[(t * k + s) * hidden..(t * k + s + 1) * hidden];
+                    if slots.iter().any(|l| l.slot == s) {
+                        dst.fill(0.0);
+                    } else {
+                        dst.iter_mut().for_each(|v| *v *= scale);
+                    }
+                }
+            }
+            counter!("epserve_expert_loss_tokens_total",
+                "action" => if reroute { "rerouted" } else { "failed" })
+            .increment(1);
+            faults.push(RowFault {
+                row: t,
+                message: why,
+                degraded: reroute,
+            });
+        }
+        self.step
+            .lock()
+            .map_err(|_| Error::Dispatch("step lock poisoned".into()))?
+            .faults
+            .extend(faults);
+        Ok(())
     }
 }
 
@@ -357,6 +823,28 @@ impl Dispatcher for GrpcDispatcher {
         self.end_layer(layer, &route, res.is_err());
         res
     }
+
+    fn take_faults(&self) -> Vec<RowFault> {
+        let Ok(mut s) = self.step.lock() else {
+            return Vec::new();
+        };
+        // One fault per row: lost at any layer wins over degraded.
+        let mut by_row: BTreeMap<usize, RowFault> = BTreeMap::new();
+        for f in std::mem::take(&mut s.faults) {
+            match by_row.get_mut(&f.row) {
+                Some(g) => {
+                    g.degraded &= f.degraded;
+                    if !g.message.contains(&f.message) {
+                        g.message = format!("{}; {}", g.message, f.message);
+                    }
+                }
+                None => {
+                    by_row.insert(f.row, f);
+                }
+            }
+        }
+        by_row.into_values().collect()
+    }
 }
 
 impl GrpcDispatcher {
@@ -369,87 +857,73 @@ impl GrpcDispatcher {
         routing: &Routing,
     ) -> Result<Vec<f32>> {
         let started = Instant::now();
-        let batches = self.plan(route, layer, routing)?;
-        tracing::Span::current().record("workers", batches.len());
         let k = routing.top_k;
-        self.record_load(layer, route, &batches);
-        let version = route.placement.version;
-        let mut calls = Vec::with_capacity(batches.len());
-        for b in &batches {
-            let addr = route
-                .addrs
-                .get(&b.worker)
-                .ok_or_else(|| Error::Dispatch(format!("worker {} is not registered", b.worker)))?;
-            let mut client = self.client(&b.worker, addr)?;
-            let mut xs = Vec::with_capacity(b.rows.len() * hidden);
-            for &t in &b.rows {
-                xs.extend_from_slice(&x[t * hidden..(t + 1) * hidden]);
-            }
-            let req = DispatchRequest {
-                layer: layer as u32,
-                top_k: k as u32,
-                tokens: Some(wire::encode(&xs, b.rows.len(), hidden, self.dtype)),
-                topk_ids: b.ids.clone(),
-                topk_weights: b.weights.clone(),
-                placement_version: version,
-                output_dtype: self.dtype as i32,
-            };
-            let sent = req.tokens.as_ref().map(|t| t.data.len()).unwrap_or(0);
-            counter!("epserve_dispatch_bytes_sent_total", "worker" => b.worker.clone())
-                .increment(sent as u64);
-            let (worker, addr) = (b.worker.clone(), addr.clone());
-            let timeout = self.timeout;
-            let span = tracing::debug_span!("dispatch_call", worker = %worker, rows = b.rows.len());
-            calls.push(
-                async move {
-                    let mut r = tonic::Request::new(req);
-                    r.set_timeout(timeout);
-                    let res = client.dispatch(r).await;
-                    (worker, addr, res)
-                }
-                .instrument(span),
-            );
-        }
-        let results = self.rt.block_on(join_all(calls));
+        let mut todo: Vec<(usize, usize)> = (0..routing.num_tokens)
+            .flat_map(|t| (0..k).map(move |s| (t, s)))
+            .collect();
+        let mut excluded: HashSet<u32> = HashSet::new();
+        let mut lost: Vec<LostSlot> = Vec::new();
         let mut out = vec![0.0f32; routing.num_tokens * k * hidden];
-        for (b, (worker, addr, res)) in batches.iter().zip(results) {
-            let resp = res
-                .map_err(|s| {
-                    Error::Dispatch(format!(
-                        "expert-worker {worker} ({addr}) failed: {}",
-                        s.message()
-                    ))
-                })?
-                .into_inner();
-            histogram!("epserve_expert_worker_queue_seconds", "worker" => worker.clone())
-                .record(resp.queue_us as f64 / 1e6);
-            histogram!("epserve_expert_worker_compute_seconds", "worker" => worker.clone())
-                .record(resp.compute_us as f64 / 1e6);
-            let t = resp.outputs.ok_or_else(|| {
-                Error::Dispatch(format!("expert-worker {worker}: empty response"))
-            })?;
-            counter!("epserve_dispatch_bytes_received_total", "worker" => worker.clone())
-                .increment(t.data.len() as u64);
-            let ys = wire::decode(&t)
-                .map_err(|e| Error::Dispatch(format!("expert-worker {worker}: {e}")))?;
-            let want = b.ids.iter().filter(|&&i| i != SKIP_SLOT).count();
-            if ys.len() != want * hidden {
-                return Err(Error::Dispatch(format!(
-                    "expert-worker {worker} returned {} values for {want} slots",
-                    ys.len()
-                )));
+        let mut round = 0;
+        loop {
+            let batches = self.plan(route, layer, routing, &todo, &excluded, &mut lost)?;
+            if round == 0 {
+                tracing::Span::current().record("workers", batches.len());
+                self.record_load(layer, route, &batches);
+                for _ in &batches {
+                    self.budget.deposit();
+                }
             }
-            let mut next = 0;
-            for (ri, &tok) in b.rows.iter().enumerate() {
-                for s in 0..k {
-                    if b.ids[ri * k + s] != SKIP_SLOT {
-                        let dst = (tok * k + s) * hidden;
-                        out[dst..dst + hidden]
-                            .copy_from_slice(&ys[next * hidden..(next + 1) * hidden]);
-                        next += 1;
+            if batches.is_empty() {
+                break;
+            }
+            let results = self.send(route, layer, x, hidden, k, &batches);
+            todo.clear();
+            let mut failed = Vec::new();
+            for (b, res) in batches.iter().zip(results) {
+                let res = res.and_then(|resp| Self::scatter(b, resp, k, hidden, &mut out));
+                match res {
+                    Ok(()) => {}
+                    Err(msg) if msg.starts_with("invalid: ") => {
+                        return Err(Error::Dispatch(msg["invalid: ".len()..].to_string()));
+                    }
+                    Err(msg) => {
+                        // A worker that answers "does not hold" is alive (a
+                        // placement change in flight): only this layer skips it.
+                        if !msg.contains("does not hold") {
+                            self.liveness.mark_dead(&b.worker, &msg);
+                        }
+                        excluded.insert(b.index);
+                        todo.extend(b.slots(k));
+                        failed.push(msg);
                     }
                 }
             }
+            if todo.is_empty() {
+                break;
+            }
+            todo.sort_unstable();
+            round += 1;
+            if !self.budget.withdraw() {
+                tracing::warn!(layer, "retry budget exhausted; not re-sending");
+                for &(t, s) in &todo {
+                    lost.push(LostSlot {
+                        token: t,
+                        slot: s,
+                        why: format!(
+                            "layer {layer}: no re-send (retry budget exhausted) after: {}",
+                            failed.join("; ")
+                        ),
+                    });
+                }
+                break;
+            }
+            counter!("epserve_dispatch_failovers_total").increment(1);
+            tracing::warn!(layer, round, slots = todo.len(), errors = %failed.join("; "),
+                "re-sending slots to other replicas");
+        }
+        if !lost.is_empty() {
+            self.settle_lost(routing, hidden, lost, &mut out)?;
         }
         histogram!("epserve_dispatch_seconds", "layer" => layer.to_string())
             .record(started.elapsed().as_secs_f64());
@@ -460,18 +934,16 @@ impl GrpcDispatcher {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use epserve_proto::pb::HealthResponse;
+    use epserve_proto::pb::expert_service_server::{ExpertService, ExpertServiceServer};
 
-    fn dispatcher(live: &[&str]) -> GrpcDispatcher {
+    fn dispatcher_on(
+        rt: &tokio::runtime::Runtime,
+        addrs: HashMap<String, String>,
+    ) -> GrpcDispatcher {
         // Layer 0: expert 0 on w0 and w1, expert 1 on w1.
         let mut p = Placement::initial(&[0], 2, &["w0".into(), "w1".into()]).expect("placement");
         p.layers[0].experts = vec![vec![0, 1], vec![1]];
-        let addrs = live
-            .iter()
-            .map(|w| (w.to_string(), format!("http://127.0.0.1:1/{w}")))
-            .collect();
-        let rt = tokio::runtime::Builder::new_current_thread()
-            .build()
-            .expect("runtime");
         GrpcDispatcher::new(
             rt.handle().clone(),
             Route {
@@ -479,10 +951,21 @@ mod tests {
                 addrs,
             },
             Dtype::F32,
-            Duration::from_secs(1),
+            Duration::from_secs(2),
             8,
             false,
         )
+    }
+
+    fn dispatcher(live: &[&str]) -> GrpcDispatcher {
+        let addrs = live
+            .iter()
+            .map(|w| (w.to_string(), format!("http://127.0.0.1:1/{w}")))
+            .collect();
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .build()
+            .expect("runtime");
+        dispatcher_on(&rt, addrs)
     }
 
     fn routing(ids: &[u32]) -> Routing {
@@ -492,6 +975,18 @@ mod tests {
             topk_ids: ids.to_vec(),
             topk_weights: vec![1.0; ids.len()],
         }
+    }
+
+    fn plan_all(d: &GrpcDispatcher, r: &Routing) -> (Vec<WorkerBatch>, Vec<LostSlot>) {
+        let route = d.route().expect("route");
+        let todo: Vec<_> = (0..r.num_tokens)
+            .flat_map(|t| (0..r.top_k).map(move |s| (t, s)))
+            .collect();
+        let mut lost = Vec::new();
+        let b = d
+            .plan(&route, 0, r, &todo, &HashSet::new(), &mut lost)
+            .expect("plan");
+        (b, lost)
     }
 
     fn slots(batches: &[WorkerBatch]) -> Vec<(String, usize)> {
@@ -509,29 +1004,61 @@ mod tests {
     #[test]
     fn replicas_split_tokens_evenly_within_and_across_steps() {
         let d = dispatcher(&["w0", "w1"]);
-        let route = d.route().expect("route");
-        let b = d.plan(&route, 0, &routing(&[0; 10])).expect("plan");
+        let (b, _) = plan_all(&d, &routing(&[0; 10]));
         assert_eq!(slots(&b), vec![("w0".into(), 5), ("w1".into(), 5)]);
         // One token per step (decode) still alternates.
         let mut per = HashMap::new();
         for _ in 0..6 {
-            for (w, n) in slots(&d.plan(&route, 0, &routing(&[0])).expect("plan")) {
+            for (w, n) in slots(&plan_all(&d, &routing(&[0])).0) {
                 *per.entry(w).or_insert(0) += n;
             }
         }
         assert_eq!(per.get("w0"), Some(&3));
         assert_eq!(per.get("w1"), Some(&3));
         // An unreplicated expert goes to its one worker.
-        let b = d.plan(&route, 0, &routing(&[1, 1])).expect("plan");
+        let (b, _) = plan_all(&d, &routing(&[1, 1]));
         assert_eq!(slots(&b), vec![("w1".into(), 2)]);
     }
 
     #[test]
-    fn a_dead_replica_is_skipped() {
+    fn unregistered_and_dead_replicas_are_skipped_and_unserved_experts_are_lost() {
         let d = dispatcher(&["w1"]);
-        let route = d.route().expect("route");
-        let b = d.plan(&route, 0, &routing(&[0; 6])).expect("plan");
+        let (b, lost) = plan_all(&d, &routing(&[0; 6]));
         assert_eq!(slots(&b), vec![("w1".into(), 6)]);
+        assert!(lost.is_empty());
+        assert!(d.unserved().is_empty());
+
+        let d = dispatcher(&["w0", "w1"]);
+        d.liveness().mark_dead("w1", "test");
+        let (b, lost) = plan_all(&d, &routing(&[0, 1, 0]));
+        assert_eq!(slots(&b), vec![("w0".into(), 2)]);
+        assert_eq!(lost.len(), 1);
+        assert_eq!((lost[0].token, lost[0].slot), (1, 0));
+        assert!(
+            lost[0].why.contains("expert 1 has no live replica"),
+            "{}",
+            lost[0].why
+        );
+        let un = d.unserved();
+        assert_eq!(un.len(), 1);
+        assert_eq!((un[0].0, un[0].1), (0, 1));
+        assert!(un[0].2.contains("w1: test"), "{:?}", un);
+        // A probe that finds it serving brings it back.
+        assert!(d.liveness().mark_live("w1"));
+        assert!(d.unserved().is_empty());
+    }
+
+    #[test]
+    fn a_lapsed_registration_keeps_the_last_known_address() {
+        let d = dispatcher(&["w0", "w1"]);
+        let r = d.route().expect("route");
+        let mut addrs = r.addrs.clone();
+        addrs.remove("w1");
+        d.set_route(Route {
+            placement: r.placement.clone(),
+            addrs,
+        });
+        assert!(d.route().expect("route").addrs.contains_key("w1"));
     }
 
     #[test]
@@ -554,5 +1081,137 @@ mod tests {
         assert!(d.old_steps_finished(2));
         // ... and the next one takes v2.
         assert_eq!(d.step_route(0).expect("route").placement.version, 2);
+    }
+
+    /// A worker that returns, for each slot, `weight × (expert + 1)` in every
+    /// element.
+    struct Fake;
+
+    #[tonic::async_trait]
+    impl ExpertService for Fake {
+        async fn dispatch(
+            &self,
+            req: tonic::Request<DispatchRequest>,
+        ) -> std::result::Result<tonic::Response<DispatchResponse>, Status> {
+            let r = req.into_inner();
+            let hidden = r.tokens.as_ref().map_or(0, |t| t.cols as usize);
+            let mut ys = Vec::new();
+            for (&id, &w) in r.topk_ids.iter().zip(&r.topk_weights) {
+                if id != SKIP_SLOT {
+                    ys.extend(std::iter::repeat_n(w * (id as f32 + 1.0), hidden));
+                }
+            }
+            let n = ys.len() / hidden.max(1);
+            Ok(tonic::Response::new(DispatchResponse {
+                outputs: Some(wire::encode(&ys, n, hidden, Dtype::F32)),
+                queue_us: 0,
+                compute_us: 0,
+            }))
+        }
+
+        async fn health(
+            &self,
+            _req: tonic::Request<HealthRequest>,
+        ) -> std::result::Result<tonic::Response<HealthResponse>, Status> {
+            Ok(tonic::Response::new(HealthResponse {
+                worker_id: "fake".into(),
+                ready: true,
+                placement_version: 1,
+                experts_loaded: 2,
+            }))
+        }
+    }
+
+    /// A runtime with a fake worker listening; its address.
+    fn fake_worker() -> (tokio::runtime::Runtime, String) {
+        let rt = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(1)
+            .enable_all()
+            .build()
+            .expect("runtime");
+        let listener = rt
+            .block_on(tokio::net::TcpListener::bind("127.0.0.1:0"))
+            .expect("bind");
+        let addr = format!("http://{}", listener.local_addr().expect("addr"));
+        let incoming = tonic::transport::server::TcpIncoming::from(listener);
+        rt.spawn(
+            tonic::transport::Server::builder()
+                .add_service(ExpertServiceServer::new(Fake))
+                .serve_with_incoming(incoming),
+        );
+        (rt, addr)
+    }
+
+    /// A port nothing listens on (bound, then released).
+    fn dead_addr() -> String {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+        format!("http://{}", l.local_addr().expect("addr"))
+    }
+
+    #[test]
+    fn a_failed_call_is_re_sent_to_a_live_replica_within_the_layer() {
+        let (rt, live) = fake_worker();
+        let addrs = [("w0".to_string(), dead_addr()), ("w1".to_string(), live)]
+            .into_iter()
+            .collect();
+        let d = dispatcher_on(&rt, addrs);
+        let hidden = 3;
+        // Two tokens on expert 0 (replicas w0 dead, w1 live): round-robin
+        // sends one to w0, which fails; it is re-sent to w1.
+        let r = Routing {
+            num_tokens: 2,
+            top_k: 1,
+            topk_ids: vec![0, 0],
+            topk_weights: vec![0.5, 0.25],
+        };
+        let out = d.dispatch(0, &[0.0; 6], hidden, &r).expect("dispatch");
+        assert_eq!(out, vec![0.5, 0.5, 0.5, 0.25, 0.25, 0.25]);
+        assert!(d.take_faults().is_empty());
+        assert!(!d.liveness().is_live("w0"), "the dead replica is marked");
+        // From then on it is skipped without a failed call.
+        let out = d.dispatch(0, &[0.0; 6], hidden, &r).expect("dispatch");
+        assert_eq!(out, vec![0.5, 0.5, 0.5, 0.25, 0.25, 0.25]);
+        // The health probe agrees: w0 dead, w1 live.
+        rt.block_on(d.probe_once());
+        assert!(!d.liveness().is_live("w0"));
+        assert!(d.liveness().is_live("w1"));
+        drop(rt);
+    }
+
+    #[test]
+    fn an_expert_without_a_live_replica_faults_its_rows_or_reroutes_them() {
+        let (rt, live) = fake_worker();
+        // Expert 1 only on w1, which is dead; expert 0 on w0 (live) and w1.
+        let addrs: HashMap<String, String> =
+            [("w0".to_string(), live), ("w1".to_string(), dead_addr())]
+                .into_iter()
+                .collect();
+        let hidden = 2;
+        // Token 0: experts 0 and 1 (weights 0.75 / 0.25); token 1: expert 0 twice.
+        let r = Routing {
+            num_tokens: 2,
+            top_k: 2,
+            topk_ids: vec![0, 1, 0, 0],
+            topk_weights: vec![0.75, 0.25, 0.5, 0.5],
+        };
+        let d = dispatcher_on(&rt, addrs.clone());
+        let out = d.dispatch(0, &[0.0; 4], hidden, &r).expect("dispatch");
+        let f = d.take_faults();
+        assert_eq!(f.len(), 1, "{f:?}");
+        assert_eq!(f[0].row, 0);
+        assert!(!f[0].degraded);
+        // Token 1 is exact (possibly after a failover from w1 to w0).
+        assert_eq!(&out[4..], &[0.5, 0.5, 0.5, 0.5]);
+        assert!(d.take_faults().is_empty(), "taken once");
+
+        let d = dispatcher_on(&rt, addrs).with_on_expert_loss(OnExpertLoss::Reroute);
+        d.liveness().mark_dead("w1", "test");
+        let out = d.dispatch(0, &[0.0; 4], hidden, &r).expect("dispatch");
+        let f = d.take_faults();
+        assert_eq!(f.len(), 1);
+        assert!(f[0].degraded);
+        // Expert 0's slot carries the row's whole weight (0.75 + 0.25).
+        assert_eq!(&out[..4], &[1.0, 1.0, 0.0, 0.0]);
+        drop(rt);
     }
 }

@@ -51,9 +51,22 @@ pub struct CoordinatorArgs {
     /// with the single-process engine).
     #[arg(long, default_value = "bf16", value_parser = ["bf16", "f32"])]
     pub dispatch_dtype: String,
-    /// Deadline of one dispatch call, milliseconds.
+    /// Deadline of one dispatch call, milliseconds. A call that misses it
+    /// counts as a failure of its worker: its slots are re-sent to other
+    /// live replicas within the same step.
     #[arg(long, default_value_t = 30_000)]
     pub dispatch_timeout_ms: u64,
+    /// What happens to a token whose expert has no live replica: `fail` its
+    /// request with a retryable 503 (the other requests go on), or `reroute`
+    /// (degraded mode: renormalize its top-k over the live experts; the
+    /// response carries a `degraded` field and
+    /// `epserve_degraded_requests_total` counts it).
+    #[arg(long, value_enum, default_value_t = dispatch::OnExpertLoss::Fail)]
+    pub on_expert_loss: dispatch::OnExpertLoss,
+    /// How often every placed expert-worker's health is probed,
+    /// milliseconds (a dead worker is skipped, a recovered one used again).
+    #[arg(long, default_value_t = 500, value_parser = clap::value_parser!(u64).range(50..))]
+    pub health_probe_ms: u64,
     /// Port of the admin gRPC service (0 = off).
     #[arg(long, default_value_t = 9000)]
     pub admin_port: u16,
@@ -132,14 +145,16 @@ pub fn run(args: &CoordinatorArgs, status: Status) -> Result<()> {
     } else {
         Dtype::Bf16
     };
-    let (dispatcher, state, remote_attention) = rt.block_on(async {
+    let (dispatcher, state, remote_attention, restart) = rt.block_on(async {
         let store = EtcdStore::connect(&args.etcd).await?;
         let state = ClusterState::new(Arc::new(store), &args.cluster);
-        // Wait for the expert-workers.
+        // A placement in etcd (a restarted coordinator): serve it at once,
+        // whatever workers are up. Else wait for the expert-workers.
+        let restart = state.placement().await?.is_some();
         let deadline = Instant::now() + Duration::from_secs(args.wait_secs);
         let workers = loop {
             let w = state.workers("expert").await?;
-            if w.len() >= args.expert_workers {
+            if restart || w.len() >= args.expert_workers {
                 break w;
             }
             if Instant::now() > deadline {
@@ -166,14 +181,17 @@ pub fn run(args: &CoordinatorArgs, status: Status) -> Result<()> {
             .await?
             .context("the placement vanished from etcd")?;
         // Wait until every placed worker reports its experts loaded.
-        let dispatcher = Arc::new(GrpcDispatcher::new(
-            tokio::runtime::Handle::current(),
-            route,
-            dtype,
-            Duration::from_millis(args.dispatch_timeout_ms),
-            args.eplb.eplb_window,
-            args.eplb.expert_load_metrics,
-        ));
+        let dispatcher = Arc::new(
+            GrpcDispatcher::new(
+                tokio::runtime::Handle::current(),
+                route,
+                dtype,
+                Duration::from_millis(args.dispatch_timeout_ms),
+                args.eplb.eplb_window,
+                args.eplb.expert_load_metrics,
+            )
+            .with_on_expert_loss(args.on_expert_loss),
+        );
         let remote_attention = if args.attention_workers > 0 {
             let shards =
                 wait_attention_workers(&state, args.attention_workers, args.wait_secs).await?;
@@ -201,7 +219,7 @@ pub fn run(args: &CoordinatorArgs, status: Status) -> Result<()> {
         } else {
             None
         };
-        Ok::<_, anyhow::Error>((dispatcher, state, remote_attention))
+        Ok::<_, anyhow::Error>((dispatcher, state, remote_attention, restart))
     })?;
     let controller = Arc::new(rebalance::Controller::new(
         state.clone(),
@@ -214,7 +232,17 @@ pub fn run(args: &CoordinatorArgs, status: Status) -> Result<()> {
     if let Some(msg) = rt.block_on(controller.resume())? {
         status.say(&format!("epserve coordinator: {msg}"));
     }
-    wait_ready(&rt, &dispatcher, Duration::from_secs(args.wait_secs))?;
+    wait_ready(
+        &rt,
+        &dispatcher,
+        Duration::from_secs(args.wait_secs),
+        restart,
+    )?;
+    rt.spawn(
+        dispatcher
+            .clone()
+            .probe_forever(Duration::from_millis(args.health_probe_ms)),
+    );
     if args.eplb.eplb_interval > 0 {
         rt.spawn(controller.clone().auto(
             args.eplb.eplb_interval,
@@ -279,6 +307,35 @@ pub fn run(args: &CoordinatorArgs, status: Status) -> Result<()> {
     serve_with_dispatcher(&rt, &serve_args, status, cfg, dispatcher, remote_attention)
 }
 
+/// `/health`'s cluster check: 503 while an expert has no live replica or
+/// an attention shard has no registered worker, naming them.
+fn cluster_health(
+    dispatcher: Arc<GrpcDispatcher>,
+    attention: Option<Arc<attention::RemoteAttention>>,
+) -> crate::server::HealthCheck {
+    Arc::new(move || {
+        let unserved = dispatcher.unserved();
+        let shards = attention
+            .as_ref()
+            .map(|a| a.missing_shards())
+            .unwrap_or_default();
+        if unserved.is_empty() && shards.is_empty() {
+            return Ok(());
+        }
+        const SHOWN: usize = 16;
+        let experts: Vec<serde_json::Value> = unserved
+            .iter()
+            .take(SHOWN)
+            .map(|(l, e, why)| serde_json::json!({"layer": l, "expert": e, "replicas": why}))
+            .collect();
+        Err(serde_json::json!({
+            "experts_without_live_replica": unserved.len(),
+            "experts": experts,
+            "attention_shards_missing": shards,
+        }))
+    })
+}
+
 /// Waits until shards 0..n-1 of n are registered in etcd, each exactly once.
 async fn wait_attention_workers(
     state: &ClusterState,
@@ -312,7 +369,8 @@ fn serve_with_dispatcher(
 ) -> Result<()> {
     let dir = args.model.clone();
     let dense_dtype = args.dense_dtype;
-    crate::serve::serve_with(rt, args, status, move || {
+    let health = cluster_health(dispatcher.clone(), attention.clone());
+    crate::serve::serve_with_health(rt, args, status, Some(health), move || {
         let ws = WeightStore::open(&dir)?;
         let attention =
             attention.map(|a| a as Arc<dyn epserve_core::model::attn_shard::AttentionBackend>);
@@ -324,39 +382,41 @@ fn serve_with_dispatcher(
     })
 }
 
-/// Polls every placed worker's Health until it serves the current placement.
-fn wait_ready(rt: &tokio::runtime::Runtime, d: &GrpcDispatcher, limit: Duration) -> Result<()> {
-    use epserve_proto::pb::HealthRequest;
-    use epserve_proto::pb::expert_service_client::ExpertServiceClient;
-    let route = d.route().context("no route")?;
+/// Probes the placed workers until every one is ready. A restarted
+/// coordinator (`restart`: the placement was already in etcd) probes once
+/// and serves: a worker that died meanwhile must not keep it from serving
+/// (tokens routed to its experts fail with 503, and `/health` says which,
+/// until the controller re-places them; the prober marks the others live as
+/// they answer).
+fn wait_ready(
+    rt: &tokio::runtime::Runtime,
+    d: &GrpcDispatcher,
+    limit: Duration,
+    restart: bool,
+) -> Result<()> {
     rt.block_on(async {
         let deadline = Instant::now() + limit;
-        for w in &route.placement.workers {
-            let addr = route
-                .addrs
-                .get(w)
-                .with_context(|| format!("worker {w} is in the placement but not registered"))?;
-            loop {
-                let ok = match ExpertServiceClient::connect(addr.clone()).await {
-                    Ok(mut c) => c
-                        .health(HealthRequest {})
-                        .await
-                        .map(|r| r.into_inner().placement_version >= route.placement.version)
-                        .unwrap_or(false),
-                    Err(_) => false,
-                };
-                if ok {
-                    break;
-                }
-                if Instant::now() > deadline {
-                    bail!(
-                        "expert-worker {w} ({addr}) did not load placement v{} in time",
-                        route.placement.version
-                    );
-                }
-                tokio::time::sleep(Duration::from_millis(200)).await;
+        loop {
+            d.probe_once().await;
+            let route = d.route().context("no route")?;
+            let not_ready: Vec<String> = route
+                .placement
+                .workers
+                .iter()
+                .filter(|w| !route.addrs.contains_key(*w) || !d.liveness().is_live(w))
+                .cloned()
+                .collect();
+            if not_ready.is_empty() || restart {
+                return Ok(());
             }
+            if Instant::now() > deadline {
+                bail!(
+                    "expert-workers {} did not load placement v{} in time",
+                    not_ready.join(", "),
+                    route.placement.version
+                );
+            }
+            tokio::time::sleep(Duration::from_millis(200)).await;
         }
-        Ok(())
     })
 }

@@ -9,7 +9,7 @@
 
 mod seq;
 
-use std::collections::VecDeque;
+use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::mpsc;
@@ -79,9 +79,15 @@ pub enum Event {
         reason: FinishReason,
         prompt_tokens: usize,
         completion_tokens: usize,
+        /// Set when some of its tokens were computed with a lost expert
+        /// rerouted (`--on-expert-loss reroute`): why.
+        degraded: Option<String>,
     },
-    /// The request failed.
+    /// The request failed (a bug: answered with 500).
     Error(String),
+    /// The request failed because part of the cluster is unavailable (an
+    /// expert with no live replica, a failed worker): retryable, 503.
+    Unavailable(String),
 }
 
 /// Why a request was not accepted.
@@ -331,6 +337,7 @@ impl Scheduler {
                     self.waiting_count.fetch_sub(1, Ordering::Relaxed);
                     let _ =
                         s.tx.send(Event::Error("request does not fit the KV cache".into()));
+                    m::request_finished("error");
                 }
             }
             return;
@@ -382,14 +389,47 @@ impl Scheduler {
             Err(e) => {
                 tracing::error!(error = %e, "forward pass failed");
                 let msg = e.to_string();
+                // A failed worker or shard is the cluster's state, not a bug:
+                // the client may retry.
+                let retryable = matches!(
+                    e,
+                    epserve_core::Error::Dispatch(_) | epserve_core::Error::Attention(_)
+                );
                 for mut s in std::mem::take(&mut self.running) {
                     self.engine.model.release(&mut self.pool, &mut s.cache);
-                    let _ = s.tx.send(Event::Error(msg.clone()));
-                    m::request_finished("error");
+                    if retryable {
+                        let _ = s.tx.send(Event::Unavailable(msg.clone()));
+                        m::request_finished("unavailable");
+                    } else {
+                        let _ = s.tx.send(Event::Error(msg.clone()));
+                        m::request_finished("error");
+                    }
                 }
                 return;
             }
         };
+        // Sequences with rows whose experts were unreachable: lost ones fail
+        // (retryable), degraded ones are flagged; the rest are exact.
+        let mut lost: HashMap<usize, String> = HashMap::new();
+        if !out.faults.is_empty() {
+            let mut start = 0;
+            for (idx, s) in self.running.iter_mut().enumerate() {
+                if s.step_take == 0 {
+                    continue;
+                }
+                let rows = start..start + s.step_take;
+                start += s.step_take;
+                for f in out.faults.iter().filter(|f| rows.contains(&f.row)) {
+                    if f.degraded {
+                        if s.degraded.is_none() {
+                            s.degraded = Some(f.message.clone());
+                        }
+                    } else {
+                        lost.entry(idx).or_insert_with(|| f.message.clone());
+                    }
+                }
+            }
+        }
         for t in &out.router {
             m::expert_load(
                 t.layer,
@@ -406,6 +446,17 @@ impl Scheduler {
             }
             s.num_computed += s.step_take;
             s.step_take = 0;
+            if let Some(why) = lost.get(&idx) {
+                if s.num_computed >= s.tokens.len() {
+                    row += 1; // its logits row is skipped
+                }
+                let _ = s.tx.send(Event::Unavailable(format!(
+                    "part of the model is unavailable: {why}; retry shortly"
+                )));
+                m::request_finished("unavailable");
+                finished.push(idx);
+                continue;
+            }
             if s.num_computed < s.tokens.len() {
                 continue; // a prefill chunk; more to come (it got no logits)
             }
@@ -509,5 +560,113 @@ mod tests {
             assert_eq!(body["error"]["type"], "internal_error");
             assert!(body["error"]["message"].is_string());
         }
+    }
+
+    /// Expert dispatch whose experts all return zeros and that reports
+    /// every row as lost while `lose` is set (an expert with no live
+    /// replica), standing in for the cluster's dispatcher.
+    struct Lossy {
+        lose: std::sync::atomic::AtomicBool,
+        faults: std::sync::Mutex<Vec<epserve_core::moe::RowFault>>,
+    }
+
+    impl Dispatcher for Lossy {
+        fn dispatch(
+            &self,
+            layer: usize,
+            _x: &[f32],
+            hidden: usize,
+            routing: &Routing,
+        ) -> epserve_core::Result<Vec<f32>> {
+            if self.lose.load(Ordering::Relaxed)
+                && let Ok(mut f) = self.faults.lock()
+            {
+                for row in 0..routing.num_tokens {
+                    f.push(epserve_core::moe::RowFault {
+                        row,
+                        message: format!("layer {layer}: expert 0 has no live replica"),
+                        degraded: false,
+                    });
+                }
+            }
+            Ok(vec![0.0; routing.num_tokens * routing.top_k * hidden])
+        }
+
+        fn take_faults(&self) -> Vec<epserve_core::moe::RowFault> {
+            self.faults
+                .lock()
+                .map(|mut f| std::mem::take(&mut *f))
+                .unwrap_or_default()
+        }
+    }
+
+    #[test]
+    fn a_lost_expert_fails_its_request_with_a_retryable_error_and_later_ones_succeed() {
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("../tests/fixtures/qwen3_moe_a/f32");
+        let lossy = Arc::new(Lossy {
+            lose: std::sync::atomic::AtomicBool::new(true),
+            faults: std::sync::Mutex::new(Vec::new()),
+        });
+        let load = || -> epserve_core::Result<Engine> {
+            let cfg = ModelConfig::from_dir(&dir)?;
+            let ws = WeightStore::open(&dir)?;
+            let model = Model::from_store(cfg, &ws, lossy.clone())?;
+            Ok(Engine::from_parts(
+                model,
+                Tokenizer::from_dir(&dir)?,
+                GenerationConfig::from_dir(&dir)?,
+                &dir,
+            ))
+        };
+        let engine = Arc::new(load().expect("fixture engine"));
+        let handle = start(
+            engine.clone(),
+            SchedulerConfig {
+                max_num_seqs: 4,
+                max_num_batched_tokens: 64,
+                max_model_len: 64,
+                block_size: 16,
+                num_blocks: 16,
+                max_waiting: 4,
+                kv_dtype: Default::default(),
+            },
+        )
+        .expect("scheduler");
+        let request = Request {
+            prompt_token_ids: vec![1, 2, 3],
+            max_tokens: 4,
+            sampling: engine.default_sampling(),
+            stop: vec![],
+            stop_token_ids: vec![],
+            ignore_eos: true,
+            logprobs: None,
+        };
+        let mut rx = handle.submit(request.clone()).expect("submit");
+        let msg = match rx.blocking_recv() {
+            Some(Event::Unavailable(msg)) => msg,
+            other => panic!("expected an unavailable event, got {:?}", other.is_some()),
+        };
+        assert!(msg.contains("expert 0 has no live replica"), "{msg}");
+        let e = crate::server::error::ApiError::cluster_unavailable(msg);
+        assert_eq!(e.status, axum::http::StatusCode::SERVICE_UNAVAILABLE);
+        assert_eq!(e.retry_after, Some(1));
+        assert!(rx.blocking_recv().is_none(), "nothing after the error");
+
+        // The experts are back: the next request completes.
+        lossy.lose.store(false, Ordering::Relaxed);
+        let mut rx = handle.submit(request).expect("submit");
+        let mut tokens = 0;
+        loop {
+            match rx.blocking_recv() {
+                Some(Event::Token { .. }) => tokens += 1,
+                Some(Event::Finished { degraded, .. }) => {
+                    assert!(degraded.is_none());
+                    break;
+                }
+                other => panic!("unexpected event: {:?}", other.is_some()),
+            }
+        }
+        assert_eq!(tokens, 4);
     }
 }

@@ -29,6 +29,9 @@ pub(super) struct Seq {
     pub arrived: Instant,
     pub first_token: Option<Instant>,
     pub preemptions: u32,
+    /// Why some of its tokens were computed in degraded mode (a lost expert
+    /// rerouted), if they were.
+    pub degraded: Option<String>,
 }
 
 impl Seq {
@@ -45,6 +48,7 @@ impl Seq {
             arrived: Instant::now(),
             first_token: None,
             preemptions: 0,
+            degraded: None,
             req,
         }
     }
@@ -118,7 +122,11 @@ impl Seq {
                     reason,
                     prompt_tokens: n_prompt,
                     completion_tokens: n_gen,
+                    degraded: self.degraded.clone(),
                 });
+                if self.degraded.is_some() {
+                    metrics::counter!("epserve_degraded_requests_total").increment(1);
+                }
                 let e2e = now.duration_since(self.arrived).as_secs_f64();
                 let ttft = self
                     .first_token

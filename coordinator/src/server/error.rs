@@ -14,6 +14,9 @@ pub struct ApiError {
     pub param: Option<String>,
     pub code: Option<&'static str>,
     pub retry_after: Option<u32>,
+    /// The request was already counted in `epserve_requests_total` (by the
+    /// scheduler), so the response must not count it again.
+    pub counted: bool,
 }
 
 impl ApiError {
@@ -25,7 +28,13 @@ impl ApiError {
             param: None,
             code: None,
             retry_after: None,
+            counted: false,
         }
+    }
+    /// Marks an error the scheduler has already counted.
+    pub fn counted(mut self) -> Self {
+        self.counted = true;
+        self
     }
     /// 400: the request is malformed or asks for something impossible.
     pub fn bad_request(message: impl Into<String>) -> Self {
@@ -89,6 +98,18 @@ impl ApiError {
         e.retry_after = Some(retry_after);
         e
     }
+    /// 503 with Retry-After: part of the cluster (an expert with no live
+    /// replica, a worker) is unavailable; retrying shortly may succeed.
+    pub fn cluster_unavailable(message: impl Into<String>) -> Self {
+        let mut e = Self::new(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "service_unavailable",
+            message,
+        );
+        e.code = Some("cluster_unavailable");
+        e.retry_after = Some(1);
+        e
+    }
     /// 500.
     pub fn internal(message: impl Into<String>) -> Self {
         Self::new(StatusCode::INTERNAL_SERVER_ERROR, "internal_error", message)
@@ -107,11 +128,13 @@ impl ApiError {
 
 impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
-        crate::metrics::request_finished(if self.status.is_server_error() {
-            "rejected"
-        } else {
-            "invalid"
-        });
+        if !self.counted {
+            crate::metrics::request_finished(if self.status.is_server_error() {
+                "rejected"
+            } else {
+                "invalid"
+            });
+        }
         let mut r = (self.status, axum::Json(self.body())).into_response();
         if let Some(s) = self.retry_after
             && let Ok(v) = HeaderValue::from_str(&s.to_string())

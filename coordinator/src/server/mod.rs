@@ -41,10 +41,16 @@ pub struct Ready {
     pub created: u64,
 }
 
+/// A check `/health` runs once the model is loaded: `Err(details)` answers
+/// 503 with the details (e.g. experts with no live replica).
+pub type HealthCheck = Arc<dyn Fn() -> Result<(), serde_json::Value> + Send + Sync>;
+
 /// Shared handler state.
 pub struct AppState {
     pub config: ServerConfig,
     pub ready: OnceLock<Ready>,
+    /// Extra readiness check (the cluster's), if any.
+    pub health: OnceLock<HealthCheck>,
 }
 
 impl AppState {
@@ -53,6 +59,7 @@ impl AppState {
         Arc::new(AppState {
             config,
             ready: OnceLock::new(),
+            health: OnceLock::new(),
         })
     }
 
@@ -122,7 +129,14 @@ fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
 
 async fn health(State(state): State<Arc<AppState>>) -> Response {
     match state.ready.get() {
-        Some(_) => (StatusCode::OK, axum::Json(json!({"status": "ok"}))).into_response(),
+        Some(_) => match state.health.get().map(|h| h()) {
+            Some(Err(details)) => (
+                StatusCode::SERVICE_UNAVAILABLE,
+                axum::Json(json!({"status": "degraded", "details": details})),
+            )
+                .into_response(),
+            _ => (StatusCode::OK, axum::Json(json!({"status": "ok"}))).into_response(),
+        },
         None => (
             StatusCode::SERVICE_UNAVAILABLE,
             axum::Json(json!({"status": "loading"})),

@@ -185,10 +185,14 @@ pub fn stream(ctx: Ctx, rx: UnboundedReceiver<Event>, include_usage: bool) -> Re
                     reason,
                     prompt_tokens,
                     completion_tokens,
+                    degraded,
                 }) => {
                     let c = choice(&st.ctx, "", None, Some(reason.as_str()), st.first);
-                    st.pending
-                        .push_back(chunk(&st.ctx, vec![c], None).to_string());
+                    let mut last = chunk(&st.ctx, vec![c], None);
+                    if let Some(why) = degraded {
+                        last["degraded"] = degraded_json(&why);
+                    }
+                    st.pending.push_back(last.to_string());
                     if st.include_usage {
                         st.pending.push_back(
                             chunk(
@@ -208,6 +212,12 @@ pub fn stream(ctx: Ctx, rx: UnboundedReceiver<Event>, include_usage: bool) -> Re
                     st.pending.push_back("[DONE]".into());
                     st.done = true;
                 }
+                Some(Event::Unavailable(msg)) => {
+                    let e = ApiError::cluster_unavailable(msg);
+                    st.pending.push_back(e.body().to_string());
+                    st.pending.push_back("[DONE]".into());
+                    st.done = true;
+                }
                 None => {
                     let e = ApiError::internal("the request was dropped by the scheduler");
                     st.pending.push_back(e.body().to_string());
@@ -223,7 +233,7 @@ pub fn stream(ctx: Ctx, rx: UnboundedReceiver<Event>, include_usage: bool) -> Re
 pub async fn collect(ctx: Ctx, mut rx: UnboundedReceiver<Event>) -> Result<Response, ApiError> {
     let mut text = String::new();
     let mut lps: Option<Logprobs> = None;
-    let (finish, n_gen): (FinishReason, usize) = loop {
+    let (finish, n_gen, degraded): (FinishReason, usize, Option<String>) = loop {
         match rx.recv().await {
             Some(Event::Token {
                 text: t, logprob, ..
@@ -237,9 +247,14 @@ pub async fn collect(ctx: Ctx, mut rx: UnboundedReceiver<Event>) -> Result<Respo
             Some(Event::Finished {
                 reason,
                 completion_tokens,
+                degraded,
                 ..
-            }) => break (reason, completion_tokens),
-            Some(Event::Error(msg)) => return Err(ApiError::internal(msg)),
+            }) => break (reason, completion_tokens, degraded),
+            // The scheduler counted these requests already.
+            Some(Event::Error(msg)) => return Err(ApiError::internal(msg).counted()),
+            Some(Event::Unavailable(msg)) => {
+                return Err(ApiError::cluster_unavailable(msg).counted());
+            }
             None => {
                 return Err(ApiError::internal(
                     "the request was dropped by the scheduler",
@@ -259,9 +274,22 @@ pub async fn collect(ctx: Ctx, mut rx: UnboundedReceiver<Event>) -> Result<Respo
         Kind::Completion => "text_completion",
         Kind::Chat => "chat.completion",
     };
-    Ok(axum::Json(json!({
+    let mut body = json!({
         "id": ctx.id, "object": object, "created": ctx.created, "model": ctx.model,
         "choices": [choice], "usage": usage(ctx.n_prompt, n_gen),
-    }))
-    .into_response())
+    });
+    if let Some(why) = degraded {
+        body["degraded"] = degraded_json(&why);
+    }
+    Ok(axum::Json(body).into_response())
+}
+
+/// What a response says when some of its tokens were computed with a lost
+/// expert's weight moved to the token's live experts (`--on-expert-loss
+/// reroute`).
+fn degraded_json(why: &str) -> Value {
+    json!({
+        "reason": "expert_loss_rerouted",
+        "message": format!("some tokens were computed without an unavailable expert (top-k renormalized over the live ones): {why}"),
+    })
 }

@@ -127,6 +127,8 @@ pub struct ForwardOutput {
     pub rows: usize,
     /// Filled when tracing was requested.
     pub router: Vec<RouterTrace>,
+    /// Rows whose experts could not all be reached ([`Dispatcher::take_faults`]).
+    pub faults: Vec<crate::moe::RowFault>,
 }
 
 /// A loaded model.
@@ -581,6 +583,7 @@ impl Model {
             logits,
             rows: rows.len(),
             router: trace,
+            faults: self.dispatcher.take_faults(),
         })
     }
 }

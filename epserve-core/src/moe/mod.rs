@@ -70,6 +70,28 @@ pub trait Dispatcher: Send + Sync {
         hidden: usize,
         routing: &Routing,
     ) -> Result<Vec<f32>>;
+
+    /// The token rows of the forward pass just run whose experts could not be
+    /// reached (a remote expert with no live replica), and clears them. A
+    /// lost row's output is wrong ([`RowFault::degraded`]: approximate), so
+    /// the caller fails (or flags) the sequences those rows belong to while
+    /// the other rows of the batch are exact. In-process dispatchers never
+    /// lose a row.
+    fn take_faults(&self) -> Vec<RowFault> {
+        Vec::new()
+    }
+}
+
+/// A token row of a forward pass whose experts were not all computed.
+#[derive(Debug, Clone, PartialEq)]
+pub struct RowFault {
+    /// Row in the flattened batch.
+    pub row: usize,
+    /// What happened, for the error message (names the layer and experts).
+    pub message: String,
+    /// True when the row was still computed, with its top-k renormalized over
+    /// the live experts (`--on-expert-loss reroute`); false when it is lost.
+    pub degraded: bool,
 }
 
 /// `y[t] = Σ_k slot_out[t, k]` (weights already applied), in slot order.
