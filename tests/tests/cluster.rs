@@ -233,14 +233,21 @@ async fn bf16_dispatch_serves_and_a_dead_worker_gives_a_clear_error() {
         .send()
         .await
         .expect("send");
-    // `up` notices the dead child and stops the cluster, or the coordinator
-    // answers with an error naming the worker; never a hang or a crash of the test.
+    // The coordinator answers a retryable 503 naming the worker whose
+    // experts have no live replica; never a hang or a crash of the test.
+    let status = resp.status();
     if let Ok(text) = resp.text().await
         && let Ok(v) = serde_json::from_str::<Value>(&text)
         && v.get("error").is_some()
     {
         let msg = v["error"]["message"].as_str().unwrap_or_default();
-        assert!(msg.contains("expert-worker"), "{msg}");
+        assert_eq!(status, reqwest::StatusCode::SERVICE_UNAVAILABLE, "{msg}");
+        assert!(msg.contains(&info.id), "{msg}");
+        // /health says which experts are unserved.
+        let h = reqwest::get(format!("{}/health", up.url))
+            .await
+            .expect("health");
+        assert_eq!(h.status(), reqwest::StatusCode::SERVICE_UNAVAILABLE);
     }
 }
 

@@ -22,6 +22,7 @@ use epserve_proto::wire;
 use futures_util::future::join_all;
 use metrics::{counter, histogram};
 use tonic::transport::{Channel, Endpoint};
+use tower::retry::budget::Budget;
 use tracing::Instrument;
 
 /// One shard's connection.
@@ -47,6 +48,24 @@ pub struct RemoteAttention {
     /// Shards whose worker is no longer registered (and none replaced it),
     /// as last seen in etcd: `/health` reports them.
     missing: Mutex<Vec<String>>,
+    /// Re-sent calls draw from it; first sends deposit.
+    budget: tower::retry::budget::TpsBudget,
+}
+
+/// Waits before re-sending a failed attention call (one per retry).
+const RETRY_BACKOFF: [Duration; 2] = [Duration::from_millis(50), Duration::from_millis(250)];
+
+/// Whether a failed call may succeed if sent again: not when the request
+/// itself was refused (a bug, or a shard that lost the sequence's KV).
+fn retryable(code: tonic::Code) -> bool {
+    !matches!(
+        code,
+        tonic::Code::InvalidArgument
+            | tonic::Code::FailedPrecondition
+            | tonic::Code::OutOfRange
+            | tonic::Code::ResourceExhausted
+            | tonic::Code::Unimplemented
+    )
 }
 
 /// Errors for models whose heads cannot be split evenly over `n` shards.
@@ -229,6 +248,7 @@ impl RemoteAttention {
             pending: Mutex::new(Vec::new()),
             capacity,
             missing: Mutex::new(Vec::new()),
+            budget: tower::retry::budget::TpsBudget::new(Duration::from_secs(10), 10, 0.2),
         })
     }
 
@@ -434,8 +454,7 @@ impl AttentionBackend for RemoteAttention {
             })
             .collect();
         let shards = self.shard_list()?;
-        let mut calls = Vec::with_capacity(shards.len());
-        for s in &shards {
+        let request = |s: &ShardConn| {
             let req = AttentionRequest {
                 layer: layer as u32,
                 seqs: seqs.clone(),
@@ -448,16 +467,40 @@ impl AttentionBackend for RemoteAttention {
             let mut client = s.client.clone();
             let timeout = self.timeout;
             let span = tracing::debug_span!("attention_call", worker = %s.id);
-            calls.push(
-                async move {
-                    let mut r = tonic::Request::new(req);
-                    r.set_timeout(timeout);
-                    client.forward(r).await
-                }
-                .instrument(span),
-            );
+            async move {
+                let mut r = tonic::Request::new(req);
+                r.set_timeout(timeout);
+                client.forward(r).await
+            }
+            .instrument(span)
+        };
+        let mut results = self.rt.block_on(join_all(shards.iter().map(request)));
+        for _ in &shards {
+            self.budget.deposit();
         }
-        let results = self.rt.block_on(join_all(calls));
+        // A call that failed in transit is sent again to the same shard (no
+        // replica holds its KV): the shard writes positions past..past+len,
+        // truncating first, so a repeated call is harmless. Twice at most,
+        // and only within the retry budget.
+        for backoff in RETRY_BACKOFF {
+            let again: Vec<usize> = results
+                .iter()
+                .enumerate()
+                .filter(|(_, r)| r.as_ref().is_err_and(|st| retryable(st.code())))
+                .map(|(i, _)| i)
+                .collect();
+            if again.is_empty() || !self.budget.withdraw() {
+                break;
+            }
+            counter!("epserve_attention_retries_total").increment(again.len() as u64);
+            tracing::warn!(layer, shards = ?again, "attention call failed; sending it again");
+            let rt = &self.rt;
+            rt.block_on(tokio::time::sleep(backoff));
+            let redo = rt.block_on(join_all(again.iter().map(|&i| request(&shards[i]))));
+            for (i, r) in again.into_iter().zip(redo) {
+                results[i] = r;
+            }
+        }
         let mut sum: Vec<f32> = Vec::new();
         let mut failed = None;
         for (s, res) in shards.iter().zip(results) {
@@ -614,6 +657,7 @@ mod tests {
             pending: Mutex::new(Vec::new()),
             capacity: 1,
             missing: Mutex::new(Vec::new()),
+            budget: tower::retry::budget::TpsBudget::new(Duration::from_secs(10), 10, 0.2),
         };
         let addrs = |ra: &RemoteAttention| -> Vec<String> {
             ra.shard_list()
