@@ -137,7 +137,7 @@ impl SchedulerHandle {
         }
         let waiting = self.waiting.load(Ordering::Relaxed);
         if waiting >= self.config.max_waiting {
-            m::request_finished("rejected");
+            // Counted once, by the 503 the server answers.
             return Err(SubmitError::Overloaded { waiting });
         }
         let (tx, rx) = unbounded_channel();
