@@ -65,8 +65,10 @@ pub struct AttentionWorkerArgs {
     pub kv_cache_dtype: epserve_core::model::kv_cache::KvCacheDtype,
 }
 
-/// Runs the worker until SIGINT/SIGTERM; `status` gets the operator-facing
-/// "serving" line.
+/// Runs the worker until SIGINT/SIGTERM (both stop it at once: a shard
+/// cannot move elsewhere); `status` gets the operator-facing "serving" line.
+/// Serves `grpc.health.v1.Health` (SERVING: the shard is loaded before the
+/// server starts).
 pub fn run(args: &AttentionWorkerArgs, status: Status) -> Result<()> {
     if args.of == 0 || args.shard >= args.of {
         bail!(
@@ -117,12 +119,18 @@ pub fn run(args: &AttentionWorkerArgs, status: Status) -> Result<()> {
             shard: Some((args.shard as u32, args.of as u32)),
             pid: std::process::id(),
         };
-        let mut lease = state.register(&info).await?;
+        let mut lease = state.register_ttl(&info, w.lease_ttl_secs).await?;
         status.say(&format!(
             "epserve attention-worker '{id}' serving AttentionService at {advertise}: shard {} of {} ({} {} KV blocks of {} positions, cores {cores:?})",
             args.shard, args.of, stats.blocks_total, kv_dtype.name(), stats.block_size
         ));
+        // Readiness: the shard is loaded before the server starts.
+        let (health, health_service) = tonic_health::server::health_reporter();
+        health
+            .set_serving::<AttentionServiceServer<AttentionWorker>>()
+            .await;
         let server = tonic::transport::Server::builder()
+            .add_service(health_service)
             .add_service(
                 AttentionServiceServer::from_arc(worker)
                     .max_decoding_message_size(1 << 30)

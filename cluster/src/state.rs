@@ -201,6 +201,14 @@ impl ClusterState {
         self.store.put_leased(&key, value, ttl_secs.max(1)).await
     }
 
+    /// Removes worker `id`'s registration now (a worker stopping in order;
+    /// drop its lease guard first so the keeper does not write it again).
+    pub async fn deregister(&self, role: &str, id: &str) -> StoreResult<()> {
+        self.store
+            .delete(&format!("{}{id}", self.workers_prefix(role)))
+            .await
+    }
+
     fn drain_requests_prefix(&self) -> String {
         format!("{}/drain-requests/", self.prefix)
     }

@@ -304,6 +304,7 @@ def test_values_yaml_is_documented_line_by_line():
         ({"model": {"source": "s3"}}, "model.s3.uri"),
         ({"expertWorkers": {"antiAffinity": "always"}}, "antiAffinity must be"),
         ({"scheduling": {"nodeAffinity": "sometimes"}}, "scheduling.nodeAffinity must be"),
+        ({"expertWorkers": {"terminationGracePeriodSeconds": 60}}, "must exceed expertWorkers.drainTimeoutSeconds"),
     ],
 )
 def test_bad_values_fail_with_a_clear_message(values, message):
@@ -433,6 +434,36 @@ def test_workers_listen_and_advertise_where_their_services_point(scenario):
             assert one(c, "--cores") == values[key]["cores"]
         if component == "expert-worker" and values[key]["expertDtype"]:
             assert one(c, "--expert-dtype") == values[key]["expertDtype"]
+
+
+def test_workers_are_ready_by_grpc_health_and_expert_workers_drain_on_sigterm(scenario):
+    name, values, objs = scenario
+    for component, key in (("expert-worker", "expertWorkers"), ("attention-worker", "attentionWorkers")):
+        if values[key]["replicas"] == 0:
+            continue
+        sts = find(objs, "StatefulSet", fullname(component))
+        c = containers(sts)[0]
+        # Readiness: Kubernetes' gRPC probe (grpc.health.v1.Health) on the worker's own port;
+        # liveness stays TCP (NOT_SERVING while loading or draining must not kill the pod).
+        assert c["readinessProbe"]["grpc"]["port"] == named_port(c, "grpc"), f"{name}: {component}"
+        assert "grpc" not in c["livenessProbe"], f"{name}: {component}"
+        if component == "expert-worker":
+            drain = int(one(c, "--drain-timeout-secs"))
+            assert drain == values[key]["drainTimeoutSeconds"]
+            grace = sts["spec"]["template"]["spec"]["terminationGracePeriodSeconds"]
+            assert grace >= drain + 5, f"{name}: grace {grace} s for a drain of up to {drain} s"
+
+
+def test_expert_worker_grace_follows_the_drain_timeout():
+    sts = find(render({"expertWorkers": {"drainTimeoutSeconds": 200}}), "StatefulSet", fullname("expert-worker"))
+    assert int(one(containers(sts)[0], "--drain-timeout-secs")) == 200
+    assert sts["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] == 230
+    sts = find(
+        render({"expertWorkers": {"drainTimeoutSeconds": 20, "terminationGracePeriodSeconds": 40}}),
+        "StatefulSet",
+        fullname("expert-worker"),
+    )
+    assert sts["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] == 40
 
 
 def test_coordinator_waits_for_every_attention_shard(scenario):

@@ -1,21 +1,23 @@
 //! The expert-worker role: registers in etcd under a lease, watches the
 //! placement, loads only the experts assigned to it (weights memory-mapped,
 //! packed copies only of its own experts), and serves `ExpertService` on a
-//! thread pool pinned to its cores.
+//! thread pool pinned to its cores, with `grpc.health.v1.Health` for
+//! readiness. SIGTERM drains it (see [`drain`]); SIGINT stops it at once.
 #![deny(clippy::print_stdout)]
 
 mod service;
 
 use std::net::SocketAddr;
 use std::sync::Arc;
+use std::time::Duration;
 
-use anyhow::Result;
+use anyhow::{Context, Result};
 use clap::Args;
 use epserve_cluster::runtime::{
-    Status, WorkerArgs, bind_grpc, hostname, io_runtime, serve_registered, shutdown,
+    Signals, Status, Stop, WorkerArgs, bind_grpc, hostname, io_runtime,
 };
 use epserve_cluster::state::{
-    ClusterState, Rebalance, RebalanceState, WorkerInfo, desired_experts,
+    ClusterState, DrainRequest, Rebalance, RebalanceState, WorkerInfo, desired_experts,
 };
 use epserve_core::config::ModelConfig;
 use epserve_core::experts::{ExpertDtype, LoadOptions};
@@ -23,7 +25,7 @@ use epserve_core::loader::weights::WeightStore;
 use epserve_core::placement::Placement;
 use epserve_proto::pb::expert_service_server::ExpertServiceServer;
 
-pub use service::{ExpertWorker, Loaded, check_placement};
+pub use service::{EXPERT_SERVICE_NAME, ExpertWorker, Loaded, MAX_DISPATCH_SLOTS, check_placement};
 
 /// `epserve expert-worker`.
 #[derive(Debug, Clone, Args)]
@@ -43,8 +45,19 @@ pub struct ExpertWorkerArgs {
     /// After a rebalance is done, keep the replicas only the old placement
     /// needed this long (ms) before dropping them, so that every coordinator
     /// has moved to the new placement.
+    /// Also the wait, at the end of a drain, for calls still in flight.
     #[arg(long, default_value_t = 3000)]
     pub drop_grace_ms: u64,
+    /// On SIGTERM the worker drains: health turns NOT_SERVING, it asks the
+    /// coordinator (a drain request in etcd) to move its experts to other
+    /// workers, keeps serving until none is assigned to it any more, waits
+    /// --drop-grace-ms for calls in flight, deregisters and exits 0. This
+    /// bounds the whole drain (seconds): past it the worker exits anyway,
+    /// saying why (no coordinator handled the request, or the experts could
+    /// not go elsewhere). A second SIGTERM or SIGINT stops it at once;
+    /// SIGINT alone is a fast stop without a drain.
+    #[arg(long, default_value_t = 60)]
+    pub drain_timeout_secs: u64,
 }
 
 /// Runs the worker until SIGINT/SIGTERM; `status` gets the operator-facing
@@ -68,18 +81,24 @@ pub fn run(args: &ExpertWorkerArgs, status: Status) -> Result<()> {
         let state = ClusterState::new(Arc::new(store), &w.cluster);
         let worker =
             Arc::new(ExpertWorker::new(id.clone(), cfg, ws, opts).with_status(status.clone()));
+        let health = worker.health_service().await;
         let incoming = bind_grpc(args.listen).await?;
+        let mut signals = Signals::new()?;
         // Follow the placement and any live rebalance: load what is
         // assigned to us, and report ready for a rebalance once loaded.
         let placements = state.watch_placement().await?;
         let rebalances = state.watch_rebalance().await?;
+        let drop_grace = Duration::from_millis(args.drop_grace_ms);
         tokio::spawn(follow(
             worker.clone(),
             state.clone(),
-            std::time::Duration::from_millis(args.drop_grace_ms),
+            drop_grace,
             placements,
             rebalances,
         ));
+        // What the drain waits on: its own watches, so a load in progress
+        // does not delay it.
+        let view = spawn_view(state.watch_placement().await?, state.watch_rebalance().await?);
         let info = WorkerInfo {
             id: id.clone(),
             role: "expert".into(),
@@ -89,20 +108,245 @@ pub fn run(args: &ExpertWorkerArgs, status: Status) -> Result<()> {
             shard: None,
             pid: std::process::id(),
         };
-        let mut lease = state.register(&info).await?;
+        let mut lease = state.register_ttl(&info, w.lease_ttl_secs).await?;
         status.say(&format!(
             "epserve expert-worker '{id}' serving ExpertService at {advertise} (cores {cores:?})"
         ));
+        let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
         let server = tonic::transport::Server::builder()
+            .add_service(health)
             .add_service(
-                ExpertServiceServer::from_arc(worker)
+                ExpertServiceServer::from_arc(worker.clone())
                     .max_decoding_message_size(1 << 30)
                     .max_encoding_message_size(1 << 30),
             )
-            .serve_with_incoming_shutdown(incoming, shutdown());
-        serve_registered(server, &mut lease).await
+            .serve_with_incoming_shutdown(incoming, async {
+                let _ = stop_rx.await;
+            });
+        let mut server = tokio::spawn(server);
+        let sig = tokio::select! {
+            r = &mut server => {
+                return match r {
+                    Ok(r) => r.context("gRPC server failed"),
+                    Err(e) => Err(anyhow::Error::new(e).context("gRPC server task failed")),
+                };
+            }
+            e = lease.lost() => return Err(anyhow::Error::new(e).context("lost the etcd registration")),
+            sig = signals.recv() => sig,
+        };
+        if sig == Stop::Terminate {
+            let opts = DrainOptions {
+                timeout: Duration::from_secs(args.drain_timeout_secs),
+                grace: drop_grace,
+            };
+            status.say(&format!(
+                "epserve expert-worker '{id}' draining (SIGTERM): its experts move to other workers (up to {} s; a second signal stops it at once)",
+                args.drain_timeout_secs
+            ));
+            tokio::select! {
+                r = drain(&worker, &state, view, opts) => match r {
+                    Drained::NothingHeld => status.say(&format!(
+                        "epserve expert-worker '{id}' holds no experts; stopping"
+                    )),
+                    Drained::Moved => status.say(&format!(
+                        "epserve expert-worker '{id}' drained; stopping"
+                    )),
+                    Drained::GaveUp(why) => {
+                        tracing::warn!(worker = %id, %why, "drain incomplete; stopping anyway");
+                        status.say(&format!(
+                            "epserve expert-worker '{id}' drain incomplete ({why}); stopping anyway"
+                        ));
+                    }
+                },
+                s = signals.recv() => {
+                    tracing::warn!(worker = %id, signal = ?s, "second signal during the drain: stopping at once");
+                    status.say(&format!(
+                        "epserve expert-worker '{id}' stopping at once (second signal during the drain)"
+                    ));
+                    bounded(Duration::from_secs(1), state.clear_drain_request(&id)).await;
+                }
+            }
+        }
+        // Stop: no more keep-alives, the registration removed now rather
+        // than when the lease expires, then the server.
+        drop(lease);
+        bounded(Duration::from_secs(2), state.deregister("expert", &id)).await;
+        let _ = stop_tx.send(());
+        match tokio::time::timeout(Duration::from_secs(10), server).await {
+            Ok(Ok(r)) => r.context("gRPC server failed"),
+            Ok(Err(e)) => Err(anyhow::Error::new(e).context("gRPC server task failed")),
+            Err(_) => {
+                tracing::warn!(worker = %id, "calls still open 10 s after the stop; exiting");
+                Ok(())
+            }
+        }
     })?;
     Ok(())
+}
+
+/// Runs a store operation for at most `limit`, logging a failure (a stop
+/// must not hang on an unreachable etcd).
+async fn bounded<T>(
+    limit: Duration,
+    op: impl std::future::Future<Output = epserve_cluster::store::StoreResult<T>>,
+) {
+    match tokio::time::timeout(limit, op).await {
+        Ok(Ok(_)) => {}
+        Ok(Err(e)) => tracing::warn!(error = %e, "etcd update at stop failed"),
+        Err(_) => tracing::warn!("etcd update at stop: no answer within {limit:?}"),
+    }
+}
+
+/// The placement and rebalance documents as last seen.
+#[derive(Debug, Clone, Default)]
+pub struct View {
+    pub placement: Option<Placement>,
+    pub rebalance: Option<Rebalance>,
+}
+
+impl View {
+    /// What worker `id` must hold under this view ([`desired_experts`]).
+    pub fn desired(&self, id: &str) -> std::collections::BTreeSet<(usize, usize)> {
+        desired_experts(id, self.placement.as_ref(), self.rebalance.as_ref())
+    }
+}
+
+/// Merges the placement and rebalance watches into one [`View`] that always
+/// holds the latest of both (the task ends when both watches end or every
+/// receiver is dropped).
+pub fn spawn_view(
+    mut placements: tokio::sync::mpsc::Receiver<Option<Placement>>,
+    mut rebalances: tokio::sync::mpsc::Receiver<Option<Rebalance>>,
+) -> tokio::sync::watch::Receiver<View> {
+    let (tx, rx) = tokio::sync::watch::channel(View::default());
+    tokio::spawn(async move {
+        let (mut p_open, mut r_open) = (true, true);
+        while p_open || r_open {
+            tokio::select! {
+                v = placements.recv(), if p_open => match v {
+                    Some(v) => { tx.send_modify(|view| view.placement = v); }
+                    None => p_open = false,
+                },
+                v = rebalances.recv(), if r_open => match v {
+                    Some(v) => { tx.send_modify(|view| view.rebalance = v); }
+                    None => r_open = false,
+                },
+                _ = tx.closed() => return,
+            }
+        }
+    });
+    rx
+}
+
+/// Bounds of a drain.
+#[derive(Debug, Clone, Copy)]
+pub struct DrainOptions {
+    /// The whole drain (`--drain-timeout-secs`).
+    pub timeout: Duration,
+    /// Wait after the last expert was moved away, for calls in flight
+    /// (`--drop-grace-ms`; cut short by `timeout`).
+    pub grace: Duration,
+}
+
+/// How a drain ended.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Drained {
+    /// The worker held no experts and none is assigned to it: nothing to move.
+    NothingHeld,
+    /// No expert is assigned to the worker any more, and the grace passed.
+    Moved,
+    /// Gave up (the reason): the timeout passed, or etcd refused the request.
+    GaveUp(String),
+}
+
+/// Drains `worker` (SIGTERM): health turns NOT_SERVING, a drain request is
+/// written for the coordinator's controller (which moves the experts to
+/// other workers and deletes it), then this waits, while the worker keeps
+/// serving, until `view` assigns no expert to the worker, then `opts.grace`
+/// for calls in flight; all within `opts.timeout`. The drain request is
+/// removed at the end if still there. A worker assigned nothing writes no
+/// request: it returns at once if it holds nothing, after the grace if it
+/// still holds replicas a finished rebalance took away.
+pub async fn drain(
+    worker: &ExpertWorker,
+    state: &ClusterState,
+    mut view: tokio::sync::watch::Receiver<View>,
+    opts: DrainOptions,
+) -> Drained {
+    let id = worker.id().to_string();
+    let deadline = tokio::time::Instant::now() + opts.timeout;
+    worker.start_draining().await;
+    if view.borrow().desired(&id).is_empty() {
+        if worker.held().is_empty() {
+            return Drained::NothingHeld;
+        }
+        // Already moved away (replicas kept only for calls in flight).
+        tokio::time::sleep_until((tokio::time::Instant::now() + opts.grace).min(deadline)).await;
+        return Drained::Moved;
+    }
+    let requested_ms = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as u64);
+    let req = DrainRequest {
+        requested_ms,
+        reason: "SIGTERM".into(),
+    };
+    // Write the request, retrying while etcd is away (within the deadline).
+    let mut last_err = None;
+    loop {
+        match tokio::time::timeout_at(deadline, state.request_drain(&id, &req)).await {
+            Ok(Ok(())) => break,
+            Ok(Err(e)) => last_err = Some(e.to_string()),
+            Err(_) => {}
+        }
+        if tokio::time::Instant::now() + Duration::from_millis(500) >= deadline {
+            return Drained::GaveUp(format!(
+                "cannot write the drain request within {:?}: {}",
+                opts.timeout,
+                last_err.unwrap_or_else(|| "no answer from etcd".into())
+            ));
+        }
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+    tracing::info!(worker = %id, "drain requested; waiting for the experts to move");
+    let moved = loop {
+        let left = view.borrow_and_update().desired(&id).len();
+        if left == 0 {
+            break Ok(());
+        }
+        match tokio::time::timeout_at(deadline, view.changed()).await {
+            Ok(Ok(())) => {}
+            Ok(Err(_)) => {
+                break Err(format!(
+                    "placement watch ended with {left} experts still assigned"
+                ));
+            }
+            Err(_) => {
+                break Err(format!(
+                    "{left} experts still assigned after {:?} (is a coordinator running, and can the other workers take them?)",
+                    opts.timeout
+                ));
+            }
+        }
+    };
+    let out = match moved {
+        Ok(()) => {
+            tracing::info!(worker = %id, grace = ?opts.grace, "experts moved; waiting for calls in flight");
+            let until = (tokio::time::Instant::now() + opts.grace).min(deadline);
+            tokio::time::sleep_until(until).await;
+            Drained::Moved
+        }
+        Err(why) => Drained::GaveUp(why),
+    };
+    // Handled requests are deleted by the controller; remove ours otherwise.
+    let still = match state.drain_requests().await {
+        Ok(reqs) => reqs.iter().any(|(w, _)| *w == id),
+        Err(_) => true,
+    };
+    if still {
+        bounded(Duration::from_secs(1), state.clear_drain_request(&id)).await;
+    }
+    out
 }
 
 /// Applies every placement / rebalance change (a burst of changes loads once).
@@ -186,6 +430,247 @@ mod tests {
             assert!(tokio::time::Instant::now() < deadline, "timed out: {what}");
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
+    }
+
+    use tonic_health::pb::health_check_response::ServingStatus as WireStatus;
+
+    fn fixture_worker(id: &str) -> Result<(Arc<ExpertWorker>, Vec<usize>, usize)> {
+        let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/qwen3_moe_a/f32");
+        let cfg = ModelConfig::from_dir(&dir)?;
+        let ws = Arc::new(WeightStore::open(&dir)?);
+        let (layers, n) = (cfg.moe_layers(), cfg.num_experts);
+        let w = ExpertWorker::new(id.into(), cfg, ws, LoadOptions::default());
+        Ok((Arc::new(w), layers, n))
+    }
+
+    fn placement_of(layers: &[usize], n: usize, ids: &[&str], version: u64) -> Result<Placement> {
+        let ids: Vec<String> = ids.iter().map(|s| s.to_string()).collect();
+        let mut p = Placement::initial(layers, n, &ids).map_err(|e| anyhow::anyhow!(e))?;
+        p.version = version;
+        Ok(p)
+    }
+
+    /// Starts the worker's gRPC server (health + ExpertService) on a free
+    /// local port; returns a health client.
+    async fn serve(
+        worker: &Arc<ExpertWorker>,
+    ) -> Result<tonic_health::pb::health_client::HealthClient<tonic::transport::Channel>> {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+        let addr = listener.local_addr()?;
+        let incoming = tonic::transport::server::TcpIncoming::from(listener);
+        let server = tonic::transport::Server::builder()
+            .add_service(worker.health_service().await)
+            .add_service(ExpertServiceServer::from_arc(worker.clone()))
+            .serve_with_incoming(incoming);
+        tokio::spawn(server);
+        let channel = tonic::transport::Endpoint::from_shared(format!("http://{addr}"))?
+            .connect()
+            .await?;
+        Ok(tonic_health::pb::health_client::HealthClient::new(channel))
+    }
+
+    /// The status `grpc.health.v1.Health/Check` gives for "" and for
+    /// ExpertService (they must agree).
+    async fn health(
+        client: &mut tonic_health::pb::health_client::HealthClient<tonic::transport::Channel>,
+    ) -> Result<WireStatus> {
+        use tonic_health::pb::HealthCheckRequest;
+        let mut got = Vec::new();
+        for service in ["", EXPERT_SERVICE_NAME] {
+            let r = client
+                .check(HealthCheckRequest {
+                    service: service.into(),
+                })
+                .await?;
+            got.push(r.into_inner().status);
+        }
+        assert_eq!(got[0], got[1], "'' and {EXPERT_SERVICE_NAME} disagree");
+        WireStatus::try_from(got[0]).map_err(|e| anyhow::anyhow!("{e:?}"))
+    }
+
+    async fn health_becomes(
+        client: &mut tonic_health::pb::health_client::HealthClient<tonic::transport::Channel>,
+        want: WireStatus,
+    ) -> Result<()> {
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
+        loop {
+            let got = health(client).await?;
+            if got == want {
+                return Ok(());
+            }
+            assert!(
+                tokio::time::Instant::now() < deadline,
+                "health stayed {got:?}, want {want:?}"
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn health_serves_once_loaded_and_a_drain_waits_for_the_experts_to_move() -> Result<()> {
+        use WireStatus::{NotServing, Serving};
+        let (worker, layers, n) = fixture_worker("a")?;
+        let mut hc = serve(&worker).await?;
+        assert_eq!(health(&mut hc).await?, NotServing, "nothing loaded yet");
+
+        let state = ClusterState::new(Arc::new(MemoryStore::new()), "t");
+        state
+            .init_placement(&placement_of(&layers, n, &["a", "b"], 1)?)
+            .await?;
+        let follower = tokio::spawn(follow(
+            worker.clone(),
+            state.clone(),
+            Duration::ZERO,
+            state.watch_placement().await?,
+            state.watch_rebalance().await?,
+        ));
+        eventually("a holds its share", || !worker.held().is_empty()).await;
+        health_becomes(&mut hc, Serving).await?;
+
+        let view = spawn_view(
+            state.watch_placement().await?,
+            state.watch_rebalance().await?,
+        );
+        let opts = DrainOptions {
+            timeout: Duration::from_secs(20),
+            grace: Duration::from_millis(100),
+        };
+        let (w2, s2) = (worker.clone(), state.clone());
+        let drained = tokio::spawn(async move { drain(&w2, &s2, view, opts).await });
+        health_becomes(&mut hc, NotServing).await?;
+
+        // The controller's part: it sees the request and moves a's experts.
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
+        let req = loop {
+            if let Some((_, r)) = state
+                .drain_requests()
+                .await?
+                .into_iter()
+                .find(|(w, _)| w == "a")
+            {
+                break r;
+            }
+            assert!(tokio::time::Instant::now() < deadline, "no drain request");
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        };
+        assert_eq!(req.reason, "SIGTERM");
+        // Still serving while the drain waits.
+        let (l, e) = worker
+            .held()
+            .into_iter()
+            .next()
+            .ok_or_else(|| anyhow::anyhow!("empty"))?;
+        let x = vec![0.25f32; worker_hidden(&worker)];
+        let r = epserve_proto::pb::DispatchRequest {
+            layer: l as u32,
+            top_k: 1,
+            tokens: Some(epserve_proto::wire::encode(
+                &x,
+                1,
+                x.len(),
+                epserve_proto::pb::Dtype::F32,
+            )),
+            topk_ids: vec![e as u32],
+            topk_weights: vec![1.0],
+            placement_version: 1,
+            output_dtype: epserve_proto::pb::Dtype::F32 as i32,
+        };
+        use epserve_proto::pb::expert_service_server::ExpertService;
+        worker.dispatch(tonic::Request::new(r)).await?;
+        assert!(
+            !drained.is_finished(),
+            "the drain ended before the experts moved"
+        );
+
+        let rev = state.placement().await?.map(|(_, r)| r).unwrap_or(0);
+        assert!(
+            state
+                .swap_placement(rev, &placement_of(&layers, n, &["b"], 2)?)
+                .await?
+        );
+        state.clear_drain_request("a").await?;
+        assert_eq!(drained.await?, Drained::Moved);
+        assert!(state.drain_requests().await?.is_empty());
+        assert_eq!(
+            health(&mut hc).await?,
+            NotServing,
+            "a drained worker never serves again"
+        );
+        follower.abort();
+        Ok(())
+    }
+
+    fn worker_hidden(w: &ExpertWorker) -> usize {
+        w.hidden_size()
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_drain_nobody_handles_gives_up_after_its_timeout_and_withdraws_the_request()
+    -> Result<()> {
+        let (worker, layers, n) = fixture_worker("a")?;
+        let state = ClusterState::new(Arc::new(MemoryStore::new()), "t");
+        state
+            .init_placement(&placement_of(&layers, n, &["a"], 1)?)
+            .await?;
+        let follower = tokio::spawn(follow(
+            worker.clone(),
+            state.clone(),
+            Duration::ZERO,
+            state.watch_placement().await?,
+            state.watch_rebalance().await?,
+        ));
+        eventually("a holds everything", || {
+            worker.held().len() == layers.len() * n
+        })
+        .await;
+        let view = spawn_view(
+            state.watch_placement().await?,
+            state.watch_rebalance().await?,
+        );
+        let started = tokio::time::Instant::now();
+        let opts = DrainOptions {
+            timeout: Duration::from_millis(600),
+            grace: Duration::from_secs(5),
+        };
+        match drain(&worker, &state, view, opts).await {
+            Drained::GaveUp(why) => assert!(why.contains("still assigned"), "{why}"),
+            other => panic!("{other:?}"),
+        }
+        assert!(
+            started.elapsed() < Duration::from_secs(3),
+            "{:?}",
+            started.elapsed()
+        );
+        assert!(
+            state.drain_requests().await?.is_empty(),
+            "request left behind"
+        );
+        assert!(worker.draining() && !worker.ready());
+        follower.abort();
+        Ok(())
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_worker_without_experts_stops_at_once() -> Result<()> {
+        let (worker, layers, n) = fixture_worker("a")?;
+        let state = ClusterState::new(Arc::new(MemoryStore::new()), "t");
+        state
+            .init_placement(&placement_of(&layers, n, &["b"], 1)?)
+            .await?;
+        let mut view = spawn_view(
+            state.watch_placement().await?,
+            state.watch_rebalance().await?,
+        );
+        view.wait_for(|v| v.placement.is_some()).await?;
+        let opts = DrainOptions {
+            timeout: Duration::from_secs(20),
+            grace: Duration::from_secs(20),
+        };
+        let r = tokio::time::timeout(Duration::from_secs(2), drain(&worker, &state, view, opts))
+            .await?;
+        assert_eq!(r, Drained::NothingHeld);
+        assert!(state.drain_requests().await?.is_empty());
+        Ok(())
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

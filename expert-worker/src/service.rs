@@ -1,7 +1,11 @@
 //! `ExpertService`: decode the routed tokens, run them on the experts this
-//! worker holds, return the weighted per-slot outputs.
+//! worker holds, return the weighted per-slot outputs. Malformed requests
+//! (unknown layer or expert, wrong lengths, NaN/Inf, oversize, unknown dtype)
+//! answer INVALID_ARGUMENT and change nothing. Readiness is the standard
+//! `grpc.health.v1.Health` ([`ExpertWorker::health_service`]).
 
 use std::collections::BTreeSet;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, RwLock};
 use std::time::Instant;
 
@@ -16,7 +20,21 @@ use epserve_core::placement::Placement;
 use epserve_proto::pb::expert_service_server::ExpertService;
 use epserve_proto::pb::{DispatchRequest, DispatchResponse, Dtype, HealthRequest, HealthResponse};
 use epserve_proto::wire;
+use tonic::server::NamedService;
 use tonic::{Request, Response, Status};
+use tonic_health::ServingStatus;
+use tonic_health::pb::health_server::HealthServer;
+use tonic_health::server::{HealthReporter, HealthService};
+
+/// The most (token, slot) pairs one Dispatch may carry: `rows * top_k`
+/// beyond this is refused as oversize (the output alone would need
+/// `rows * top_k * hidden` floats).
+pub const MAX_DISPATCH_SLOTS: usize = 1 << 20;
+
+/// The gRPC name of `ExpertService` (what health checks for it name).
+pub const EXPERT_SERVICE_NAME: &str = <epserve_proto::pb::expert_service_server::ExpertServiceServer<
+    ExpertWorker,
+> as NamedService>::NAME;
 
 /// What the worker serves right now.
 pub struct Loaded {
@@ -42,6 +60,12 @@ pub struct ExpertWorker {
     loaded: RwLock<Option<Arc<Loaded>>>,
     /// Where "holds N experts" lines go (silent unless set).
     status: StatusLines,
+    /// The `grpc.health.v1.Health` statuses ("" and `ExpertService`).
+    health: HealthReporter,
+    /// Serializes health updates (each writes what it read under the lock).
+    health_lock: tokio::sync::Mutex<()>,
+    /// Set once a drain started (SIGTERM): health says NOT_SERVING.
+    draining: AtomicBool,
 }
 
 impl ExpertWorker {
@@ -54,13 +78,125 @@ impl ExpertWorker {
             opts,
             loaded: RwLock::new(None),
             status: StatusLines::silent(),
+            health: HealthReporter::new(),
+            health_lock: tokio::sync::Mutex::new(()),
+            draining: AtomicBool::new(false),
         }
+    }
+
+    /// The `grpc.health.v1.Health` service of this worker, for "" (the
+    /// server) and `epserve.v1.ExpertService`: NOT_SERVING until the experts
+    /// of a placement are loaded, SERVING after (through later reloads: the
+    /// old experts serve while new ones load), NOT_SERVING again once a drain
+    /// started.
+    pub async fn health_service(&self) -> HealthServer<HealthService> {
+        self.update_health().await;
+        HealthServer::new(HealthService::from_health_reporter(self.health.clone()))
+    }
+
+    /// True when health reports SERVING: a placement's experts are loaded and
+    /// no drain started.
+    pub fn ready(&self) -> bool {
+        self.current().is_some() && !self.draining()
+    }
+
+    /// True once [`start_draining`](Self::start_draining) was called.
+    pub fn draining(&self) -> bool {
+        self.draining.load(Ordering::SeqCst)
+    }
+
+    /// Marks the worker draining: health reports NOT_SERVING from now on
+    /// (Dispatch keeps answering).
+    pub async fn start_draining(&self) {
+        self.draining.store(true, Ordering::SeqCst);
+        self.update_health().await;
+    }
+
+    /// Writes [`ready`](Self::ready) into the health statuses.
+    async fn update_health(&self) {
+        let _g = self.health_lock.lock().await;
+        let status = if self.ready() {
+            ServingStatus::Serving
+        } else {
+            ServingStatus::NotServing
+        };
+        for name in ["", EXPERT_SERVICE_NAME] {
+            self.health.set_service_status(name, status).await;
+        }
+    }
+
+    /// Checks a Dispatch request against the model: everything a peer could
+    /// get wrong is INVALID_ARGUMENT. Returns the decoded tokens.
+    fn check_dispatch(&self, r: &DispatchRequest) -> Result<Vec<f32>, Status> {
+        let bad = |m: String| Err(Status::invalid_argument(m));
+        let tokens = r
+            .tokens
+            .as_ref()
+            .ok_or_else(|| Status::invalid_argument("missing tokens"))?;
+        let (rows, hidden, k) = (tokens.rows as usize, tokens.cols as usize, r.top_k as usize);
+        let layer = r.layer as usize;
+        let n = self.cfg.num_experts;
+        if !self.cfg.moe_layers().contains(&layer) {
+            return bad(format!("layer {layer} is not an MoE layer of the model"));
+        }
+        if hidden != self.cfg.hidden_size {
+            return bad(format!(
+                "tokens have {hidden} columns; the model's hidden size is {}",
+                self.cfg.hidden_size
+            ));
+        }
+        if k == 0 || k > n {
+            return bad(format!("top_k {k} must be in 1..={n}"));
+        }
+        if rows.saturating_mul(k) > MAX_DISPATCH_SLOTS {
+            return bad(format!(
+                "{rows} tokens with top_k {k} exceed the limit of {MAX_DISPATCH_SLOTS} slots per call"
+            ));
+        }
+        if r.topk_ids.len() != rows * k || r.topk_weights.len() != rows * k {
+            return bad(format!(
+                "{rows} tokens with top_k {k} need {} ids and weights, got {} and {}",
+                rows * k,
+                r.topk_ids.len(),
+                r.topk_weights.len()
+            ));
+        }
+        if let Some(id) = r
+            .topk_ids
+            .iter()
+            .find(|&&i| i != SKIP_SLOT && i as usize >= n)
+        {
+            return bad(format!(
+                "expert {id} does not exist (layer {layer} has {n} experts)"
+            ));
+        }
+        if let Some(s) = r.topk_weights.iter().position(|w| !w.is_finite()) {
+            return bad(format!("weight of slot {s} is {}", r.topk_weights[s]));
+        }
+        if Dtype::try_from(r.output_dtype).is_err() {
+            return bad(format!("unknown output dtype {}", r.output_dtype));
+        }
+        let x = wire::decode(tokens).map_err(|e| Status::invalid_argument(e.to_string()))?;
+        if let Some(i) = x.iter().position(|v| !v.is_finite()) {
+            return bad(format!(
+                "token {} has a non-finite value ({}) in column {}",
+                i / hidden.max(1),
+                x[i],
+                i % hidden.max(1)
+            ));
+        }
+        Ok(x)
     }
 
     /// Reports each change of the experts held to `status`.
     pub fn with_status(mut self, status: StatusLines) -> Self {
         self.status = status;
         self
+    }
+
+    /// The model's hidden size (columns of Dispatch tokens).
+    pub fn hidden_size(&self) -> usize {
+        self.cfg.hidden_size
     }
 
     /// This worker's id.
@@ -109,6 +245,7 @@ impl ExpertWorker {
             if let Ok(mut g) = self.loaded.write() {
                 *g = Some(l);
             }
+            self.update_health().await;
             return Ok(());
         }
         let me = self.clone();
@@ -142,6 +279,7 @@ impl ExpertWorker {
                 executor,
             }));
         }
+        self.update_health().await;
         Ok(())
     }
 }
@@ -165,29 +303,15 @@ impl ExpertService for ExpertWorker {
     ) -> Result<Response<DispatchResponse>, Status> {
         let arrived = Instant::now();
         let r = req.into_inner();
+        let x = self.check_dispatch(&r)?;
         let loaded = self.current().ok_or_else(|| {
             Status::unavailable(format!("worker {} has no placement yet", self.id))
         })?;
-        let tokens = r
-            .tokens
-            .as_ref()
-            .ok_or_else(|| Status::invalid_argument("missing tokens"))?;
-        let x = wire::decode(tokens).map_err(|e| Status::invalid_argument(e.to_string()))?;
-        let (rows, hidden, k) = (tokens.rows as usize, tokens.cols as usize, r.top_k as usize);
-        if hidden != self.cfg.hidden_size {
-            return Err(Status::invalid_argument(format!(
-                "tokens have {hidden} columns; the model's hidden size is {}",
-                self.cfg.hidden_size
-            )));
-        }
-        if k == 0 || r.topk_ids.len() != rows * k || r.topk_weights.len() != rows * k {
-            return Err(Status::invalid_argument(format!(
-                "{rows} tokens with top_k {k} need {} ids and weights, got {} and {}",
-                rows * k,
-                r.topk_ids.len(),
-                r.topk_weights.len()
-            )));
-        }
+        let (rows, hidden, k) = (
+            r.tokens.as_ref().map_or(0, |t| t.rows as usize),
+            self.cfg.hidden_size,
+            r.top_k as usize,
+        );
         let layer = r.layer as usize;
         for &id in r.topk_ids.iter().filter(|&&i| i != SKIP_SLOT) {
             if !loaded.held.contains(&(layer, id as usize)) {
@@ -239,5 +363,202 @@ impl ExpertService for ExpertWorker {
             placement_version: cur.as_ref().map(|c| c.version).unwrap_or(0),
             experts_loaded: cur.as_ref().map(|c| c.held.len() as u32).unwrap_or(0),
         }))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::path::Path;
+
+    fn worker(ids: &[&str]) -> Result<(Arc<ExpertWorker>, Placement)> {
+        let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/qwen3_moe_a/f32");
+        let cfg = ModelConfig::from_dir(&dir)?;
+        let ws = Arc::new(WeightStore::open(&dir)?);
+        let ids: Vec<String> = ids.iter().map(|s| s.to_string()).collect();
+        let p = Placement::initial(&cfg.moe_layers(), cfg.num_experts, &ids)
+            .map_err(|e| anyhow::anyhow!(e))?;
+        Ok((
+            Arc::new(ExpertWorker::new(
+                ids[0].clone(),
+                cfg,
+                ws,
+                LoadOptions::default(),
+            )),
+            p,
+        ))
+    }
+
+    /// A valid request: 2 tokens of layer 0, top-2 on experts `ids`.
+    fn request(w: &ExpertWorker, ids: [u32; 4]) -> DispatchRequest {
+        let h = w.cfg.hidden_size;
+        let x: Vec<f32> = (0..2 * h).map(|i| ((i % 11) as f32 - 5.0) * 0.1).collect();
+        DispatchRequest {
+            layer: w.cfg.moe_layers()[0] as u32,
+            top_k: 2,
+            tokens: Some(wire::encode(&x, 2, h, Dtype::F32)),
+            topk_ids: ids.to_vec(),
+            topk_weights: vec![0.5; 4],
+            placement_version: 1,
+            output_dtype: Dtype::F32 as i32,
+        }
+    }
+
+    async fn call(w: &Arc<ExpertWorker>, r: DispatchRequest) -> Result<DispatchResponse, Status> {
+        w.dispatch(Request::new(r)).await.map(|r| r.into_inner())
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn bad_dispatches_are_invalid_arguments_and_the_worker_keeps_serving() -> Result<()> {
+        let (w, p) = worker(&["w", "other"])?;
+        let layer = w.cfg.moe_layers()[0];
+        let n = w.cfg.num_experts as u32;
+        w.apply(&p, None).await?;
+        let held: Vec<u32> = (0..n)
+            .filter(|&e| w.held().contains(&(layer, e as usize)))
+            .collect();
+        let not_held = (0..n)
+            .find(|e| !held.contains(e))
+            .ok_or_else(|| anyhow::anyhow!("'other' holds nothing"))?;
+        let (a, b) = (held[0], held[held.len() - 1]);
+        let good = request(&w, [a, SKIP_SLOT, b, a]);
+        let ok = call(&w, good.clone()).await?;
+        assert_eq!(ok.outputs.as_ref().map(|t| t.rows), Some(3));
+
+        type Edit = Box<dyn Fn(&mut DispatchRequest)>;
+        let h = w.cfg.hidden_size;
+        let dense = (0..w.cfg.num_hidden_layers)
+            .find(|l| !w.cfg.moe_layers().contains(l))
+            .ok_or_else(|| anyhow::anyhow!("the fixture has no dense layer"))?;
+        let cases: Vec<(&str, Edit)> = vec![
+            ("missing tokens", Box::new(|r| r.tokens = None)),
+            (
+                "not an MoE layer",
+                Box::new(move |r| r.layer = dense as u32),
+            ),
+            ("not an MoE layer", Box::new(|r| r.layer = 99)),
+            ("does not exist", Box::new(move |r| r.topk_ids[1] = n)),
+            (
+                "does not exist",
+                Box::new(|r| r.topk_ids[0] = SKIP_SLOT - 1),
+            ),
+            (
+                "non-finite",
+                Box::new(|r| {
+                    if let Some(t) = r.tokens.as_mut() {
+                        t.data[4..8].copy_from_slice(&f32::NAN.to_le_bytes());
+                    }
+                }),
+            ),
+            (
+                "non-finite",
+                Box::new(|r| {
+                    if let Some(t) = r.tokens.as_mut() {
+                        t.data[0..4].copy_from_slice(&f32::INFINITY.to_le_bytes());
+                    }
+                }),
+            ),
+            (
+                "weight of slot 2",
+                Box::new(|r| r.topk_weights[2] = f32::NAN),
+            ),
+            (
+                "weight of slot 3",
+                Box::new(|r| r.topk_weights[3] = f32::NEG_INFINITY),
+            ),
+            (
+                "bytes, expected",
+                Box::new(|r| {
+                    if let Some(t) = r.tokens.as_mut() {
+                        t.data.pop();
+                    }
+                }),
+            ),
+            // rows say 3 (with ids and weights to match) but the data holds 2
+            (
+                "bytes, expected",
+                Box::new(|r| {
+                    if let Some(t) = r.tokens.as_mut() {
+                        t.rows = 3;
+                    }
+                    r.topk_ids.extend([0, 0]);
+                    r.topk_weights.extend([0.5, 0.5]);
+                }),
+            ),
+            (
+                "columns",
+                Box::new(move |r| {
+                    if let Some(t) = r.tokens.as_mut() {
+                        t.cols = h as u32 - 1;
+                    }
+                }),
+            ),
+            (
+                "need 4 ids",
+                Box::new(|r| {
+                    r.topk_ids.pop();
+                }),
+            ),
+            (
+                "need 4 ids",
+                Box::new(|r| {
+                    r.topk_weights.push(1.0);
+                }),
+            ),
+            ("top_k 0", Box::new(|r| r.top_k = 0)),
+            ("top_k 99", Box::new(|r| r.top_k = 99)),
+            (
+                "exceed the limit",
+                Box::new(|r| {
+                    if let Some(t) = r.tokens.as_mut() {
+                        t.rows = 1 << 20;
+                    }
+                }),
+            ),
+            (
+                "unsupported tensor dtype",
+                Box::new(|r| {
+                    if let Some(t) = r.tokens.as_mut() {
+                        t.dtype = 99;
+                    }
+                }),
+            ),
+            (
+                "unsupported tensor dtype",
+                Box::new(|r| {
+                    if let Some(t) = r.tokens.as_mut() {
+                        t.dtype = Dtype::Int8 as i32;
+                    }
+                }),
+            ),
+            ("unknown output dtype", Box::new(|r| r.output_dtype = 42)),
+        ];
+        for (want, edit) in &cases {
+            let mut r = good.clone();
+            edit(&mut r);
+            match call(&w, r).await {
+                Err(s) => {
+                    assert_eq!(s.code(), tonic::Code::InvalidArgument, "{want}: {s:?}");
+                    assert!(
+                        s.message().contains(want),
+                        "'{want}' not in: {}",
+                        s.message()
+                    );
+                }
+                Ok(_) => panic!("{want}: accepted"),
+            }
+            let again = call(&w, good.clone()).await?;
+            assert_eq!(again.outputs, ok.outputs, "after '{want}'");
+        }
+
+        // A real expert this worker does not hold is a placement mismatch,
+        // not a malformed request.
+        let s = call(&w, request(&w, [a, not_held, b, a]))
+            .await
+            .err()
+            .ok_or_else(|| anyhow::anyhow!("an expert held elsewhere was served"))?;
+        assert_eq!(s.code(), tonic::Code::FailedPrecondition, "{s:?}");
+        assert_eq!(call(&w, good).await?.outputs, ok.outputs);
+        Ok(())
     }
 }

@@ -1,8 +1,13 @@
 //! What every worker role shares at run time: the flags they have in common
 //! ([`WorkerArgs`]), core lists and pinning ([`cores`]), the etcd connection,
 //! binding a gRPC listener, serving while registered under a lease, shutdown
-//! on SIGINT/SIGTERM, and [`Status`], the sink for operator-facing status
-//! lines (libraries never print; the binary decides where the lines go).
+//! on SIGINT/SIGTERM ([`shutdown`], or [`Signals`] where SIGTERM drains), and
+//! [`Status`], the sink for operator-facing status lines (libraries never
+//! print; the binary decides where the lines go).
+//!
+//! A worker never exits because etcd is away: once registered it keeps
+//! serving on its last placement, its lease keeper retries, and the
+//! registration is written again when etcd returns.
 
 pub mod cores;
 
@@ -13,6 +18,7 @@ use std::sync::Arc;
 use anyhow::{Context, Result};
 use clap::Args;
 
+use crate::state::WORKER_TTL_SECS;
 use crate::store::{EtcdStore, LeaseGuard};
 
 /// Flags shared by `epserve expert-worker` and `epserve attention-worker`
@@ -38,10 +44,17 @@ pub struct WorkerArgs {
     /// Cores to run the worker's compute on, e.g. `0-15` or `0,2,4-7` (default: all).
     #[arg(long)]
     pub cores: Option<String>,
-    /// Give up (exit 1) when etcd stays unreachable this long, at start or
-    /// while registered.
+    /// At start only: give up (exit 1) when etcd cannot be reached within
+    /// this long. Once registered, a worker never exits because etcd is
+    /// away: it keeps serving on its last placement and registers again
+    /// when etcd returns.
     #[arg(long, default_value_t = 30, value_parser = clap::value_parser!(u64).range(1..))]
     pub etcd_timeout_secs: u64,
+    /// TTL of the worker's etcd lease, seconds: its registration vanishes
+    /// this long after its last keep-alive (renewed every third of it), so a
+    /// dead worker is noticed this fast.
+    #[arg(long, default_value_t = WORKER_TTL_SECS, value_parser = clap::value_parser!(i64).range(1..))]
+    pub lease_ttl_secs: i64,
 }
 
 impl WorkerArgs {
@@ -73,7 +86,9 @@ impl WorkerArgs {
         self.id.clone().unwrap_or_else(default)
     }
 
-    /// Connects to `--etcd` within `--etcd-timeout-secs` (see [`connect_etcd`]).
+    /// Connects to `--etcd` within `--etcd-timeout-secs` (see [`connect_etcd`]);
+    /// the registration made through it is then kept for as long as the
+    /// worker runs, however long etcd is away.
     pub async fn connect_etcd(&self) -> Result<EtcdStore> {
         connect_etcd(&self.etcd, self.etcd_timeout_secs).await
     }
@@ -132,19 +147,19 @@ pub async fn bind_grpc(listen: SocketAddr) -> Result<tonic::transport::server::T
     Ok(tonic::transport::server::TcpIncoming::from(listener).with_nodelay(Some(true)))
 }
 
-/// Connects to etcd at `endpoints`, retrying for at most `timeout_secs`;
-/// the lease of a registration made through it is given up once etcd has
-/// been unreachable that long (see [`serve_registered`]). Shared by both
-/// worker roles.
+/// Connects to etcd at `endpoints`, retrying for at most `timeout_secs`.
+/// Leases of registrations made through it are never given up: the keeper
+/// retries while etcd is away and writes the key again when it returns.
+/// Shared by both worker roles.
 pub async fn connect_etcd(endpoints: &str, timeout_secs: u64) -> Result<EtcdStore> {
     let limit = std::time::Duration::from_secs(timeout_secs);
     Ok(EtcdStore::connect_within(endpoints, limit).await?)
 }
 
 /// Runs a worker's gRPC `server` until it stops (SIGINT/SIGTERM), or fails
-/// when `lease`, the worker's registration, is lost because etcd stayed
-/// unreachable past `--etcd-timeout-secs`: a worker nobody can find should
-/// exit rather than linger.
+/// when `lease`, the worker's registration, reports it is lost (only for a
+/// store built with a give-up limit, see
+/// [`EtcdStore::give_up_leases_after`]; workers connect without one).
 pub async fn serve_registered<E>(
     server: impl std::future::Future<Output = Result<(), E>>,
     lease: &mut LeaseGuard,
@@ -174,6 +189,41 @@ pub async fn shutdown() {
     tokio::select! {
         _ = ctrl_c => {},
         _ = term => {},
+    }
+}
+
+/// Which stop signal arrived (see [`Signals`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Stop {
+    /// SIGINT (Ctrl-C, `epserve up`'s stop): a fast stop.
+    Interrupt,
+    /// SIGTERM (Kubernetes, systemd): drain first where the role can.
+    Terminate,
+}
+
+/// SIGINT and SIGTERM handlers installed once, so that a role can tell the
+/// two apart and notice a second signal (during a drain: stop at once).
+pub struct Signals {
+    int: tokio::signal::unix::Signal,
+    term: tokio::signal::unix::Signal,
+}
+
+impl Signals {
+    /// Installs the handlers (from inside the tokio runtime).
+    pub fn new() -> Result<Self> {
+        use tokio::signal::unix::{SignalKind, signal};
+        Ok(Signals {
+            int: signal(SignalKind::interrupt()).context("cannot handle SIGINT")?,
+            term: signal(SignalKind::terminate()).context("cannot handle SIGTERM")?,
+        })
+    }
+
+    /// The next SIGINT or SIGTERM.
+    pub async fn recv(&mut self) -> Stop {
+        tokio::select! {
+            _ = self.int.recv() => Stop::Interrupt,
+            _ = self.term.recv() => Stop::Terminate,
+        }
     }
 }
 

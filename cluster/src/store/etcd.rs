@@ -1,6 +1,7 @@
 //! [`EtcdStore`]: the [`KvStore`] of real clusters, etcd v3 through the
-//! `etcd-client` crate (reconnect with backoff, leases kept alive until etcd has
-//! been unreachable past a limit, watches re-armed by the cluster state).
+//! `etcd-client` crate (reconnect with backoff, leases kept alive for as long
+//! as the guard lives, re-granted when etcd returns after they expired, unless
+//! a give-up limit was set; watches re-armed by the cluster state).
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -17,15 +18,15 @@ pub struct EtcdStore {
     client: Client,
     endpoint: String,
     /// How long leased keys keep trying to reach etcd before giving up
-    /// ([`LeaseGuard::lost`]); None: forever.
+    /// ([`LeaseGuard::lost`]); None (the default): forever.
     unreachable_limit: Option<Duration>,
 }
 
 impl EtcdStore {
     /// [`connect`](Self::connect), retried with backoff (100 ms doubling to
-    /// 2 s) for at most `limit`; then an error naming the endpoint. Leased
-    /// keys of the store give up once etcd has been unreachable for `limit`
-    /// ([`LeaseGuard::lost`]).
+    /// 2 s) for at most `limit`; then an error naming the endpoint. `limit`
+    /// bounds only this connect: leased keys of the store are kept alive
+    /// however long etcd is away later (see [`give_up_leases_after`](Self::give_up_leases_after)).
     pub async fn connect_within(endpoints: &str, limit: Duration) -> StoreResult<Self> {
         let deadline = tokio::time::Instant::now() + limit;
         let mut backoff = Duration::from_millis(100);
@@ -33,10 +34,7 @@ impl EtcdStore {
         loop {
             let left = deadline.saturating_duration_since(tokio::time::Instant::now());
             let last = match tokio::time::timeout(left, Self::connect(endpoints)).await {
-                Ok(Ok(mut s)) => {
-                    s.unreachable_limit = Some(limit);
-                    return Ok(s);
-                }
+                Ok(Ok(s)) => return Ok(s),
                 Ok(Err(StoreError::Etcd { message, .. })) => message,
                 Ok(Err(e)) => e.to_string(),
                 Err(_) => "no answer".to_string(),
@@ -58,6 +56,13 @@ impl EtcdStore {
             backoff = (backoff * 2).min(Duration::from_secs(2));
             attempt += 1;
         }
+    }
+
+    /// Leased keys put after this give up once etcd has been unreachable for
+    /// `limit` ([`LeaseGuard::lost`] resolves); None: never (the default).
+    pub fn give_up_leases_after(mut self, limit: Option<Duration>) -> Self {
+        self.unreachable_limit = limit;
+        self
     }
 
     /// Connects (with a timeout) to `endpoints` (comma-separated `host:port` or URLs).
@@ -142,8 +147,9 @@ async fn renew(
 /// Renews the lease of `key` every third of its TTL. A failed renewal
 /// reopens the keep-alive stream on the next round; a lease that expired
 /// meanwhile (etcd was away longer than the TTL) is granted again and `key`
-/// written again, so the registration comes back with etcd. After `limit`
-/// without a successful renewal, reports the loss on `lost` and stops.
+/// written again, so the registration comes back with etcd. With a `limit`,
+/// after that long without a successful renewal, reports the loss on `lost`
+/// and stops; without one (the default) it retries for as long as it runs.
 #[allow(clippy::too_many_arguments)]
 async fn keep_leased(
     client: Client,

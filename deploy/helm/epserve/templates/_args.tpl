@@ -88,6 +88,7 @@ $(POD_NAME) and friends are expanded by Kubernetes from the container's env.
 {{- with $w.expertDtype }}
 - --expert-dtype={{ . }}
 {{- end }}
+- --drain-timeout-secs={{ $w.drainTimeoutSeconds }}
 {{- if gt (int .Values.metrics.workerPort) 0 }}
 - --metrics-port={{ .Values.metrics.workerPort }}
 {{- end }}

@@ -359,3 +359,16 @@ imagePullSecrets:
 securityContext:
   {{- toYaml .Values.podSecurityContext | nindent 2 }}
 {{- end }}
+
+{{/*
+A worker's probe from values: a `grpc:` action (Kubernetes' native gRPC probe
+on grpc.health.v1.Health) gets the worker's port when it names none (the
+probe's port must be a number). Args: probe (the values dict), port.
+*/}}
+{{- define "epserve.workerProbe" -}}
+{{- $p := deepCopy .probe -}}
+{{- if hasKey $p "grpc" -}}
+{{- $_ := set $p "grpc" (merge (deepCopy ($p.grpc | default dict)) (dict "port" (int .port))) -}}
+{{- end -}}
+{{- toYaml $p -}}
+{{- end }}
