@@ -494,9 +494,11 @@ impl AttentionBackend for RemoteAttention {
             }
             counter!("epserve_attention_retries_total").increment(again.len() as u64);
             tracing::warn!(layer, shards = ?again, "attention call failed; sending it again");
-            let rt = &self.rt;
-            rt.block_on(tokio::time::sleep(backoff));
-            let redo = rt.block_on(join_all(again.iter().map(|&i| request(&shards[i]))));
+            // The scheduler thread, outside the runtime: a plain sleep.
+            std::thread::sleep(backoff);
+            let redo = self
+                .rt
+                .block_on(join_all(again.iter().map(|&i| request(&shards[i]))));
             for (i, r) in again.into_iter().zip(redo) {
                 results[i] = r;
             }
