@@ -759,8 +759,8 @@ async fn registered_becomes(etcd: &str, cluster: &str, role: &str, want: &[&str]
 
 /// Workers never exit because etcd is away: with etcd gone far longer than
 /// `--etcd-timeout-secs` (now only the limit of the first connect) and than
-/// their lease TTL, both roles keep running, and when etcd returns they are
-/// registered again. Then SIGTERM stops an expert-worker that holds no
+/// their lease TTL, both roles keep running, and when etcd returns (restarted,
+/// or resumed after a pause past the TTL) they are registered again. Then SIGTERM stops an expert-worker that holds no
 /// experts at once (exit 0), removing its registration right away, and
 /// SIGINT stops the attention-worker.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -802,6 +802,42 @@ async fn workers_outlive_etcd_and_register_again_when_it_returns() {
         );
     }
     etcd.restart_after(Duration::ZERO);
+    registered_becomes(
+        &etcd.addr,
+        "gone",
+        "expert",
+        &["exp"],
+        Duration::from_secs(20),
+    )
+    .await;
+    registered_becomes(
+        &etcd.addr,
+        "gone",
+        "attention",
+        &["att"],
+        Duration::from_secs(20),
+    )
+    .await;
+
+    // etcd paused (SIGSTOP) past the lease TTL: when it resumes its leases
+    // have expired; the workers' keepers register them again.
+    let pid = etcd.child.id() as libc::pid_t;
+    // SAFETY: signalling our own child (etcd).
+    unsafe {
+        libc::kill(pid, libc::SIGSTOP);
+    }
+    tokio::time::sleep(Duration::from_secs(5)).await;
+    // SAFETY: as above.
+    unsafe {
+        libc::kill(pid, libc::SIGCONT);
+    }
+    for w in [&mut att, &mut exp] {
+        assert!(
+            w.child.try_wait().expect("wait").is_none(),
+            "{} exited while etcd was paused",
+            w.role
+        );
+    }
     registered_becomes(
         &etcd.addr,
         "gone",

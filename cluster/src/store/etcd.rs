@@ -133,7 +133,19 @@ async fn renew(
 ) -> Result<bool, etcd_client::Error> {
     let (keeper, responses) = match stream {
         Some(s) => s,
-        None => stream.insert(c.lease_keep_alive(id).await?),
+        // Opening the stream renews once (etcd-client sends the first
+        // keep-alive and checks its TTL); a lease etcd no longer knows (it
+        // expired while etcd was away or paused) is an error there.
+        None => match c.lease_keep_alive(id).await {
+            Ok(s) => {
+                *stream = Some(s);
+                return Ok(true);
+            }
+            Err(etcd_client::Error::LeaseKeepAliveError(m)) if m == "lease not found" => {
+                return Ok(false);
+            }
+            Err(e) => return Err(e),
+        },
     };
     keeper.keep_alive().await?;
     match responses.message().await? {
