@@ -21,8 +21,24 @@ use epserve_core::loader::weights::WeightStore;
 use epserve_core::model::attention::HeadShard;
 use epserve_core::model::attn_shard::AttentionShard;
 use epserve_proto::pb::attention_service_server::AttentionServiceServer;
+use tonic_health::pb::health_server::HealthServer;
+use tonic_health::server::{HealthReporter, HealthService};
 
-pub use service::AttentionWorker;
+pub use service::{AttentionWorker, MAX_FORWARD_ROWS, MAX_POSITIONS};
+
+/// The `grpc.health.v1.Health` statuses of a worker whose shard is loaded:
+/// SERVING for "" and for `epserve.v1.AttentionService` (the shard loads
+/// before the server starts, so the worker never answers NOT_SERVING).
+pub async fn serving_health() -> HealthReporter {
+    let health = HealthReporter::new();
+    health
+        .set_serving::<AttentionServiceServer<AttentionWorker>>()
+        .await;
+    health
+        .set_service_status("", tonic_health::ServingStatus::Serving)
+        .await;
+    health
+}
 
 /// The heads a shard `index` of `of` owns, or an error when the heads cannot
 /// be split (see [`HeadShard::ranges`]).
@@ -124,13 +140,9 @@ pub fn run(args: &AttentionWorkerArgs, status: Status) -> Result<()> {
             "epserve attention-worker '{id}' serving AttentionService at {advertise}: shard {} of {} ({} {} KV blocks of {} positions, cores {cores:?})",
             args.shard, args.of, stats.blocks_total, kv_dtype.name(), stats.block_size
         ));
-        // Readiness: the shard is loaded before the server starts.
-        let (health, health_service) = tonic_health::server::health_reporter();
-        health
-            .set_serving::<AttentionServiceServer<AttentionWorker>>()
-            .await;
+        let health = HealthServer::new(HealthService::from_health_reporter(serving_health().await));
         let server = tonic::transport::Server::builder()
-            .add_service(health_service)
+            .add_service(health)
             .add_service(
                 AttentionServiceServer::from_arc(worker)
                     .max_decoding_message_size(1 << 30)
@@ -145,6 +157,35 @@ pub fn run(args: &AttentionWorkerArgs, status: Status) -> Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[tokio::test]
+    async fn health_serves_the_attention_service() -> Result<()> {
+        use tonic::server::NamedService;
+        use tonic_health::pb::HealthCheckRequest;
+        use tonic_health::pb::health_check_response::ServingStatus;
+        use tonic_health::pb::health_server::Health;
+        let svc = HealthService::from_health_reporter(serving_health().await);
+        for service in [
+            "",
+            <AttentionServiceServer<AttentionWorker> as NamedService>::NAME,
+        ] {
+            let r = svc
+                .check(tonic::Request::new(HealthCheckRequest {
+                    service: service.into(),
+                }))
+                .await?;
+            assert_eq!(
+                r.into_inner().status,
+                ServingStatus::Serving as i32,
+                "{service}"
+            );
+        }
+        assert_eq!(
+            <AttentionServiceServer<AttentionWorker> as NamedService>::NAME,
+            "epserve.v1.AttentionService"
+        );
+        Ok(())
+    }
 
     #[test]
     fn splits_whole_kv_groups_or_replicates() {

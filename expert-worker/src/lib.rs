@@ -98,7 +98,7 @@ pub fn run(args: &ExpertWorkerArgs, status: Status) -> Result<()> {
         ));
         // What the drain waits on: its own watches, so a load in progress
         // does not delay it.
-        let view = spawn_view(state.watch_placement().await?, state.watch_rebalance().await?);
+        let view = spawn_view(state.watch_placement().await?, state.watch_rebalance().await?).await;
         let info = WorkerInfo {
             id: id.clone(),
             role: "expert".into(),
@@ -212,13 +212,18 @@ impl View {
 }
 
 /// Merges the placement and rebalance watches into one [`View`] that always
-/// holds the latest of both (the task ends when both watches end or every
-/// receiver is dropped).
-pub fn spawn_view(
+/// holds the latest of both. Returns once the first value of each (the
+/// documents as they are now) arrived, so the view never starts empty (the
+/// task ends when both watches end or every receiver is dropped).
+pub async fn spawn_view(
     mut placements: tokio::sync::mpsc::Receiver<Option<Placement>>,
     mut rebalances: tokio::sync::mpsc::Receiver<Option<Rebalance>>,
 ) -> tokio::sync::watch::Receiver<View> {
-    let (tx, rx) = tokio::sync::watch::channel(View::default());
+    let first = View {
+        placement: placements.recv().await.flatten(),
+        rebalance: rebalances.recv().await.flatten(),
+    };
+    let (tx, rx) = tokio::sync::watch::channel(first);
     tokio::spawn(async move {
         let (mut p_open, mut r_open) = (true, true);
         while p_open || r_open {
@@ -470,22 +475,29 @@ mod tests {
     }
 
     /// The status `grpc.health.v1.Health/Check` gives for "" and for
-    /// ExpertService (they must agree).
+    /// ExpertService (they must agree; read again while a change is being
+    /// written between the two calls).
     async fn health(
         client: &mut tonic_health::pb::health_client::HealthClient<tonic::transport::Channel>,
     ) -> Result<WireStatus> {
         use tonic_health::pb::HealthCheckRequest;
         let mut got = Vec::new();
-        for service in ["", EXPERT_SERVICE_NAME] {
-            let r = client
-                .check(HealthCheckRequest {
-                    service: service.into(),
-                })
-                .await?;
-            got.push(r.into_inner().status);
+        for _ in 0..50 {
+            got.clear();
+            for service in ["", EXPERT_SERVICE_NAME] {
+                let r = client
+                    .check(HealthCheckRequest {
+                        service: service.into(),
+                    })
+                    .await?;
+                got.push(r.into_inner().status);
+            }
+            if got[0] == got[1] {
+                return WireStatus::try_from(got[0]).map_err(|e| anyhow::anyhow!("{e:?}"));
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
         }
-        assert_eq!(got[0], got[1], "'' and {EXPERT_SERVICE_NAME} disagree");
-        WireStatus::try_from(got[0]).map_err(|e| anyhow::anyhow!("{e:?}"))
+        anyhow::bail!("'' and {EXPERT_SERVICE_NAME} disagree: {got:?}")
     }
 
     async fn health_becomes(
@@ -530,7 +542,8 @@ mod tests {
         let view = spawn_view(
             state.watch_placement().await?,
             state.watch_rebalance().await?,
-        );
+        )
+        .await;
         let opts = DrainOptions {
             timeout: Duration::from_secs(20),
             grace: Duration::from_millis(100),
@@ -626,7 +639,8 @@ mod tests {
         let view = spawn_view(
             state.watch_placement().await?,
             state.watch_rebalance().await?,
-        );
+        )
+        .await;
         let started = tokio::time::Instant::now();
         let opts = DrainOptions {
             timeout: Duration::from_millis(600),
@@ -660,7 +674,8 @@ mod tests {
         let mut view = spawn_view(
             state.watch_placement().await?,
             state.watch_rebalance().await?,
-        );
+        )
+        .await;
         view.wait_for(|v| v.placement.is_some()).await?;
         let opts = DrainOptions {
             timeout: Duration::from_secs(20),

@@ -766,8 +766,8 @@ async fn registered_becomes(etcd: &str, cluster: &str, role: &str, want: &[&str]
 
 /// Workers never exit because etcd is away: with etcd gone far longer than
 /// `--etcd-timeout-secs` (now only the limit of the first connect) and than
-/// their lease TTL, both roles keep running, and when etcd returns they are
-/// registered again. Then SIGTERM stops an expert-worker that holds no
+/// their lease TTL, both roles keep running, and when etcd returns (restarted,
+/// or resumed after a pause past the TTL) they are registered again. Then SIGTERM stops an expert-worker that holds no
 /// experts at once (exit 0), removing its registration right away, and
 /// SIGINT stops the attention-worker.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -809,6 +809,42 @@ async fn workers_outlive_etcd_and_register_again_when_it_returns() {
         );
     }
     etcd.restart_after(Duration::ZERO);
+    registered_becomes(
+        &etcd.addr,
+        "gone",
+        "expert",
+        &["exp"],
+        Duration::from_secs(20),
+    )
+    .await;
+    registered_becomes(
+        &etcd.addr,
+        "gone",
+        "attention",
+        &["att"],
+        Duration::from_secs(20),
+    )
+    .await;
+
+    // etcd paused (SIGSTOP) past the lease TTL: when it resumes its leases
+    // have expired; the workers' keepers register them again.
+    let pid = etcd.child.id() as libc::pid_t;
+    // SAFETY: signalling our own child (etcd).
+    unsafe {
+        libc::kill(pid, libc::SIGSTOP);
+    }
+    tokio::time::sleep(Duration::from_secs(5)).await;
+    // SAFETY: as above.
+    unsafe {
+        libc::kill(pid, libc::SIGCONT);
+    }
+    for w in [&mut att, &mut exp] {
+        assert!(
+            w.child.try_wait().expect("wait").is_none(),
+            "{} exited while etcd was paused",
+            w.role
+        );
+    }
     registered_becomes(
         &etcd.addr,
         "gone",
@@ -936,6 +972,73 @@ async fn sigterm_drains_an_expert_worker_before_it_exits() {
         "drain",
         "expert",
         &["b"],
+        Duration::from_millis(500),
+    )
+    .await;
+    assert!(
+        state
+            .drain_requests()
+            .await
+            .expect("drain requests")
+            .is_empty()
+    );
+}
+
+/// A drain nobody handles (no coordinator) ends at `--drain-timeout-secs`
+/// with the reason on stdout, and a second signal during a drain stops the
+/// worker at once; either way it exits 0, withdraws its drain request and
+/// deregisters.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_unhandled_drain_times_out_and_a_second_signal_cuts_it_short() {
+    if !etcd_available() {
+        return;
+    }
+    let etcd = epserve_tests::up::Etcd::start();
+    let mut a = Worker::start(
+        "expert-worker",
+        &etcd.addr,
+        "unhandled",
+        &["--id", "a", "--drain-timeout-secs", "2"],
+    );
+    let mut b = Worker::start("expert-worker", &etcd.addr, "unhandled", &["--id", "b"]);
+    let store = EtcdStore::connect(&etcd.addr).await.expect("etcd");
+    let state = ClusterState::new(Arc::new(store), "unhandled");
+    let g = golden("qwen3_moe_a");
+    let ids: Vec<String> = vec!["a".into(), "b".into()];
+    let p = epserve_core::placement::Placement::initial(&g.moe_layers, g.num_experts, &ids)
+        .expect("placement");
+    state.init_placement(&p).await.expect("placement");
+    a.wait_line("holds", Duration::from_secs(30));
+    b.wait_line("holds", Duration::from_secs(30));
+
+    let t0 = Instant::now();
+    a.signal(libc::SIGTERM);
+    a.wait_line("drain incomplete", Duration::from_secs(10));
+    let (status, err) = a.wait_exit(Duration::from_secs(10));
+    assert_eq!(status.code(), Some(0), "a: {status}; stderr: {err}");
+    assert!(
+        t0.elapsed() >= Duration::from_secs(2),
+        "a stopped before its drain timeout"
+    );
+
+    b.signal(libc::SIGTERM);
+    b.wait_line("draining", Duration::from_secs(10));
+    let t0 = Instant::now();
+    b.signal(libc::SIGINT);
+    b.wait_line("stopping at once", Duration::from_secs(5));
+    let (status, err) = b.wait_exit(Duration::from_secs(10));
+    assert_eq!(status.code(), Some(0), "b: {status}; stderr: {err}");
+    assert!(
+        t0.elapsed() < Duration::from_secs(8),
+        "b took {:?}",
+        t0.elapsed()
+    );
+
+    registered_becomes(
+        &etcd.addr,
+        "unhandled",
+        "expert",
+        &[],
         Duration::from_millis(500),
     )
     .await;

@@ -133,7 +133,19 @@ async fn renew(
 ) -> Result<bool, etcd_client::Error> {
     let (keeper, responses) = match stream {
         Some(s) => s,
-        None => stream.insert(c.lease_keep_alive(id).await?),
+        // Opening the stream renews once (etcd-client sends the first
+        // keep-alive and checks its TTL); a lease etcd no longer knows (it
+        // expired while etcd was away or paused) is an error there.
+        None => match c.lease_keep_alive(id).await {
+            Ok(s) => {
+                *stream = Some(s);
+                return Ok(true);
+            }
+            Err(etcd_client::Error::LeaseKeepAliveError(m)) if m == "lease not found" => {
+                return Ok(false);
+            }
+            Err(e) => return Err(e),
+        },
     };
     keeper.keep_alive().await?;
     match responses.message().await? {
@@ -164,6 +176,7 @@ async fn keep_leased(
     use std::sync::atomic::Ordering;
     let period = Duration::from_millis((ttl_secs.max(1) as u64 * 1000) / 3);
     let mut last_ok = tokio::time::Instant::now();
+    let mut failures = 0u64;
     let mut stream: Option<KeepAlive> = None;
     loop {
         tokio::time::sleep(period).await;
@@ -192,10 +205,27 @@ async fn keep_leased(
             Err(_) => Err("no answer".to_string()),
         };
         match result {
-            Ok(()) => last_ok = tokio::time::Instant::now(),
+            Ok(()) => {
+                if failures > 0 {
+                    tracing::warn!(key = %key, failures, down_s = last_ok.elapsed().as_secs_f64(),
+                        "lease keep-alive works again");
+                }
+                failures = 0;
+                last_ok = tokio::time::Instant::now();
+            }
             Err(e) => {
                 stream = None;
-                tracing::warn!(key = %key, error = %e, "lease keep-alive failed");
+                failures += 1;
+                // etcd may stay away for hours: the first failures, then one
+                // line a minute or so.
+                if failures <= 3
+                    || failures.is_multiple_of((60_000 / period.as_millis().max(1) as u64).max(1))
+                {
+                    tracing::warn!(key = %key, error = %e, failures,
+                        down_s = last_ok.elapsed().as_secs_f64(), "lease keep-alive failed; retrying");
+                } else {
+                    tracing::debug!(key = %key, error = %e, failures, "lease keep-alive failed; retrying");
+                }
                 if let Some(limit) = limit
                     && last_ok.elapsed() >= limit
                 {
