@@ -34,8 +34,9 @@ pub struct LeaseGuard {
 
 impl LeaseGuard {
     /// Resolves when the key can no longer be kept alive: the store has been
-    /// unreachable longer than its limit (see [`EtcdStore::connect_within`]).
-    /// Never resolves for stores without such a limit.
+    /// unreachable longer than a limit set with
+    /// [`EtcdStore::give_up_leases_after`]. Never resolves without such a
+    /// limit (the default: the keep-alive retries for as long as it takes).
     pub async fn lost(&mut self) -> StoreError {
         match self.lost.as_mut() {
             Some(rx) => match rx.await {
