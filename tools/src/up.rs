@@ -1,8 +1,20 @@
 //! `epserve up`: a whole local cluster on loopback — etcd (on free ports with
 //! a temporary data dir), N expert-workers, M attention-workers (shards 0..M-1)
-//! and the coordinator as child
-//! processes of this one. Ctrl-C / SIGTERM, or any child exiting, stops them
-//! all; children also get SIGTERM if this process dies (PR_SET_PDEATHSIG).
+//! and the coordinator as child processes of this one. Every child it starts
+//! is announced on stdout as `epserve up: started NAME (pid PID)` (NAME:
+//! `etcd`, `expert-I`, `attention-I`, `coordinator`), restarts included.
+//!
+//! Supervision: etcd is restarted whenever it exits (same data dir and
+//! ports, bounded backoff), and so is the coordinator once it has served
+//! (same arguments, hence the same API and admin ports; `--port 0` is
+//! resolved to a free port here for that reason); a coordinator that exits
+//! before it ever served stops the cluster (a misconfiguration), and so does
+//! a child that keeps exiting ([`MAX_RESTARTS`] times in a row). A worker that
+//! exits is reported and not restarted: the coordinator copes with a lost
+//! worker. Ctrl-C / SIGTERM stops them all: the coordinator first (SIGTERM),
+//! then the workers with SIGINT (their fast stop; SIGTERM asks a worker to
+//! drain first), then etcd. Children also get that signal if this process
+//! dies (PR_SET_PDEATHSIG).
 //!
 //! Signals: `run` blocks SIGINT and SIGTERM in the main thread before any other
 //! thread exists (so every thread inherits the mask) and resets both to their
@@ -12,11 +24,12 @@
 //! the children and removes the temporary etcd data dir. Children get an
 //! unblocked mask before `exec`.
 
+use std::ffi::OsString;
 use std::io::{BufRead, BufReader};
 use std::net::TcpListener;
 use std::os::unix::process::CommandExt;
-use std::path::PathBuf;
-use std::process::{Child, Command, Stdio};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, ExitStatus, Stdio};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, mpsc};
 use std::time::{Duration, Instant};
@@ -60,24 +73,211 @@ pub struct UpArgs {
     pub coordinator_args: Vec<String>,
 }
 
+/// Restarts of etcd or of the coordinator in a row (each one exiting within
+/// [`STABLE`] of its start) after which `up` stops the cluster.
+pub const MAX_RESTARTS: u32 = 8;
+/// A child that ran this long before it exited starts a fresh series of
+/// restarts (backoff from the shortest delay again).
+const STABLE: Duration = Duration::from_secs(30);
+
+/// Delay before restart number `attempt` (0-based) of a series: 0.1 s,
+/// doubling, at most 5 s (about 16 s over [`MAX_RESTARTS`]).
+fn backoff(attempt: u32) -> Duration {
+    Duration::from_millis(100u64 << attempt.min(6)).min(Duration::from_secs(5))
+}
+
+/// What a child is; decides how it is supervised and stopped.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Role {
+    Etcd,
+    ExpertWorker,
+    AttentionWorker,
+    Coordinator,
+}
+
+impl Role {
+    fn is_worker(self) -> bool {
+        matches!(self, Role::ExpertWorker | Role::AttentionWorker)
+    }
+
+    /// The signal that stops this child at once: SIGINT for workers (SIGTERM
+    /// asks a worker to drain first, which takes seconds), SIGTERM otherwise.
+    fn stop_signal(self) -> libc::c_int {
+        if self.is_worker() {
+            libc::SIGINT
+        } else {
+            libc::SIGTERM
+        }
+    }
+
+    /// Whether `up` starts it again when it exits.
+    fn restarted(self) -> bool {
+        matches!(self, Role::Etcd | Role::Coordinator)
+    }
+}
+
+/// One child process and how to start it again.
+struct Proc {
+    name: String,
+    role: Role,
+    program: PathBuf,
+    args: Vec<OsString>,
+    /// None once it exited (and was reaped) and until it is started again.
+    child: Option<Child>,
+    started: Instant,
+    /// Restarts in the current series (see [`STABLE`]).
+    restarts: u32,
+    /// When to start it again, while it is down.
+    restart_at: Option<Instant>,
+    /// This run of it is ready: etcd listens, the coordinator printed its
+    /// serving line.
+    ready: bool,
+    /// Some run of it was ready.
+    ever_ready: bool,
+}
+
+impl Proc {
+    fn new(name: &str, role: Role, program: &Path, args: Vec<OsString>) -> Proc {
+        Proc {
+            name: name.to_string(),
+            role,
+            program: program.to_path_buf(),
+            args,
+            child: None,
+            started: Instant::now(),
+            restarts: 0,
+            restart_at: None,
+            ready: false,
+            ever_ready: false,
+        }
+    }
+
+    /// Starts it (again); its stdout lines go to `tx` (etcd's are dropped).
+    fn spawn(&mut self, tx: &mpsc::Sender<(String, String)>) -> Result<()> {
+        let mut cmd = child_cmd(&self.program, self.role.stop_signal());
+        cmd.args(&self.args);
+        if self.role == Role::Etcd {
+            cmd.stdout(Stdio::null()).stderr(Stdio::null());
+        } else {
+            cmd.stdout(Stdio::piped());
+        }
+        let mut c = cmd
+            .spawn()
+            .with_context(|| format!("cannot start {}", self.name))?;
+        forward(self.name.clone(), &mut c, tx.clone());
+        println!("epserve up: started {} (pid {})", self.name, c.id());
+        self.child = Some(c);
+        self.started = Instant::now();
+        self.ready = false;
+        Ok(())
+    }
+
+    /// Marks this run ready.
+    fn set_ready(&mut self) {
+        self.ready = true;
+        self.ever_ready = true;
+    }
+
+    /// Schedules the next restart of a series, or fails when the series is
+    /// used up. `why` says what happened (`exited (signal: 9)`).
+    fn schedule_restart(&mut self, why: &str) -> Result<()> {
+        if self.started.elapsed() >= STABLE {
+            self.restarts = 0;
+        }
+        if self.restarts >= MAX_RESTARTS {
+            bail!(
+                "{} {why}, after {MAX_RESTARTS} restarts in a row; stopping the cluster",
+                self.name
+            );
+        }
+        let d = backoff(self.restarts);
+        self.restarts += 1;
+        println!(
+            "epserve up: {} {why}; restarting it in {:.1} s (restart {} of at most {MAX_RESTARTS} in a row)",
+            self.name,
+            d.as_secs_f64(),
+            self.restarts
+        );
+        self.restart_at = Some(Instant::now() + d);
+        Ok(())
+    }
+
+    /// One supervision tick: restarts it when due, notices an exit.
+    /// `etcd_addr`: where a restarted etcd must listen before it is ready.
+    fn poll(&mut self, tx: &mpsc::Sender<(String, String)>, etcd_addr: &str) -> Result<()> {
+        if let Some(at) = self.restart_at {
+            if Instant::now() >= at {
+                self.restart_at = None;
+                if let Err(e) = self.spawn(tx) {
+                    self.schedule_restart(&format!("could not be started ({e:#})"))?;
+                }
+            }
+            return Ok(());
+        }
+        let Some(c) = self.child.as_mut() else {
+            return Ok(());
+        };
+        let status: ExitStatus = match c.try_wait() {
+            Ok(Some(s)) => s,
+            Ok(None) => {
+                if self.role == Role::Etcd
+                    && !self.ready
+                    && std::net::TcpStream::connect(etcd_addr).is_ok()
+                {
+                    self.set_ready();
+                    println!("epserve up: etcd back at {etcd_addr}");
+                }
+                return Ok(());
+            }
+            Err(e) => bail!("cannot wait for {}: {e}", self.name),
+        };
+        self.child = None;
+        if !self.role.restarted() {
+            // The coordinator reports requests that needed it; keep serving.
+            println!("epserve up: {} exited ({status}); not restarted", self.name);
+            return Ok(());
+        }
+        if self.role == Role::Coordinator && !self.ever_ready {
+            bail!(
+                "{} exited ({status}) before it served; stopping the cluster",
+                self.name
+            );
+        }
+        self.schedule_restart(&format!("exited ({status})"))
+    }
+}
+
 struct Children {
-    list: Vec<(String, Child)>,
+    list: Vec<Proc>,
     tmp: Vec<PathBuf>,
 }
 
-impl Drop for Children {
-    fn drop(&mut self) {
-        for (name, c) in self.list.iter_mut().rev() {
-            // SAFETY: kill(2) on our own child's pid; at worst it already exited.
-            unsafe {
-                libc::kill(c.id() as libc::pid_t, libc::SIGTERM);
+impl Children {
+    /// Stops the running children that `which` selects: their stop signal
+    /// to all of them at once (SIGCONT first, in case one was stopped), up to
+    /// 5 s for all to exit, then SIGKILL.
+    fn stop(&mut self, which: impl Fn(Role) -> bool) {
+        let mut running: Vec<(&str, &mut Child)> = Vec::new();
+        for p in self.list.iter_mut().filter(|p| which(p.role)) {
+            let sig = p.role.stop_signal();
+            let Proc { name, child, .. } = p;
+            if let Some(c) = child.as_mut() {
+                // SAFETY: kill(2) on our own child, not yet reaped (its pid
+                // is still ours); at worst it already exited.
+                unsafe {
+                    libc::kill(c.id() as libc::pid_t, libc::SIGCONT);
+                    libc::kill(c.id() as libc::pid_t, sig);
+                }
+                running.push((name.as_str(), c));
             }
-            let deadline = Instant::now() + Duration::from_secs(5);
+        }
+        let deadline = Instant::now() + Duration::from_secs(5);
+        for (name, c) in running {
             loop {
                 match c.try_wait() {
                     Ok(Some(_)) => break,
                     Ok(None) if Instant::now() < deadline => {
-                        std::thread::sleep(Duration::from_millis(50))
+                        std::thread::sleep(Duration::from_millis(20))
                     }
                     _ => {
                         let _ = c.kill();
@@ -88,6 +288,14 @@ impl Drop for Children {
             }
             tracing::debug!(child = %name, "stopped");
         }
+    }
+}
+
+impl Drop for Children {
+    fn drop(&mut self) {
+        self.stop(|r| r == Role::Coordinator);
+        self.stop(Role::is_worker);
+        self.stop(|r| r == Role::Etcd);
         for d in &self.tmp {
             let _ = std::fs::remove_dir_all(d);
         }
@@ -140,7 +348,8 @@ fn block_stop_signals() -> Result<()> {
     Ok(())
 }
 
-fn child_cmd(program: &std::path::Path) -> Command {
+/// A command for a child that gets `death_signal` when `up` dies.
+fn child_cmd(program: &Path, death_signal: libc::c_int) -> Command {
     let mut c = Command::new(program);
     let set = stop_signals();
     // SAFETY: in the forked child before exec, prctl sets its own parent death
@@ -149,7 +358,7 @@ fn child_cmd(program: &std::path::Path) -> Command {
     // allocated or locked there.
     unsafe {
         c.pre_exec(move || {
-            libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGTERM);
+            libc::prctl(libc::PR_SET_PDEATHSIG, death_signal);
             if libc::sigprocmask(libc::SIG_UNBLOCK, &set, std::ptr::null_mut()) != 0 {
                 return Err(std::io::Error::last_os_error());
             }
@@ -193,6 +402,15 @@ fn flag_arg(coordinator_args: &[String], flag: &str) -> Option<String> {
     found
 }
 
+/// Owned arguments from string-likes.
+fn os_args<I, S>(items: I) -> Vec<OsString>
+where
+    I: IntoIterator<Item = S>,
+    S: Into<OsString>,
+{
+    items.into_iter().map(Into::into).collect()
+}
+
 /// Runs the local cluster until interrupted. Called from `main` before any
 /// other thread exists (no runtime is started for `up`).
 pub fn run(args: &UpArgs) -> Result<()> {
@@ -222,30 +440,30 @@ pub fn run(args: &UpArgs) -> Result<()> {
             let (cport, pport) = (free_port()?, free_port()?);
             let dir = std::env::temp_dir().join(format!("epserve-etcd-{}", std::process::id()));
             kids.tmp.push(dir.clone());
-            let child = child_cmd(&etcd_bin)
-                .args(["--name", "epserve-up", "--data-dir"])
-                .arg(&dir)
-                .args([
-                    "--listen-client-urls",
-                    &format!("http://127.0.0.1:{cport}"),
-                    "--advertise-client-urls",
-                    &format!("http://127.0.0.1:{cport}"),
-                    "--listen-peer-urls",
-                    &format!("http://127.0.0.1:{pport}"),
-                    "--initial-advertise-peer-urls",
-                    &format!("http://127.0.0.1:{pport}"),
-                    "--initial-cluster",
-                    &format!("epserve-up=http://127.0.0.1:{pport}"),
-                    "--log-level",
-                    "error",
-                ])
-                .stdout(Stdio::null())
-                .stderr(Stdio::null())
-                .spawn()
-                .context("cannot start etcd")?;
-            kids.list.push(("etcd".into(), child));
+            let mut etcd_args = os_args(["--name", "epserve-up", "--data-dir"]);
+            etcd_args.push(dir.clone().into_os_string());
+            etcd_args.extend(os_args([
+                "--listen-client-urls".to_string(),
+                format!("http://127.0.0.1:{cport}"),
+                "--advertise-client-urls".to_string(),
+                format!("http://127.0.0.1:{cport}"),
+                "--listen-peer-urls".to_string(),
+                format!("http://127.0.0.1:{pport}"),
+                "--initial-advertise-peer-urls".to_string(),
+                format!("http://127.0.0.1:{pport}"),
+                "--initial-cluster".to_string(),
+                format!("epserve-up=http://127.0.0.1:{pport}"),
+                "--log-level".to_string(),
+                "error".to_string(),
+            ]));
+            let mut p = Proc::new("etcd", Role::Etcd, &etcd_bin, etcd_args);
+            p.spawn(&tx).context("cannot start etcd")?;
+            kids.list.push(p);
             let addr = format!("127.0.0.1:{cport}");
             wait_tcp(&addr, Duration::from_secs(20)).context("etcd did not start")?;
+            if let Some(p) = kids.list.last_mut() {
+                p.set_ready();
+            }
             println!("epserve up: etcd at {addr} (data in {})", dir.display());
             addr
         }
@@ -253,45 +471,54 @@ pub fn run(args: &UpArgs) -> Result<()> {
     for i in 0..args.expert_workers {
         let port = free_port()?;
         let name = format!("expert-{i}");
-        let mut c = child_cmd(&exe)
-            .args(["expert-worker", "--model"])
-            .arg(&args.model)
-            .args(["--etcd", &etcd, "--cluster", &cluster, "--id", &name])
-            .args(["--listen", &format!("127.0.0.1:{port}")])
-            .stdout(Stdio::piped())
-            .spawn()
-            .with_context(|| format!("cannot start {name}"))?;
-        forward(name.clone(), &mut c, tx.clone());
-        kids.list.push((name, c));
+        let mut a = os_args(["expert-worker", "--model"]);
+        a.push(args.model.clone().into_os_string());
+        a.extend(os_args([
+            "--etcd",
+            &etcd,
+            "--cluster",
+            &cluster,
+            "--id",
+            &name,
+            "--listen",
+            &format!("127.0.0.1:{port}"),
+        ]));
+        let mut p = Proc::new(&name, Role::ExpertWorker, &exe, a);
+        p.spawn(&tx)?;
+        kids.list.push(p);
     }
     for i in 0..args.attention_workers {
         let port = free_port()?;
         let name = format!("attention-{i}");
-        let mut c = child_cmd(&exe)
-            .args(["attention-worker", "--model"])
-            .arg(&args.model)
-            .args(["--etcd", &etcd, "--cluster", &cluster, "--id", &name])
-            .args(["--shard", &i.to_string(), "--of"])
-            .arg(args.attention_workers.to_string())
-            .args(["--listen", &format!("127.0.0.1:{port}")])
-            .args(["--kv-cache-memory", &args.attention_kv_cache_memory])
-            .args(
-                block_size_arg(&args.coordinator_args)
-                    .map(|b| vec!["--block-size".to_string(), b])
-                    .unwrap_or_default(),
-            )
-            // The KV lives on the attention-workers: the coordinator's
-            // `--kv-cache-dtype` is theirs.
-            .args(
-                flag_arg(&args.coordinator_args, "--kv-cache-dtype")
-                    .map(|d| vec!["--kv-cache-dtype".to_string(), d])
-                    .unwrap_or_default(),
-            )
-            .stdout(Stdio::piped())
-            .spawn()
-            .with_context(|| format!("cannot start {name}"))?;
-        forward(name.clone(), &mut c, tx.clone());
-        kids.list.push((name, c));
+        let mut a = os_args(["attention-worker", "--model"]);
+        a.push(args.model.clone().into_os_string());
+        a.extend(os_args([
+            "--etcd".to_string(),
+            etcd.clone(),
+            "--cluster".to_string(),
+            cluster.clone(),
+            "--id".to_string(),
+            name.clone(),
+            "--shard".to_string(),
+            i.to_string(),
+            "--of".to_string(),
+            args.attention_workers.to_string(),
+            "--listen".to_string(),
+            format!("127.0.0.1:{port}"),
+            "--kv-cache-memory".to_string(),
+            args.attention_kv_cache_memory.clone(),
+        ]));
+        if let Some(b) = block_size_arg(&args.coordinator_args) {
+            a.extend(os_args(["--block-size".to_string(), b]));
+        }
+        // The KV lives on the attention-workers: the coordinator's
+        // `--kv-cache-dtype` is theirs.
+        if let Some(d) = flag_arg(&args.coordinator_args, "--kv-cache-dtype") {
+            a.extend(os_args(["--kv-cache-dtype".to_string(), d]));
+        }
+        let mut p = Proc::new(&name, Role::AttentionWorker, &exe, a);
+        p.spawn(&tx)?;
+        kids.list.push(p);
     }
     let served = args.served_model_name.clone().unwrap_or_else(|| {
         args.model
@@ -300,27 +527,38 @@ pub fn run(args: &UpArgs) -> Result<()> {
             .unwrap_or("model")
             .to_string()
     });
-    let mut c = child_cmd(&exe)
-        .args(["coordinator", "--model"])
-        .arg(&args.model)
-        .args(["--etcd", &etcd, "--cluster", &cluster])
-        .args(["--expert-workers", &args.expert_workers.to_string()])
-        .args(["--attention-workers", &args.attention_workers.to_string()])
-        .args(["--host", &args.host, "--port", &args.port.to_string()])
-        .args([
-            "--served-model-name",
-            &served,
-            "--dispatch-dtype",
-            &args.dispatch_dtype,
-        ])
-        .args(["--admin-port", &free_port()?.to_string()])
-        .args(&args.coordinator_args)
-        .stdout(Stdio::piped())
-        .spawn()
-        .context("cannot start the coordinator")?;
-    forward("coordinator".into(), &mut c, tx.clone());
-    kids.list.push(("coordinator".into(), c));
-    drop(tx);
+    // A restarted coordinator must come back on the same port: resolve 0 here.
+    let port = if args.port == 0 {
+        free_port()?
+    } else {
+        args.port
+    };
+    let mut a = os_args(["coordinator", "--model"]);
+    a.push(args.model.clone().into_os_string());
+    a.extend(os_args([
+        "--etcd".to_string(),
+        etcd.clone(),
+        "--cluster".to_string(),
+        cluster.clone(),
+        "--expert-workers".to_string(),
+        args.expert_workers.to_string(),
+        "--attention-workers".to_string(),
+        args.attention_workers.to_string(),
+        "--host".to_string(),
+        args.host.clone(),
+        "--port".to_string(),
+        port.to_string(),
+        "--served-model-name".to_string(),
+        served,
+        "--dispatch-dtype".to_string(),
+        args.dispatch_dtype.clone(),
+        "--admin-port".to_string(),
+        free_port()?.to_string(),
+    ]));
+    a.extend(os_args(&args.coordinator_args));
+    let mut p = Proc::new("coordinator", Role::Coordinator, &exe, a);
+    p.spawn(&tx).context("cannot start the coordinator")?;
+    kids.list.push(p);
 
     let stop = Arc::new(AtomicBool::new(false));
     {
@@ -328,40 +566,37 @@ pub fn run(args: &UpArgs) -> Result<()> {
         let s = stop.clone();
         std::thread::spawn(move || wait_signal(s));
     }
-    let mut announced = false;
-    let mut dead: Vec<String> = Vec::new();
     loop {
         while let Ok((who, line)) = rx.try_recv() {
-            if who == "coordinator"
-                && !announced
-                && line.contains("serving")
-                && line.contains("http://")
-            {
-                announced = true;
-                if let Some(i) = line.find("http://") {
-                    let url = line[i..].split_whitespace().next().unwrap_or("");
-                    println!(
-                        "epserve up: cluster ready at {url} ({} expert-workers, {} attention-workers, etcd {etcd})",
-                        args.expert_workers, args.attention_workers
-                    );
-                }
+            if who != "coordinator" || !line.contains("serving") {
+                continue;
             }
+            let Some(i) = line.find("http://") else {
+                continue;
+            };
+            let url = line[i..].split_whitespace().next().unwrap_or("");
+            let Some(p) = kids.list.iter_mut().find(|p| p.role == Role::Coordinator) else {
+                continue;
+            };
+            if p.ready {
+                continue;
+            }
+            if p.ever_ready {
+                println!("epserve up: coordinator serving again at {url}");
+            } else {
+                println!(
+                    "epserve up: cluster ready at {url} ({} expert-workers, {} attention-workers, etcd {etcd})",
+                    args.expert_workers, args.attention_workers
+                );
+            }
+            p.set_ready();
         }
         if stop.load(Ordering::Relaxed) {
             println!("epserve up: stopping");
             return Ok(());
         }
-        for (name, c) in kids.list.iter_mut() {
-            if let Ok(Some(status)) = c.try_wait() {
-                if name == "coordinator" || name == "etcd" {
-                    bail!("{name} exited ({status}); stopping the cluster");
-                }
-                if !dead.contains(name) {
-                    // The coordinator reports requests that needed it; keep serving.
-                    eprintln!("epserve up: {name} exited ({status})");
-                    dead.push(name.clone());
-                }
-            }
+        for p in kids.list.iter_mut() {
+            p.poll(&tx, &etcd)?;
         }
         std::thread::sleep(Duration::from_millis(100));
     }
@@ -406,7 +641,27 @@ fn which(name: &str) -> Option<PathBuf> {
 
 #[cfg(test)]
 mod tests {
-    use super::{block_size_arg, flag_arg};
+    use super::{MAX_RESTARTS, Role, backoff, block_size_arg, flag_arg};
+    use std::time::Duration;
+
+    #[test]
+    fn restarts_back_off_within_bounds() {
+        assert_eq!(backoff(0), Duration::from_millis(100));
+        assert_eq!(backoff(1), Duration::from_millis(200));
+        assert!((0..100).all(|a| backoff(a) <= Duration::from_secs(5)));
+        let series: Duration = (0..MAX_RESTARTS).map(backoff).sum();
+        assert!(series <= Duration::from_secs(20), "{series:?}");
+    }
+
+    #[test]
+    fn workers_stop_fast_and_only_etcd_and_the_coordinator_restart() {
+        assert_eq!(Role::ExpertWorker.stop_signal(), libc::SIGINT);
+        assert_eq!(Role::AttentionWorker.stop_signal(), libc::SIGINT);
+        assert_eq!(Role::Coordinator.stop_signal(), libc::SIGTERM);
+        assert_eq!(Role::Etcd.stop_signal(), libc::SIGTERM);
+        assert!(Role::Etcd.restarted() && Role::Coordinator.restarted());
+        assert!(!Role::ExpertWorker.restarted() && !Role::AttentionWorker.restarted());
+    }
 
     #[test]
     fn block_size_reaches_the_attention_workers() {
