@@ -1,10 +1,32 @@
 //! `epserve up` as a child process, for the cluster tests: start it, wait for
 //! "cluster ready", and stop it (SIGTERM, which stops every child) on drop.
+//! The pid of every child `up` started (and restarted) is kept from its
+//! `epserve up: started NAME (pid PID)` lines.
 
+use std::collections::BTreeMap;
 use std::io::{BufRead, BufReader};
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
-use std::time::Duration;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+/// What `up` said about its children, as its stdout reader thread saw it.
+#[derive(Debug, Default)]
+pub struct UpLog {
+    /// The latest pid of each child by name (`etcd`, `expert-0`, `coordinator`).
+    pub pids: BTreeMap<String, u32>,
+    /// `up`'s own lines (`epserve up: ...`), oldest first, with when they
+    /// were read; the last 500.
+    pub lines: Vec<(Instant, String)>,
+}
+
+/// `NAME` and `PID` of an `epserve up: started NAME (pid PID)` line.
+pub fn parse_started(line: &str) -> Option<(String, u32)> {
+    let rest = line.strip_prefix("epserve up: started ")?;
+    let (name, rest) = rest.split_once(" (pid ")?;
+    let pid = rest.strip_suffix(')')?.parse().ok()?;
+    Some((name.to_string(), pid))
+}
 
 /// A running local cluster.
 pub struct Up {
@@ -17,6 +39,8 @@ pub struct Up {
     pub etcd_data_dir: Option<PathBuf>,
     /// The coordinator's admin gRPC address.
     pub admin: String,
+    /// Children's pids and `up`'s lines, kept current while it runs.
+    pub log: Arc<Mutex<UpLog>>,
 }
 
 impl Drop for Up {
@@ -57,6 +81,8 @@ impl Up {
         let mut child = cmd.spawn().expect("spawn epserve up");
         let out = child.stdout.take().expect("stdout");
         let (tx, rx) = std::sync::mpsc::channel();
+        let log = Arc::new(Mutex::new(UpLog::default()));
+        let log2 = log.clone();
         std::thread::spawn(move || {
             let mut etcd = String::new();
             let mut etcd_data_dir = None;
@@ -64,6 +90,16 @@ impl Up {
             for line in BufReader::new(out).lines().map_while(|l| l.ok()) {
                 if echo {
                     eprintln!("{line}");
+                }
+                if line.starts_with("epserve up: ") {
+                    let mut l = log2.lock().unwrap_or_else(|e| e.into_inner());
+                    if let Some((name, pid)) = parse_started(&line) {
+                        l.pids.insert(name, pid);
+                    }
+                    if l.lines.len() >= 500 {
+                        l.lines.remove(0);
+                    }
+                    l.lines.push((Instant::now(), line.clone()));
                 }
                 if let Some(i) = line.find("admin gRPC at ") {
                     admin = line[i + "admin gRPC at ".len()..].trim().to_string();
@@ -95,6 +131,41 @@ impl Up {
             etcd,
             etcd_data_dir,
             admin,
+            log,
+        }
+    }
+
+    /// The latest pid of child `name` (`etcd`, `expert-0`, `coordinator`).
+    pub fn pid(&self, name: &str) -> Option<u32> {
+        self.log
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .pids
+            .get(name)
+            .copied()
+    }
+
+    /// When `up` printed (the first) line containing `what` at or after
+    /// `since`, if it did.
+    pub fn find_line(&self, what: &str, since: Instant) -> Option<Instant> {
+        let l = self.log.lock().unwrap_or_else(|e| e.into_inner());
+        l.lines
+            .iter()
+            .find(|(t, line)| *t >= since && line.contains(what))
+            .map(|(t, _)| *t)
+    }
+
+    /// Waits (blocking, up to `limit`) for `find_line`.
+    pub fn wait_line(&self, what: &str, since: Instant, limit: Duration) -> Option<Instant> {
+        let deadline = Instant::now() + limit;
+        loop {
+            if let Some(t) = self.find_line(what, since) {
+                return Some(t);
+            }
+            if Instant::now() >= deadline {
+                return None;
+            }
+            std::thread::sleep(Duration::from_millis(20));
         }
     }
 
