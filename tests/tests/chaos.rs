@@ -11,6 +11,7 @@
 //! - D: SIGTERM to a random expert-worker (drain, then exit); no replicas.
 //! - E: the coordinator killed (kill -9); `up` starts it again with the same
 //!   arguments (same ports).
+//! - F: etcd killed (kill -9); `up` starts it again (same data dir, ports).
 //!
 //! Each test first records the greedy tokens (temperature 0, `ignore_eos`)
 //! of a fixed prompt set on the undisturbed cluster, one request at a time;
@@ -35,7 +36,9 @@
 //! that succeeds; C and D: 0 failed, 0 wrong (C: every worker still
 //! registered after etcd returns; D: the worker exits); E: requests in
 //! flight at the kill end (with an error) within 2 s, new ones succeed
-//! within 5 s of the coordinator's restart and every one after that.
+//! within 5 s of the coordinator's restart and every one after that; F: 0
+//! failed, 0 wrong, etcd listening again within 10 s and every worker
+//! registered a lease TTL + 3 s after the kill.
 //!
 //! The tests run one at a time (they measure time; a lock). Needs `etcd` on
 //! PATH; skipped without it unless `EPSERVE_REQUIRE_ETCD=1`.
@@ -1020,6 +1023,62 @@ fn e_coordinator_restart() {
             (None, _) => rep.check(false, "`up` did not restart the coordinator"),
             (_, None) => rep.check(false, "no request succeeded after the restart"),
         }
+        rep.finish(&ctx.up);
+    });
+}
+
+/// F: etcd killed (kill -9) under load: `up` starts it again on the same
+/// data dir and ports, and serving goes on.
+#[test]
+fn f_etcd_killed_and_restarted_by_up() {
+    run(|| async {
+        let ctx = setup("F").await;
+        let etcd = ctx.up.pid("etcd").expect("etcd's pid from up");
+        let settle = Duration::from_secs(WORKER_TTL_SECS as u64 + 3);
+        let load = Load::start(
+            &ctx.up.url,
+            &ctx.prompts,
+            WARM + settle + Duration::from_secs(15),
+        );
+        tokio::time::sleep(WARM).await;
+        signal(etcd, libc::SIGKILL);
+        let fault = Instant::now();
+        let back = poll_until!(
+            Duration::from_secs(10),
+            ctx.up.find_line("etcd back at", fault).is_some()
+        )
+        .and_then(|_| ctx.up.find_line("etcd back at", fault));
+        let ids: Vec<&str> = ctx.workers.iter().map(|w| w.id.as_str()).collect();
+        let mut all_at_end = false;
+        while Instant::now() < fault + settle {
+            all_at_end = registered(&ctx.state)
+                .await
+                .is_some_and(|live| ids.iter().all(|id| live.iter().any(|w| w.id == *id)));
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        let records = load.finish().await;
+        let mut rep = Report::new("F", records, &ctx.baseline, fault);
+        rep.note("etcd kill -9; `up` restarts it");
+        match back {
+            Some(t) => {
+                let s = format!("etcd listening again at {}", rep.at(t));
+                rep.note(s);
+            }
+            None => rep.note("etcd not back within 10 s"),
+        }
+        rep.note(format!(
+            "every worker registered {:.0} s after the kill: {all_at_end}",
+            settle.as_secs_f64()
+        ));
+        rep.check_lossless();
+        rep.check(back.is_some(), "`up` did not restart etcd within 10 s");
+        rep.check(
+            all_at_end,
+            format!(
+                "not every worker registered {:.0} s after the kill",
+                settle.as_secs_f64()
+            ),
+        );
         rep.finish(&ctx.up);
     });
 }
