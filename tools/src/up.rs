@@ -68,6 +68,10 @@ pub struct UpArgs {
     /// Served model name.
     #[arg(long)]
     pub served_model_name: Option<String>,
+    /// TTL of the workers' etcd leases, seconds, passed on to every worker as
+    /// its `--lease-ttl-secs` (unset: the workers' default).
+    #[arg(long, value_parser = clap::value_parser!(i64).range(1..))]
+    pub lease_ttl_secs: Option<i64>,
     /// Extra arguments passed to the coordinator (e.g. `--max-num-seqs 8`).
     #[arg(last = true)]
     pub coordinator_args: Vec<String>,
@@ -402,6 +406,12 @@ fn flag_arg(coordinator_args: &[String], flag: &str) -> Option<String> {
     found
 }
 
+/// `--lease-ttl-secs N` for a worker, when `up` was given one.
+fn lease_ttl_arg(ttl: Option<i64>) -> Vec<OsString> {
+    ttl.map(|t| os_args(["--lease-ttl-secs".to_string(), t.to_string()]))
+        .unwrap_or_default()
+}
+
 /// Owned arguments from string-likes.
 fn os_args<I, S>(items: I) -> Vec<OsString>
 where
@@ -483,6 +493,7 @@ pub fn run(args: &UpArgs) -> Result<()> {
             "--listen",
             &format!("127.0.0.1:{port}"),
         ]));
+        a.extend(lease_ttl_arg(args.lease_ttl_secs));
         let mut p = Proc::new(&name, Role::ExpertWorker, &exe, a);
         p.spawn(&tx)?;
         kids.list.push(p);
@@ -516,6 +527,7 @@ pub fn run(args: &UpArgs) -> Result<()> {
         if let Some(d) = flag_arg(&args.coordinator_args, "--kv-cache-dtype") {
             a.extend(os_args(["--kv-cache-dtype".to_string(), d]));
         }
+        a.extend(lease_ttl_arg(args.lease_ttl_secs));
         let mut p = Proc::new(&name, Role::AttentionWorker, &exe, a);
         p.spawn(&tx)?;
         kids.list.push(p);
@@ -641,7 +653,7 @@ fn which(name: &str) -> Option<PathBuf> {
 
 #[cfg(test)]
 mod tests {
-    use super::{MAX_RESTARTS, Role, backoff, block_size_arg, flag_arg};
+    use super::{MAX_RESTARTS, Role, backoff, block_size_arg, flag_arg, lease_ttl_arg};
     use std::time::Duration;
 
     #[test]
@@ -661,6 +673,12 @@ mod tests {
         assert_eq!(Role::Etcd.stop_signal(), libc::SIGTERM);
         assert!(Role::Etcd.restarted() && Role::Coordinator.restarted());
         assert!(!Role::ExpertWorker.restarted() && !Role::AttentionWorker.restarted());
+    }
+
+    #[test]
+    fn a_lease_ttl_is_passed_on_only_when_given() {
+        assert!(lease_ttl_arg(None).is_empty());
+        assert_eq!(lease_ttl_arg(Some(3)), ["--lease-ttl-secs", "3"]);
     }
 
     #[test]
