@@ -11,7 +11,9 @@
 //!    its share of both (`epserve_cluster::state::desired_experts`), loading
 //!    its new replicas from the model files while it keeps serving the old ones.
 //! 2. `loading`: every worker with new replicas is registered; each reports
-//!    ready under `rebalance-ready/<worker>` once it holds them.
+//!    ready under `rebalance-ready/<worker>` once it holds them. One that
+//!    leaves the registry meanwhile (lease expired) rolls the rebalance back
+//!    at the next poll.
 //! 3. `ready`: all reported. The coordinator swaps the placement key (CAS on
 //!    the revision it started from) and hands the dispatcher the new route,
 //!    which takes it at the next step's first MoE layer (a step never mixes
@@ -463,6 +465,19 @@ impl Controller {
             let missing: Vec<&String> = need.iter().filter(|w| !ready.contains(*w)).collect();
             if missing.is_empty() {
                 break;
+            }
+            // A worker we wait for whose lease expired will not report:
+            // roll back now rather than at the timeout. A failed read
+            // proves nothing; the next poll looks again.
+            match self.registered().await {
+                Ok(reg) => {
+                    if let Some(w) = missing.iter().find(|w| !reg.iter().any(|r| &r.id == **w)) {
+                        return Err(format!(
+                            "worker {w} is no longer registered (its lease expired) while loading its new replicas"
+                        ));
+                    }
+                }
+                Err(e) => tracing::debug!(error = %e, "cannot read the registry; looking again"),
             }
             if started.elapsed() > self.timeout {
                 return Err(format!(

@@ -2,7 +2,7 @@
 //! state in order, roll back, refusals, a coordinator restart.
 
 use super::*;
-use epserve_cluster::store::{LeaseGuard, MemoryStore};
+use epserve_cluster::store::{KvStore, LeaseGuard, MemoryStore};
 use epserve_proto::pb::Dtype;
 
 fn ws(n: usize) -> Vec<String> {
@@ -12,21 +12,34 @@ fn ws(n: usize) -> Vec<String> {
 /// A controller over an in-memory store with two registered workers and
 /// the initial placement of 4 experts in layer 0 (w0: 0, 2; w1: 1, 3).
 async fn setup(timeout_ms: u64) -> (Arc<Controller>, Vec<LeaseGuard>) {
-    let state = ClusterState::new(Arc::new(MemoryStore::new()), "t");
-    let mut guards = Vec::new();
-    for w in ws(2) {
-        let info = WorkerInfo {
-            id: w.clone(),
-            role: "expert".into(),
-            addr: format!("http://127.0.0.1:1/{w}"),
-            cores: vec![0],
-            memory_bytes: 0,
-            shard: None,
-            pid: 1,
-        };
-        guards.push(state.register(&info).await.expect("register"));
+    setup_in(Arc::new(MemoryStore::new()), 2, timeout_ms).await
+}
+
+fn worker(w: &str) -> WorkerInfo {
+    WorkerInfo {
+        id: w.to_string(),
+        role: "expert".into(),
+        addr: format!("http://127.0.0.1:1/{w}"),
+        cores: vec![0],
+        memory_bytes: 0,
+        shard: None,
+        pid: 1,
     }
-    let p = Placement::initial(&[0], 4, &ws(2)).expect("placement");
+}
+
+/// A controller over `store` with `n` registered workers `w0..` and the
+/// initial placement of 4 experts in layer 0 (expert e on worker e mod n).
+async fn setup_in(
+    store: Arc<dyn KvStore>,
+    n: usize,
+    timeout_ms: u64,
+) -> (Arc<Controller>, Vec<LeaseGuard>) {
+    let state = ClusterState::new(store, "t");
+    let mut guards = Vec::new();
+    for w in ws(n) {
+        guards.push(state.register(&worker(&w)).await.expect("register"));
+    }
+    let p = Placement::initial(&[0], 4, &ws(n)).expect("placement");
     state.init_placement(&p).await.expect("init");
     let d = Arc::new(GrpcDispatcher::new(
         tokio::runtime::Handle::current(),
@@ -230,4 +243,45 @@ fn estimate_and_same_assignment() {
     assert!(same_assignment(&p, &q));
     q.workers.reverse();
     assert!(!same_assignment(&p, &q));
+}
+
+async fn placement(c: &Controller) -> Placement {
+    c.state
+        .placement()
+        .await
+        .expect("get")
+        .expect("placement")
+        .0
+}
+
+#[tokio::test]
+async fn a_rebalance_waiting_for_a_vanished_worker_rolls_back_at_once() {
+    let (c, mut g) = setup(60_000).await;
+    let plan = c.plan_explicit(TARGET).await.expect("plan");
+    let c2 = c.clone();
+    let run = tokio::spawn(async move { c2.apply(plan, "test").await });
+    // Wait (bounded) until it waits for w0 to load expert 1.
+    for _ in 0..200 {
+        if let Ok(Some((d, _))) = c.state.rebalance().await
+            && d.state == RebalanceState::Loading
+        {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let t = Instant::now();
+    drop(g.remove(0));
+    let out = tokio::time::timeout(Duration::from_secs(5), run)
+        .await
+        .expect("rolled back well before the 60 s timeout")
+        .expect("join")
+        .expect("apply");
+    assert!(t.elapsed() < Duration::from_secs(1), "{:?}", t.elapsed());
+    assert_eq!(out.state, "rolled_back", "{out:?}");
+    assert!(
+        out.message.contains("w0") && out.message.contains("no longer registered"),
+        "{}",
+        out.message
+    );
+    assert_eq!(placement(&c).await.version, 1);
 }
