@@ -6,6 +6,11 @@
 //!     └──────────┴─────────┴──▶ rolled_back   (timeout, a vanished worker, a lost CAS)
 //! ```
 //!
+//! Besides the operator's requests and automatic EPLB, [`Controller::supervise`]
+//! (`recover.rs`) watches the registry: it re-places the experts of workers
+//! whose lease expired, honours workers' drain requests (SIGTERM) and gives
+//! experts back to a worker that returns holding nothing.
+//!
 //! 1. `proposed`: the target placement (version + 1) and the one in force are
 //!    written. While a rebalance is active every worker holds the union of
 //!    its share of both (`epserve_cluster::state::desired_experts`), loading
@@ -653,6 +658,9 @@ fn same_assignment(a: &Placement, b: &Placement) -> bool {
     };
     key(a) == key(b)
 }
+
+mod recover;
+pub use recover::{Action, SuperviseOptions, Supervisor, join_plan};
 
 #[cfg(test)]
 mod tests;
