@@ -77,8 +77,10 @@ pub struct Supervisor {
     said: BTreeMap<String, String>,
 }
 
-fn sole_label(ids: &[String]) -> String {
-    ids.join(", ")
+/// `expert-worker a` or `expert-workers a, b`.
+fn workers_label(ids: &[String]) -> String {
+    let s = if ids.len() == 1 { "" } else { "s" };
+    format!("expert-worker{s} {}", ids.join(", "))
 }
 
 fn retry_later(e: &RebalanceError) -> bool {
@@ -108,11 +110,12 @@ impl Supervisor {
         }
     }
 
-    fn report(&mut self, status: &Status, subject: &str, what: &str, o: &Outcome) {
+    fn report(&mut self, status: &Status, subject: &str, what: &str, o: &Outcome, t: Instant) {
         let msg = format!(
-            "{what}: rebalance {} {} (v{} → v{}){}",
+            "{what}: rebalance {} {} in {:.2} s (v{} → v{}){}",
             o.id,
             o.state,
+            t.elapsed().as_secs_f64(),
             o.from_version,
             o.to_version,
             if o.message.is_empty() {
@@ -167,17 +170,19 @@ impl Supervisor {
             .map(|(w, _)| w.clone())
             .collect();
         if !lost.is_empty() {
-            let label = sole_label(&lost);
+            let label = workers_label(&lost);
+            let ids = lost.join(", ");
             if !self.opts.recover_lost {
                 self.say_once(
                     status,
                     "recover",
                     format!(
-                        "expert-workers {label} are gone and hold experts; not re-placing them (--recover-lost-experts=false)"
+                        "{label} gone (lease expired) holding experts; not re-placing them (--recover-lost-experts=false)"
                     ),
                 );
             } else {
-                let reason = format!("recover {label}");
+                let reason = format!("recover {ids}");
+                let t = Instant::now();
                 let res = match c.plan_recover(&lost).await {
                     Ok(plan) => c.apply(plan, &reason).await,
                     Err(e) => Err(e),
@@ -187,8 +192,9 @@ impl Supervisor {
                         self.report(
                             status,
                             "recover",
-                            &format!("expert-workers {label} lost (lease expired), experts re-placed"),
+                            &format!("{label} lost (lease expired), its experts re-placed"),
                             &o,
+                            t,
                         );
                         return Ok(Some(Action { reason, outcome: o }));
                     }
@@ -196,7 +202,7 @@ impl Supervisor {
                     Err(e) => self.say_once(
                         status,
                         "recover",
-                        format!("expert-workers {label} are gone and hold experts; cannot re-place them: {e}"),
+                        format!("{label} gone (lease expired) holding experts; cannot re-place them: {e}"),
                     ),
                 }
             }
@@ -204,8 +210,11 @@ impl Supervisor {
 
         // 2. Drain requests (SIGTERM).
         for (id, req) in &requests {
-            // A draining worker is not a returning one.
-            self.arrivals.remove(id);
+            let why = if req.reason.is_empty() {
+                "requested"
+            } else {
+                req.reason.as_str()
+            };
             let holds = placement
                 .workers
                 .iter()
@@ -216,9 +225,11 @@ impl Supervisor {
                     "drain request of {id} dropped: it is no longer registered"
                 ))
             } else if !holds {
+                // (Left a returning worker: a request from its previous
+                // life must not keep it empty; one on its way out holds
+                // nothing and deregisters within the settle time.)
                 Some(format!(
-                    "drain request of {id} ({}): it holds no experts",
-                    req.reason
+                    "drain request of {id} ({why}) cleared: it holds no experts"
                 ))
             } else {
                 None
@@ -229,15 +240,18 @@ impl Supervisor {
                 status.say(&format!("epserve coordinator: {msg}"));
                 continue;
             }
-            let reason = format!("drain {id} ({})", req.reason);
+            // A draining worker is not a returning one.
+            self.arrivals.remove(id);
+            let reason = format!("drain {id} ({why})");
+            let t = Instant::now();
             let res = match c.plan_drain(id).await {
                 Ok(plan) => c.apply(plan, &reason).await,
                 Err(e) => Err(e),
             };
             match res {
                 Ok(o) => {
-                    let what = format!("drain of {id} asked by the worker ({})", req.reason);
-                    self.report(status, id, &what, &o);
+                    let what = format!("drain of {id} asked by the worker ({why})");
+                    self.report(status, id, &what, &o, t);
                     if o.state == "done" || o.state == "unchanged" {
                         c.state.clear_drain_request(id).await.map_err(store_err)?;
                     }
@@ -248,7 +262,7 @@ impl Supervisor {
                     self.say_once(
                         status,
                         id,
-                        format!("cannot drain {id} as it asked ({}): {e}; request dropped, the worker stops waiting by itself", req.reason),
+                        format!("cannot drain {id} as it asked ({why}): {e}; request dropped, the worker stops waiting by itself"),
                     );
                     c.state.clear_drain_request(id).await.map_err(store_err)?;
                 }
@@ -268,6 +282,7 @@ impl Supervisor {
                 continue;
             }
             let reason = format!("return {id}");
+            let t = Instant::now();
             let res = match c.plan_join(&id).await {
                 Ok(plan) => c.apply(plan, &reason).await,
                 Err(e) => Err(e),
@@ -282,6 +297,7 @@ impl Supervisor {
                             "expert-worker {id} registered holding nothing, experts moved to it"
                         ),
                         &o,
+                        t,
                     );
                     return Ok(Some(Action { reason, outcome: o }));
                 }

@@ -708,3 +708,29 @@ fn recover_lost_experts_is_on_by_default_and_can_be_turned_off() {
     assert_eq!(parse(&["--recover-lost-experts=true"]).ok(), Some(true));
     assert!(parse(&["--recover-lost-experts=maybe"]).is_err());
 }
+
+#[tokio::test]
+async fn a_stale_drain_request_does_not_keep_a_returning_worker_empty() {
+    let (c, mut g) = setup(5_000).await;
+    stand_ins(c.state.clone(), live(&["w0", "w1"]));
+    let (status, _lines) = capture();
+    let mut s = Supervisor::new(opts(true));
+    drop(g.remove(1));
+    let a = s
+        .tick(&c, &status)
+        .await
+        .expect("tick")
+        .expect("a recovery");
+    assert_eq!(a.reason, "recover w1");
+    // Its request from before the crash is still there when it is back.
+    let req = DrainRequest {
+        requested_ms: 1,
+        reason: String::new(),
+    };
+    c.state.request_drain("w1", &req).await.expect("request");
+    g.push(c.state.register(&worker("w1")).await.expect("register"));
+    let a = s.tick(&c, &status).await.expect("tick").expect("a return");
+    assert_eq!(a.reason, "return w1");
+    assert!(c.state.drain_requests().await.expect("requests").is_empty());
+    assert_eq!(placement(&c).await.assigned_to("w1").len(), 2);
+}
