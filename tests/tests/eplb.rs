@@ -17,7 +17,9 @@
 //! the same tokens. Automatic rebalancing (`--eplb-interval`) kicks in under
 //! skewed load. A worker that crashes while a rebalance waits for it, and is
 //! restarted (same id, new address), loads both sets and the rebalance
-//! completes.
+//! completes. A worker killed with no replica of its experts elsewhere:
+//! once its lease expires the coordinator re-places its experts on the
+//! survivors (`recover <worker>`) within 5 s, and requests succeed again.
 //!
 //! Needs `etcd` on PATH; skipped without it unless `EPSERVE_REQUIRE_ETCD=1`.
 
@@ -482,5 +484,66 @@ async fn a_worker_restarted_mid_rebalance_loads_both_sets_and_it_completes() {
     // with the switch): the same tokens as before.
     for (i, r) in traffic(&up.url, 1).await.iter().enumerate() {
         assert_eq!(r[0], baseline[i], "prompt {i} after the restart");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_killed_worker_without_replicas_is_replaced_by_the_survivors_after_its_lease() {
+    if !etcd_available() {
+        return;
+    }
+    let up = start_up(&[]);
+    let baseline: Vec<String> = traffic(&up.url, 1)
+        .await
+        .into_iter()
+        .map(|mut v| v.remove(0))
+        .collect();
+    // kill -9 expert-1: no other worker holds its experts.
+    let gone = "expert-1";
+    let pid = workers_pid(&up, gone).await;
+    let killed = Instant::now();
+    // SAFETY: the worker is a grandchild of this test; SIGKILL simulates a crash.
+    unsafe {
+        libc::kill(pid as libc::pid_t, libc::SIGKILL);
+    }
+    // The coordinator re-places its experts once its lease (5 s) expires;
+    // wait (bounded) for the recovery rebalance to be done.
+    let mut status = Value::Null;
+    let mut whole = None;
+    while killed.elapsed() < Duration::from_secs(30) {
+        status = ctl_ok(&up.admin, &["status"]);
+        if status["reason"] == format!("recover {gone}") && status["state"] == "done" {
+            whole = Some(killed.elapsed());
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let whole = whole.unwrap_or_else(|| panic!("no recovery within 30 s: {status}"));
+    eprintln!(
+        "kill -9 of {gone} (no replicas): every expert served again {:.2} s after the kill (lease TTL 5 s; {})",
+        whole.as_secs_f64(),
+        status["message"]
+    );
+    assert!(
+        whole < Duration::from_secs(10),
+        "not whole within 5 s of the lease expiring: {whole:?}"
+    );
+    let placement = ctl_ok(&up.admin, &["placement"]);
+    let workers: Vec<String> =
+        serde_json::from_value(placement["workers"].clone()).expect("workers");
+    let idx = workers.iter().position(|w| w == gone).map(|i| i as u64);
+    for l in placement["layers"].as_array().expect("layers") {
+        for reps in l["experts"].as_array().expect("experts") {
+            let reps = reps.as_array().expect("replicas");
+            assert!(!reps.is_empty(), "{placement}");
+            assert!(
+                idx.is_none_or(|i| !reps.contains(&json!(i))),
+                "an expert still on {gone}: {placement}"
+            );
+        }
+    }
+    // Requests succeed again, with the same tokens.
+    for (i, r) in traffic(&up.url, 1).await.iter().enumerate() {
+        assert_eq!(r[0], baseline[i], "prompt {i} after the recovery");
     }
 }
