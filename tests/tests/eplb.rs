@@ -19,7 +19,9 @@
 //! restarted (same id, new address), loads both sets and the rebalance
 //! completes. A worker killed with no replica of its experts elsewhere:
 //! once its lease expires the coordinator re-places its experts on the
-//! survivors (`recover <worker>`) within 5 s, and requests succeed again.
+//! survivors (`recover <worker>`) within 5 s, and requests succeed again;
+//! restarted with the same id it gets a share back (`return <worker>`); a
+//! worker's drain request (SIGTERM) empties it and is cleared.
 //!
 //! Needs `etcd` on PATH; skipped without it unless `EPSERVE_REQUIRE_ETCD=1`.
 
@@ -546,4 +548,105 @@ async fn a_killed_worker_without_replicas_is_replaced_by_the_survivors_after_its
     for (i, r) in traffic(&up.url, 1).await.iter().enumerate() {
         assert_eq!(r[0], baseline[i], "prompt {i} after the recovery");
     }
+
+    // It restarts with the same id (a new port): it gets a share back.
+    let cluster = cluster_name(&up).await;
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .expect("free port")
+        .port();
+    let _restarted = Proc(
+        Command::new(env!("CARGO_BIN_EXE_epserve-it"))
+            .arg("expert-worker")
+            .arg("--model")
+            .arg(fixture_dir("olmoe").join("f32"))
+            .args(["--etcd", &up.etcd, "--cluster", &cluster, "--id", gone])
+            .args(["--listen", &format!("127.0.0.1:{port}")])
+            .stdout(Stdio::null())
+            .spawn()
+            .expect("restart the worker"),
+    );
+    let back = wait_status(&up, &format!("return {gone}")).await;
+    assert_eq!(back["state"], "done", "{back}");
+    assert!(held(&up, gone) > 0, "{gone} got nothing back");
+    for (i, r) in traffic(&up.url, 1).await.iter().enumerate() {
+        assert_eq!(r[0], baseline[i], "prompt {i} after the return");
+    }
+
+    // A worker's drain request (what a worker writes on SIGTERM) empties it
+    // and is cleared; it is not put in the drained set.
+    use epserve_cluster::state::{ClusterState, DrainRequest};
+    use epserve_cluster::store::EtcdStore;
+    let state = ClusterState::new(
+        Arc::new(EtcdStore::connect(&up.etcd).await.expect("etcd")),
+        &cluster,
+    );
+    let req = DrainRequest {
+        requested_ms: 1,
+        reason: "SIGTERM".into(),
+    };
+    state
+        .request_drain("expert-2", &req)
+        .await
+        .expect("request");
+    let drained = wait_status(&up, "drain expert-2 (SIGTERM)").await;
+    assert_eq!(drained["state"], "done", "{drained}");
+    assert_eq!(held(&up, "expert-2"), 0);
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while !state.drain_requests().await.expect("requests").is_empty() {
+        assert!(
+            Instant::now() < deadline,
+            "the drain request was not cleared"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert!(state.drained().await.expect("drained").is_empty());
+    for (i, r) in traffic(&up.url, 1).await.iter().enumerate() {
+        assert_eq!(r[0], baseline[i], "prompt {i} after the drain");
+    }
+}
+
+/// The cluster name `up` chose (the first key prefix under `/epserve/`).
+async fn cluster_name(up: &Up) -> String {
+    use epserve_cluster::store::{EtcdStore, KvStore};
+    let store = EtcdStore::connect(&up.etcd).await.expect("etcd");
+    store
+        .list("/epserve/")
+        .await
+        .expect("list")
+        .iter()
+        .find_map(|(k, _)| {
+            k.strip_prefix("/epserve/")
+                .and_then(|r| r.split('/').next())
+                .map(str::to_string)
+        })
+        .expect("a cluster prefix")
+}
+
+/// Waits (at most 30 s) until the last rebalance has `reason` and is no
+/// longer active; returns `ctl status`.
+async fn wait_status(up: &Up, reason: &str) -> Value {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let st = ctl_ok(&up.admin, &["status"]);
+        if st["reason"] == reason && (st["state"] == "done" || st["state"] == "rolled_back") {
+            return st;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "no finished rebalance '{reason}' within 30 s: {st}"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+/// Experts worker `id` holds in the placement (`ctl workers`).
+fn held(up: &Up, id: &str) -> u64 {
+    ctl_ok(&up.admin, &["workers"])
+        .as_array()
+        .expect("workers")
+        .iter()
+        .find(|w| w["id"] == id)
+        .and_then(|w| w["experts"].as_u64())
+        .unwrap_or(0)
 }
