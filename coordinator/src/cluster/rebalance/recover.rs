@@ -24,12 +24,14 @@
 //! Nothing is done while a rebalance is active (the admin's, automatic
 //! EPLB's or this task's: one at a time), and nothing while the store cannot
 //! be read: a failed read is retried at the next poll, never taken for an
-//! empty registry.
+//! empty registry. Once the store is readable again, workers missing from the
+//! registry get one lease TTL to register again before they count as lost.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::time::{Duration, Instant};
 
 use epserve_cluster::runtime::Status;
+use epserve_cluster::state::{DrainRequest, Rebalance, WORKER_TTL_SECS, WorkerInfo};
 use epserve_core::eplb;
 use epserve_core::placement::{LayerPlacement, Placement};
 
@@ -45,6 +47,10 @@ pub struct SuperviseOptions {
     /// How long a (re)registered worker must stay registered before it is
     /// given experts (a worker that is on its way out does not get any).
     pub settle: Duration,
+    /// After the store could not be read, how long it must be readable
+    /// again before a worker missing from the registry counts as lost
+    /// (workers whose lease lapsed meanwhile register again first).
+    pub outage_grace: Duration,
 }
 
 impl Default for SuperviseOptions {
@@ -53,6 +59,7 @@ impl Default for SuperviseOptions {
             recover_lost: true,
             poll: Duration::from_millis(250),
             settle: Duration::from_secs(1),
+            outage_grace: Duration::from_secs(WORKER_TTL_SECS.max(1) as u64),
         }
     }
 }
@@ -75,6 +82,32 @@ pub struct Supervisor {
     arrivals: BTreeMap<String, Instant>,
     /// The last message said per subject, to say each refusal once.
     said: BTreeMap<String, String>,
+    /// When a read of the store last failed.
+    unreadable_at: Option<Instant>,
+}
+
+/// What one tick reads, all or nothing.
+struct Snapshot {
+    placement: Placement,
+    registered: Vec<WorkerInfo>,
+    drained: BTreeSet<String>,
+    requests: Vec<(String, DrainRequest)>,
+    rebalance: Option<Rebalance>,
+}
+
+async fn read(c: &Controller) -> Res<Snapshot> {
+    Ok(Snapshot {
+        placement: c.current().await?.0,
+        registered: c.registered().await?,
+        drained: c.state.drained().await.map_err(store_err)?,
+        requests: c.state.drain_requests().await.map_err(store_err)?,
+        rebalance: c
+            .state
+            .rebalance()
+            .await
+            .map_err(store_err)?
+            .map(|(d, _)| d),
+    })
 }
 
 /// `expert-worker a` or `expert-workers a, b`.
@@ -98,6 +131,7 @@ impl Supervisor {
             seen: None,
             arrivals: BTreeMap::new(),
             said: BTreeMap::new(),
+            unreadable_at: None,
         }
     }
 
@@ -130,18 +164,23 @@ impl Supervisor {
     }
 
     /// One look at the cluster; runs at most one rebalance (and waits for
-    /// it). `Err` only when the store could not be read (nothing was done).
+    /// it). `Err` when it should look again later: the store could not be
+    /// read (nothing was done) or a rebalance was started meanwhile.
     pub async fn tick(&mut self, c: &Controller, status: &Status) -> Res<Option<Action>> {
-        let (placement, _) = c.current().await?;
-        let registered = c.registered().await?;
-        let drained = c.state.drained().await.map_err(store_err)?;
-        let requests = c.state.drain_requests().await.map_err(store_err)?;
-        let active = c
-            .state
-            .rebalance()
-            .await
-            .map_err(store_err)?
-            .is_some_and(|(d, _)| d.state.active());
+        let Snapshot {
+            placement,
+            registered,
+            drained,
+            requests,
+            rebalance,
+        } = match read(c).await {
+            Ok(s) => s,
+            Err(e) => {
+                self.unreadable_at = Some(Instant::now());
+                return Err(e);
+            }
+        };
+        let active = rebalance.is_some_and(|d| d.state.active());
 
         // Who (re)registered since the last look.
         let now: BTreeMap<String, (String, u32)> = registered
@@ -169,7 +208,15 @@ impl Supervisor {
             .filter(|(w, n)| **n > 0 && !live.contains(w.as_str()))
             .map(|(w, _)| w.clone())
             .collect();
-        if !lost.is_empty() {
+        let regrouping = self
+            .unreadable_at
+            .is_some_and(|t| t.elapsed() < self.opts.outage_grace);
+        if !lost.is_empty() && regrouping {
+            tracing::debug!(
+                ?lost,
+                "workers missing right after the store was unreachable; waiting for them to register again"
+            );
+        } else if !lost.is_empty() {
             let label = workers_label(&lost);
             let ids = lost.join(", ");
             if !self.opts.recover_lost {

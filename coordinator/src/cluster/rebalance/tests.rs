@@ -306,6 +306,7 @@ fn opts(recover_lost: bool) -> SuperviseOptions {
         recover_lost,
         poll: Duration::from_millis(20),
         settle: Duration::ZERO,
+        outage_grace: Duration::from_millis(300),
     }
 }
 
@@ -651,7 +652,12 @@ async fn nothing_changes_while_the_store_cannot_be_read() {
     store.down.store(false, Ordering::SeqCst);
     store.lists_down.store(false, Ordering::SeqCst);
     assert_eq!(placement(&c).await.version, 1, "no change while unreadable");
-    // Readable again: the recovery runs.
+    // Readable again: a missing worker is given the grace to register again...
+    let t = Instant::now();
+    assert!(s.tick(&c, &status).await.expect("tick").is_none());
+    assert_eq!(placement(&c).await.version, 1, "no change within the grace");
+    // ...then the recovery runs.
+    tokio::time::sleep(Duration::from_millis(300).saturating_sub(t.elapsed())).await;
     let a = s
         .tick(&c, &status)
         .await
