@@ -515,6 +515,10 @@ impl Controller {
             placement: Arc::new(doc.target.clone()),
             addrs,
         });
+        // The workers that just reported ready serve the new placement (a
+        // restarted or returning one at a new address, too): the dispatcher's
+        // liveness learns it now, not at its next periodic probe.
+        self.dispatcher.probe_once().await;
         doc.state = RebalanceState::Switched;
         if let Err(e) = self.put(doc).await {
             // Past the switch there is no going back: a restarted coordinator completes it.
