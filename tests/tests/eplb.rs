@@ -17,7 +17,11 @@
 //! the same tokens. Automatic rebalancing (`--eplb-interval`) kicks in under
 //! skewed load. A worker that crashes while a rebalance waits for it, and is
 //! restarted (same id, new address), loads both sets and the rebalance
-//! completes.
+//! completes. A worker killed with no replica of its experts elsewhere:
+//! once its lease expires the coordinator re-places its experts on the
+//! survivors (`recover <worker>`) within 5 s, and requests succeed again;
+//! restarted with the same id it gets a share back (`return <worker>`); a
+//! worker sent SIGTERM asks to be drained, is emptied and exits.
 //!
 //! Needs `etcd` on PATH; skipped without it unless `EPSERVE_REQUIRE_ETCD=1`.
 
@@ -483,4 +487,186 @@ async fn a_worker_restarted_mid_rebalance_loads_both_sets_and_it_completes() {
     for (i, r) in traffic(&up.url, 1).await.iter().enumerate() {
         assert_eq!(r[0], baseline[i], "prompt {i} after the restart");
     }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_killed_worker_without_replicas_is_replaced_by_the_survivors_after_its_lease() {
+    if !etcd_available() {
+        return;
+    }
+    let up = start_up(&[]);
+    let baseline: Vec<String> = traffic(&up.url, 1)
+        .await
+        .into_iter()
+        .map(|mut v| v.remove(0))
+        .collect();
+    // kill -9 expert-1: no other worker holds its experts.
+    let gone = "expert-1";
+    let pid = workers_pid(&up, gone).await;
+    let killed = Instant::now();
+    // SAFETY: the worker is a grandchild of this test; SIGKILL simulates a crash.
+    unsafe {
+        libc::kill(pid as libc::pid_t, libc::SIGKILL);
+    }
+    // The coordinator re-places its experts once its lease (5 s) expires;
+    // wait (bounded) for the recovery rebalance to be done.
+    let mut status = Value::Null;
+    let mut whole = None;
+    while killed.elapsed() < Duration::from_secs(30) {
+        status = ctl_ok(&up.admin, &["status"]);
+        if status["reason"] == format!("recover {gone}") && status["state"] == "done" {
+            whole = Some(killed.elapsed());
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let whole = whole.unwrap_or_else(|| panic!("no recovery within 30 s: {status}"));
+    eprintln!(
+        "kill -9 of {gone} (no replicas): every expert served again {:.2} s after the kill (lease TTL 5 s; {})",
+        whole.as_secs_f64(),
+        status["message"]
+    );
+    assert!(
+        whole < Duration::from_secs(10),
+        "not whole within 5 s of the lease expiring: {whole:?}"
+    );
+    let placement = ctl_ok(&up.admin, &["placement"]);
+    let workers: Vec<String> =
+        serde_json::from_value(placement["workers"].clone()).expect("workers");
+    let idx = workers.iter().position(|w| w == gone).map(|i| i as u64);
+    for l in placement["layers"].as_array().expect("layers") {
+        for reps in l["experts"].as_array().expect("experts") {
+            let reps = reps.as_array().expect("replicas");
+            assert!(!reps.is_empty(), "{placement}");
+            assert!(
+                idx.is_none_or(|i| !reps.contains(&json!(i))),
+                "an expert still on {gone}: {placement}"
+            );
+        }
+    }
+    // Requests succeed again, with the same tokens.
+    for (i, r) in traffic(&up.url, 1).await.iter().enumerate() {
+        assert_eq!(r[0], baseline[i], "prompt {i} after the recovery");
+    }
+
+    // It restarts with the same id (a new port): it gets a share back.
+    let cluster = cluster_name(&up).await;
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .expect("free port")
+        .port();
+    let _restarted = Proc(
+        Command::new(env!("CARGO_BIN_EXE_epserve-it"))
+            .arg("expert-worker")
+            .arg("--model")
+            .arg(fixture_dir("olmoe").join("f32"))
+            .args(["--etcd", &up.etcd, "--cluster", &cluster, "--id", gone])
+            .args(["--listen", &format!("127.0.0.1:{port}")])
+            .stdout(Stdio::null())
+            .spawn()
+            .expect("restart the worker"),
+    );
+    let back = wait_status(&up, &format!("return {gone}")).await;
+    assert_eq!(back["state"], "done", "{back}");
+    assert!(held(&up, gone) > 0, "{gone} got nothing back");
+    for (i, r) in traffic(&up.url, 1).await.iter().enumerate() {
+        assert_eq!(r[0], baseline[i], "prompt {i} after the return");
+    }
+
+    // SIGTERM to a worker: it asks to be drained, the coordinator moves its
+    // experts away and clears the request (not putting it in the drained
+    // set), and the worker deregisters and exits.
+    use epserve_cluster::state::ClusterState;
+    use epserve_cluster::store::EtcdStore;
+    let state = ClusterState::new(
+        Arc::new(EtcdStore::connect(&up.etcd).await.expect("etcd")),
+        &cluster,
+    );
+    let leaving = "expert-2";
+    let pid = workers_pid(&up, leaving).await;
+    // SAFETY: the worker is a grandchild of this test; SIGTERM asks it to drain.
+    unsafe {
+        libc::kill(pid as libc::pid_t, libc::SIGTERM);
+    }
+    let drained = wait_status(&up, &format!("drain {leaving} (SIGTERM)")).await;
+    assert_eq!(drained["state"], "done", "{drained}");
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let still = state
+            .workers("expert")
+            .await
+            .expect("workers")
+            .iter()
+            .any(|w| w.id == leaving);
+        if !still && state.drain_requests().await.expect("requests").is_empty() {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "{leaving} still registered or its drain request still there 30 s after SIGTERM"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert!(state.drained().await.expect("drained").is_empty());
+    let placement = ctl_ok(&up.admin, &["placement"]);
+    let workers: Vec<String> =
+        serde_json::from_value(placement["workers"].clone()).expect("workers");
+    let idx = workers.iter().position(|w| w == leaving).map(|i| i as u64);
+    for l in placement["layers"].as_array().expect("layers") {
+        for reps in l["experts"].as_array().expect("experts") {
+            let reps = reps.as_array().expect("replicas");
+            assert!(
+                idx.is_none_or(|i| !reps.contains(&json!(i))),
+                "an expert still on {leaving}: {placement}"
+            );
+        }
+    }
+    for (i, r) in traffic(&up.url, 1).await.iter().enumerate() {
+        assert_eq!(r[0], baseline[i], "prompt {i} after the drain");
+    }
+}
+
+/// The cluster name `up` chose (the first key prefix under `/epserve/`).
+async fn cluster_name(up: &Up) -> String {
+    use epserve_cluster::store::{EtcdStore, KvStore};
+    let store = EtcdStore::connect(&up.etcd).await.expect("etcd");
+    store
+        .list("/epserve/")
+        .await
+        .expect("list")
+        .iter()
+        .find_map(|(k, _)| {
+            k.strip_prefix("/epserve/")
+                .and_then(|r| r.split('/').next())
+                .map(str::to_string)
+        })
+        .expect("a cluster prefix")
+}
+
+/// Waits (at most 30 s) until the last rebalance has `reason` and is no
+/// longer active; returns `ctl status`.
+async fn wait_status(up: &Up, reason: &str) -> Value {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let st = ctl_ok(&up.admin, &["status"]);
+        if st["reason"] == reason && (st["state"] == "done" || st["state"] == "rolled_back") {
+            return st;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "no finished rebalance '{reason}' within 30 s: {st}"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+/// Experts worker `id` holds in the placement (`ctl workers`).
+fn held(up: &Up, id: &str) -> u64 {
+    ctl_ok(&up.admin, &["workers"])
+        .as_array()
+        .expect("workers")
+        .iter()
+        .find(|w| w["id"] == id)
+        .and_then(|w| w["experts"].as_u64())
+        .unwrap_or(0)
 }

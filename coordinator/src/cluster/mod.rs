@@ -105,6 +105,12 @@ pub struct EplbArgs {
     /// rolls back, seconds.
     #[arg(long, default_value_t = 300)]
     pub rebalance_timeout_secs: u64,
+    /// Re-place the experts of an expert-worker whose lease expired on the
+    /// registered workers (a rebalance, reason `recover <worker>`);
+    /// `--recover-lost-experts=false` leaves them unserved until it returns.
+    #[arg(long, default_value_t = true, action = clap::ArgAction::Set, num_args = 0..=1,
+          default_missing_value = "true", require_equals = true, value_name = "BOOL")]
+    pub recover_lost_experts: bool,
 }
 
 async fn current_route(state: &ClusterState, cfg: &ModelConfig) -> Result<Option<Route>> {
@@ -251,6 +257,14 @@ pub fn run(args: &CoordinatorArgs, status: Status) -> Result<()> {
             status.clone(),
         ));
     }
+    // Lost workers, drain requests (SIGTERM) and returning workers.
+    rt.spawn(controller.clone().supervise(
+        rebalance::SuperviseOptions {
+            recover_lost: args.eplb.recover_lost_experts,
+            ..Default::default()
+        },
+        status.clone(),
+    ));
     if args.admin_port != 0 {
         let addr = std::net::SocketAddr::new(
             args.serve

@@ -6,12 +6,19 @@
 //!     └──────────┴─────────┴──▶ rolled_back   (timeout, a vanished worker, a lost CAS)
 //! ```
 //!
+//! Besides the operator's requests and automatic EPLB, [`Controller::supervise`]
+//! (`recover.rs`) watches the registry: it re-places the experts of workers
+//! whose lease expired, honours workers' drain requests (SIGTERM) and gives
+//! experts back to a worker that returns holding nothing.
+//!
 //! 1. `proposed`: the target placement (version + 1) and the one in force are
 //!    written. While a rebalance is active every worker holds the union of
 //!    its share of both (`epserve_cluster::state::desired_experts`), loading
 //!    its new replicas from the model files while it keeps serving the old ones.
 //! 2. `loading`: every worker with new replicas is registered; each reports
-//!    ready under `rebalance-ready/<worker>` once it holds them.
+//!    ready under `rebalance-ready/<worker>` once it holds them. One that
+//!    leaves the registry meanwhile (lease expired) rolls the rebalance back
+//!    at the next poll.
 //! 3. `ready`: all reported. The coordinator swaps the placement key (CAS on
 //!    the revision it started from) and hands the dispatcher the new route,
 //!    which takes it at the next step's first MoE layer (a step never mixes
@@ -464,6 +471,19 @@ impl Controller {
             if missing.is_empty() {
                 break;
             }
+            // A worker we wait for whose lease expired will not report:
+            // roll back now rather than at the timeout. A failed read
+            // proves nothing; the next poll looks again.
+            match self.registered().await {
+                Ok(reg) => {
+                    if let Some(w) = missing.iter().find(|w| !reg.iter().any(|r| &r.id == **w)) {
+                        return Err(format!(
+                            "worker {w} is no longer registered (its lease expired) while loading its new replicas"
+                        ));
+                    }
+                }
+                Err(e) => tracing::debug!(error = %e, "cannot read the registry; looking again"),
+            }
             if started.elapsed() > self.timeout {
                 return Err(format!(
                     "workers {missing:?} did not load their new replicas within {} s",
@@ -495,6 +515,10 @@ impl Controller {
             placement: Arc::new(doc.target.clone()),
             addrs,
         });
+        // The workers that just reported ready serve the new placement (a
+        // restarted or returning one at a new address, too): the dispatcher's
+        // liveness learns it now, not at its next periodic probe.
+        self.dispatcher.probe_once().await;
         doc.state = RebalanceState::Switched;
         if let Err(e) = self.put(doc).await {
             // Past the switch there is no going back: a restarted coordinator completes it.
@@ -638,6 +662,9 @@ fn same_assignment(a: &Placement, b: &Placement) -> bool {
     };
     key(a) == key(b)
 }
+
+mod recover;
+pub use recover::{Action, SuperviseOptions, Supervisor, join_plan};
 
 #[cfg(test)]
 mod tests;
