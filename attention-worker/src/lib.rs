@@ -79,6 +79,11 @@ pub struct AttentionWorkerArgs {
     /// This worker's own setting (the coordinator's flag does not reach it).
     #[arg(long, default_value = "auto")]
     pub kv_cache_dtype: epserve_core::model::kv_cache::KvCacheDtype,
+    /// Precision of this shard's attention projections: bf16, or int8 (W8A8,
+    /// quantized at load), as the coordinator's `--dense-dtype` (`epserve up`
+    /// passes the coordinator's flag on).
+    #[arg(long, default_value = "bf16")]
+    pub dense_dtype: epserve_core::experts::DenseDtype,
 }
 
 /// Runs the worker until SIGINT/SIGTERM (both stop it at once: a shard
@@ -115,7 +120,8 @@ pub fn run(args: &AttentionWorkerArgs, status: Status) -> Result<()> {
         of: args.of,
     };
     let kv_dtype = args.kv_cache_dtype.resolve(cfg.declared_dtype.as_deref());
-    let loaded = AttentionShard::load(&cfg, &ws, shard, kv_bytes, args.block_size, kv_dtype)?;
+    let mut loaded = AttentionShard::load(&cfg, &ws, shard, kv_bytes, args.block_size, kv_dtype)?;
+    loaded.set_dense_dtype(args.dense_dtype);
     drop(ws);
     let id = w.id_or(|| format!("attention-{}-of-{}", args.shard, args.of));
     let advertise = w.advertise(args.listen);

@@ -479,13 +479,15 @@ def test_coordinator_waits_for_every_attention_shard(scenario):
     w = containers(sts)[0]
     assert int(one(w, "--of")) == n
     assert one(w, "--block-size") == one(c, "--block-size")
-    # The attention-workers hold the KV cache: they store it as the coordinator says.
-    dtype = values["coordinator"].get("kvCacheDtype")
-    if dtype:
-        assert one(c, "--kv-cache-dtype") == dtype
-        assert one(w, "--kv-cache-dtype") == dtype
-    else:
-        assert "--kv-cache-dtype" not in flags(w)
+    # The attention-workers hold the KV cache and the attention projections:
+    # they store and run them as the coordinator says.
+    for key, flag in (("kvCacheDtype", "--kv-cache-dtype"), ("denseDtype", "--dense-dtype")):
+        dtype = values["coordinator"].get(key)
+        if dtype:
+            assert one(c, flag) == dtype
+            assert one(w, flag) == dtype
+        else:
+            assert flag not in flags(w)
 
 
 def test_coordinator_precision_flags_follow_values(scenario):

@@ -527,6 +527,10 @@ pub fn run(args: &UpArgs) -> Result<()> {
         if let Some(d) = flag_arg(&args.coordinator_args, "--kv-cache-dtype") {
             a.extend(os_args(["--kv-cache-dtype".to_string(), d]));
         }
+        // ...and so is `--dense-dtype` for their projections.
+        if let Some(d) = flag_arg(&args.coordinator_args, "--dense-dtype") {
+            a.extend(os_args(["--dense-dtype".to_string(), d]));
+        }
         a.extend(lease_ttl_arg(args.lease_ttl_secs));
         let mut p = Proc::new(&name, Role::AttentionWorker, &exe, a);
         p.spawn(&tx)?;

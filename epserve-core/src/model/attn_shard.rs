@@ -87,6 +87,26 @@ pub struct ShardStats {
 }
 
 impl AttentionShard {
+    /// Requantizes this shard's dense projections (q/k/v or MLA's input
+    /// stack, `q_b_proj`, its columns of `o_proj`) to `dtype`, as
+    /// [`Model::set_dense_dtype`](crate::model::Model::set_dense_dtype) does
+    /// in one process (int8: W8A8, per-channel scales over this shard's
+    /// slice). bf16 is how they load, so only int8 changes them.
+    pub fn set_dense_dtype(&mut self, dtype: crate::experts::DenseDtype) {
+        if dtype != crate::experts::DenseDtype::Int8 {
+            return;
+        }
+        let mut all: Vec<&mut crate::model::linear::Linear> = Vec::new();
+        for (a, _) in &mut self.layers {
+            match a {
+                ShardAttn::Gqa(g) => all.extend(g.linears_mut()),
+                ShardAttn::Mla(m) => all.extend(m.linears_mut()),
+            }
+        }
+        use rayon::prelude::*;
+        all.into_par_iter().for_each(|l| l.to_int8());
+    }
+
     /// Loads shard `shard` of every attention layer of `cfg` from `ws`, with
     /// a KV cache of at most `kv_bytes` in blocks of `block_size` positions,
     /// elements stored as `kv_dtype`.
@@ -328,6 +348,16 @@ impl LocalShards {
             .collect::<Result<Vec<_>>>()?;
         Ok(LocalShards { shards })
     }
+
+    /// Requantizes every shard's projections (see
+    /// [`AttentionShard::set_dense_dtype`]).
+    pub fn set_dense_dtype(&mut self, dtype: crate::experts::DenseDtype) {
+        for s in &mut self.shards {
+            if let Ok(s) = s.get_mut() {
+                s.set_dense_dtype(dtype);
+            }
+        }
+    }
 }
 
 impl AttentionBackend for LocalShards {
@@ -436,6 +466,42 @@ mod tests {
             );
         }
         Ok(out)
+    }
+
+    #[test]
+    fn int8_shards_stay_close_to_the_unsplit_int8_model() -> Result<()> {
+        use crate::experts::DenseDtype;
+        for name in ["qwen3_moe_a", "deepseek_v3"] {
+            let dir = fixture(name);
+            let cfg = ModelConfig::from_dir(&dir)?;
+            let ws = WeightStore::open(&dir)?;
+            let experts = load_executor(&cfg, &ws, &LoadOptions::default())?;
+            let mut shards = LocalShards::load(&dir, 2, 1 << 22, 4)?;
+            shards.set_dense_dtype(DenseDtype::Int8);
+            let split = Model::from_store_with(
+                cfg.clone(),
+                &ws,
+                Arc::new(LocalDispatcher::new(experts)),
+                Some(Arc::new(shards)),
+            )?;
+            let mut whole = Model::load(&dir)?;
+            whole.set_dense_dtype(DenseDtype::Int8);
+            let (a, b) = (run(&split)?, run(&whole)?);
+            let exact = run(&Model::load(&dir)?)?;
+            for ((x, y), z) in a.iter().zip(&b).zip(&exact) {
+                let scale = z.iter().fold(0f32, |m, v| m.max(v.abs())).max(1e-6);
+                let d = x.iter().zip(y).fold(0f32, |m, (p, q)| m.max((p - q).abs()));
+                // Only o_proj's per-channel scales and the activations'
+                // per-row scales differ (over a shard's slice of K, not all of it).
+                assert!(
+                    d <= 0.05 * scale,
+                    "{name}: int8 shards differ by {d} (max logit {scale})"
+                );
+                let q = x.iter().zip(z).fold(0f32, |m, (p, q)| m.max((p - q).abs()));
+                assert!(q > 0.0, "{name}: int8 shards changed nothing");
+            }
+        }
+        Ok(())
     }
 
     #[test]

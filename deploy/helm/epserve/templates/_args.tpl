@@ -121,6 +121,9 @@ $(POD_NAME) and friends are expanded by Kubernetes from the container's env.
 {{- with .Values.coordinator.kvCacheDtype }}
 - --kv-cache-dtype={{ . }}
 {{- end }}
+{{- with .Values.coordinator.denseDtype }}
+- --dense-dtype={{ . }}
+{{- end }}
 {{- if gt (int .Values.metrics.workerPort) 0 }}
 - --metrics-port={{ .Values.metrics.workerPort }}
 {{- end }}
