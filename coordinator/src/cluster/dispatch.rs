@@ -79,12 +79,38 @@ struct WorkerHealth {
 /// Which workers are believed alive, from failed calls and health probes
 /// (not only from their etcd leases: etcd may be away while a worker serves,
 /// and a hung worker may keep its lease). A worker never seen is live.
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub struct Liveness {
     workers: Mutex<HashMap<String, WorkerHealth>>,
+    /// Bumped whenever a worker is marked dead: calls in flight to it stop
+    /// waiting (a hung worker would otherwise hold the step until the
+    /// dispatch deadline).
+    deaths: tokio::sync::watch::Sender<u64>,
+}
+
+impl Default for Liveness {
+    fn default() -> Self {
+        Liveness {
+            workers: Mutex::new(HashMap::new()),
+            deaths: tokio::sync::watch::channel(0).0,
+        }
+    }
 }
 
 impl Liveness {
+    /// Resolves once `worker` is marked dead (at once if it is).
+    pub async fn died(&self, worker: &str) {
+        let mut rx = self.deaths.subscribe();
+        loop {
+            if !self.is_live(worker) {
+                return;
+            }
+            if rx.changed().await.is_err() {
+                std::future::pending::<()>().await;
+            }
+        }
+    }
+
     /// True unless `worker` was marked dead and not seen serving since.
     pub fn is_live(&self, worker: &str) -> bool {
         self.workers
@@ -115,6 +141,7 @@ impl Liveness {
                     reason: reason.to_string(),
                 },
             );
+            self.deaths.send_modify(|n| *n += 1);
         }
         gauge!("epserve_expert_worker_up", "worker" => worker.to_string()).set(0.0);
         was_live
@@ -676,6 +703,8 @@ impl GrpcDispatcher {
             let timeout = self.timeout;
             let span =
                 tracing::debug_span!("dispatch_call", worker = %b.worker, rows = b.rows.len());
+            let liveness = self.liveness.clone();
+            let worker = b.worker.clone();
             calls.push(
                 async move {
                     let mut client = match conn {
@@ -684,7 +713,14 @@ impl GrpcDispatcher {
                     };
                     let mut r = tonic::Request::new(req);
                     r.set_timeout(timeout);
-                    client.dispatch(r).await.map(|r| r.into_inner())
+                    // A worker the health probe finds dead meanwhile (hung,
+                    // unreachable) is not waited for until the deadline.
+                    tokio::select! {
+                        res = client.dispatch(r) => res.map(|r| r.into_inner()),
+                        _ = liveness.died(&worker) => Err(Status::unavailable(
+                            "abandoned: its health check failed while the call was in flight",
+                        )),
+                    }
                 }
                 .instrument(span),
             );
@@ -1084,8 +1120,10 @@ mod tests {
     }
 
     /// A worker that returns, for each slot, `weight × (expert + 1)` in every
-    /// element.
-    struct Fake;
+    /// element; or, `hang`ing, never answers a Dispatch.
+    struct Fake {
+        hang: bool,
+    }
 
     #[tonic::async_trait]
     impl ExpertService for Fake {
@@ -1093,6 +1131,9 @@ mod tests {
             &self,
             req: tonic::Request<DispatchRequest>,
         ) -> std::result::Result<tonic::Response<DispatchResponse>, Status> {
+            if self.hang {
+                std::future::pending::<()>().await;
+            }
             let r = req.into_inner();
             let hidden = r.tokens.as_ref().map_or(0, |t| t.cols as usize);
             let mut ys = Vec::new();
@@ -1125,10 +1166,16 @@ mod tests {
     /// A runtime with a fake worker listening; its address.
     fn fake_worker() -> (tokio::runtime::Runtime, String) {
         let rt = tokio::runtime::Builder::new_multi_thread()
-            .worker_threads(1)
+            .worker_threads(2)
             .enable_all()
             .build()
             .expect("runtime");
+        let addr = serve_fake(&rt, false);
+        (rt, addr)
+    }
+
+    /// Serves a fake worker on `rt`; its address.
+    fn serve_fake(rt: &tokio::runtime::Runtime, hang: bool) -> String {
         let listener = rt
             .block_on(tokio::net::TcpListener::bind("127.0.0.1:0"))
             .expect("bind");
@@ -1136,10 +1183,10 @@ mod tests {
         let incoming = tonic::transport::server::TcpIncoming::from(listener);
         rt.spawn(
             tonic::transport::Server::builder()
-                .add_service(ExpertServiceServer::new(Fake))
+                .add_service(ExpertServiceServer::new(Fake { hang }))
                 .serve_with_incoming(incoming),
         );
-        (rt, addr)
+        addr
     }
 
     /// A port nothing listens on (bound, then released).
@@ -1212,6 +1259,48 @@ mod tests {
         assert!(f[0].degraded);
         // Expert 0's slot carries the row's whole weight (0.75 + 0.25).
         assert_eq!(&out[..4], &[1.0, 1.0, 0.0, 0.0]);
+        drop(rt);
+    }
+
+    #[test]
+    fn a_call_to_a_worker_found_dead_meanwhile_is_abandoned_and_re_sent() {
+        let (rt, live) = fake_worker();
+        let hung = serve_fake(&rt, true);
+        let mut p = Placement::initial(&[0], 2, &["w0".into(), "w1".into()]).expect("placement");
+        p.layers[0].experts = vec![vec![0, 1], vec![1]];
+        let addrs = [("w0".to_string(), hung), ("w1".to_string(), live)]
+            .into_iter()
+            .collect();
+        // A deadline far beyond the test: only the liveness signal ends the call.
+        let d = Arc::new(GrpcDispatcher::new(
+            rt.handle().clone(),
+            Route {
+                placement: Arc::new(p),
+                addrs,
+            },
+            Dtype::F32,
+            Duration::from_secs(600),
+            8,
+            false,
+        ));
+        let r = Routing {
+            num_tokens: 2,
+            top_k: 1,
+            topk_ids: vec![0, 0],
+            topk_weights: vec![0.5, 0.25],
+        };
+        // The health probe's verdict, 300 ms into the call.
+        let d2 = d.clone();
+        let marker = std::thread::spawn(move || {
+            std::thread::sleep(Duration::from_millis(300));
+            d2.liveness().mark_dead("w0", "health check timed out");
+        });
+        let t0 = Instant::now();
+        let out = d.dispatch(0, &[0.0; 6], 3, &r).expect("dispatch");
+        assert_eq!(out, vec![0.5, 0.5, 0.5, 0.25, 0.25, 0.25]);
+        assert!(t0.elapsed() < Duration::from_secs(10), "{:?}", t0.elapsed());
+        assert!(d.take_faults().is_empty());
+        marker.join().expect("marker");
         drop(rt);
     }
 }

@@ -152,14 +152,33 @@ pub fn run(args: &CoordinatorArgs, status: Status) -> Result<()> {
         Dtype::Bf16
     };
     let (dispatcher, state, remote_attention, restart) = rt.block_on(async {
-        let store = EtcdStore::connect(&args.etcd).await?;
+        // etcd may be slow or restarting: retry within --wait-secs.
+        let wait = Duration::from_secs(args.wait_secs);
+        let store = EtcdStore::connect_within(&args.etcd, wait).await?;
         let state = ClusterState::new(Arc::new(store), &args.cluster);
+        let deadline = Instant::now() + wait;
         // A placement in etcd (a restarted coordinator): serve it at once,
         // whatever workers are up. Else wait for the expert-workers.
-        let restart = state.placement().await?.is_some();
-        let deadline = Instant::now() + Duration::from_secs(args.wait_secs);
+        let restart = loop {
+            match state.placement().await {
+                Ok(p) => break p.is_some(),
+                Err(e) if Instant::now() < deadline => {
+                    tracing::warn!(error = %e, "cannot read the placement yet; retrying");
+                    tokio::time::sleep(Duration::from_millis(200)).await;
+                }
+                Err(e) => return Err(e.into()),
+            }
+        };
         let workers = loop {
-            let w = state.workers("expert").await?;
+            let w = match state.workers("expert").await {
+                Ok(w) => w,
+                Err(e) if Instant::now() < deadline => {
+                    tracing::warn!(error = %e, "cannot list the expert-workers yet; retrying");
+                    tokio::time::sleep(Duration::from_millis(200)).await;
+                    continue;
+                }
+                Err(e) => return Err(e.into()),
+            };
             if restart || w.len() >= args.expert_workers {
                 break w;
             }
