@@ -98,16 +98,7 @@ impl AttentionWorker {
                 hidden.rows
             ));
         }
-        let x = wire::decode(hidden).map_err(|e| Status::invalid_argument(e.to_string()))?;
-        if let Some(i) = x.iter().position(|v| !v.is_finite()) {
-            let cols = (self.hidden as usize).max(1);
-            return bad(format!(
-                "row {} has a non-finite value ({}) in column {}",
-                i / cols,
-                x[i],
-                i % cols
-            ));
-        }
+        let x = wire::decode_finite(hidden).map_err(|e| Status::invalid_argument(e.to_string()))?;
         let chunks = r
             .seqs
             .iter()

@@ -176,16 +176,7 @@ impl ExpertWorker {
         if Dtype::try_from(r.output_dtype).is_err() {
             return bad(format!("unknown output dtype {}", r.output_dtype));
         }
-        let x = wire::decode(tokens).map_err(|e| Status::invalid_argument(e.to_string()))?;
-        if let Some(i) = x.iter().position(|v| !v.is_finite()) {
-            return bad(format!(
-                "token {} has a non-finite value ({}) in column {}",
-                i / hidden.max(1),
-                x[i],
-                i % hidden.max(1)
-            ));
-        }
-        Ok(x)
+        wire::decode_finite(tokens).map_err(|e| Status::invalid_argument(e.to_string()))
     }
 
     /// Reports each change of the experts held to `status`.

@@ -18,6 +18,8 @@ pub enum WireError {
     },
     #[error("unsupported tensor dtype {0:?}")]
     Dtype(i32),
+    #[error("row {row} has a non-finite value ({value}) in column {col}")]
+    NonFinite { row: usize, col: usize, value: f32 },
 }
 
 /// Rounds values to what a round trip through `dtype` gives (so a local run
@@ -60,6 +62,20 @@ pub fn encode(x: &[f32], rows: usize, cols: usize, dtype: Dtype) -> Tensor {
         data,
         scales: Vec::new(),
     }
+}
+
+/// [`decode`], refusing NaN and infinities (what a worker accepts from a peer).
+pub fn decode_finite(t: &Tensor) -> Result<Vec<f32>, WireError> {
+    let x = decode(t)?;
+    if let Some(i) = x.iter().position(|v| !v.is_finite()) {
+        let cols = (t.cols as usize).max(1);
+        return Err(WireError::NonFinite {
+            row: i / cols,
+            col: i % cols,
+            value: x[i],
+        });
+    }
+    Ok(x)
 }
 
 /// Decodes a tensor into f32 values, checking its size.

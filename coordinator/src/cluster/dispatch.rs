@@ -365,14 +365,15 @@ impl GrpcDispatcher {
         }
     }
 
-    /// True if placed worker `index` can take work: it has an address and
-    /// is not marked dead.
-    fn is_live(&self, route: &Route, index: u32) -> bool {
+    /// Per placed worker (by index): can it take work? It has an address and
+    /// is not marked dead. Read once per dispatch, not per slot.
+    fn live_mask(&self, route: &Route) -> Vec<bool> {
         route
             .placement
             .workers
-            .get(index as usize)
-            .is_some_and(|id| route.addrs.contains_key(id) && self.liveness.is_live(id))
+            .iter()
+            .map(|id| route.addrs.contains_key(id) && self.liveness.is_live(id))
+            .collect()
     }
 
     /// `(layer, expert)` pairs of the route in force with no live replica,
@@ -387,10 +388,11 @@ impl GrpcDispatcher {
             .into_iter()
             .map(|(w, why, _)| (w, why))
             .collect();
+        let live = self.live_mask(&route);
         let mut out = Vec::new();
         for lp in &route.placement.layers {
             for (e, reps) in lp.experts.iter().enumerate() {
-                if !reps.iter().any(|&w| self.is_live(&route, w)) {
+                if !reps.iter().any(|&w| live.get(w as usize) == Some(&true)) {
                     let why = reps
                         .iter()
                         .filter_map(|&w| route.placement.workers.get(w as usize))
@@ -550,6 +552,7 @@ impl GrpcDispatcher {
             ))
         })?;
         let k = routing.top_k;
+        let live = self.live_mask(route);
         let mut by_worker: BTreeMap<u32, WorkerBatch> = BTreeMap::new();
         let mut rr = self
             .next_replica
@@ -572,7 +575,7 @@ impl GrpcDispatcher {
             }
             let Some(w) = (0..reps.len())
                 .map(|j| reps[(i + j) % reps.len()])
-                .find(|w| !excluded.contains(w) && self.is_live(route, *w))
+                .find(|w| !excluded.contains(w) && live.get(*w as usize) == Some(&true))
             else {
                 let names: Vec<&str> = reps
                     .iter()
@@ -673,7 +676,7 @@ impl GrpcDispatcher {
         hidden: usize,
         k: usize,
         batches: &[WorkerBatch],
-    ) -> Vec<std::result::Result<DispatchResponse, String>> {
+    ) -> Vec<std::result::Result<DispatchResponse, (tonic::Code, String)>> {
         let version = route.placement.version;
         let mut calls = Vec::with_capacity(batches.len());
         for b in batches {
@@ -738,13 +741,7 @@ impl GrpcDispatcher {
                         s.message(),
                         s.code()
                     );
-                    if s.code() == tonic::Code::InvalidArgument {
-                        // Our request was malformed: a bug, not a failure of
-                        // the worker; re-sending would fail the same way.
-                        format!("invalid: {msg}")
-                    } else {
-                        msg
-                    }
+                    (s.code(), msg)
                 })
             })
             .collect()
@@ -917,16 +914,19 @@ impl GrpcDispatcher {
             todo.clear();
             let mut failed = Vec::new();
             for (b, res) in batches.iter().zip(results) {
-                let res = res.and_then(|resp| Self::scatter(b, resp, k, hidden, &mut out));
+                let res = res.and_then(|resp| {
+                    Self::scatter(b, resp, k, hidden, &mut out)
+                        .map_err(|m| (tonic::Code::Internal, m))
+                });
                 match res {
                     Ok(()) => {}
-                    Err(msg) if msg.starts_with("invalid: ") => {
-                        return Err(Error::Dispatch(msg["invalid: ".len()..].to_string()));
-                    }
-                    Err(msg) => {
-                        // A worker that answers "does not hold" is alive (a
+                    // Our request was malformed: a bug, not a failure of the
+                    // worker; re-sending would fail the same way.
+                    Err((tonic::Code::InvalidArgument, msg)) => return Err(Error::Dispatch(msg)),
+                    Err((code, msg)) => {
+                        // A worker that does not hold an expert is alive (a
                         // placement change in flight): only this layer skips it.
-                        if !msg.contains("does not hold") {
+                        if code != tonic::Code::FailedPrecondition {
                             self.liveness.mark_dead(&b.worker, &msg);
                         }
                         excluded.insert(b.index);

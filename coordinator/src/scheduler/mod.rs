@@ -505,14 +505,15 @@ mod tests {
         }
     }
 
-    #[test]
-    fn a_panic_in_the_forward_pass_is_an_internal_error_and_the_server_lives_on() {
+    /// The qwen3_moe_a fixture's engine with `dispatcher` for its experts,
+    /// and a small scheduler over it.
+    fn fixture_scheduler(dispatcher: Arc<dyn Dispatcher>) -> (Arc<Engine>, SchedulerHandle) {
         let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
             .join("../tests/fixtures/qwen3_moe_a/f32");
         let load = || -> epserve_core::Result<Engine> {
             let cfg = ModelConfig::from_dir(&dir)?;
             let ws = WeightStore::open(&dir)?;
-            let model = Model::from_store(cfg, &ws, Arc::new(Panics))?;
+            let model = Model::from_store(cfg, &ws, dispatcher)?;
             Ok(Engine::from_parts(
                 model,
                 Tokenizer::from_dir(&dir)?,
@@ -534,7 +535,12 @@ mod tests {
             },
         )
         .expect("scheduler");
-        let request = Request {
+        (engine, handle)
+    }
+
+    /// A 3-token prompt asking for 4 tokens, eos ignored.
+    fn three_tokens(engine: &Engine) -> Request {
+        Request {
             prompt_token_ids: vec![1, 2, 3],
             max_tokens: 4,
             sampling: engine.default_sampling(),
@@ -542,7 +548,13 @@ mod tests {
             stop_token_ids: vec![],
             ignore_eos: true,
             logprobs: None,
-        };
+        }
+    }
+
+    #[test]
+    fn a_panic_in_the_forward_pass_is_an_internal_error_and_the_server_lives_on() {
+        let (engine, handle) = fixture_scheduler(Arc::new(Panics));
+        let request = three_tokens(&engine);
         // Twice: the scheduler thread survives the first panic.
         for _ in 0..2 {
             let mut rx = handle.submit(request.clone()).expect("submit");
@@ -602,46 +614,12 @@ mod tests {
 
     #[test]
     fn a_lost_expert_fails_its_request_with_a_retryable_error_and_later_ones_succeed() {
-        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
-            .join("../tests/fixtures/qwen3_moe_a/f32");
         let lossy = Arc::new(Lossy {
             lose: std::sync::atomic::AtomicBool::new(true),
             faults: std::sync::Mutex::new(Vec::new()),
         });
-        let load = || -> epserve_core::Result<Engine> {
-            let cfg = ModelConfig::from_dir(&dir)?;
-            let ws = WeightStore::open(&dir)?;
-            let model = Model::from_store(cfg, &ws, lossy.clone())?;
-            Ok(Engine::from_parts(
-                model,
-                Tokenizer::from_dir(&dir)?,
-                GenerationConfig::from_dir(&dir)?,
-                &dir,
-            ))
-        };
-        let engine = Arc::new(load().expect("fixture engine"));
-        let handle = start(
-            engine.clone(),
-            SchedulerConfig {
-                max_num_seqs: 4,
-                max_num_batched_tokens: 64,
-                max_model_len: 64,
-                block_size: 16,
-                num_blocks: 16,
-                max_waiting: 4,
-                kv_dtype: Default::default(),
-            },
-        )
-        .expect("scheduler");
-        let request = Request {
-            prompt_token_ids: vec![1, 2, 3],
-            max_tokens: 4,
-            sampling: engine.default_sampling(),
-            stop: vec![],
-            stop_token_ids: vec![],
-            ignore_eos: true,
-            logprobs: None,
-        };
+        let (engine, handle) = fixture_scheduler(lossy.clone());
+        let request = three_tokens(&engine);
         let mut rx = handle.submit(request.clone()).expect("submit");
         let msg = match rx.blocking_recv() {
             Some(Event::Unavailable(msg)) => msg,
