@@ -1052,9 +1052,9 @@ async fn an_unhandled_drain_times_out_and_a_second_signal_cuts_it_short() {
 }
 
 /// An etcd restart under a registered expert-worker, down long enough for a
-/// lease renewal (every 3.3 s) to fail: its registration survives (the
-/// keep-alive stream is reopened; without it the lease would expire 10 s
-/// after the restart) and it follows a placement written after the restart
+/// lease renewal (every third of the 5 s lease TTL) to fail: its registration
+/// survives (the keep-alive stream is reopened; without it the lease would
+/// expire 5 s after the restart) and it follows a placement written after the restart
 /// (its placement watch is re-established).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_expert_worker_survives_an_etcd_restart() {
@@ -1103,7 +1103,7 @@ async fn an_expert_worker_survives_an_etcd_restart() {
     wait_line("serving", Duration::from_secs(60));
 
     etcd.restart_after(Duration::from_secs(4));
-    // Past the lease TTL (10 s), counted from the restart.
+    // Well past the lease TTL (5 s), counted from the restart.
     tokio::time::sleep(Duration::from_secs(13)).await;
     let store = EtcdStore::connect(&etcd.addr).await.expect("etcd");
     let state = ClusterState::new(Arc::new(store), "restart");
