@@ -27,6 +27,8 @@ pub fn init() -> PrometheusHandle {
                 ("epserve_time_per_output_token_seconds", LATENCY_BUCKETS),
                 ("epserve_e2e_request_latency_seconds", LATENCY_BUCKETS),
                 ("epserve_step_seconds", LATENCY_BUCKETS),
+                ("epserve_step_wait_seconds", LATENCY_BUCKETS),
+                ("epserve_step_micro_batches", SIZE_BUCKETS),
                 ("epserve_batch_size_seqs", SIZE_BUCKETS),
                 ("epserve_batch_size_tokens", SIZE_BUCKETS),
             ] {
@@ -91,6 +93,13 @@ pub fn step(seqs: usize, tokens: usize, secs: f64) {
     histogram!("epserve_batch_size_seqs").record(seqs as f64);
     histogram!("epserve_batch_size_tokens").record(tokens as f64);
     histogram!("epserve_step_seconds").record(secs);
+}
+
+/// How a step ran: its micro-batches and the time the scheduler thread
+/// waited for remote experts and attention.
+pub fn micro_step(micro_batches: usize, waited_secs: f64) {
+    histogram!("epserve_step_micro_batches").record(micro_batches as f64);
+    histogram!("epserve_step_wait_seconds").record(waited_secs);
 }
 
 /// A sequence was preempted for lack of KV blocks.

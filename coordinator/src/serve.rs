@@ -69,6 +69,13 @@ pub struct ServeArgs {
     /// remote attention the attention-workers' own flag decides.
     #[arg(long, default_value = "auto")]
     pub kv_cache_dtype: epserve_core::model::kv_cache::KvCacheDtype,
+    /// Micro-batches per step: N splits each step's sequences into N groups
+    /// that move through the layers in a ping-pong (one group's attention
+    /// runs while another's experts run on the workers); `auto` decides per
+    /// step from measured phase times, and is 1 in a single process (local
+    /// experts leave nothing to overlap).
+    #[arg(long, default_value = "auto")]
+    pub micro_batches: crate::scheduler::MicroBatches,
 }
 
 /// Parses `2GiB`, `512MiB`, `1.5G`, `1000000`.
@@ -141,6 +148,7 @@ pub fn scheduler_config(args: &ServeArgs, engine: &Engine) -> Result<SchedulerCo
         num_blocks,
         max_waiting: args.max_waiting,
         kv_dtype,
+        micro_batches: args.micro_batches,
     })
 }
 

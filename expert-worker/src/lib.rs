@@ -587,6 +587,7 @@ mod tests {
             topk_weights: vec![1.0],
             placement_version: 1,
             output_dtype: epserve_proto::pb::Dtype::F32 as i32,
+            combine: false,
         };
         use epserve_proto::pb::expert_service_server::ExpertService;
         worker.dispatch(tonic::Request::new(r)).await?;

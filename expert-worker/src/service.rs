@@ -15,7 +15,7 @@ use epserve_cluster::state::{Rebalance, desired_experts};
 use epserve_core::config::ModelConfig;
 use epserve_core::experts::{LoadOptions, load_executor_filtered};
 use epserve_core::loader::weights::WeightStore;
-use epserve_core::moe::{ExpertExecutor, SKIP_SLOT};
+use epserve_core::moe::{ExpertExecutor, SKIP_SLOT, combine};
 use epserve_core::placement::Placement;
 use epserve_proto::pb::expert_service_server::ExpertService;
 use epserve_proto::pb::{DispatchRequest, DispatchResponse, Dtype, HealthRequest, HealthResponse};
@@ -323,16 +323,25 @@ impl ExpertService for ExpertWorker {
                 .executor
                 .execute(layer, &x, &r.topk_ids, &r.topk_weights, k, &mut out)
                 .map_err(|e| Status::internal(e.to_string()))?;
-            // Keep only this worker's slots, in slot order.
-            let mut slots = Vec::new();
-            for (s, &id) in r.topk_ids.iter().enumerate() {
-                if id != SKIP_SLOT {
-                    slots.extend_from_slice(&out[s * hidden..(s + 1) * hidden]);
+            let outputs = if r.combine {
+                // One vector per token: its slots summed in slot order
+                // (skipped slots are zeros and add nothing).
+                let mut y = vec![0.0f32; rows * hidden];
+                combine(&out, rows, k, hidden, &mut y);
+                wire::encode(&y, rows, hidden, out_dtype)
+            } else {
+                // Keep only this worker's slots, in slot order.
+                let mut slots = Vec::new();
+                for (s, &id) in r.topk_ids.iter().enumerate() {
+                    if id != SKIP_SLOT {
+                        slots.extend_from_slice(&out[s * hidden..(s + 1) * hidden]);
+                    }
                 }
-            }
-            let n = slots.len() / hidden.max(1);
+                let n = slots.len() / hidden.max(1);
+                wire::encode(&slots, n, hidden, out_dtype)
+            };
             Ok::<_, Status>(DispatchResponse {
-                outputs: Some(wire::encode(&slots, n, hidden, out_dtype)),
+                outputs: Some(outputs),
                 queue_us: queued.as_micros() as u64,
                 compute_us: t0.elapsed().as_micros() as u64,
             })
@@ -392,6 +401,7 @@ mod tests {
             topk_weights: vec![0.5; 4],
             placement_version: 1,
             output_dtype: Dtype::F32 as i32,
+            combine: false,
         }
     }
 
@@ -415,6 +425,30 @@ mod tests {
         let good = request(&w, [a, SKIP_SLOT, b, a]);
         let ok = call(&w, good.clone()).await?;
         assert_eq!(ok.outputs.as_ref().map(|t| t.rows), Some(3));
+        // Worker-side combine: one vector per token, the sum of its slots
+        // in slot order (token 0: slot 0 only; token 1: slots 2 and 3).
+        let per_slot = ok
+            .outputs
+            .as_ref()
+            .map(wire::decode)
+            .transpose()?
+            .unwrap_or_default();
+        let mut combined_req = good.clone();
+        combined_req.combine = true;
+        let combined = call(&w, combined_req).await?;
+        assert_eq!(combined.outputs.as_ref().map(|t| t.rows), Some(2));
+        let y = combined
+            .outputs
+            .as_ref()
+            .map(wire::decode)
+            .transpose()?
+            .unwrap_or_default();
+        let hh = w.cfg.hidden_size;
+        assert_eq!(&y[..hh], &per_slot[..hh]);
+        let want: Vec<f32> = (0..hh)
+            .map(|i| 0.0 + per_slot[hh + i] + per_slot[2 * hh + i])
+            .collect();
+        assert_eq!(&y[hh..], &want[..]);
 
         type Edit = Box<dyn Fn(&mut DispatchRequest)>;
         let h = w.cfg.hidden_size;

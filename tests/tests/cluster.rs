@@ -71,7 +71,8 @@ async fn three_expert_workers_match_transformers_and_clean_up() {
         1,
         "the fixture's expert count must not divide by 3"
     );
-    let up = start_up(fixture, 3, "f32");
+    // Steps of several sequences run as two micro-batches in a ping-pong.
+    let up = start_up_with(fixture, 3, "f32", &["--", "--micro-batches", "2"]);
     let tok =
         epserve_core::loader::tokenizer::Tokenizer::from_dir(&fixture_dir(fixture).join("f32"))
             .expect("tokenizer");
@@ -278,6 +279,8 @@ async fn attention_workers_match_transformers_and_the_single_process_engine() {
             "--",
             "--max-model-len",
             "128",
+            "--micro-batches",
+            "2",
         ],
     );
     let mut want = Vec::new();

@@ -137,7 +137,9 @@ async fn rebalance_replicates_hot_experts_live_and_drain_empties_a_worker() {
     if !etcd_available() {
         return;
     }
-    let up = start_up(&[]);
+    // Two micro-batches per step: the rebalance switches placements under
+    // ping-ponged steps, and outputs stay the goldens.
+    let up = start_up(&["--micro-batches", "2"]);
 
     // A wrong or missing admin token is refused.
     let (ok, _, err) = ctl(&up.admin, "wrong-token", &["workers"]);

@@ -14,7 +14,7 @@ use epserve_cluster::runtime::Status;
 use epserve_cluster::state::{ClusterState, WorkerInfo};
 use epserve_core::config::ModelConfig;
 use epserve_core::model::attention::HeadShard;
-use epserve_core::model::attn_shard::{AttentionBackend, SeqChunk};
+use epserve_core::model::attn_shard::{AttentionBackend, PendingAttention, SeqChunk};
 use epserve_core::{Error, Result};
 use epserve_proto::pb::attention_service_client::AttentionServiceClient;
 use epserve_proto::pb::{self, AttentionRequest, Dtype, HealthRequest, ReleaseRequest};
@@ -432,14 +432,14 @@ impl RemoteAttention {
     }
 }
 
-impl AttentionBackend for RemoteAttention {
+impl RemoteAttention {
     #[tracing::instrument(
         level = "debug",
         name = "remote_attention",
         skip_all,
         fields(layer = layer, seqs = chunks.len())
     )]
-    fn forward(&self, layer: usize, x: &[f32], chunks: &[SeqChunk]) -> Result<Vec<f32>> {
+    async fn call(&self, layer: usize, x: &[f32], chunks: &[SeqChunk]) -> Result<Vec<f32>> {
         let started = Instant::now();
         let rows: usize = chunks.iter().map(|c| c.len).sum();
         let hidden = x.len().checked_div(rows).unwrap_or(0);
@@ -474,7 +474,7 @@ impl AttentionBackend for RemoteAttention {
             }
             .instrument(span)
         };
-        let mut results = self.rt.block_on(join_all(shards.iter().map(request)));
+        let mut results = join_all(shards.iter().map(request)).await;
         for _ in &shards {
             self.budget.deposit();
         }
@@ -494,11 +494,8 @@ impl AttentionBackend for RemoteAttention {
             }
             counter!("epserve_attention_retries_total").increment(again.len() as u64);
             tracing::warn!(layer, shards = ?again, "attention call failed; sending it again");
-            // The scheduler thread, outside the runtime: a plain sleep.
-            std::thread::sleep(backoff);
-            let redo = self
-                .rt
-                .block_on(join_all(again.iter().map(|&i| request(&shards[i]))));
+            tokio::time::sleep(backoff).await;
+            let redo = join_all(again.iter().map(|&i| request(&shards[i]))).await;
             for (i, r) in again.into_iter().zip(redo) {
                 results[i] = r;
             }
@@ -556,6 +553,32 @@ impl AttentionBackend for RemoteAttention {
             return Err(e);
         }
         Ok(sum)
+    }
+}
+
+impl AttentionBackend for RemoteAttention {
+    /// Spawns the layer's calls on the runtime; `wait` blocks the caller
+    /// (the scheduler thread) until every shard answered.
+    fn submit(
+        self: Arc<Self>,
+        layer: usize,
+        x: Arc<[f32]>,
+        chunks: Vec<SeqChunk>,
+    ) -> Result<PendingAttention> {
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        let rt = self.rt.clone();
+        rt.spawn(async move {
+            let r = self.call(layer, &x, &chunks).await;
+            // The step may have failed and dropped its handle.
+            let _ = tx.send(r);
+        });
+        Ok(PendingAttention::later(move || {
+            rx.blocking_recv().unwrap_or_else(|_| {
+                Err(Error::Attention(format!(
+                    "layer {layer}: the attention task ended without an answer"
+                )))
+            })
+        }))
     }
 
     fn release(&self, ids: &[u64]) {

@@ -28,7 +28,9 @@ use std::collections::{BTreeMap, HashMap, HashSet};
 use std::sync::{Arc, Mutex, RwLock};
 use std::time::{Duration, Instant};
 
-use epserve_core::moe::{Dispatcher, Routing, RowFault, SKIP_SLOT};
+use epserve_core::moe::{
+    DispatchTiming, Dispatched, Dispatcher, PendingDispatch, Routing, RowFault, SKIP_SLOT,
+};
 use epserve_core::placement::Placement;
 use epserve_core::{Error, Result};
 use epserve_proto::pb::expert_service_client::ExpertServiceClient;
@@ -191,10 +193,7 @@ impl Liveness {
 #[derive(Default)]
 struct StepState {
     route: Option<Arc<Route>>,
-    last_layer: Option<usize>,
     in_step: bool,
-    /// Rows of this step whose experts were not all reached.
-    faults: Vec<RowFault>,
 }
 
 type RpcService = tower::limit::ConcurrencyLimit<tower::timeout::Timeout<Channel>>;
@@ -208,8 +207,25 @@ struct Conn {
     probe: ExpertServiceClient<Channel>,
 }
 
-/// Dispatches expert work to expert-workers over gRPC.
+/// Dispatches expert work to expert-workers over gRPC, in two phases: a
+/// submit plans the calls and spawns them on the runtime (the scheduler
+/// thread goes on with other work), the pending handle waits for the
+/// combined outputs. Everything it keeps is in [`DispatchCore`], shared with
+/// the tasks in flight.
 pub struct GrpcDispatcher {
+    core: Arc<DispatchCore>,
+}
+
+impl std::ops::Deref for GrpcDispatcher {
+    type Target = DispatchCore;
+
+    fn deref(&self) -> &DispatchCore {
+        &self.core
+    }
+}
+
+/// The state of a [`GrpcDispatcher`].
+pub struct DispatchCore {
     rt: tokio::runtime::Handle,
     load: Mutex<LoadStats>,
     step: Mutex<StepState>,
@@ -270,6 +286,47 @@ impl GrpcDispatcher {
         expert_metrics: bool,
     ) -> Self {
         GrpcDispatcher {
+            core: Arc::new(DispatchCore::new(
+                rt,
+                route,
+                dtype,
+                timeout,
+                window,
+                expert_metrics,
+            )),
+        }
+    }
+
+    /// What to do with tokens whose expert has no live replica.
+    pub fn with_on_expert_loss(mut self, policy: OnExpertLoss) -> Self {
+        if let Some(c) = Arc::get_mut(&mut self.core) {
+            c.on_loss = policy;
+        }
+        self
+    }
+
+    /// Probes every placed worker each `period`, forever (spawn it).
+    pub fn probe_forever(&self, period: Duration) -> impl Future<Output = ()> + Send + 'static {
+        let core = self.core.clone();
+        async move {
+            loop {
+                tokio::time::sleep(period).await;
+                core.probe_once().await;
+            }
+        }
+    }
+}
+
+impl DispatchCore {
+    fn new(
+        rt: tokio::runtime::Handle,
+        route: Route,
+        dtype: Dtype,
+        timeout: Duration,
+        window: usize,
+        expert_metrics: bool,
+    ) -> Self {
+        DispatchCore {
             rt,
             load: Mutex::new(LoadStats::new(window)),
             step: Mutex::new(StepState::default()),
@@ -286,12 +343,6 @@ impl GrpcDispatcher {
             dtype,
             timeout,
         }
-    }
-
-    /// What to do with tokens whose expert has no live replica.
-    pub fn with_on_expert_loss(mut self, policy: OnExpertLoss) -> Self {
-        self.on_loss = policy;
-        self
     }
 
     /// Which workers are believed alive.
@@ -409,41 +460,51 @@ impl GrpcDispatcher {
         out
     }
 
-    /// The route for this dispatch: a new snapshot at a step's first MoE layer.
-    fn step_route(&self, layer: usize) -> Result<Arc<Route>> {
+    /// Opens a forward step: takes the route it uses for all its dispatches.
+    fn open_step(&self) -> Result<Arc<Route>> {
         let mut s = self
             .step
             .lock()
             .map_err(|_| Error::Dispatch("step lock poisoned".into()))?;
-        let new_step = s.route.is_none() || !s.in_step || s.last_layer.is_none_or(|l| layer <= l);
-        if new_step {
-            let route = self
-                .route()
-                .ok_or_else(|| Error::Dispatch("no route".into()))?;
-            if let Ok(mut stats) = self.load.lock() {
-                stats.begin_step(route.placement.version);
-            }
-            s.route = Some(route);
-            s.in_step = true;
-            s.faults.clear();
+        let route = self
+            .route()
+            .ok_or_else(|| Error::Dispatch("no route".into()))?;
+        if let Ok(mut stats) = self.load.lock() {
+            stats.begin_step(route.placement.version);
         }
-        s.last_layer = Some(layer);
-        s.route
-            .clone()
-            .ok_or_else(|| Error::Dispatch("no route".into()))
+        s.route = Some(route.clone());
+        s.in_step = true;
+        Ok(route)
     }
 
-    /// Marks the step finished after its last MoE layer (or a failure).
-    fn end_layer(&self, layer: usize, route: &Route, failed: bool) {
-        if let Ok(mut s) = self.step.lock()
-            && (failed
-                || route
-                    .placement
-                    .layers
-                    .last()
-                    .is_some_and(|l| l.layer == layer))
-        {
+    /// Closes the step [`open_step`](Self::open_step) opened.
+    fn close_step(&self) {
+        if let Ok(mut s) = self.step.lock() {
             s.in_step = false;
+        }
+    }
+
+    /// The route for a dispatch: the open step's, or (a dispatch outside any
+    /// step) the one in force, as a step of its own.
+    fn step_route(&self) -> Result<Arc<Route>> {
+        let open = {
+            let s = self
+                .step
+                .lock()
+                .map_err(|_| Error::Dispatch("step lock poisoned".into()))?;
+            s.route.clone().filter(|_| s.in_step)
+        };
+        match open {
+            Some(r) => Ok(r),
+            None => {
+                let route = self
+                    .route()
+                    .ok_or_else(|| Error::Dispatch("no route".into()))?;
+                if let Ok(mut stats) = self.load.lock() {
+                    stats.begin_step(route.placement.version);
+                }
+                Ok(route)
+            }
         }
     }
 
@@ -659,16 +720,8 @@ impl GrpcDispatcher {
         }
     }
 
-    /// Probes every placed worker each `period`, forever (spawn it).
-    pub async fn probe_forever(self: Arc<Self>, period: Duration) {
-        loop {
-            tokio::time::sleep(period).await;
-            self.probe_once().await;
-        }
-    }
-
     /// Sends one round of batches; one result per batch.
-    fn send(
+    async fn send(
         &self,
         route: &Route,
         layer: usize,
@@ -699,6 +752,7 @@ impl GrpcDispatcher {
                 topk_weights: b.weights.clone(),
                 placement_version: version,
                 output_dtype: self.dtype as i32,
+                combine: true,
             };
             let sent = req.tokens.as_ref().map(|t| t.data.len()).unwrap_or(0);
             counter!("epserve_dispatch_bytes_sent_total", "worker" => b.worker.clone())
@@ -728,8 +782,8 @@ impl GrpcDispatcher {
                 .instrument(span),
             );
         }
-        self.rt
-            .block_on(join_all(calls))
+        join_all(calls)
+            .await
             .into_iter()
             .zip(batches)
             .map(|(res, b)| {
@@ -747,48 +801,63 @@ impl GrpcDispatcher {
             .collect()
     }
 
-    /// Copies one worker's returned slot outputs into `out`.
-    fn scatter(
+    /// One worker's answer as a partial sum per row of its batch
+    /// (`[rows, hidden]`): as sent when it combined them, or summed here in
+    /// slot order from per-slot outputs (a worker from before the combine).
+    fn partial(
         b: &WorkerBatch,
         resp: DispatchResponse,
         k: usize,
         hidden: usize,
-        out: &mut [f32],
-    ) -> std::result::Result<(), String> {
+    ) -> std::result::Result<(Vec<f32>, Duration), String> {
         let worker = &b.worker;
         histogram!("epserve_expert_worker_queue_seconds", "worker" => worker.clone())
             .record(resp.queue_us as f64 / 1e6);
         histogram!("epserve_expert_worker_compute_seconds", "worker" => worker.clone())
             .record(resp.compute_us as f64 / 1e6);
+        let compute = Duration::from_micros(resp.compute_us);
         let t = resp
             .outputs
             .ok_or_else(|| format!("expert-worker {worker}: empty response"))?;
         counter!("epserve_dispatch_bytes_received_total", "worker" => worker.clone())
             .increment(t.data.len() as u64);
         let ys = wire::decode(&t).map_err(|e| format!("expert-worker {worker}: {e}"))?;
+        let rows = b.rows.len();
+        if ys.len() == rows * hidden {
+            return Ok((ys, compute));
+        }
         let want = b.ids.iter().filter(|&&i| i != SKIP_SLOT).count();
         if ys.len() != want * hidden {
             return Err(format!(
-                "expert-worker {worker} returned {} values for {want} slots",
+                "expert-worker {worker} returned {} values for {rows} rows ({want} slots) of hidden size {hidden}",
                 ys.len()
             ));
         }
-        for (next, (tok, s)) in b.slots(k).enumerate() {
-            let dst = (tok * k + s) * hidden;
-            out[dst..dst + hidden].copy_from_slice(&ys[next * hidden..(next + 1) * hidden]);
+        let mut part = vec![0.0f32; rows * hidden];
+        let row_of: HashMap<usize, usize> =
+            b.rows.iter().enumerate().map(|(i, &t)| (t, i)).collect();
+        for (next, (tok, _)) in b.slots(k).enumerate() {
+            let ri = row_of[&tok];
+            for (d, v) in part[ri * hidden..(ri + 1) * hidden]
+                .iter_mut()
+                .zip(&ys[next * hidden..(next + 1) * hidden])
+            {
+                *d += v;
+            }
         }
-        Ok(())
+        Ok((part, compute))
     }
 
-    /// Handles slots no live replica took: records each row's fault and,
-    /// when rerouting, rescales the row's live slots to the full top-k weight.
+    /// Handles slots no live replica took: one fault per row and, when
+    /// rerouting, the row's combined output (`out`, `[rows, hidden]`) scaled
+    /// to the full top-k weight.
     fn settle_lost(
         &self,
         routing: &Routing,
         hidden: usize,
         lost: Vec<LostSlot>,
         out: &mut [f32],
-    ) -> Result<()> {
+    ) -> Vec<RowFault> {
         let k = routing.top_k;
         let mut by_row: BTreeMap<usize, Vec<LostSlot>> = BTreeMap::new();
         for l in lost {
@@ -809,15 +878,12 @@ impl GrpcDispatcher {
                 .sum();
             let reroute = self.on_loss == OnExpertLoss::Reroute && live > 0.0;
             if reroute {
+                // The lost slots added nothing: scale the live ones up to
+                // the row's whole weight.
                 let scale = total / live;
-                for s in 0..k {
-                    let dst = &mut out[(t * k + s) * hidden..(t * k + s + 1) * hidden];
-                    if slots.iter().any(|l| l.slot == s) {
-                        dst.fill(0.0);
-                    } else {
-                        dst.iter_mut().for_each(|v| *v *= scale);
-                    }
-                }
+                out[t * hidden..(t + 1) * hidden]
+                    .iter_mut()
+                    .for_each(|v| *v *= scale);
             }
             counter!("epserve_expert_loss_tokens_total",
                 "action" => if reroute { "rerouted" } else { "failed" })
@@ -828,12 +894,7 @@ impl GrpcDispatcher {
                 degraded: reroute,
             });
         }
-        self.step
-            .lock()
-            .map_err(|_| Error::Dispatch("step lock poisoned".into()))?
-            .faults
-            .extend(faults);
-        Ok(())
+        faults
     }
 }
 
@@ -842,61 +903,85 @@ impl Dispatcher for GrpcDispatcher {
         level = "debug",
         name = "dispatch",
         skip_all,
-        fields(layer = layer, tokens = routing.num_tokens, workers = tracing::field::Empty)
+        fields(layer = layer, tokens = routing.num_tokens)
     )]
-    fn dispatch(
+    fn submit(
         &self,
         layer: usize,
-        x: &[f32],
+        x: Arc<[f32]>,
         hidden: usize,
-        routing: &Routing,
-    ) -> Result<Vec<f32>> {
-        let route = self.step_route(layer)?;
-        let res = self.dispatch_with(&route, layer, x, hidden, routing);
-        self.end_layer(layer, &route, res.is_err());
-        res
+        routing: Arc<Routing>,
+    ) -> Result<PendingDispatch> {
+        let submitted = Instant::now();
+        let route = self.step_route()?;
+        let core = self.core.clone();
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        self.rt.spawn(
+            async move {
+                let mut r = core
+                    .dispatch_with(&route, layer, &x, hidden, &routing)
+                    .await;
+                if let Ok(d) = r.as_mut()
+                    && let Some(t) = d.timing.as_mut()
+                {
+                    t.wall = submitted.elapsed();
+                }
+                // The step may have failed and dropped its handle.
+                let _ = tx.send(r);
+            }
+            .instrument(tracing::Span::current()),
+        );
+        Ok(PendingDispatch::later(move || {
+            rx.blocking_recv().unwrap_or_else(|_| {
+                Err(Error::Dispatch(format!(
+                    "layer {layer}: the dispatch task ended without an answer"
+                )))
+            })
+        }))
     }
 
-    fn take_faults(&self) -> Vec<RowFault> {
-        let Ok(mut s) = self.step.lock() else {
-            return Vec::new();
-        };
-        // One fault per row: lost at any layer wins over degraded.
-        let mut by_row: BTreeMap<usize, RowFault> = BTreeMap::new();
-        for f in std::mem::take(&mut s.faults) {
-            match by_row.get_mut(&f.row) {
-                Some(g) => {
-                    g.degraded &= f.degraded;
-                    if !g.message.contains(&f.message) {
-                        g.message = format!("{}; {}", g.message, f.message);
-                    }
-                }
-                None => {
-                    by_row.insert(f.row, f);
-                }
-            }
+    fn begin_step(&self) {
+        if let Err(e) = self.open_step() {
+            tracing::warn!(error = %e, "cannot open a dispatch step");
         }
-        by_row.into_values().collect()
+    }
+
+    fn end_step(&self) {
+        self.close_step();
     }
 }
 
-impl GrpcDispatcher {
-    fn dispatch_with(
+impl DispatchCore {
+    /// Plans, sends, re-sends what failed, and sums every worker's partial
+    /// per row in a fixed order (rounds, then workers by id), so the result
+    /// does not depend on which call answered first.
+    async fn dispatch_with(
         &self,
         route: &Route,
         layer: usize,
         x: &[f32],
         hidden: usize,
         routing: &Routing,
-    ) -> Result<Vec<f32>> {
+    ) -> Result<Dispatched> {
         let started = Instant::now();
         let k = routing.top_k;
-        let mut todo: Vec<(usize, usize)> = (0..routing.num_tokens)
+        let rows = routing.num_tokens;
+        let mut todo: Vec<(usize, usize)> = (0..rows)
             .flat_map(|t| (0..k).map(move |s| (t, s)))
             .collect();
         let mut excluded: HashSet<u32> = HashSet::new();
         let mut lost: Vec<LostSlot> = Vec::new();
-        let mut out = vec![0.0f32; routing.num_tokens * k * hidden];
+        let mut partials: Vec<(Vec<usize>, Vec<f32>)> = Vec::new();
+        let mut timing = DispatchTiming {
+            rows,
+            distinct_experts: {
+                let mut ids: Vec<u32> = routing.topk_ids.clone();
+                ids.sort_unstable();
+                ids.dedup();
+                ids.len()
+            },
+            ..DispatchTiming::default()
+        };
         let mut round = 0;
         loop {
             let batches = self.plan(route, layer, routing, &todo, &excluded, &mut lost)?;
@@ -910,16 +995,20 @@ impl GrpcDispatcher {
             if batches.is_empty() {
                 break;
             }
-            let results = self.send(route, layer, x, hidden, k, &batches);
+            let results = self.send(route, layer, x, hidden, k, &batches).await;
             todo.clear();
             let mut failed = Vec::new();
             for (b, res) in batches.iter().zip(results) {
                 let res = res.and_then(|resp| {
-                    Self::scatter(b, resp, k, hidden, &mut out)
-                        .map_err(|m| (tonic::Code::Internal, m))
+                    Self::partial(b, resp, k, hidden).map_err(|m| (tonic::Code::Internal, m))
                 });
                 match res {
-                    Ok(()) => {}
+                    Ok((part, compute)) => {
+                        if round == 0 {
+                            timing.compute = timing.compute.max(compute);
+                        }
+                        partials.push((b.rows.clone(), part));
+                    }
                     // Our request was malformed: a bug, not a failure of the
                     // worker; re-sending would fail the same way.
                     Err((tonic::Code::InvalidArgument, msg)) => return Err(Error::Dispatch(msg)),
@@ -958,12 +1047,29 @@ impl GrpcDispatcher {
             tracing::warn!(layer, round, slots = todo.len(), errors = %failed.join("; "),
                 "re-sending slots to other replicas");
         }
-        if !lost.is_empty() {
-            self.settle_lost(routing, hidden, lost, &mut out)?;
+        let mut y = vec![0.0f32; rows * hidden];
+        for (brows, part) in &partials {
+            for (ri, &t) in brows.iter().enumerate() {
+                for (d, v) in y[t * hidden..(t + 1) * hidden]
+                    .iter_mut()
+                    .zip(&part[ri * hidden..(ri + 1) * hidden])
+                {
+                    *d += v;
+                }
+            }
         }
+        let faults = if lost.is_empty() {
+            Vec::new()
+        } else {
+            self.settle_lost(routing, hidden, lost, &mut y)
+        };
         histogram!("epserve_dispatch_seconds", "layer" => layer.to_string())
             .record(started.elapsed().as_secs_f64());
-        Ok(out)
+        Ok(Dispatched {
+            y,
+            faults,
+            timing: Some(timing),
+        })
     }
 }
 
@@ -1101,7 +1207,8 @@ mod tests {
     fn a_step_keeps_one_route_and_placements_never_go_back() {
         let d = dispatcher(&["w0", "w1"]);
         let v1 = d.route().expect("route");
-        assert_eq!(d.step_route(0).expect("route").placement.version, 1);
+        d.begin_step();
+        assert_eq!(d.step_route().expect("route").placement.version, 1);
         let mut p2 = (*v1.placement).clone();
         p2.version = 2;
         d.set_route(Route {
@@ -1112,11 +1219,14 @@ mod tests {
         // A slow refresh with the old version only updates addresses.
         d.set_route((*v1).clone());
         assert_eq!(d.route().expect("route").placement.version, 2);
-        // The step in flight finishes on v1 (layer 0 is its last MoE layer) ...
-        d.end_layer(0, &v1, false);
+        // Every dispatch of the step in flight uses v1 ...
+        assert_eq!(d.step_route().expect("route").placement.version, 1);
+        d.end_step();
         assert!(d.old_steps_finished(2));
-        // ... and the next one takes v2.
-        assert_eq!(d.step_route(0).expect("route").placement.version, 2);
+        // ... and the next step takes v2.
+        d.begin_step();
+        assert_eq!(d.step_route().expect("route").placement.version, 2);
+        d.end_step();
     }
 
     /// A worker that returns, for each slot, `weight × (expert + 1)` in every
@@ -1124,6 +1234,10 @@ mod tests {
     struct Fake {
         hang: bool,
     }
+
+    /// Whether fake workers honour `combine` (an up-to-date worker) or
+    /// answer per slot (one from before the field), alternately per call.
+    static FAKE_CALLS: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
 
     #[tonic::async_trait]
     impl ExpertService for Fake {
@@ -1141,6 +1255,24 @@ mod tests {
                 if id != SKIP_SLOT {
                     ys.extend(std::iter::repeat_n(w * (id as f32 + 1.0), hidden));
                 }
+            }
+            let old = FAKE_CALLS.fetch_add(1, std::sync::atomic::Ordering::Relaxed) % 2 == 1;
+            if r.combine && !old {
+                // Sum each row's slots.
+                let k = r.top_k as usize;
+                let rows = r.topk_ids.len() / k.max(1);
+                let mut y = vec![0.0f32; rows * hidden];
+                for t in 0..rows {
+                    for s in 0..k {
+                        let (id, w) = (r.topk_ids[t * k + s], r.topk_weights[t * k + s]);
+                        if id != SKIP_SLOT {
+                            for v in &mut y[t * hidden..(t + 1) * hidden] {
+                                *v += w * (id as f32 + 1.0);
+                            }
+                        }
+                    }
+                }
+                ys = y;
             }
             let n = ys.len() / hidden.max(1);
             Ok(tonic::Response::new(DispatchResponse {
@@ -1212,12 +1344,12 @@ mod tests {
             topk_weights: vec![0.5, 0.25],
         };
         let out = d.dispatch(0, &[0.0; 6], hidden, &r).expect("dispatch");
-        assert_eq!(out, vec![0.5, 0.5, 0.5, 0.25, 0.25, 0.25]);
-        assert!(d.take_faults().is_empty());
+        assert_eq!(out.y, vec![0.5, 0.5, 0.5, 0.25, 0.25, 0.25]);
+        assert!(out.faults.is_empty());
         assert!(!d.liveness().is_live("w0"), "the dead replica is marked");
         // From then on it is skipped without a failed call.
         let out = d.dispatch(0, &[0.0; 6], hidden, &r).expect("dispatch");
-        assert_eq!(out, vec![0.5, 0.5, 0.5, 0.25, 0.25, 0.25]);
+        assert_eq!(out.y, vec![0.5, 0.5, 0.5, 0.25, 0.25, 0.25]);
         // The health probe agrees: w0 dead, w1 live.
         rt.block_on(d.probe_once());
         assert!(!d.liveness().is_live("w0"));
@@ -1243,22 +1375,22 @@ mod tests {
         };
         let d = dispatcher_on(&rt, addrs.clone());
         let out = d.dispatch(0, &[0.0; 4], hidden, &r).expect("dispatch");
-        let f = d.take_faults();
+        let f = &out.faults;
         assert_eq!(f.len(), 1, "{f:?}");
         assert_eq!(f[0].row, 0);
         assert!(!f[0].degraded);
-        // Token 1 is exact (possibly after a failover from w1 to w0).
-        assert_eq!(&out[4..], &[0.5, 0.5, 0.5, 0.5]);
-        assert!(d.take_faults().is_empty(), "taken once");
+        // Token 1 is exact (possibly after a failover from w1 to w0): its
+        // two slots of expert 0, 0.5 × 1 each, summed.
+        assert_eq!(&out.y[2..], &[1.0, 1.0]);
 
         let d = dispatcher_on(&rt, addrs).with_on_expert_loss(OnExpertLoss::Reroute);
         d.liveness().mark_dead("w1", "test");
         let out = d.dispatch(0, &[0.0; 4], hidden, &r).expect("dispatch");
-        let f = d.take_faults();
+        let f = &out.faults;
         assert_eq!(f.len(), 1);
         assert!(f[0].degraded);
         // Expert 0's slot carries the row's whole weight (0.75 + 0.25).
-        assert_eq!(&out[..4], &[1.0, 1.0, 0.0, 0.0]);
+        assert_eq!(&out.y[..2], &[1.0, 1.0]);
         drop(rt);
     }
 
@@ -1297,9 +1429,9 @@ mod tests {
         });
         let t0 = Instant::now();
         let out = d.dispatch(0, &[0.0; 6], 3, &r).expect("dispatch");
-        assert_eq!(out, vec![0.5, 0.5, 0.5, 0.25, 0.25, 0.25]);
+        assert_eq!(out.y, vec![0.5, 0.5, 0.5, 0.25, 0.25, 0.25]);
         assert!(t0.elapsed() < Duration::from_secs(10), "{:?}", t0.elapsed());
-        assert!(d.take_faults().is_empty());
+        assert!(out.faults.is_empty());
         marker.join().expect("marker");
         drop(rt);
     }

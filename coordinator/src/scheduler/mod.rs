@@ -7,7 +7,10 @@
 //! (its blocks freed, recomputed later from its tokens), so older requests
 //! always make progress.
 
+mod micro;
 mod seq;
+
+pub use micro::{MicroBatches, MicroPolicy};
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
@@ -41,6 +44,8 @@ pub struct SchedulerConfig {
     pub max_waiting: usize,
     /// Element type of the KV cache.
     pub kv_dtype: epserve_core::model::kv_cache::KvDtype,
+    /// Into how many micro-batches a step is split (`--micro-batches`).
+    pub micro_batches: MicroBatches,
 }
 
 /// A validated generation request.
@@ -167,8 +172,16 @@ pub fn start(engine: Arc<Engine>, config: SchedulerConfig) -> std::io::Result<Sc
         num_blocks: pool.num_blocks(),
         config: config.clone(),
     };
+    let cfg = &engine.model.config;
+    let policy = MicroPolicy::new(
+        config.micro_batches,
+        cfg.moe_layers().len(),
+        cfg.num_experts,
+        cfg.num_experts_per_tok,
+    );
     let mut s = Scheduler {
         engine,
+        policy,
         config,
         pool,
         waiting: VecDeque::new(),
@@ -184,6 +197,7 @@ pub fn start(engine: Arc<Engine>, config: SchedulerConfig) -> std::io::Result<Sc
 
 struct Scheduler {
     engine: Arc<Engine>,
+    policy: MicroPolicy,
     config: SchedulerConfig,
     pool: KvPool,
     waiting: VecDeque<Seq>,
@@ -363,13 +377,14 @@ impl Scheduler {
         let span = tracing::Span::current();
         span.record("seqs", n_seqs);
         span.record("tokens", n_tokens);
+        let micro_batches = self.policy.choose(n_seqs, n_tokens);
         let started = Instant::now();
         // A panic in the model (a bug) fails this step's requests, not the server.
         let pool = &mut self.pool;
         let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
             engine
                 .model
-                .forward(&mut inputs, pool, LogitsMode::Last, true)
+                .forward_micro(&mut inputs, pool, LogitsMode::Last, true, micro_batches)
         }))
         .unwrap_or_else(|p| {
             let msg = p
@@ -383,9 +398,20 @@ impl Scheduler {
             )))
         });
         drop(inputs);
-        m::step(n_seqs, n_tokens, started.elapsed().as_secs_f64());
+        let elapsed = started.elapsed();
+        m::step(n_seqs, n_tokens, elapsed.as_secs_f64());
         let out = match result {
-            Ok(o) => o,
+            Ok(o) => {
+                m::micro_step(micro_batches, o.waited.as_secs_f64());
+                self.policy.observe(
+                    n_tokens,
+                    micro_batches,
+                    elapsed,
+                    o.waited,
+                    &o.dispatch_timings,
+                );
+                o
+            }
             Err(e) => {
                 tracing::error!(error = %e, "forward pass failed");
                 let msg = e.to_string();
@@ -488,19 +514,19 @@ mod tests {
     use epserve_core::loader::tokenizer::Tokenizer;
     use epserve_core::loader::weights::WeightStore;
     use epserve_core::model::Model;
-    use epserve_core::moe::{Dispatcher, Routing};
+    use epserve_core::moe::{Dispatched, Dispatcher, PendingDispatch, Routing};
 
     /// Expert dispatch that panics, standing in for a bug in the forward pass.
     struct Panics;
 
     impl Dispatcher for Panics {
-        fn dispatch(
+        fn submit(
             &self,
             _layer: usize,
-            _x: &[f32],
+            _x: Arc<[f32]>,
             _hidden: usize,
-            _routing: &Routing,
-        ) -> epserve_core::Result<Vec<f32>> {
+            _routing: Arc<Routing>,
+        ) -> epserve_core::Result<PendingDispatch> {
             panic!("test bug in the forward pass")
         }
     }
@@ -532,6 +558,7 @@ mod tests {
                 num_blocks: 16,
                 max_waiting: 4,
                 kv_dtype: Default::default(),
+                micro_batches: MicroBatches::Fixed(1),
             },
         )
         .expect("scheduler");
@@ -579,36 +606,31 @@ mod tests {
     /// replica), standing in for the cluster's dispatcher.
     struct Lossy {
         lose: std::sync::atomic::AtomicBool,
-        faults: std::sync::Mutex<Vec<epserve_core::moe::RowFault>>,
     }
 
     impl Dispatcher for Lossy {
-        fn dispatch(
+        fn submit(
             &self,
             layer: usize,
-            _x: &[f32],
+            _x: Arc<[f32]>,
             hidden: usize,
-            routing: &Routing,
-        ) -> epserve_core::Result<Vec<f32>> {
-            if self.lose.load(Ordering::Relaxed)
-                && let Ok(mut f) = self.faults.lock()
-            {
+            routing: Arc<Routing>,
+        ) -> epserve_core::Result<PendingDispatch> {
+            let mut faults = Vec::new();
+            if self.lose.load(Ordering::Relaxed) {
                 for row in 0..routing.num_tokens {
-                    f.push(epserve_core::moe::RowFault {
+                    faults.push(epserve_core::moe::RowFault {
                         row,
                         message: format!("layer {layer}: expert 0 has no live replica"),
                         degraded: false,
                     });
                 }
             }
-            Ok(vec![0.0; routing.num_tokens * routing.top_k * hidden])
-        }
-
-        fn take_faults(&self) -> Vec<epserve_core::moe::RowFault> {
-            self.faults
-                .lock()
-                .map(|mut f| std::mem::take(&mut *f))
-                .unwrap_or_default()
+            Ok(PendingDispatch::ready(Ok(Dispatched {
+                y: vec![0.0; routing.num_tokens * hidden],
+                faults,
+                timing: None,
+            })))
         }
     }
 
@@ -616,7 +638,6 @@ mod tests {
     fn a_lost_expert_fails_its_request_with_a_retryable_error_and_later_ones_succeed() {
         let lossy = Arc::new(Lossy {
             lose: std::sync::atomic::AtomicBool::new(true),
-            faults: std::sync::Mutex::new(Vec::new()),
         });
         let (engine, handle) = fixture_scheduler(lossy.clone());
         let request = three_tokens(&engine);

@@ -14,7 +14,10 @@ use crate::error::{Error, Result};
 use crate::loader::names::ExpertNames;
 use crate::loader::weights::WeightStore;
 use crate::moe::mlp::GatedMlp;
-use crate::moe::{Dispatcher, ExpertExecutor, Routing, SKIP_SLOT};
+use crate::moe::{
+    Dispatched, Dispatcher, ExpertExecutor, PendingDispatch, Routing, SKIP_SLOT, combine,
+};
+use crate::profile::{self, Phase};
 
 /// The experts one executor holds for one layer (`None` = held elsewhere).
 pub struct LayerExperts {
@@ -143,28 +146,41 @@ impl LocalDispatcher {
 }
 
 impl Dispatcher for LocalDispatcher {
+    /// Runs the experts now (the handle is ready): per-slot outputs, then
+    /// [`combine`] in slot order.
     #[tracing::instrument(
         level = "debug",
         name = "dispatch",
         skip_all,
         fields(layer = layer, tokens = routing.num_tokens)
     )]
-    fn dispatch(
+    fn submit(
         &self,
         layer: usize,
-        x: &[f32],
+        x: Arc<[f32]>,
         hidden: usize,
-        routing: &Routing,
-    ) -> Result<Vec<f32>> {
-        let mut out = vec![0.0f32; routing.num_tokens * routing.top_k * hidden];
-        self.executor.execute(
-            layer,
-            x,
-            &routing.topk_ids,
-            &routing.topk_weights,
-            routing.top_k,
-            &mut out,
-        )?;
-        Ok(out)
+        routing: Arc<Routing>,
+    ) -> Result<PendingDispatch> {
+        let rows = routing.num_tokens;
+        let mut out = vec![0.0f32; rows * routing.top_k * hidden];
+        {
+            let _t = profile::timer(Phase::Experts);
+            self.executor.execute(
+                layer,
+                &x,
+                &routing.topk_ids,
+                &routing.topk_weights,
+                routing.top_k,
+                &mut out,
+            )?;
+        }
+        let _t = profile::timer(Phase::Combine);
+        let mut y = vec![0.0f32; rows * hidden];
+        combine(&out, rows, routing.top_k, hidden, &mut y);
+        Ok(PendingDispatch::ready(Ok(Dispatched {
+            y,
+            faults: Vec::new(),
+            timing: None,
+        })))
     }
 }

@@ -7,7 +7,7 @@
 
 use std::collections::{HashMap, HashSet};
 use std::path::Path;
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 
 use crate::config::ModelConfig;
 use crate::error::{Error, Result};
@@ -30,12 +30,50 @@ pub struct SeqChunk {
     pub len: usize,
 }
 
-/// Attention computed outside the model's own layers (tensor-parallel shards).
+/// An attention call in flight ([`AttentionBackend::submit`]); `wait`
+/// brings the summed partial projections.
+#[must_use = "a submitted attention call must be waited for"]
+pub struct PendingAttention(PendingInner);
+
+enum PendingInner {
+    Ready(Result<Vec<f32>>),
+    Later(Box<dyn FnOnce() -> Result<Vec<f32>> + Send>),
+}
+
+impl PendingAttention {
+    /// A call already finished.
+    pub fn ready(r: Result<Vec<f32>>) -> Self {
+        PendingAttention(PendingInner::Ready(r))
+    }
+
+    /// A call whose result `wait` produces (blocks the caller).
+    pub fn later(wait: impl FnOnce() -> Result<Vec<f32>> + Send + 'static) -> Self {
+        PendingAttention(PendingInner::Later(Box::new(wait)))
+    }
+
+    /// Blocks until the shards answered.
+    pub fn wait(self) -> Result<Vec<f32>> {
+        match self.0 {
+            PendingInner::Ready(r) => r,
+            PendingInner::Later(f) => f(),
+        }
+    }
+}
+
+/// Attention computed outside the model's own layers (tensor-parallel
+/// shards), in two phases: [`submit`](Self::submit) starts a layer's
+/// attention for some sequences and returns; the pending handle's `wait`
+/// brings the result. In-process backends finish eagerly.
 pub trait AttentionBackend: Send + Sync {
-    /// Runs layer `layer` for the normalized input `x` (`[tokens, hidden]`,
-    /// sequences in `chunks` order) and returns the sum of every shard's
+    /// Starts layer `layer` for the normalized input `x` (`[tokens, hidden]`,
+    /// sequences in `chunks` order); the result is the sum of every shard's
     /// partial output projection, without the `o_proj` bias.
-    fn forward(&self, layer: usize, x: &[f32], chunks: &[SeqChunk]) -> Result<Vec<f32>>;
+    fn submit(
+        self: Arc<Self>,
+        layer: usize,
+        x: Arc<[f32]>,
+        chunks: Vec<SeqChunk>,
+    ) -> Result<PendingAttention>;
     /// Forgets these sequences' KV (finished, cancelled or preempted). May be
     /// deferred until the next [`forward`](Self::forward) or [`flush`](Self::flush).
     fn release(&self, ids: &[u64]);
@@ -361,23 +399,13 @@ impl LocalShards {
 }
 
 impl AttentionBackend for LocalShards {
-    fn forward(&self, layer: usize, x: &[f32], chunks: &[SeqChunk]) -> Result<Vec<f32>> {
-        let mut sum: Option<Vec<f32>> = None;
-        for s in &self.shards {
-            let part = s
-                .lock()
-                .map_err(|_| Error::Dispatch("attention shard lock poisoned".into()))?
-                .forward(layer, x, chunks)?;
-            match sum.as_mut() {
-                None => sum = Some(part),
-                Some(acc) => {
-                    for (a, p) in acc.iter_mut().zip(&part) {
-                        *a += p;
-                    }
-                }
-            }
-        }
-        sum.ok_or_else(|| Error::Dispatch("no attention shards".into()))
+    fn submit(
+        self: Arc<Self>,
+        layer: usize,
+        x: Arc<[f32]>,
+        chunks: Vec<SeqChunk>,
+    ) -> Result<PendingAttention> {
+        Ok(PendingAttention::ready(self.sum_shards(layer, &x, &chunks)))
     }
 
     fn release(&self, ids: &[u64]) {
@@ -398,6 +426,28 @@ impl AttentionBackend for LocalShards {
                 })
             })
             .min()
+    }
+}
+
+impl LocalShards {
+    /// Runs every shard in turn and sums their partials in shard order.
+    fn sum_shards(&self, layer: usize, x: &[f32], chunks: &[SeqChunk]) -> Result<Vec<f32>> {
+        let mut sum: Option<Vec<f32>> = None;
+        for s in &self.shards {
+            let part = s
+                .lock()
+                .map_err(|_| Error::Dispatch("attention shard lock poisoned".into()))?
+                .forward(layer, x, chunks)?;
+            match sum.as_mut() {
+                None => sum = Some(part),
+                Some(acc) => {
+                    for (a, p) in acc.iter_mut().zip(&part) {
+                        *a += p;
+                    }
+                }
+            }
+        }
+        sum.ok_or_else(|| Error::Dispatch("no attention shards".into()))
     }
 }
 

@@ -127,8 +127,14 @@ pub struct ForwardOutput {
     pub rows: usize,
     /// Filled when tracing was requested.
     pub router: Vec<RouterTrace>,
-    /// Rows whose experts could not all be reached ([`Dispatcher::take_faults`]).
+    /// Rows whose experts could not all be reached
+    /// ([`Dispatched::faults`](crate::moe::Dispatched::faults)), in batch rows.
     pub faults: Vec<crate::moe::RowFault>,
+    /// Time the calling thread spent blocked on remote experts and remote
+    /// attention (the rest of the step it computed).
+    pub waited: std::time::Duration,
+    /// Every remote dispatch of the step (empty in process).
+    pub dispatch_timings: Vec<crate::moe::DispatchTiming>,
 }
 
 /// A loaded model.
@@ -386,18 +392,41 @@ impl Model {
 
     /// Runs one step for several sequences at once. Each sequence's tokens are
     /// appended after what its cache already holds.
-    #[tracing::instrument(
-        level = "debug",
-        name = "forward",
-        skip_all,
-        fields(seqs = seqs.len(), tokens = seqs.iter().map(|s| s.tokens.len()).sum::<usize>())
-    )]
     pub fn forward(
         &self,
         seqs: &mut [SeqInput<'_>],
         pool: &mut KvPool,
         mode: LogitsMode,
         trace_router: bool,
+    ) -> Result<ForwardOutput> {
+        self.forward_micro(seqs, pool, mode, trace_router, 1)
+    }
+
+    /// [`forward`](Self::forward) with the batch split into `micro_batches`
+    /// groups of whole sequences (balanced by tokens; at most one group per
+    /// sequence) that move through the layers in a ping-pong: micro-batch
+    /// `m` runs its attention (and routing) while the experts of micro-batch
+    /// `m - 1` run wherever the dispatcher sends them, and waits for its own
+    /// previous layer's experts only when it needs them. With a dispatcher
+    /// that computes in this process every micro-batch finishes eagerly, so
+    /// splitting only adds work; with remote experts (and remote attention)
+    /// the coordinator and the workers are busy at the same time. Each
+    /// sequence's rows are computed exactly as in one batch: outputs do not
+    /// depend on the split (up to the summation order of kernels whose
+    /// blocking depends on the row count).
+    #[tracing::instrument(
+        level = "debug",
+        name = "forward",
+        skip_all,
+        fields(seqs = seqs.len(), tokens = seqs.iter().map(|s| s.tokens.len()).sum::<usize>(), micro_batches)
+    )]
+    pub fn forward_micro(
+        &self,
+        seqs: &mut [SeqInput<'_>],
+        pool: &mut KvPool,
+        mode: LogitsMode,
+        trace_router: bool,
+        micro_batches: usize,
     ) -> Result<ForwardOutput> {
         let cfg = &self.config;
         let h = cfg.hidden_size;
@@ -456,102 +485,54 @@ impl Model {
                 len: sp.len,
             })
             .collect();
-        let mut trace = Vec::new();
-        let mut normed = vec![0.0f32; t * h];
-        let mut ffn_out = vec![0.0f32; t * h];
-        for (li, layer) in self.layers.iter().enumerate() {
-            let _layer = tracing::debug_span!("layer", layer = li).entered();
-            normed.copy_from_slice(&x);
-            rms_norm(&mut normed, &layer.input_norm, cfg.rms_norm_eps);
-            let attn_span = tracing::trace_span!("attention").entered();
-            let attn_t = profile::timer(Phase::Attention);
-            let mut a = match &layer.attn {
-                LayerAttn::Gqa(att) => att.forward(&normed, &spans, &caches, pool, li, &layer.rope),
-                LayerAttn::Mla(att) => att.forward(&normed, &spans, &caches, pool, li, &layer.rope),
-                LayerAttn::Remote { o_bias } => {
-                    let backend = self.attention.as_ref().ok_or_else(|| {
-                        Error::Dispatch("remote attention layer without a backend".into())
-                    })?;
-                    let mut a = backend.forward(li, &normed, &chunks)?;
-                    if a.len() != t * h {
-                        return Err(Error::Dispatch(format!(
-                            "attention shards returned {} values for {t} tokens of hidden size {h}",
-                            a.len()
-                        )));
-                    }
-                    if let Some(b) = o_bias {
-                        for row in a.chunks_exact_mut(h) {
-                            for (v, bb) in row.iter_mut().zip(b) {
-                                *v += bb;
-                            }
-                        }
-                    }
-                    a
+        let groups = split_micro_batches(&spans, micro_batches);
+        let mut micro: Vec<Micro<'_>> = groups
+            .iter()
+            .map(|g| {
+                let row0 = spans[g.start].start;
+                let rows: usize = spans[g.clone()].iter().map(|sp| sp.len).sum();
+                Micro {
+                    row0,
+                    rows,
+                    spans: spans[g.clone()]
+                        .iter()
+                        .map(|sp| SeqSpan {
+                            start: sp.start - row0,
+                            ..*sp
+                        })
+                        .collect(),
+                    caches: &caches[g.clone()],
+                    chunks: &chunks[g.clone()],
+                    x: x[row0 * h..(row0 + rows) * h].to_vec(),
+                    pending: None,
                 }
-            };
-            drop(attn_t);
-            drop(attn_span);
-            if let Some(n) = &layer.attn_out_norm {
-                rms_norm(&mut a, n, cfg.rms_norm_eps);
-            }
-            for (xv, av) in x.iter_mut().zip(&a) {
-                *xv += av;
-            }
-            normed.copy_from_slice(&x);
-            rms_norm(&mut normed, &layer.post_norm, cfg.rms_norm_eps);
-            let _ffn = tracing::trace_span!("ffn").entered();
-            match &layer.ffn {
-                Ffn::Dense(mlp) => {
-                    let _t = profile::timer(Phase::DenseMlp).work(|| mlp.work(t));
-                    mlp.forward(&normed, t, &mut ffn_out)
-                }
-                Ffn::Moe(block) => {
-                    let routing =
-                        block.forward(li, &normed, t, h, self.dispatcher.as_ref(), &mut ffn_out)?;
-                    if trace_router {
-                        trace.push(RouterTrace { layer: li, routing });
-                    }
-                }
-                Ffn::DenseAndMoe(p) => {
-                    {
-                        let _t = profile::timer(Phase::DenseMlp).work(|| p.mlp.work(t));
-                        p.mlp.forward(&normed, t, &mut ffn_out);
-                    }
-                    rms_norm(&mut ffn_out, &p.mlp_out_norm, cfg.rms_norm_eps);
-                    let mut moe_in = x.clone();
-                    rms_norm(&mut moe_in, &p.moe_in_norm, cfg.rms_norm_eps);
-                    let mut moe_out = vec![0.0f32; t * h];
-                    let routing = p.moe.forward_split(
-                        li,
-                        &x,
-                        &moe_in,
-                        t,
-                        h,
-                        self.dispatcher.as_ref(),
-                        &mut moe_out,
-                    )?;
-                    rms_norm(&mut moe_out, &p.moe_out_norm, cfg.rms_norm_eps);
-                    for (f, m) in ffn_out.iter_mut().zip(&moe_out) {
-                        *f += m;
-                    }
-                    if trace_router {
-                        trace.push(RouterTrace { layer: li, routing });
-                    }
-                }
-            }
-            if let Some(n) = &layer.ffn_out_norm {
-                rms_norm(&mut ffn_out, n, cfg.rms_norm_eps);
-            }
-            for (xv, fv) in x.iter_mut().zip(&ffn_out) {
-                *xv += fv;
-            }
-            if let Some(s) = layer.layer_scalar {
-                for xv in x.iter_mut() {
-                    *xv *= s;
-                }
-            }
+            })
+            .collect();
+        let mut step = StepRun {
+            trace: if trace_router {
+                (0..self.layers.len()).map(|_| None).collect()
+            } else {
+                Vec::new()
+            },
+            faults: Vec::new(),
+            waited: std::time::Duration::ZERO,
+            timings: Vec::new(),
+        };
+        self.dispatcher.begin_step();
+        let ran = self.run_layers(&mut micro, pool, &mut step);
+        self.dispatcher.end_step();
+        ran?;
+        for m in &micro {
+            x[m.row0 * h..(m.row0 + m.rows) * h].copy_from_slice(&m.x);
         }
+        drop(micro);
         drop(caches);
+        let StepRun {
+            trace,
+            faults,
+            waited,
+            timings,
+        } = step;
         for (s, sp) in seqs.iter_mut().zip(&spans) {
             s.cache.advance(sp.len);
         }
@@ -582,8 +563,276 @@ impl Model {
         Ok(ForwardOutput {
             logits,
             rows: rows.len(),
-            router: trace,
-            faults: self.dispatcher.take_faults(),
+            router: trace.into_iter().flatten().collect(),
+            faults,
+            waited,
+            dispatch_timings: timings,
         })
     }
+
+    /// The staged layer loop: for each layer, each micro-batch first
+    /// finishes its previous layer (waits for its experts) and then runs this
+    /// layer's attention and submits its experts, so one micro-batch's
+    /// attention overlaps the others' experts.
+    fn run_layers(
+        &self,
+        micro: &mut [Micro<'_>],
+        pool: &mut KvPool,
+        step: &mut StepRun,
+    ) -> Result<()> {
+        for (li, layer) in self.layers.iter().enumerate() {
+            let _layer = tracing::debug_span!("layer", layer = li).entered();
+            for m in micro.iter_mut() {
+                if li > 0 {
+                    self.finish_ffn(li - 1, m, step)?;
+                }
+                self.attention_and_submit(li, layer, m, pool, step)?;
+            }
+        }
+        if let Some(last) = self.layers.len().checked_sub(1) {
+            for m in micro.iter_mut() {
+                self.finish_ffn(last, m, step)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Attention of layer `li` for one micro-batch, its residual add, and the
+    /// feed-forward block started (a dense MLP computed, experts submitted).
+    fn attention_and_submit(
+        &self,
+        li: usize,
+        layer: &DecoderLayer,
+        m: &mut Micro<'_>,
+        pool: &mut KvPool,
+        step: &mut StepRun,
+    ) -> Result<()> {
+        let cfg = &self.config;
+        let (h, t) = (cfg.hidden_size, m.rows);
+        let mut normed = m.x.clone();
+        rms_norm(&mut normed, &layer.input_norm, cfg.rms_norm_eps);
+        let attn_span = tracing::trace_span!("attention").entered();
+        let attn_t = profile::timer(Phase::Attention);
+        let mut a = match &layer.attn {
+            LayerAttn::Gqa(att) => att.forward(&normed, &m.spans, m.caches, pool, li, &layer.rope),
+            LayerAttn::Mla(att) => att.forward(&normed, &m.spans, m.caches, pool, li, &layer.rope),
+            LayerAttn::Remote { o_bias } => {
+                let backend = self.attention.as_ref().ok_or_else(|| {
+                    Error::Dispatch("remote attention layer without a backend".into())
+                })?;
+                let pending =
+                    backend
+                        .clone()
+                        .submit(li, Arc::from(normed.as_slice()), m.chunks.to_vec())?;
+                let waited = std::time::Instant::now();
+                let mut a = pending.wait()?;
+                step.waited += waited.elapsed();
+                if a.len() != t * h {
+                    return Err(Error::Dispatch(format!(
+                        "attention shards returned {} values for {t} tokens of hidden size {h}",
+                        a.len()
+                    )));
+                }
+                if let Some(b) = o_bias {
+                    for row in a.chunks_exact_mut(h) {
+                        for (v, bb) in row.iter_mut().zip(b) {
+                            *v += bb;
+                        }
+                    }
+                }
+                a
+            }
+        };
+        drop(attn_t);
+        drop(attn_span);
+        if let Some(n) = &layer.attn_out_norm {
+            rms_norm(&mut a, n, cfg.rms_norm_eps);
+        }
+        for (xv, av) in m.x.iter_mut().zip(&a) {
+            *xv += av;
+        }
+        normed.copy_from_slice(&m.x);
+        rms_norm(&mut normed, &layer.post_norm, cfg.rms_norm_eps);
+        let _ffn = tracing::trace_span!("ffn").entered();
+        let dispatcher = self.dispatcher.as_ref();
+        m.pending = Some(match &layer.ffn {
+            Ffn::Dense(mlp) => {
+                let _t = profile::timer(Phase::DenseMlp).work(|| mlp.work(t));
+                let mut out = vec![0.0f32; t * h];
+                mlp.forward(&normed, t, &mut out);
+                PendingFfn::Done(out)
+            }
+            Ffn::Moe(block) => {
+                let xs: Arc<[f32]> = Arc::from(normed);
+                PendingFfn::Moe(block.submit(li, &xs, xs.clone(), t, h, dispatcher)?)
+            }
+            Ffn::DenseAndMoe(p) => {
+                let mut mlp_out = vec![0.0f32; t * h];
+                {
+                    let _t = profile::timer(Phase::DenseMlp).work(|| p.mlp.work(t));
+                    p.mlp.forward(&normed, t, &mut mlp_out);
+                }
+                rms_norm(&mut mlp_out, &p.mlp_out_norm, cfg.rms_norm_eps);
+                let mut moe_in = m.x.clone();
+                rms_norm(&mut moe_in, &p.moe_in_norm, cfg.rms_norm_eps);
+                let moe = p
+                    .moe
+                    .submit(li, &m.x, Arc::from(moe_in), t, h, dispatcher)?;
+                PendingFfn::Parallel { mlp_out, moe }
+            }
+        });
+        Ok(())
+    }
+
+    /// Waits for one micro-batch's feed-forward block of layer `li` and adds
+    /// it to the residual.
+    fn finish_ffn(&self, li: usize, m: &mut Micro<'_>, step: &mut StepRun) -> Result<()> {
+        let cfg = &self.config;
+        let (h, t) = (cfg.hidden_size, m.rows);
+        let layer = &self.layers[li];
+        let Some(pending) = m.pending.take() else {
+            return Ok(());
+        };
+        let mut moe_done = |moe: moe::MoePending, out: &mut [f32]| -> Result<()> {
+            let waited = std::time::Instant::now();
+            let moe::MoeDone {
+                routing,
+                faults,
+                timing,
+            } = moe.finish(out)?;
+            step.waited += waited.elapsed();
+            step.timings.extend(timing);
+            step.faults.extend(faults.into_iter().map(|mut f| {
+                f.row += m.row0;
+                f
+            }));
+            if let Some(slot) = step.trace.get_mut(li) {
+                match slot {
+                    None => {
+                        *slot = Some(RouterTrace {
+                            layer: li,
+                            routing: (*routing).clone(),
+                        })
+                    }
+                    Some(tr) => {
+                        tr.routing.num_tokens += routing.num_tokens;
+                        tr.routing.topk_ids.extend_from_slice(&routing.topk_ids);
+                        tr.routing
+                            .topk_weights
+                            .extend_from_slice(&routing.topk_weights);
+                    }
+                }
+            }
+            Ok(())
+        };
+        let mut ffn_out = match pending {
+            PendingFfn::Done(out) => out,
+            PendingFfn::Moe(moe) => {
+                let mut out = vec![0.0f32; t * h];
+                moe_done(moe, &mut out)?;
+                out
+            }
+            PendingFfn::Parallel { mut mlp_out, moe } => {
+                let mut moe_out = vec![0.0f32; t * h];
+                moe_done(moe, &mut moe_out)?;
+                rms_norm(&mut moe_out, p_moe_out_norm(layer)?, cfg.rms_norm_eps);
+                for (f, v) in mlp_out.iter_mut().zip(&moe_out) {
+                    *f += v;
+                }
+                mlp_out
+            }
+        };
+        if let Some(n) = &layer.ffn_out_norm {
+            rms_norm(&mut ffn_out, n, cfg.rms_norm_eps);
+        }
+        for (xv, fv) in m.x.iter_mut().zip(&ffn_out) {
+            *xv += fv;
+        }
+        if let Some(s) = layer.layer_scalar {
+            for xv in m.x.iter_mut() {
+                *xv *= s;
+            }
+        }
+        Ok(())
+    }
 }
+
+/// The norm after a parallel feed-forward's experts (Gemma 4).
+fn p_moe_out_norm(layer: &DecoderLayer) -> Result<&[f32]> {
+    match &layer.ffn {
+        Ffn::DenseAndMoe(p) => Ok(&p.moe_out_norm),
+        _ => Err(Error::Dispatch(
+            "parallel feed-forward without its norms".into(),
+        )),
+    }
+}
+
+/// One micro-batch of a forward step: a contiguous run of its sequences.
+struct Micro<'c> {
+    /// First row of the step's flattened batch.
+    row0: usize,
+    rows: usize,
+    /// The sequences' spans, rows counted from `row0`.
+    spans: Vec<SeqSpan>,
+    caches: &'c [&'c SeqCache],
+    chunks: &'c [SeqChunk],
+    /// The residual stream of these rows.
+    x: Vec<f32>,
+    /// The feed-forward block of the last layer run, until finished.
+    pending: Option<PendingFfn>,
+}
+
+/// A feed-forward block started but not added to the residual yet.
+enum PendingFfn {
+    /// Computed in this thread (a dense MLP).
+    Done(Vec<f32>),
+    Moe(moe::MoePending),
+    /// Gemma 4: the dense MLP's normalized output and the experts in flight.
+    Parallel {
+        mlp_out: Vec<f32>,
+        moe: moe::MoePending,
+    },
+}
+
+/// What a forward step collects across its micro-batches.
+struct StepRun {
+    /// Per layer (when tracing), the routing of every micro-batch so far.
+    trace: Vec<Option<RouterTrace>>,
+    faults: Vec<crate::moe::RowFault>,
+    /// Time this thread spent blocked on remote work.
+    waited: std::time::Duration,
+    timings: Vec<crate::moe::DispatchTiming>,
+}
+
+/// Splits sequences (their spans, in batch order) into at most `n`
+/// contiguous groups of whole sequences with about the same number of
+/// tokens each; every group holds at least one sequence.
+pub fn split_micro_batches(spans: &[SeqSpan], n: usize) -> Vec<std::ops::Range<usize>> {
+    if spans.is_empty() {
+        return Vec::new();
+    }
+    let n = n.clamp(1, spans.len());
+    let total: usize = spans.iter().map(|s| s.len).sum();
+    let mut out = Vec::with_capacity(n);
+    let mut start = 0;
+    let mut acc = 0;
+    for (i, sp) in spans.iter().enumerate() {
+        acc += sp.len;
+        let groups_left = n - out.len();
+        let seqs_left = spans.len() - i - 1;
+        let target = total * (out.len() + 1) / n;
+        // Close the group at its share of the tokens, or when every later
+        // sequence is needed to give each remaining group one.
+        if groups_left > 1 && (acc >= target || seqs_left < groups_left) && seqs_left > 0 {
+            out.push(start..i + 1);
+            start = i + 1;
+        }
+    }
+    if start < spans.len() || out.is_empty() {
+        out.push(start..spans.len());
+    }
+    out
+}
+
+#[cfg(test)]
+mod micro_tests;

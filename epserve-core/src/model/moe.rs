@@ -8,17 +8,23 @@
 //! 2. A [`Dispatcher`] moves the routed tokens to whoever holds the experts
 //!    (in process the experts' `LocalDispatcher`; a gRPC one lives in the
 //!    coordinator), which run them; experts never route.
-//! 3. [`combine`] sums the weighted per-slot outputs in a fixed order;
-//!    [`SharedExpert`] adds the expert every token passes through, and
-//!    [`MoeBlock`] is the three steps for one layer.
+//!    The dispatcher sums each token's weighted expert outputs in a fixed
+//!    order ([`crate::moe::combine`]) and brings back one vector per token.
+//! 3. [`SharedExpert`] adds the expert every token passes through, and
+//!    [`MoeBlock`] is the three steps for one layer, in two phases
+//!    ([`MoeBlock::submit`], then [`MoePending::finish`]) so the shared expert
+//!    (and, in the model's staged layer loop, the next micro-batch's
+//!    attention) runs while the experts do.
+
+use std::sync::Arc;
 
 use crate::config::{ModelConfig, RouterKind};
-use crate::error::Result;
+use crate::error::{Error, Result};
 use crate::kernels::{linear, sigmoid, softmax};
 use crate::loader::names::router_weight_and_module;
 use crate::loader::weights::WeightStore;
 use crate::model::linear::{DenseMlp, Linear};
-use crate::moe::{Dispatcher, Routing, combine, top_k_indices};
+use crate::moe::{DispatchTiming, Dispatcher, PendingDispatch, Routing, RowFault, top_k_indices};
 use crate::profile::{self, Phase};
 use crate::tensor::Weight;
 
@@ -287,8 +293,54 @@ pub struct MoeBlock {
     pub shared: Option<SharedExpert>,
 }
 
+/// An MoE layer whose experts are in flight ([`MoeBlock::submit`]).
+pub struct MoePending {
+    pending: PendingDispatch,
+    routing: Arc<Routing>,
+    /// The shared expert's output, computed while the experts ran.
+    shared: Option<Vec<f32>>,
+}
+
+impl MoePending {
+    /// Waits for the experts and writes `experts(x) + shared(x)` to `y`
+    /// (`[rows, hidden]`); returns the routing (for tracing), the rows whose
+    /// experts could not all be reached and how a remote dispatch went.
+    pub fn finish(self, y: &mut [f32]) -> Result<MoeDone> {
+        let done = {
+            let _t = profile::timer(Phase::Experts);
+            self.pending.wait()?
+        };
+        if done.y.len() != y.len() {
+            return Err(Error::Dispatch(format!(
+                "experts returned {} values for {} expected",
+                done.y.len(),
+                y.len()
+            )));
+        }
+        y.copy_from_slice(&done.y);
+        if let Some(s) = &self.shared {
+            for (d, v) in y.iter_mut().zip(s) {
+                *d += v;
+            }
+        }
+        Ok(MoeDone {
+            routing: self.routing,
+            faults: done.faults,
+            timing: done.timing,
+        })
+    }
+}
+
+/// What a finished MoE layer reports besides its output.
+pub struct MoeDone {
+    pub routing: Arc<Routing>,
+    pub faults: Vec<RowFault>,
+    pub timing: Option<DispatchTiming>,
+}
+
 impl MoeBlock {
-    /// Routes, dispatches, combines. Returns the routing for tracing.
+    /// Routes, dispatches, combines. Returns the routing for tracing and the
+    /// rows whose experts could not all be reached.
     pub fn forward(
         &self,
         layer: usize,
@@ -297,38 +349,39 @@ impl MoeBlock {
         hidden: usize,
         dispatcher: &dyn Dispatcher,
         y: &mut [f32],
-    ) -> Result<Routing> {
-        self.forward_split(layer, x, x, rows, hidden, dispatcher, y)
+    ) -> Result<MoeDone> {
+        let x: Arc<[f32]> = Arc::from(x);
+        self.submit(layer, &x, x.clone(), rows, hidden, dispatcher)?
+            .finish(y)
     }
 
-    /// Like [`forward`](Self::forward), but the router reads `router_x` while
-    /// the experts (and shared expert) read `x` (Gemma 4 routes on the
-    /// un-normalized residual).
-    #[allow(clippy::too_many_arguments)]
-    pub fn forward_split(
+    /// Routes `router_x` and submits `x` to the experts, then computes the
+    /// shared expert while they run; [`MoePending::finish`] brings the sum.
+    /// The router reads `router_x` while the experts (and shared expert)
+    /// read `x` (Gemma 4 routes on the un-normalized residual; other models
+    /// pass the same rows twice).
+    pub fn submit(
         &self,
         layer: usize,
         router_x: &[f32],
-        x: &[f32],
+        x: Arc<[f32]>,
         rows: usize,
         hidden: usize,
         dispatcher: &dyn Dispatcher,
-        y: &mut [f32],
-    ) -> Result<Routing> {
-        let routing = self.router.route(router_x, rows);
-        let slots = {
-            let _t = profile::timer(Phase::Experts);
-            dispatcher.dispatch(layer, x, hidden, &routing)?
-        };
-        {
-            let _t = profile::timer(Phase::Combine);
-            combine(&slots, rows, routing.top_k, hidden, y);
-        }
-        if let Some(sh) = &self.shared {
+    ) -> Result<MoePending> {
+        let routing = Arc::new(self.router.route(router_x, rows));
+        let pending = dispatcher.submit(layer, x.clone(), hidden, routing.clone())?;
+        let shared = self.shared.as_ref().map(|sh| {
             let _t = profile::timer(Phase::Shared).work(|| sh.mlp.work(rows));
-            sh.add_to(x, rows, y);
-        }
-        Ok(routing)
+            let mut s = vec![0.0f32; rows * hidden];
+            sh.add_to(&x, rows, &mut s);
+            s
+        });
+        Ok(MoePending {
+            pending,
+            routing,
+            shared,
+        })
     }
 }
 

@@ -17,6 +17,8 @@
 
 pub mod mlp;
 
+use std::sync::Arc;
+
 use crate::error::Result;
 
 /// Marks a slot that the receiving executor must skip (not its expert).
@@ -60,26 +62,102 @@ pub trait ExpertExecutor: Send + Sync {
     ) -> Result<()>;
 }
 
-/// Moves routed tokens to the experts and brings back the per-slot outputs.
+/// What one dispatch brings back.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Dispatched {
+    /// `[rows, hidden]`: `Σ_k weight · expert(x)` per token row.
+    pub y: Vec<f32>,
+    /// Rows (of this dispatch's input) whose experts could not all be
+    /// reached (a remote expert with no live replica). A faulted row's output
+    /// is wrong ([`RowFault::degraded`]: approximate), so the caller fails
+    /// (or flags) the sequences those rows belong to while the other rows are
+    /// exact. In-process dispatchers never lose a row.
+    pub faults: Vec<RowFault>,
+    /// How a remote dispatch went (None in process).
+    pub timing: Option<DispatchTiming>,
+}
+
+/// The timing of one remote dispatch, for deciding how to split the next
+/// steps into micro-batches.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct DispatchTiming {
+    /// Token rows dispatched.
+    pub rows: usize,
+    /// Distinct experts their slots used.
+    pub distinct_experts: usize,
+    /// The slowest worker's compute time, as it reported it.
+    pub compute: std::time::Duration,
+    /// From submit to the combined result (network, queueing, compute).
+    pub wall: std::time::Duration,
+}
+
+/// A dispatch in flight: [`wait`](Self::wait) brings its result. Local
+/// dispatchers finish eagerly and hand back a ready one; remote ones compute
+/// elsewhere while the caller does other work (the next micro-batch's
+/// attention, a shared expert).
+#[must_use = "a submitted dispatch must be waited for"]
+pub struct PendingDispatch(PendingInner);
+
+enum PendingInner {
+    Ready(Result<Dispatched>),
+    Later(Box<dyn FnOnce() -> Result<Dispatched> + Send>),
+}
+
+impl PendingDispatch {
+    /// A dispatch already finished.
+    pub fn ready(r: Result<Dispatched>) -> Self {
+        PendingDispatch(PendingInner::Ready(r))
+    }
+
+    /// A dispatch whose result `wait` produces (blocks the caller).
+    pub fn later(wait: impl FnOnce() -> Result<Dispatched> + Send + 'static) -> Self {
+        PendingDispatch(PendingInner::Later(Box::new(wait)))
+    }
+
+    /// Blocks until the experts' outputs are back.
+    pub fn wait(self) -> Result<Dispatched> {
+        match self.0 {
+            PendingInner::Ready(r) => r,
+            PendingInner::Later(f) => f(),
+        }
+    }
+}
+
+/// Moves routed tokens to the experts and brings back each token's combined
+/// output, in two phases: [`submit`](Self::submit) starts the work and
+/// returns at once where the experts are remote; the pending handle's `wait`
+/// brings the result.
 pub trait Dispatcher: Send + Sync {
-    /// Returns `[rows, top_k, hidden]` weighted expert outputs.
+    /// Starts the experts of `layer` on `x` (`[rows, hidden]`) as `routing`
+    /// says.
+    fn submit(
+        &self,
+        layer: usize,
+        x: Arc<[f32]>,
+        hidden: usize,
+        routing: Arc<Routing>,
+    ) -> Result<PendingDispatch>;
+
+    /// Submits and waits.
     fn dispatch(
         &self,
         layer: usize,
         x: &[f32],
         hidden: usize,
         routing: &Routing,
-    ) -> Result<Vec<f32>>;
-
-    /// The token rows of the forward pass just run whose experts could not be
-    /// reached (a remote expert with no live replica), and clears them. A
-    /// lost row's output is wrong ([`RowFault::degraded`]: approximate), so
-    /// the caller fails (or flags) the sequences those rows belong to while
-    /// the other rows of the batch are exact. In-process dispatchers never
-    /// lose a row.
-    fn take_faults(&self) -> Vec<RowFault> {
-        Vec::new()
+    ) -> Result<Dispatched> {
+        self.submit(layer, Arc::from(x), hidden, Arc::new(routing.clone()))?
+            .wait()
     }
+
+    /// A forward step starts: every dispatch until [`end_step`](Self::end_step)
+    /// belongs to it (a remote dispatcher routes the whole step with one
+    /// placement snapshot, whatever the order of its layers and micro-batches).
+    fn begin_step(&self) {}
+
+    /// The forward step that [`begin_step`](Self::begin_step) opened is over
+    /// (finished or failed).
+    fn end_step(&self) {}
 }
 
 /// A token row of a forward pass whose experts were not all computed.
