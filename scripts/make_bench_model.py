@@ -78,7 +78,10 @@ def main() -> None:
     cfg = Qwen3MoeConfig(
         vocab_size=a.vocab, hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768,
         num_hidden_layers=a.layers, num_attention_heads=32, num_key_value_heads=4, head_dim=128,
-        num_experts=128, num_experts_per_tok=8, norm_topk_prob=True, max_position_embeddings=4096,
+        num_experts=128, num_experts_per_tok=8, norm_topk_prob=True,
+        # Qwen3-30B-A3B's context (RoPE has no weights: the same seed gives the
+        # same weights at any value).
+        max_position_embeddings=40960,
         tie_word_embeddings=False, eos_token_id=eot, pad_token_id=eot,
     )
     # Built in bf16 directly (an f32 model first would need twice the memory:

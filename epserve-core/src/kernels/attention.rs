@@ -2,8 +2,10 @@
 //! absorbed core alike.
 //!
 //! Work is split into items of (sequence, KV head, a chunk of that KV head's
-//! query heads, a tile of consecutive query rows) and run in parallel
-//! (rayon). An item gathers its `M = rows × heads` query vectors, then walks
+//! query heads, a tile of consecutive query rows, a split of the keys at
+//! multiples of [`SPLIT_KEYS`]) and run in parallel (rayon); the splits of
+//! one row are merged by log-sum-exp (flash-decoding), so a single long
+//! sequence still gives every thread work. An item gathers its `M = rows × heads` query vectors, then walks
 //! the keys its rows may see in blocks of [`KEY_BLOCK`] positions, reading
 //! K/V rows straight from the pool through the block table (runs of
 //! consecutive rows inside one cache block): scores tile `S = Q·Kᵀ`
@@ -15,7 +17,7 @@
 //! stays in cache across the tile's queries. Attention sinks (GPT-OSS) join
 //! the final normalization as one more logit without a value.
 //!
-//! The inner loops (`scores`, `accum`) are the tier micro-kernels of
+//! The inner loops (`scores`, `softmax`, `accum`) are the tier micro-kernels of
 //! [`Kernels`] (AVX2, AVX-512, NEON, and the scalar twins in
 //! [`super::generic`]); keys and values may be f32 or bf16 ([`KvRows`]).
 //! [`reference`] is the plain per-row, per-head algorithm the model used
@@ -35,6 +37,14 @@ const TILE_M: usize = 32;
 /// Most query heads per work item (larger groups, e.g. MLA's one latent for
 /// all heads, are split so a decode step still has parallel work).
 const MAX_ITEM_HEADS: usize = 16;
+/// Key positions per split (split-K, "flash-decoding"): the keys a row sees
+/// are cut at multiples of this and each piece is its own work item, its
+/// partial result (unnormalized output, running max and sum) merged by
+/// log-sum-exp afterwards, so one long sequence keeps every thread busy.
+/// The cut depends only on positions (never on the batch or the thread
+/// count): a row gets the same bits in any batch.
+pub const SPLIT_KEYS: usize = 512;
+const _: () = assert!(SPLIT_KEYS.is_multiple_of(KEY_BLOCK));
 
 /// Cached rows of one layer's keys or values, as stored.
 #[derive(Debug, Clone, Copy)]
@@ -128,7 +138,10 @@ pub struct AttnSeq<'a> {
 }
 
 /// One work item: `nr` query rows from `r0` of sequence `seq`, query heads
-/// `h0..h0 + nh` of KV head `kvh`.
+/// `h0..h0 + nh` of KV head `kvh`, against the keys of split `part`
+/// (positions `part · SPLIT_KEYS ..` the next multiple). The items of one
+/// (seq, kvh, h0, r0) are consecutive, splits in order; `last` marks the
+/// final one.
 #[derive(Debug, Clone, Copy)]
 struct Item {
     seq: usize,
@@ -137,6 +150,19 @@ struct Item {
     nh: usize,
     r0: usize,
     nr: usize,
+    part: usize,
+    last: bool,
+}
+
+/// The keys row `i` of `s` sees: positions `first..=pos`.
+#[inline]
+fn visible(shape: &AttnShape<'_>, s: &AttnSeq<'_>, i: usize) -> (usize, usize) {
+    let pos = s.past + i;
+    let first = match shape.window {
+        Some(w) => (pos + 1).saturating_sub(w),
+        None => 0,
+    };
+    (first, pos)
 }
 
 fn plan(shape: &AttnShape<'_>, seqs: &[AttnSeq<'_>]) -> Vec<Item> {
@@ -153,14 +179,21 @@ fn plan(shape: &AttnShape<'_>, seqs: &[AttnSeq<'_>]) -> Vec<Item> {
                 let mut r = 0;
                 while r < s.len {
                     let nr = qt.min(s.len - r);
-                    items.push(Item {
-                        seq: si,
-                        kvh,
-                        h0: kvh * group + h,
-                        nh,
-                        r0: r,
-                        nr,
-                    });
+                    let lo = visible(shape, s, r).0;
+                    let hi = visible(shape, s, r + nr - 1).1;
+                    let (p0, p1) = (lo / SPLIT_KEYS, hi / SPLIT_KEYS);
+                    for part in p0..=p1 {
+                        items.push(Item {
+                            seq: si,
+                            kvh,
+                            h0: kvh * group + h,
+                            nh,
+                            r0: r,
+                            nr,
+                            part,
+                            last: part == p1,
+                        });
+                    }
                     r += nr;
                 }
                 h += nh;
@@ -189,18 +222,87 @@ pub fn attention(
     assert_eq!(out.len() / (heads * dv), q.len() / (heads * dk));
     assert!(shape.sinks.is_none_or(|s| s.len() >= heads));
     let items = plan(shape, seqs);
-    let results: Vec<Vec<f32>> = items
+    let results: Vec<Partial> = items
         .par_iter()
         .map(|it| run_item(kern, shape, &seqs[it.seq], it, q, k, v))
         .collect();
-    for (it, acc) in items.iter().zip(results) {
+    let mut i = 0;
+    while i < items.len() {
+        // The splits of one (seq, kvh, h0, r0): items[i..=e].
+        let mut e = i;
+        while !items[e].last {
+            e += 1;
+        }
+        let it = &items[i];
+        let acc = merge(shape, it, dv, &results[i..=e]);
         let s = &seqs[it.seq];
         for ri in 0..it.nr {
             let row = s.start + it.r0 + ri;
             let dst = &mut out[(row * heads + it.h0) * dv..(row * heads + it.h0 + it.nh) * dv];
             dst.copy_from_slice(&acc[ri * it.nh * dv..(ri + 1) * it.nh * dv]);
         }
+        i = e + 1;
     }
+}
+
+/// One work item's unnormalized result: per query vector `mi` (row-major
+/// `[rows, heads]`), `acc[mi·dv..]` = `Σ_j e^(s_j − mx[mi]) · v_j` and
+/// `sum[mi]` = `Σ_j e^(s_j − mx[mi])` over the keys it saw (`mx = −∞`,
+/// `sum = 0`, `acc = 0` when none).
+struct Partial {
+    acc: Vec<f32>,
+    mx: Vec<f32>,
+    sum: Vec<f32>,
+}
+
+/// The normalized `[rows, heads, dv]` output of one item's splits, merged
+/// in split order (log-sum-exp), with the attention sinks.
+fn merge(shape: &AttnShape<'_>, it: &Item, dv: usize, parts: &[Partial]) -> Vec<f32> {
+    let m = it.nr * it.nh;
+    let (mut acc, mut mx, mut sum);
+    if let [one] = parts {
+        (acc, mx, sum) = (one.acc.clone(), one.mx.clone(), one.sum.clone());
+    } else {
+        acc = vec![0.0f32; m * dv];
+        sum = vec![0.0f32; m];
+        mx = vec![f32::NEG_INFINITY; m];
+        for (mi, top) in mx.iter_mut().enumerate() {
+            *top = parts
+                .iter()
+                .map(|p| p.mx[mi])
+                .fold(f32::NEG_INFINITY, f32::max);
+        }
+        for p in parts {
+            for mi in 0..m {
+                if p.mx[mi] == f32::NEG_INFINITY {
+                    continue;
+                }
+                let w = fast_exp(p.mx[mi] - mx[mi]);
+                sum[mi] += p.sum[mi] * w;
+                for (a, x) in acc[mi * dv..(mi + 1) * dv]
+                    .iter_mut()
+                    .zip(&p.acc[mi * dv..(mi + 1) * dv])
+                {
+                    *a += w * x;
+                }
+            }
+        }
+    }
+    for mi in 0..m {
+        let h = it.h0 + mi % it.nh;
+        let norm = match shape.sinks {
+            Some(sinks) => {
+                let top = mx[mi].max(sinks[h]);
+                let a = (mx[mi] - top).exp();
+                a / (sum[mi] * a + (sinks[h] - top).exp())
+            }
+            None => 1.0 / sum[mi],
+        };
+        for a in &mut acc[mi * dv..(mi + 1) * dv] {
+            *a *= norm;
+        }
+    }
+    acc
 }
 
 /// Calls `f(j, n, row0)` for each run `j..j + n` of positions in `j0..j1`
@@ -216,7 +318,7 @@ fn runs(s: &AttnSeq<'_>, bs: usize, j0: usize, j1: usize, mut f: impl FnMut(usiz
     }
 }
 
-/// One work item; returns its `[rows, heads, dv]` output.
+/// One work item (one split of its rows' keys); returns its partial result.
 fn run_item(
     kern: &Kernels,
     shape: &AttnShape<'_>,
@@ -225,7 +327,7 @@ fn run_item(
     q: &[f32],
     k: KvView<'_>,
     v: KvView<'_>,
-) -> Vec<f32> {
+) -> Partial {
     let (heads, dk, dv, bs) = (shape.heads, k.width, v.width, shape.block_size);
     let (nh, nr) = (it.nh, it.nr);
     let m = nr * nh;
@@ -235,12 +337,10 @@ fn run_item(
         qb.extend_from_slice(&q[(row * heads + it.h0) * dk..(row * heads + it.h0 + nh) * dk]);
     }
     let pos = |ri: usize| s.past + it.r0 + ri;
-    let first = |ri: usize| match shape.window {
-        Some(w) => (pos(ri) + 1).saturating_sub(w),
-        None => 0,
-    };
-    // Keys any row sees, and those every row sees.
-    let (lo, hi) = (first(0), pos(nr - 1) + 1);
+    let first = |ri: usize| visible(shape, s, it.r0 + ri).0;
+    // This split's keys that any row sees, and those every row sees.
+    let (k0, k1) = (it.part * SPLIT_KEYS, (it.part + 1) * SPLIT_KEYS);
+    let (lo, hi) = (first(0).max(k0), (pos(nr - 1) + 1).min(k1));
     let (all_lo, all_hi) = (first(nr - 1), pos(0) + 1);
     let (koff, voff) = (it.kvh * k.head_stride, it.kvh * v.head_stride);
     let mut sc = vec![0.0f32; m * KEY_BLOCK];
@@ -277,9 +377,11 @@ fn run_item(
                     }
                 }
             }
-            let cmax = srow.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+            // Masked scores (−∞) become exactly 0; the sum's order depends
+            // only on the key's index, so a row's bits do not depend on the
+            // other rows of its tile.
+            let (cmax, tot) = kern.attn_softmax(srow, mx[mi]);
             if cmax == f32::NEG_INFINITY {
-                srow.fill(0.0);
                 continue;
             }
             if cmax > mx[mi] {
@@ -291,21 +393,6 @@ fn run_item(
                     }
                 }
                 mx[mi] = cmax;
-            }
-            let top = mx[mi];
-            let mut tot = 0.0f32;
-            for x in srow.iter_mut() {
-                *x = fast_exp(*x - top);
-                tot += *x;
-            }
-            if masked {
-                tot = 0.0;
-                for (jj, x) in srow.iter_mut().enumerate() {
-                    if j0 + jj < f || j0 + jj > p {
-                        *x = 0.0;
-                    }
-                    tot += *x;
-                }
             }
             sum[mi] += tot;
         }
@@ -322,21 +409,7 @@ fn run_item(
         });
         j0 = j1;
     }
-    for mi in 0..m {
-        let h = it.h0 + mi % nh;
-        let norm = match shape.sinks {
-            Some(sinks) => {
-                let top = mx[mi].max(sinks[h]);
-                let a = (mx[mi] - top).exp();
-                a / (sum[mi] * a + (sinks[h] - top).exp())
-            }
-            None => 1.0 / sum[mi],
-        };
-        for a in &mut acc[mi * dv..(mi + 1) * dv] {
-            *a *= norm;
-        }
-    }
-    acc
+    Partial { acc, mx, sum }
 }
 
 /// Softmax over `scores` plus one extra logit `sink` that takes probability
@@ -540,9 +613,15 @@ mod tests {
     /// bit for bit (attention-workers retry a step and must agree).
     #[test]
     fn rows_are_bit_identical_in_any_tile() {
+        // Short, and crossing key splits (SPLIT_KEYS) inside the tile.
+        for (past, len) in [(150usize, 21usize), (SPLIT_KEYS * 2 - 20, 40)] {
+            bit_identical_case(past, len);
+        }
+    }
+
+    fn bit_identical_case(past: usize, len: usize) {
         let mut rng = StdRng::seed_from_u64(3);
         let (heads, kv_heads, d, bs) = (16usize, 2usize, 40usize, 4usize);
-        let (past, len) = (150usize, 21usize);
         let total = past + len;
         let w = kv_heads * d;
         let blocks: Vec<u32> = (0..total.div_ceil(bs) as u32).rev().collect();
@@ -630,6 +709,23 @@ mod tests {
             );
             case(&mut rng, 4, 4, 20, 20, false, None, false, 1, mix, bf16);
             case(&mut rng, 6, 1, 13, 13, false, Some(8), false, 5, mix, bf16);
+            // Long contexts: split-K pieces merged (decode past a split,
+            // prefill tiles crossing one, a window spanning one).
+            let long: &[(usize, usize)] = &[(SPLIT_KEYS * 2 + 37, 1), (SPLIT_KEYS - 5, 30), (0, 1)];
+            case(&mut rng, 8, 2, 32, 32, false, None, false, 16, long, bf16);
+            case(
+                &mut rng,
+                8,
+                2,
+                16,
+                16,
+                false,
+                Some(100),
+                true,
+                7,
+                long,
+                bf16,
+            );
             // Sliding window + sinks (GPT-OSS).
             case(&mut rng, 8, 2, 64, 64, false, Some(16), true, 16, mix, bf16);
             case(&mut rng, 8, 2, 24, 24, false, None, true, 7, mix, bf16);

@@ -161,13 +161,16 @@ type Bf16mmTile = unsafe fn(&[u16], usize, &[u16], &mut [f32]);
 type I8Tile = unsafe fn(&[i8], &[&[i8]], &mut [i32]);
 type AttnScores = unsafe fn(&[f32], usize, *const u8, usize, usize, f32, &mut [f32], usize);
 type AttnAccum = unsafe fn(&[f32], usize, *const u8, usize, usize, &mut [f32], usize);
+type AttnSoftmax = unsafe fn(&mut [f32], f32) -> (f32, f32);
 
 /// A tier's attention micro-kernels, `[f32 rows, bf16 rows]` each (see
-/// [`Kernels::attn_scores`], [`Kernels::attn_accum`]).
+/// [`Kernels::attn_scores`], [`Kernels::attn_accum`]) and its online-softmax
+/// step ([`Kernels::attn_softmax`]).
 #[derive(Clone, Copy)]
 struct AttnFns {
     scores: [AttnScores; 2],
     accum: [AttnAccum; 2],
+    softmax: AttnSoftmax,
 }
 
 /// The micro-kernels of one supported tier.
@@ -242,6 +245,7 @@ impl Kernels {
                     attn: Some(AttnFns {
                         scores: [attn::scores256::<false>, attn::scores256::<true>],
                         accum: [attn::accum256::<false>, attn::accum256::<true>],
+                        softmax: attn::softmax256,
                     }),
                 }
             }
@@ -266,6 +270,7 @@ impl Kernels {
                     attn: Some(AttnFns {
                         scores: [attn::scores512::<false>, attn::scores512::<true>],
                         accum: [attn::accum512::<false>, attn::accum512::<true>],
+                        softmax: attn::softmax512,
                     }),
                 }
             }
@@ -292,6 +297,7 @@ impl Kernels {
                     attn: Some(AttnFns {
                         scores: [attn::scores::<false>, attn::scores::<true>],
                         accum: [attn::accum::<false>, attn::accum::<true>],
+                        softmax: attn::softmax,
                     }),
                 }
             }
@@ -513,6 +519,24 @@ impl Kernels {
                 (f.accum[v.is_bf16() as usize])(p, ldp, v.as_ptr(), stride, n, acc, dv)
             },
             None => generic::attn_accum(p, ldp, v, stride, n, acc, dv),
+        }
+    }
+
+    /// One online-softmax step over a row of block scores: returns the
+    /// row's maximum `cmax` and, unless it is `−∞` (all masked: the row is
+    /// zeroed, the sum 0), replaces each score `x` by `e^(x − top)`, `top =
+    /// max(prev_max, cmax)` (exactly 0 for masked `−∞` scores), returning
+    /// their sum. The sum's order depends only on each element's index, so
+    /// trailing zeros (masked keys) never change it.
+    #[inline]
+    pub fn attn_softmax(&self, row: &mut [f32], prev_max: f32) -> (f32, f32) {
+        if row.is_empty() {
+            return (f32::NEG_INFINITY, 0.0);
+        }
+        match self.attn {
+            // SAFETY: this tier was checked as supported when `self` was built.
+            Some(f) => unsafe { (f.softmax)(row, prev_max) },
+            None => generic::attn_softmax(row, prev_max),
         }
     }
 }

@@ -162,3 +162,32 @@ pub fn attn_accum(
         }
     }
 }
+
+/// Below this a score difference's exponential is taken as exactly 0 (so a
+/// masked score, `−∞`, contributes nothing; `e^−87` is ~1.6e−38 anyway).
+pub const EXP_FLOOR: f32 = -87.0;
+
+/// One online-softmax step over a row of block scores (the twin of the
+/// tiers' `softmax`): `cmax` = the row's maximum; unless it is `−∞` (every
+/// score masked: the row is zeroed, `(−∞, 0)` returned), each score `x`
+/// becomes `e^(x − top)` with `top = max(prev_max, cmax)` (0 below
+/// [`EXP_FLOOR`]) and their sum is returned with `cmax`.
+pub fn attn_softmax(row: &mut [f32], prev_max: f32) -> (f32, f32) {
+    let cmax = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    if cmax == f32::NEG_INFINITY {
+        row.fill(0.0);
+        return (cmax, 0.0);
+    }
+    let top = prev_max.max(cmax);
+    let mut tot = 0.0f32;
+    for x in row.iter_mut() {
+        let d = *x - top;
+        *x = if d < EXP_FLOOR {
+            0.0
+        } else {
+            super::fast_exp(d)
+        };
+        tot += *x;
+    }
+    (cmax, tot)
+}

@@ -540,3 +540,60 @@ fn attn_kernels_match_twin() {
         }
     }
 }
+
+/// Attention's online-softmax step against the scalar twin: lengths around
+/// every vector width, masked (`−∞`) scores (exactly 0 after), all-masked
+/// rows, a previous maximum above and below the row's; and on each tier a
+/// row padded with masked scores keeps its sum bit for bit.
+#[test]
+fn attn_softmax_matches_twin() {
+    let mut rng = StdRng::seed_from_u64(12);
+    let twin = Kernels::generic();
+    for k in tiers() {
+        for n in 1usize..=70 {
+            for (prev, masked) in [
+                (f32::NEG_INFINITY, 0.0),
+                (3.0, 0.2),
+                (-2.0, 0.5),
+                (0.0, 1.0),
+            ] {
+                let row: Vec<f32> = (0..n)
+                    .map(|_| {
+                        if rng.random_range(0.0f32..1.0) < masked {
+                            f32::NEG_INFINITY
+                        } else {
+                            rng.random_range(-30.0f32..4.0)
+                        }
+                    })
+                    .collect();
+                let (mut want, mut got) = (row.clone(), row.clone());
+                let (wm, ws) = twin.attn_softmax(&mut want, prev);
+                let (gm, gs) = k.attn_softmax(&mut got, prev);
+                let tag = format!("{:?} n={n} prev={prev} masked={masked}", k.tier());
+                assert_eq!(wm, gm, "{tag} max");
+                assert!(
+                    (ws - gs).abs() <= 1e-6 * ws.max(1.0) * n as f32,
+                    "{tag} sum {gs} vs {ws}"
+                );
+                for (i, (a, b)) in got.iter().zip(&want).enumerate() {
+                    assert!(
+                        (a - b).abs() <= 2e-7 * b.max(1e-30) + 1e-37,
+                        "{tag} at {i}: {a} vs {b}"
+                    );
+                    if row[i] == f32::NEG_INFINITY {
+                        assert_eq!(*a, 0.0, "{tag} masked at {i}");
+                    }
+                }
+                let mut padded = row.clone();
+                padded.resize(n + 13, f32::NEG_INFINITY);
+                let (pm, ps) = k.attn_softmax(&mut padded, prev);
+                assert_eq!(
+                    (pm.to_bits(), ps.to_bits()),
+                    (gm.to_bits(), gs.to_bits()),
+                    "{tag} padded"
+                );
+                assert_eq!(&padded[..n], &got[..], "{tag} padded values");
+            }
+        }
+    }
+}

@@ -242,3 +242,76 @@ pub unsafe fn accum<const BF: bool>(
         }
     }
 }
+
+// ---------------------------------------------------------------- softmax
+
+use crate::kernels::generic::EXP_FLOOR;
+
+/// `crate::kernels::fast_exp` on 4 lanes, 0 where `d < EXP_FLOOR`.
+#[inline]
+#[target_feature(enable = "neon")]
+fn exp4(d: float32x4_t) -> float32x4_t {
+    const POLY: [f32; 8] = [
+        1.0 / 5040.0,
+        1.0 / 720.0,
+        1.0 / 120.0,
+        1.0 / 24.0,
+        1.0 / 6.0,
+        0.5,
+        1.0,
+        1.0,
+    ];
+    let under = vcltq_f32(d, vdupq_n_f32(EXP_FLOOR));
+    let x = vminq_f32(vmaxq_f32(d, vdupq_n_f32(-87.0)), vdupq_n_f32(88.0));
+    let n = vrndnq_f32(vmulq_n_f32(x, std::f32::consts::LOG2_E));
+    let r = vfmsq_f32(x, n, vdupq_n_f32(0.693_145_75));
+    let r = vfmsq_f32(r, n, vdupq_n_f32(1.428_606_8e-6));
+    let mut p = vdupq_n_f32(POLY[0]);
+    for c in &POLY[1..] {
+        p = vfmaq_f32(vdupq_n_f32(*c), p, r);
+    }
+    let e = vshlq_n_s32::<23>(vaddq_s32(vcvtnq_s32_f32(n), vdupq_n_s32(127)));
+    let v = vmulq_f32(p, vreinterpretq_f32_s32(e));
+    vreinterpretq_f32_u32(vbicq_u32(vreinterpretq_u32_f32(v), under))
+}
+
+/// One online-softmax step over a row of scores (see
+/// [`crate::kernels::generic::attn_softmax`]; element `i` summed in lane
+/// `i % 4`, so trailing zeros never change the sum).
+///
+/// # Safety
+/// NEON.
+#[target_feature(enable = "neon")]
+pub unsafe fn softmax(row: &mut [f32], prev_max: f32) -> (f32, f32) {
+    let n = row.len();
+    let (full, rem) = (n / 4 * 4, n % 4);
+    let p = row.as_mut_ptr();
+    let mut tail = [f32::NEG_INFINITY; 4];
+    tail[..rem].copy_from_slice(&row[full..]);
+    // SAFETY: every access is inside `row` or `tail`.
+    unsafe {
+        let mut m = vld1q_f32(tail.as_ptr());
+        for i in (0..full).step_by(4) {
+            m = vmaxq_f32(m, vld1q_f32(p.add(i)));
+        }
+        let cmax = vmaxvq_f32(m);
+        if cmax == f32::NEG_INFINITY {
+            row.fill(0.0);
+            return (cmax, 0.0);
+        }
+        let top = vdupq_n_f32(prev_max.max(cmax));
+        let mut s = vdupq_n_f32(0.0);
+        for i in (0..full).step_by(4) {
+            let e = exp4(vsubq_f32(vld1q_f32(p.add(i)), top));
+            vst1q_f32(p.add(i), e);
+            s = vaddq_f32(s, e);
+        }
+        if rem > 0 {
+            let e = exp4(vsubq_f32(vld1q_f32(tail.as_ptr()), top));
+            vst1q_f32(tail.as_mut_ptr(), e);
+            row[full..].copy_from_slice(&tail[..rem]);
+            s = vaddq_f32(s, e);
+        }
+        (cmax, vaddvq_f32(s))
+    }
+}

@@ -108,45 +108,63 @@ unsafe fn dots512<const G: usize, const BF: bool>(
     }
 }
 
-/// The two 256-bit halves of `v` added.
-#[inline]
-#[target_feature(enable = "avx512f,avx512bw,avx2,fma")]
-fn half_sum(v: __m512) -> __m256 {
-    _mm256_add_ps(
-        _mm512_castps512_ps256(v),
-        _mm256_castpd_ps(_mm512_extractf64x4_pd::<1>(_mm512_castps_pd(v))),
-    )
-}
-
 /// The horizontal sum of `v` in exactly [`reduce8`]'s order, so a score does
 /// not depend on how many queries were computed with it (a sequence's
-/// result must not depend on the rest of the batch).
+/// result must not depend on the rest of the batch): per 128-bit lane
+/// `(e0 + e2) + (e1 + e3)`, then `(l0 + l1) + (l2 + l3)`.
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx2,fma")]
 fn reduce1(v: __m512) -> f32 {
-    let h = half_sum(v);
-    let t = _mm256_hadd_ps(h, h);
-    let u = _mm256_hadd_ps(t, t);
+    let t = _mm512_add_ps(v, _mm512_permute_ps::<0b01_00_11_10>(v));
+    let t = _mm512_add_ps(t, _mm512_permute_ps::<0b10_11_00_01>(t));
+    let u = _mm512_add_ps(t, _mm512_shuffle_f32x4::<0b10_11_00_01>(t, t));
     _mm_cvtss_f32(_mm_add_ss(
-        _mm256_castps256_ps128(u),
-        _mm256_extractf128_ps::<1>(u),
+        _mm512_castps512_ps128(u),
+        _mm512_extractf32x4_ps::<2>(u),
     ))
 }
 
+/// Two vectors' per-lane pair sums: lane `l` of the result holds
+/// `a0+a2, b0+b2, a1+a3, b1+b3` of `a`'s and `b`'s lane `l`.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx2,fma")]
+fn pair_sums(a: __m512, b: __m512) -> __m512 {
+    _mm512_add_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b))
+}
+
+/// Four vectors' per-lane sums: lane `l` holds the sums of `a[0..4]`'s
+/// lane `l`, in order.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx2,fma")]
+fn quad_sums(a: &[__m512]) -> __m512 {
+    let (p01, p23) = (
+        _mm512_castps_pd(pair_sums(a[0], a[1])),
+        _mm512_castps_pd(pair_sums(a[2], a[3])),
+    );
+    _mm512_add_ps(
+        _mm512_castpd_ps(_mm512_unpacklo_pd(p01, p23)),
+        _mm512_castpd_ps(_mm512_unpackhi_pd(p01, p23)),
+    )
+}
+
 /// The eight horizontal sums of `a[0..8]`, in order, as one vector (a
-/// transpose-and-add tree: a quarter of the shuffles of eight reductions).
+/// transpose-and-add tree: 25 instructions for the eight reductions).
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx2,fma")]
 fn reduce8(a: &[__m512; 8]) -> __m256 {
-    let t0 = _mm256_hadd_ps(half_sum(a[0]), half_sum(a[1]));
-    let t1 = _mm256_hadd_ps(half_sum(a[2]), half_sum(a[3]));
-    let t2 = _mm256_hadd_ps(half_sum(a[4]), half_sum(a[5]));
-    let t3 = _mm256_hadd_ps(half_sum(a[6]), half_sum(a[7]));
-    let u0 = _mm256_hadd_ps(t0, t1);
-    let u1 = _mm256_hadd_ps(t2, t3);
+    let (x, y) = (quad_sums(&a[..4]), quad_sums(&a[4..]));
+    // [x: l0+l1, l2+l3; y: l0+l1, l2+l3]
+    let z = _mm512_add_ps(
+        _mm512_shuffle_f32x4::<0b10_00_10_00>(x, y),
+        _mm512_shuffle_f32x4::<0b11_01_11_01>(x, y),
+    );
+    let (lo, hi) = (
+        _mm512_castps512_ps256(z),
+        _mm256_castpd_ps(_mm512_extractf64x4_pd::<1>(_mm512_castps_pd(z))),
+    );
     _mm256_add_ps(
-        _mm256_permute2f128_ps::<0x20>(u0, u1),
-        _mm256_permute2f128_ps::<0x31>(u0, u1),
+        _mm256_permute2f128_ps::<0x20>(lo, hi),
+        _mm256_permute2f128_ps::<0x31>(lo, hi),
     )
 }
 
@@ -681,5 +699,160 @@ pub unsafe fn accum256<const BF: bool>(
             }
             c0 += 8;
         }
+    }
+}
+
+// ---------------------------------------------------------------- softmax
+
+// `crate::kernels::fast_exp`'s constants, lane-wise.
+const LOG2E: f32 = std::f32::consts::LOG2_E;
+const LN2_HI: f32 = 0.693_145_75;
+const LN2_LO: f32 = 1.428_606_8e-6;
+const ROUND: f32 = 12_582_912.0;
+const POLY: [f32; 8] = [
+    1.0 / 5040.0,
+    1.0 / 720.0,
+    1.0 / 120.0,
+    1.0 / 24.0,
+    1.0 / 6.0,
+    0.5,
+    1.0,
+    1.0,
+];
+use crate::kernels::generic::EXP_FLOOR;
+
+/// `fast_exp` on 16 lanes, 0 where `d < EXP_FLOOR`.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx2,fma")]
+fn exp512(d: __m512) -> __m512 {
+    let under = _mm512_cmp_ps_mask::<_CMP_LT_OQ>(d, _mm512_set1_ps(EXP_FLOOR));
+    let x = _mm512_min_ps(
+        _mm512_max_ps(d, _mm512_set1_ps(-87.0)),
+        _mm512_set1_ps(88.0),
+    );
+    let round = _mm512_set1_ps(ROUND);
+    let n = _mm512_sub_ps(_mm512_fmadd_ps(x, _mm512_set1_ps(LOG2E), round), round);
+    let r = _mm512_fnmadd_ps(n, _mm512_set1_ps(LN2_HI), x);
+    let r = _mm512_fnmadd_ps(n, _mm512_set1_ps(LN2_LO), r);
+    let mut p = _mm512_set1_ps(POLY[0]);
+    for c in &POLY[1..] {
+        p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(*c));
+    }
+    let e = _mm512_slli_epi32::<23>(_mm512_add_epi32(
+        _mm512_cvtps_epi32(n),
+        _mm512_set1_epi32(127),
+    ));
+    _mm512_maskz_mul_ps(!under, p, _mm512_castsi512_ps(e))
+}
+
+/// One online-softmax step over a row of scores (see
+/// [`crate::kernels::generic::attn_softmax`]); the sum is taken per lane
+/// (element `i` in lane `i % 16`), so trailing zeros never change it.
+///
+/// # Safety
+/// AVX-512 F/BW and FMA.
+#[target_feature(enable = "avx512f,avx512bw,avx2,fma")]
+pub unsafe fn softmax512(row: &mut [f32], prev_max: f32) -> (f32, f32) {
+    let n = row.len();
+    let (full, rem) = (n / 16 * 16, n % 16);
+    let tmask = ((1u32 << rem) - 1) as u16;
+    let p = row.as_mut_ptr();
+    let ninf = _mm512_set1_ps(f32::NEG_INFINITY);
+    // SAFETY: every access is inside `row` (masked for the tail).
+    unsafe {
+        let mut m = ninf;
+        for i in (0..full).step_by(16) {
+            m = _mm512_max_ps(m, _mm512_loadu_ps(p.add(i)));
+        }
+        if rem > 0 {
+            m = _mm512_max_ps(m, _mm512_mask_loadu_ps(ninf, tmask, p.add(full)));
+        }
+        let cmax = _mm512_reduce_max_ps(m);
+        if cmax == f32::NEG_INFINITY {
+            row.fill(0.0);
+            return (cmax, 0.0);
+        }
+        let top = _mm512_set1_ps(prev_max.max(cmax));
+        let mut s = _mm512_setzero_ps();
+        for i in (0..full).step_by(16) {
+            let e = exp512(_mm512_sub_ps(_mm512_loadu_ps(p.add(i)), top));
+            _mm512_storeu_ps(p.add(i), e);
+            s = _mm512_add_ps(s, e);
+        }
+        if rem > 0 {
+            let e = exp512(_mm512_sub_ps(
+                _mm512_maskz_loadu_ps(tmask, p.add(full)),
+                top,
+            ));
+            _mm512_mask_storeu_ps(p.add(full), tmask, e);
+            s = _mm512_mask_add_ps(s, tmask, s, e);
+        }
+        (cmax, _mm512_reduce_add_ps(s))
+    }
+}
+
+/// `fast_exp` on 8 lanes, 0 where `d < EXP_FLOOR`.
+#[inline]
+#[target_feature(enable = "avx2,fma")]
+fn exp256(d: __m256) -> __m256 {
+    let under = _mm256_cmp_ps::<_CMP_LT_OQ>(d, _mm256_set1_ps(EXP_FLOOR));
+    let x = _mm256_min_ps(
+        _mm256_max_ps(d, _mm256_set1_ps(-87.0)),
+        _mm256_set1_ps(88.0),
+    );
+    let round = _mm256_set1_ps(ROUND);
+    let n = _mm256_sub_ps(_mm256_fmadd_ps(x, _mm256_set1_ps(LOG2E), round), round);
+    let r = _mm256_fnmadd_ps(n, _mm256_set1_ps(LN2_HI), x);
+    let r = _mm256_fnmadd_ps(n, _mm256_set1_ps(LN2_LO), r);
+    let mut p = _mm256_set1_ps(POLY[0]);
+    for c in &POLY[1..] {
+        p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(*c));
+    }
+    let e = _mm256_slli_epi32::<23>(_mm256_add_epi32(
+        _mm256_cvtps_epi32(n),
+        _mm256_set1_epi32(127),
+    ));
+    _mm256_andnot_ps(under, _mm256_mul_ps(p, _mm256_castsi256_ps(e)))
+}
+
+/// AVX2 twin of [`softmax512`] (element `i` in lane `i % 8`).
+///
+/// # Safety
+/// AVX2 and FMA.
+#[target_feature(enable = "avx2,fma")]
+pub unsafe fn softmax256(row: &mut [f32], prev_max: f32) -> (f32, f32) {
+    let n = row.len();
+    let (full, rem) = (n / 8 * 8, n % 8);
+    let p = row.as_mut_ptr();
+    let mut tail = [f32::NEG_INFINITY; 8];
+    tail[..rem].copy_from_slice(&row[full..]);
+    // SAFETY: every access is inside `row` or `tail`.
+    unsafe {
+        let mut m = _mm256_loadu_ps(tail.as_ptr());
+        for i in (0..full).step_by(8) {
+            m = _mm256_max_ps(m, _mm256_loadu_ps(p.add(i)));
+        }
+        let h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps::<1>(m));
+        let h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+        let cmax = _mm_cvtss_f32(_mm_max_ss(h, _mm_shuffle_ps::<0b01>(h, h)));
+        if cmax == f32::NEG_INFINITY {
+            row.fill(0.0);
+            return (cmax, 0.0);
+        }
+        let top = _mm256_set1_ps(prev_max.max(cmax));
+        let mut s = _mm256_setzero_ps();
+        for i in (0..full).step_by(8) {
+            let e = exp256(_mm256_sub_ps(_mm256_loadu_ps(p.add(i)), top));
+            _mm256_storeu_ps(p.add(i), e);
+            s = _mm256_add_ps(s, e);
+        }
+        if rem > 0 {
+            // The −∞ padding becomes exactly 0.
+            let e = exp256(_mm256_sub_ps(_mm256_loadu_ps(tail.as_ptr()), top));
+            _mm256_storeu_ps(tail.as_mut_ptr(), e);
+            row[full..].copy_from_slice(&tail[..rem]);
+            s = _mm256_add_ps(s, e);
+        }
+        (cmax, hsum256(s))
     }
 }
