@@ -139,13 +139,18 @@ run() { # LABEL TRAFFIC COMMAND...
     log "starting $label"
     start_server "$label" "$@"
     bench "$OUT/$label-warmup.json" 64 8 2 999
+    # /metrics before and after each run: the phase times of its steps.
     if [[ $traffic == *prefill* ]]; then
         log "$label: prefill-heavy ($PREFILL_IN in / $PREFILL_OUT out), $PREFILL_PROMPTS prompts"
+        curl -s "$URL/metrics" >"$OUT/$label-prefill.metrics0" || true
         bench "$OUT/$label-prefill.json" "$PREFILL_IN" "$PREFILL_OUT" "$PREFILL_PROMPTS" 1 --label "$label"
+        curl -s "$URL/metrics" >"$OUT/$label-prefill.metrics1" || true
     fi
     if [[ $traffic == *decode* ]]; then
         log "$label: decode-heavy ($DECODE_IN in / $DECODE_OUT out), $DECODE_PROMPTS prompts"
+        curl -s "$URL/metrics" >"$OUT/$label-decode.metrics0" || true
         bench "$OUT/$label-decode.json" "$DECODE_IN" "$DECODE_OUT" "$DECODE_PROMPTS" 2 --label "$label"
+        curl -s "$URL/metrics" >"$OUT/$label-decode.metrics1" || true
     fi
     stop_server
 }
@@ -194,6 +199,38 @@ def load(label, traffic):
 def tps(label, traffic):
     r = load(label, traffic)
     return r["output_throughput"] if r else None
+def metric_sums(label, traffic):
+    """Sums of each metric's `_sum` and `_count` over all its labels, run only
+    (after minus before)."""
+    def read(f):
+        out = {}
+        if not f.exists():
+            return None
+        for line in f.read_text().splitlines():
+            if line.startswith("#") or not line.strip():
+                continue
+            name = line.split("{")[0].split()[0]
+            try:
+                v = float(line.rsplit(None, 1)[1])
+            except ValueError:
+                continue
+            out[name] = out.get(name, 0.0) + v
+        return out
+    a, b = read(out / f"{label}-{traffic}.metrics0"), read(out / f"{label}-{traffic}.metrics1")
+    if a is None or b is None:
+        return None
+    return {k: b[k] - a.get(k, 0.0) for k in b}
+def phases(label, traffic):
+    """Per step, ms: the step S, the coordinator busy A (the step less its
+    waits for dispatch), the worker busy E (its compute)."""
+    m = metric_sums(label, traffic)
+    if not m or not m.get("epserve_step_seconds_count"):
+        return None
+    steps = m["epserve_step_seconds_count"]
+    s = m.get("epserve_step_seconds_sum", 0.0) / steps * 1e3
+    d = m.get("epserve_dispatch_seconds_sum", 0.0) / steps * 1e3
+    e = m.get("epserve_expert_worker_compute_seconds_sum", 0.0) / steps * 1e3
+    return steps, s, s - d, e
 def fmt(x, d=1):
     return "-" if x is None else f"{x:.{d}f}"
 rows = []
@@ -236,6 +273,28 @@ if link:
 if overhead == "1":
     for traffic in ("prefill", "decode"):
         print(f"| {traffic}-heavy: up (default settings) / serve | {ratio(tps('up-default', traffic), tps('serve', traffic))} | ≥ 0.9x |")
+sync = "1" if "1" in mbs else mbs[0]
+print()
+print(f"Phase times per step of the `--micro-batches {sync}` runs (from /metrics: S = "
+      "`epserve_step_seconds`, coordinator busy A = S less `epserve_dispatch_seconds`, "
+      "worker busy E = `epserve_expert_worker_compute_seconds`; ideal step max(A, E)):")
+print()
+print("| traffic | steps | S ms | A ms | E ms | ideal step ms | ideal speedup | achieved (auto / 1) | achieved / ideal |")
+print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+for traffic in ("prefill", "decode"):
+    p = phases(f"pinned-mb{sync}", traffic)
+    if p is None:
+        continue
+    steps, s, a, e = p
+    ideal = max(a, e)
+    speedup = s / ideal if ideal > 0 else None
+    achieved = None
+    if sync == "1" and "auto" in mbs:
+        t1, ta = tps("pinned-mb1", traffic), tps("pinned-mbauto", traffic)
+        achieved = ta / t1 if t1 and ta else None
+    frac = achieved / speedup if achieved and speedup else None
+    print(f"| {traffic} | {steps:.0f} | {s:.2f} | {a:.2f} | {e:.2f} | {ideal:.2f} | {fmt(speedup, 3)}x "
+          f"| {fmt(achieved, 3)}{'x' if achieved else ''} | {fmt(frac, 3)} |")
 for n in notes:
     print(f"- ⚠ {n}")
 PY

@@ -169,6 +169,9 @@ impl Conn {
     }
 }
 
+/// An open connection of a proxy, by id.
+type Open = (u64, Arc<Conn>);
+
 /// Counters of a running proxy.
 #[derive(Debug, Default)]
 struct Stats {
@@ -183,7 +186,7 @@ struct Stats {
 pub struct LinkProxy {
     addr: SocketAddr,
     stop: Arc<AtomicBool>,
-    conns: Arc<Mutex<Vec<(u64, Arc<Conn>)>>>,
+    conns: Arc<Mutex<Vec<Open>>>,
     stats: Arc<Stats>,
     accept: Option<JoinHandle<()>>,
 }
@@ -196,7 +199,7 @@ impl LinkProxy {
             .with_context(|| format!("link emulator: cannot listen on {listen}"))?;
         let addr = listener.local_addr()?;
         let stop = Arc::new(AtomicBool::new(false));
-        let conns: Arc<Mutex<Vec<(u64, Arc<Conn>)>>> = Arc::default();
+        let conns: Arc<Mutex<Vec<Open>>> = Arc::default();
         let stats: Arc<Stats> = Arc::default();
         let accept = {
             let (stop, conns, stats) = (stop.clone(), conns.clone(), stats.clone());
@@ -252,7 +255,7 @@ fn accept_loop(
     upstream: SocketAddr,
     spec: LinkSpec,
     stop: Arc<AtomicBool>,
-    conns: Arc<Mutex<Vec<(u64, Arc<Conn>)>>>,
+    conns: Arc<Mutex<Vec<Open>>>,
     stats: Arc<Stats>,
 ) {
     let mut next_id = 0u64;
