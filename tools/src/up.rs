@@ -23,6 +23,13 @@
 //! them with `sigwait`, so they always reach the orderly stop that terminates
 //! the children and removes the temporary etcd data dir. Children get an
 //! unblocked mask before `exec`.
+//!
+//! Benchmarks: `--emulate-link SPEC` puts a [`LinkProxy`] (delay, rate cap)
+//! in front of every worker and gives the worker `--advertise` its address,
+//! so the coordinator reaches workers only through the emulated link;
+//! `--coordinator-cores` pins the coordinator before `exec`
+//! (`sched_setaffinity`, inherited by all its threads) and `--worker-cores`
+//! becomes each worker's `--cores`.
 
 use std::ffi::OsString;
 use std::io::{BufRead, BufReader};
