@@ -28,6 +28,7 @@
 #   PORT=18432            port on 127.0.0.1 (one server at a time)
 #   READY_TIMEOUT=600     seconds a server may take to load
 #   OUT=/tmp/bench-overlap-<stamp>   results, logs and the table (table.md)
+#   TABLE_ONLY=1          no runs: print the table of the results already in OUT
 set -euo pipefail
 
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -159,8 +160,15 @@ UP=("$EPSERVE" up --model "$MODEL" --host 127.0.0.1 --port "$PORT" --served-mode
 
 LOAD_BEFORE=$(cut -d' ' -f1-3 /proc/loadavg)
 log "results in $OUT; --micro-batches configurations: $MB_CONFIGS"
+if [[ ${TABLE_ONLY:-0} == 1 ]]; then
+    MB_RUN=
+    OVERHEAD_RUN=0
+else
+    MB_RUN=$MB_CONFIGS
+    OVERHEAD_RUN=$OVERHEAD
+fi
 PIN=(--coordinator-cores "$COORDINATOR_CORES" --worker-cores "$WORKER_CORES")
-for mb in $MB_CONFIGS; do
+for mb in $MB_RUN; do
     mbflag=()
     [[ $mb == default ]] || mbflag=(--micro-batches "$mb")
     run "pinned-mb$mb" prefill,decode "${UP[@]}" --expert-workers 1 "${PIN[@]}" -- \
@@ -170,7 +178,7 @@ for mb in $MB_CONFIGS; do
             --emulate-link "$LINK" -- "${COMMON[@]}" "${mbflag[@]}"
     fi
 done
-if [[ $OVERHEAD == 1 ]]; then
+if [[ $OVERHEAD_RUN == 1 ]]; then
     run up-default prefill,decode "${UP[@]}" -- "${COMMON[@]}"
     run serve prefill,decode "$EPSERVE" serve --model "$MODEL" --host 127.0.0.1 --port "$PORT" \
         --served-model-name "$NAME" "${COMMON[@]}"
