@@ -252,6 +252,112 @@ async fn bf16_dispatch_serves_and_a_dead_worker_gives_a_clear_error() {
     }
 }
 
+/// `Cpus_allowed_list` of a process (`0-1`, `1`), from /proc.
+fn cpus_allowed(pid: u32) -> String {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).expect("status");
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix("Cpus_allowed_list:"))
+        .expect("Cpus_allowed_list")
+        .trim()
+        .to_string()
+}
+
+/// `up --emulate-link 1ms` with pinned roles on `qwen3_moe_a` (2
+/// expert-workers, 1 attention-worker, f32 on the wire): every worker
+/// registers its link emulator's address, so the coordinator's calls cross
+/// the emulated link, and the greedy tokens are the goldens all the same
+/// (the other tests show the same without the emulator). The coordinator
+/// runs on the core `--coordinator-cores` names, each worker on its own
+/// `--worker-cores` list.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn emulated_links_keep_the_tokens_and_roles_are_pinned() {
+    if !etcd_available() {
+        return;
+    }
+    // The first and the last core this test may use (the same on one core).
+    let mine = cpus_allowed(std::process::id());
+    let ends: Vec<usize> = mine
+        .split([',', '-'])
+        .filter_map(|c| c.trim().parse().ok())
+        .collect();
+    let (first, last) = (ends[0], ends[ends.len() - 1]);
+    let (c_cores, w_cores) = (last.to_string(), format!("{first}/{last}/{first}"));
+    let fixture = "qwen3_moe_a";
+    let g = golden(fixture);
+    let up = start_up_with(
+        fixture,
+        2,
+        "f32",
+        &[
+            "--attention-workers",
+            "1",
+            "--emulate-link",
+            "1ms",
+            "--coordinator-cores",
+            &c_cores,
+            "--worker-cores",
+            &w_cores,
+        ],
+    );
+    let coordinator = up.pid("coordinator").expect("coordinator pid");
+    assert_eq!(cpus_allowed(coordinator), c_cores);
+    for (name, want) in [
+        ("expert-0", first),
+        ("expert-1", last),
+        ("attention-0", first),
+    ] {
+        let pid = up.pid(name).expect("worker pid");
+        assert_eq!(cpus_allowed(pid), want.to_string(), "{name}");
+    }
+    // Each worker advertises its emulator, which forwards to its own port.
+    let links: Vec<(String, String)> = {
+        let log = up.log.lock().unwrap_or_else(|e| e.into_inner());
+        log.lines
+            .iter()
+            .filter_map(|(_, l)| l.strip_prefix("epserve up: link emulator for "))
+            .filter_map(|rest| {
+                let (name, rest) = rest.split_once(": ")?;
+                let addr = rest.split_whitespace().next()?;
+                Some((name.to_string(), addr.to_string()))
+            })
+            .collect()
+    };
+    assert_eq!(links.len(), 3, "{links:?}");
+    let store = EtcdStore::connect(&up.etcd).await.expect("etcd");
+    let keys = store.list("/epserve/").await.expect("list");
+    for (name, addr) in &links {
+        let info: epserve_cluster::state::WorkerInfo = keys
+            .iter()
+            .filter(|(k, _)| k.contains("/workers/"))
+            .filter_map(|(_, v)| serde_json::from_slice(v).ok())
+            .find(|w: &epserve_cluster::state::WorkerInfo| &w.id == name)
+            .unwrap_or_else(|| panic!("{name} registered"));
+        assert_eq!(info.addr, format!("http://{addr}"), "{name}");
+    }
+    let tok =
+        epserve_core::loader::tokenizer::Tokenizer::from_dir(&fixture_dir(fixture).join("f32"))
+            .expect("tokenizer");
+    for case in g.cases.iter().take(2) {
+        let n = 12.min(case.greedy_token_ids.len());
+        let v = complete(
+            &up.url,
+            json!({"model": "tiny", "prompt": case.prompt_token_ids, "max_tokens": n,
+                   "temperature": 0, "ignore_eos": true}),
+        )
+        .await;
+        let want = tok
+            .decode(&case.greedy_token_ids[..n], true)
+            .expect("decode");
+        assert_eq!(
+            v["choices"][0]["text"].as_str(),
+            Some(want.as_str()),
+            "case {}",
+            case.name
+        );
+    }
+}
+
 /// Coordinator + 3 expert-workers + 2 attention-workers (tensor-parallel
 /// attention, f32 on the wire) on `qwen3_moe_b` (11 experts). The
 /// shards' KV caches hold 160 positions, less than the three prompts together

@@ -14,6 +14,8 @@
 //! - [`plan`]: the capacity planner;
 //! - [`ctl`]: the admin client of a running coordinator;
 //! - [`up`]: a whole local cluster on loopback as child processes.
+//! - [`link`]: the link emulator `up --emulate-link` puts between the
+//!   coordinator and each worker (delay, rate cap).
 //!
 //! Tools print their results on stdout; the serving roles never do.
 
@@ -24,5 +26,6 @@ pub mod bench_serve;
 pub mod bench_step;
 pub mod ctl;
 pub mod generate;
+pub mod link;
 pub mod plan;
 pub mod up;

@@ -23,6 +23,13 @@
 //! them with `sigwait`, so they always reach the orderly stop that terminates
 //! the children and removes the temporary etcd data dir. Children get an
 //! unblocked mask before `exec`.
+//!
+//! Benchmarks: `--emulate-link SPEC` puts a [`LinkProxy`] (delay, rate cap)
+//! in front of every worker and gives the worker `--advertise` its address,
+//! so the coordinator reaches workers only through the emulated link;
+//! `--coordinator-cores` pins the coordinator before `exec`
+//! (`sched_setaffinity`, inherited by all its threads) and `--worker-cores`
+//! becomes each worker's `--cores`.
 
 use std::ffi::OsString;
 use std::io::{BufRead, BufReader};
@@ -36,6 +43,12 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail};
 use clap::Args;
+
+use crate::link::{LinkProxy, LinkSpec};
+
+fn parse_link_spec(s: &str) -> Result<LinkSpec, String> {
+    LinkSpec::parse(s).map_err(|e| format!("{e:#}"))
+}
 
 /// `epserve up`.
 #[derive(Debug, Clone, Args)]
@@ -72,6 +85,22 @@ pub struct UpArgs {
     /// its `--lease-ttl-secs` (unset: the workers' default).
     #[arg(long, value_parser = clap::value_parser!(i64).range(1..))]
     pub lease_ttl_secs: Option<i64>,
+    /// Benchmarks: put a link emulator (a TCP proxy in this process) between
+    /// the coordinator and each worker, adding a one-way delay in each
+    /// direction and an optional rate cap: `500us`, `200us,10gbit`,
+    /// `1ms,100mbit` (delay: ns, us, ms, s; rate: bit, kbit, mbit, gbit,
+    /// tbit, or bps, kbps, mbps, gbps for bytes per second). Off by default.
+    #[arg(long, value_name = "SPEC", value_parser = parse_link_spec)]
+    pub emulate_link: Option<LinkSpec>,
+    /// Pin the coordinator (all its threads) to these cores, e.g. `0` or
+    /// `0-3,8`.
+    #[arg(long, value_name = "LIST")]
+    pub coordinator_cores: Option<String>,
+    /// Pin the workers: one core list for every worker (`1`, `2-3`), or one
+    /// per worker separated by `/` (`1/2/3`), in the order expert-0..N-1,
+    /// then attention-0..M-1. Passed on as each worker's `--cores`.
+    #[arg(long, value_name = "LIST[/LIST...]")]
+    pub worker_cores: Option<String>,
     /// Extra arguments passed to the coordinator (e.g. `--max-num-seqs 8`).
     #[arg(last = true)]
     pub coordinator_args: Vec<String>,
@@ -126,6 +155,9 @@ struct Proc {
     role: Role,
     program: PathBuf,
     args: Vec<OsString>,
+    /// Cores it is pinned to before `exec` (the coordinator's
+    /// `--coordinator-cores`; workers pin themselves with `--cores`).
+    affinity: Option<libc::cpu_set_t>,
     /// None once it exited (and was reaped) and until it is started again.
     child: Option<Child>,
     started: Instant,
@@ -147,6 +179,7 @@ impl Proc {
             role,
             program: program.to_path_buf(),
             args,
+            affinity: None,
             child: None,
             started: Instant::now(),
             restarts: 0,
@@ -158,7 +191,7 @@ impl Proc {
 
     /// Starts it (again); its stdout lines go to `tx` (etcd's are dropped).
     fn spawn(&mut self, tx: &mpsc::Sender<(String, String)>) -> Result<()> {
-        let mut cmd = child_cmd(&self.program, self.role.stop_signal());
+        let mut cmd = child_cmd(&self.program, self.role.stop_signal(), self.affinity);
         cmd.args(&self.args);
         if self.role == Role::Etcd {
             cmd.stdout(Stdio::null()).stderr(Stdio::null());
@@ -352,13 +385,20 @@ fn block_stop_signals() -> Result<()> {
     Ok(())
 }
 
-/// A command for a child that gets `death_signal` when `up` dies.
-fn child_cmd(program: &Path, death_signal: libc::c_int) -> Command {
+/// A command for a child that gets `death_signal` when `up` dies, pinned to
+/// `affinity` when given (every thread it starts inherits the mask; rayon
+/// and tokio size their pools from it).
+fn child_cmd(
+    program: &Path,
+    death_signal: libc::c_int,
+    affinity: Option<libc::cpu_set_t>,
+) -> Command {
     let mut c = Command::new(program);
     let set = stop_signals();
     // SAFETY: in the forked child before exec, prctl sets its own parent death
-    // signal and sigprocmask unblocks the signals `up` blocked (the mask is
-    // inherited across exec); both are async-signal-safe, and nothing is
+    // signal, sigprocmask unblocks the signals `up` blocked (the mask is
+    // inherited across exec) and sched_setaffinity pins the child to a set
+    // built before the fork; all are async-signal-safe, and nothing is
     // allocated or locked there.
     unsafe {
         c.pre_exec(move || {
@@ -366,10 +406,117 @@ fn child_cmd(program: &Path, death_signal: libc::c_int) -> Command {
             if libc::sigprocmask(libc::SIG_UNBLOCK, &set, std::ptr::null_mut()) != 0 {
                 return Err(std::io::Error::last_os_error());
             }
+            if let Some(cpus) = &affinity
+                && libc::sched_setaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), cpus) != 0
+            {
+                return Err(std::io::Error::last_os_error());
+            }
             Ok(())
         });
     }
     c
+}
+
+/// Parses a core list such as `0-3,8,10-11` (the workers' `--cores` syntax).
+fn parse_core_list(spec: &str) -> Result<Vec<usize>> {
+    let mut out = Vec::new();
+    for part in spec.split(',').map(str::trim) {
+        let (a, b) = part.split_once('-').unwrap_or((part, part));
+        let (Ok(a), Ok(b)) = (a.trim().parse::<usize>(), b.trim().parse::<usize>()) else {
+            bail!("invalid core list '{spec}': '{part}' is not N or N-M");
+        };
+        if a > b {
+            bail!("invalid core list '{spec}': range {a}-{b} is reversed");
+        }
+        out.extend(a..=b);
+    }
+    out.sort_unstable();
+    out.dedup();
+    Ok(out)
+}
+
+/// The cores this process may run on (its affinity mask: the machine's
+/// online cores, less any a cgroup or `taskset` withholds).
+fn allowed_cores() -> Result<Vec<usize>> {
+    // SAFETY: sched_getaffinity writes at most size_of::<cpu_set_t>() bytes
+    // into the set we own; CPU_ISSET reads it within CPU_SETSIZE.
+    unsafe {
+        let mut set: libc::cpu_set_t = std::mem::zeroed();
+        if libc::sched_getaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &mut set) != 0 {
+            bail!(
+                "cannot read this process's cores: {}",
+                std::io::Error::last_os_error()
+            );
+        }
+        Ok((0..libc::CPU_SETSIZE as usize)
+            .filter(|&c| libc::CPU_ISSET(c, &set))
+            .collect())
+    }
+}
+
+/// `cores` (a core list) checked against `allowed`: each must be one this
+/// process may run on. `flag` names the flag in the error.
+fn checked_cores(flag: &str, spec: &str, allowed: &[usize]) -> Result<Vec<usize>> {
+    let cores = parse_core_list(spec).context(flag.to_string())?;
+    if let Some(c) = cores.iter().find(|c| !allowed.contains(c)) {
+        bail!(
+            "{flag}: core {c} does not exist on this machine (cores available: {})",
+            core_list(allowed)
+        );
+    }
+    Ok(cores)
+}
+
+/// A core list written back compactly (`0-3,8`).
+fn core_list(cores: &[usize]) -> String {
+    let mut out: Vec<String> = Vec::new();
+    let mut i = 0;
+    while i < cores.len() {
+        let mut j = i;
+        while j + 1 < cores.len() && cores[j + 1] == cores[j] + 1 {
+            j += 1;
+        }
+        out.push(if i == j {
+            cores[i].to_string()
+        } else {
+            format!("{}-{}", cores[i], cores[j])
+        });
+        i = j + 1;
+    }
+    out.join(",")
+}
+
+/// `--worker-cores`: one core list for all `workers`, or one per worker
+/// separated by `/`; each checked against `allowed`. The lists come back in
+/// the workers' `--cores` form.
+fn worker_core_lists(spec: &str, workers: usize, allowed: &[usize]) -> Result<Vec<String>> {
+    let groups: Vec<&str> = spec.split('/').collect();
+    if groups.len() != 1 && groups.len() != workers {
+        bail!(
+            "--worker-cores '{spec}': {} core lists for {workers} workers (give one list for all, or one per worker: expert-workers first, then attention-workers)",
+            groups.len()
+        );
+    }
+    let lists = groups
+        .iter()
+        .map(|g| checked_cores("--worker-cores", g, allowed).map(|c| core_list(&c)))
+        .collect::<Result<Vec<_>>>()?;
+    Ok((0..workers)
+        .map(|i| lists[if lists.len() == 1 { 0 } else { i }].clone())
+        .collect())
+}
+
+/// A CPU set of `cores` (each below CPU_SETSIZE, as `allowed_cores` gives).
+fn cpu_set(cores: &[usize]) -> libc::cpu_set_t {
+    // SAFETY: cpu_set_t is plain data; CPU_SET writes within it for ids
+    // below CPU_SETSIZE (checked).
+    unsafe {
+        let mut set: libc::cpu_set_t = std::mem::zeroed();
+        for &c in cores.iter().filter(|&&c| c < libc::CPU_SETSIZE as usize) {
+            libc::CPU_SET(c, &mut set);
+        }
+        set
+    }
 }
 
 /// Forwards a child's stdout lines to ours with a prefix; sends lines to `tx`.
@@ -434,7 +581,45 @@ pub fn run(args: &UpArgs) -> Result<()> {
             args.model.display()
         );
     }
+    // Cores first, so a typo fails before anything starts.
+    let allowed = allowed_cores()?;
+    let coordinator_cores = match &args.coordinator_cores {
+        Some(spec) => Some(checked_cores("--coordinator-cores", spec, &allowed)?),
+        None => None,
+    };
+    let workers = args.expert_workers + args.attention_workers;
+    let worker_cores = match &args.worker_cores {
+        Some(spec) => Some(worker_core_lists(spec, workers, &allowed)?),
+        None => None,
+    };
+    // `--cores LIST` of worker `i` (expert-workers first), when pinned.
+    let cores_arg = |i: usize| -> Vec<OsString> {
+        worker_cores
+            .as_ref()
+            .map(|l| os_args(["--cores".to_string(), l[i].clone()]))
+            .unwrap_or_default()
+    };
     let exe = std::env::current_exe().context("cannot find the epserve binary")?;
+    // Declared before the children, so they stop first and the links after.
+    let mut links: Vec<LinkProxy> = Vec::new();
+    // `--advertise ADDR` of the worker `name` that listens on `port`: a link
+    // emulator in front of it, when asked for.
+    let mut link_for = |name: &str, port: u16| -> Result<Vec<OsString>> {
+        let Some(spec) = args.emulate_link else {
+            return Ok(Vec::new());
+        };
+        let upstream = std::net::SocketAddr::from(([127, 0, 0, 1], port));
+        let proxy = LinkProxy::start(
+            std::net::SocketAddr::from(([127, 0, 0, 1], 0)),
+            upstream,
+            spec,
+        )
+        .with_context(|| format!("cannot start the link emulator for {name}"))?;
+        let addr = proxy.addr();
+        println!("epserve up: link emulator for {name}: {addr} -> {upstream} ({spec})");
+        links.push(proxy);
+        Ok(os_args(["--advertise".to_string(), addr.to_string()]))
+    };
     let mut kids = Children {
         list: Vec::new(),
         tmp: Vec::new(),
@@ -494,6 +679,8 @@ pub fn run(args: &UpArgs) -> Result<()> {
             &format!("127.0.0.1:{port}"),
         ]));
         a.extend(lease_ttl_arg(args.lease_ttl_secs));
+        a.extend(cores_arg(i));
+        a.extend(link_for(&name, port)?);
         let mut p = Proc::new(&name, Role::ExpertWorker, &exe, a);
         p.spawn(&tx)?;
         kids.list.push(p);
@@ -532,6 +719,8 @@ pub fn run(args: &UpArgs) -> Result<()> {
             a.extend(os_args(["--dense-dtype".to_string(), d]));
         }
         a.extend(lease_ttl_arg(args.lease_ttl_secs));
+        a.extend(cores_arg(args.expert_workers + i));
+        a.extend(link_for(&name, port)?);
         let mut p = Proc::new(&name, Role::AttentionWorker, &exe, a);
         p.spawn(&tx)?;
         kids.list.push(p);
@@ -573,6 +762,10 @@ pub fn run(args: &UpArgs) -> Result<()> {
     ]));
     a.extend(os_args(&args.coordinator_args));
     let mut p = Proc::new("coordinator", Role::Coordinator, &exe, a);
+    if let Some(c) = &coordinator_cores {
+        p.affinity = Some(cpu_set(c));
+        println!("epserve up: coordinator pinned to cores {}", core_list(c));
+    }
     p.spawn(&tx).context("cannot start the coordinator")?;
     kids.list.push(p);
 
@@ -657,8 +850,87 @@ fn which(name: &str) -> Option<PathBuf> {
 
 #[cfg(test)]
 mod tests {
-    use super::{MAX_RESTARTS, Role, backoff, block_size_arg, flag_arg, lease_ttl_arg};
+    use super::{
+        MAX_RESTARTS, Role, UpArgs, allowed_cores, backoff, block_size_arg, checked_cores,
+        core_list, flag_arg, lease_ttl_arg, parse_core_list, worker_core_lists,
+    };
+    use clap::Parser;
     use std::time::Duration;
+
+    #[derive(Debug, Parser)]
+    struct Cli {
+        #[command(flatten)]
+        up: UpArgs,
+    }
+
+    #[test]
+    fn core_lists_parse_check_and_print() {
+        assert_eq!(parse_core_list("0-3").ok(), Some(vec![0, 1, 2, 3]));
+        assert_eq!(parse_core_list("4, 0-1,1").ok(), Some(vec![0, 1, 4]));
+        for bad in ["", "3-1", "a", "1,", "-1", "1-"] {
+            assert!(parse_core_list(bad).is_err(), "{bad:?}");
+        }
+        assert_eq!(core_list(&[0, 1, 2, 3, 8, 10, 11]), "0-3,8,10-11");
+        assert_eq!(core_list(&[5]), "5");
+        let allowed = [0, 1, 2, 3];
+        assert_eq!(checked_cores("--x", "1-2", &allowed).ok(), Some(vec![1, 2]));
+        let e = format!(
+            "{:#}",
+            checked_cores("--coordinator-cores", "3-4", &allowed).expect_err("4")
+        );
+        assert!(
+            e.contains("core 4 does not exist") && e.contains("0-3"),
+            "{e}"
+        );
+        let e = format!(
+            "{:#}",
+            checked_cores("--coordinator-cores", "x", &allowed).expect_err("x")
+        );
+        assert!(
+            e.starts_with("--coordinator-cores: invalid core list 'x'"),
+            "{e}"
+        );
+        // The machine's own cores pass.
+        let mine = allowed_cores().expect("affinity");
+        assert!(!mine.is_empty());
+        assert!(checked_cores("--x", &core_list(&mine), &mine).is_ok());
+    }
+
+    #[test]
+    fn worker_cores_are_one_list_for_all_or_one_per_worker() {
+        let allowed = [0, 1, 2, 3];
+        assert_eq!(
+            worker_core_lists("1", 3, &allowed).ok(),
+            Some(vec!["1".to_string(), "1".into(), "1".into()])
+        );
+        assert_eq!(
+            worker_core_lists("1/2-3", 2, &allowed).ok(),
+            Some(vec!["1".to_string(), "2-3".into()])
+        );
+        let e = format!(
+            "{:#}",
+            worker_core_lists("1/2", 3, &allowed).expect_err("count")
+        );
+        assert!(e.contains("2 core lists for 3 workers"), "{e}");
+        assert!(worker_core_lists("1/9", 2, &allowed).is_err());
+        assert!(worker_core_lists("1//2", 3, &allowed).is_err());
+    }
+
+    #[test]
+    fn emulate_link_and_pinning_are_off_by_default_and_checked() {
+        let a = Cli::try_parse_from(["up", "--model", "m"]).expect("defaults");
+        assert!(a.up.emulate_link.is_none());
+        assert!(a.up.coordinator_cores.is_none() && a.up.worker_cores.is_none());
+        let a = Cli::try_parse_from(["up", "--model", "m", "--emulate-link", "200us,10gbit"])
+            .expect("spec");
+        let spec = a.up.emulate_link.expect("set");
+        assert_eq!(spec.delay, Duration::from_micros(200));
+        assert_eq!(spec.rate, Some(1.25e9));
+        let e = Cli::try_parse_from(["up", "--model", "m", "--emulate-link", "200xs"])
+            .expect_err("refused")
+            .to_string();
+        assert!(e.contains("unknown unit 'xs'"), "{e}");
+    }
 
     #[test]
     fn restarts_back_off_within_bounds() {
