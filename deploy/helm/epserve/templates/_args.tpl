@@ -54,6 +54,9 @@ $(POD_NAME) and friends are expanded by Kubernetes from the container's env.
 {{- with $c.denseDtype }}
 - --dense-dtype={{ . }}
 {{- end }}
+{{- with $c.dispatchDtype }}
+- --dispatch-dtype={{ . }}
+{{- end }}
 - --eplb-window={{ $c.eplb.window }}
 {{- if $c.eplb.expertLoadMetrics }}
 - --expert-load-metrics
