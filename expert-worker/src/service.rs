@@ -468,7 +468,9 @@ mod tests {
                 "non-finite",
                 Box::new(|r| {
                     if let Some(t) = r.tokens.as_mut() {
-                        patch(&mut t.data, |d| d[4..8].copy_from_slice(&f32::NAN.to_le_bytes()));
+                        patch(&mut t.data, |d| {
+                            d[4..8].copy_from_slice(&f32::NAN.to_le_bytes())
+                        });
                     }
                 }),
             ),
@@ -557,7 +559,10 @@ mod tests {
                 }),
             ),
             ("unknown output dtype", Box::new(|r| r.output_dtype = 42)),
-            ("not int8", Box::new(|r| r.output_dtype = Dtype::Int8 as i32)),
+            (
+                "not int8",
+                Box::new(|r| r.output_dtype = Dtype::Int8 as i32),
+            ),
             // Malformed int8 tokens.
             (
                 "expected",
@@ -573,25 +578,36 @@ mod tests {
             ),
             (
                 "scale NaN",
-                int8_edit(|t| patch(&mut t.scales, |s| s[4..8].copy_from_slice(&f32::NAN.to_le_bytes()))),
+                int8_edit(|t| {
+                    patch(&mut t.scales, |s| {
+                        s[4..8].copy_from_slice(&f32::NAN.to_le_bytes())
+                    })
+                }),
             ),
             (
                 "scale inf",
                 int8_edit(|t| {
-                    patch(&mut t.scales, |s| s[0..4].copy_from_slice(&f32::INFINITY.to_le_bytes()))
+                    patch(&mut t.scales, |s| {
+                        s[0..4].copy_from_slice(&f32::INFINITY.to_le_bytes())
+                    })
                 }),
             ),
             (
                 "scale -0.25",
-                int8_edit(|t| patch(&mut t.scales, |s| s[0..4].copy_from_slice(&(-0.25f32).to_le_bytes()))),
+                int8_edit(|t| {
+                    patch(&mut t.scales, |s| {
+                        s[0..4].copy_from_slice(&(-0.25f32).to_le_bytes())
+                    })
+                }),
             ),
-            (
-                "-128",
-                int8_edit(|t| patch(&mut t.data, |d| d[5] = 0x80)),
-            ),
+            ("-128", int8_edit(|t| patch(&mut t.data, |d| d[5] = 0x80))),
             (
                 "non-finite",
-                int8_edit(|t| patch(&mut t.scales, |s| s[0..4].copy_from_slice(&f32::MAX.to_le_bytes()))),
+                int8_edit(|t| {
+                    patch(&mut t.scales, |s| {
+                        s[0..4].copy_from_slice(&f32::MAX.to_le_bytes())
+                    })
+                }),
             ),
         ];
         for (want, edit) in &cases {
@@ -652,8 +668,14 @@ mod tests {
                 assert_eq!(yf, yq, "int8 experts: int8 wire vs f32 wire");
             } else {
                 let big = yf.iter().fold(0.0f32, |m, v| m.max(v.abs()));
-                let d = yf.iter().zip(&yq).fold(0.0f32, |m, (a, b)| m.max((a - b).abs()));
-                assert!(d > 0.0 && d <= 0.05 * big, "float experts: max |Δ| {d} of {big}");
+                let d = yf
+                    .iter()
+                    .zip(&yq)
+                    .fold(0.0f32, |m, (a, b)| m.max((a - b).abs()));
+                assert!(
+                    d > 0.0 && d <= 0.05 * big,
+                    "float experts: max |Δ| {d} of {big}"
+                );
             }
         }
         Ok(())

@@ -318,7 +318,9 @@ mod tests {
             t.scales = s.into();
             decode_rows_finite(&t).err().map(|e| e.to_string())
         };
-        let set_scale = |v: f32| move |_: &mut Vec<u8>, s: &mut Vec<u8>| s[4..8].copy_from_slice(&v.to_le_bytes());
+        let set_scale = |v: f32| {
+            move |_: &mut Vec<u8>, s: &mut Vec<u8>| s[4..8].copy_from_slice(&v.to_le_bytes())
+        };
         let cases: Vec<(&str, Option<String>)> = vec![
             ("expected 40", with(&|d, _| d.truncate(d.len() - 1))),
             ("expected 40", with(&|d, _| d.push(0))),
@@ -340,9 +342,6 @@ mod tests {
         // Scales on a float tensor are malformed too.
         let mut f = encode(&x, n, cols, Dtype::Bf16);
         f.scales = good.scales.clone();
-        assert!(matches!(
-            decode(&f),
-            Err(WireError::StrayScales { .. })
-        ));
+        assert!(matches!(decode(&f), Err(WireError::StrayScales { .. })));
     }
 }

@@ -283,8 +283,15 @@ async fn int8_dispatch_serves() {
                    "temperature": 0, "ignore_eos": true}),
         )
         .await;
-        let want = tok.decode(&case.greedy_token_ids[..1], true).expect("decode");
-        assert_eq!(v["choices"][0]["text"].as_str(), Some(want.as_str()), "case {}", case.name);
+        let want = tok
+            .decode(&case.greedy_token_ids[..1], true)
+            .expect("decode");
+        assert_eq!(
+            v["choices"][0]["text"].as_str(),
+            Some(want.as_str()),
+            "case {}",
+            case.name
+        );
     }
     let v = complete(
         &up.url,

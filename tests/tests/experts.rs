@@ -263,8 +263,14 @@ impl Dispatcher for WireDispatcher {
             }),
         };
         let mut out = vec![0.0f32; rows * r.top_k * hidden];
-        self.executor
-            .execute_rows(layer, rows_in, &r.topk_ids, &r.topk_weights, r.top_k, &mut out)?;
+        self.executor.execute_rows(
+            layer,
+            rows_in,
+            &r.topk_ids,
+            &r.topk_weights,
+            r.top_k,
+            &mut out,
+        )?;
         let back = wire::encode(&out, rows * r.top_k, hidden, wire::output_dtype(self.dtype));
         wire::decode(&back).map_err(err)
     }
@@ -294,7 +300,11 @@ fn wire_dtypes_agree_with_the_f32_wire_on_fixtures_and_report_kl() {
     let cases = [
         (ExpertDtype::Auto, Dtype::Bf16, "bf16 wire vs f32 wire"),
         (ExpertDtype::Auto, Dtype::Int8, "int8 wire vs f32 wire"),
-        (ExpertDtype::Int8, Dtype::Int8, "int8 experts: int8 wire vs f32 wire"),
+        (
+            ExpertDtype::Int8,
+            Dtype::Int8,
+            "int8 experts: int8 wire vs f32 wire",
+        ),
     ];
     for (experts, dtype, what) in cases {
         let (mut agree_all, mut total_all, mut kl_all) = (0usize, 0usize, 0.0f64);

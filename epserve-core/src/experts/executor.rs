@@ -207,10 +207,7 @@ impl ExpertExecutor for PackedExperts {
         top_k: usize,
         out: &mut [f32],
     ) -> Result<()> {
-        let x = Rows {
-            f32: x,
-            int8: None,
-        };
+        let x = Rows { f32: x, int8: None };
         self.execute_rows(layer, x, topk_ids, topk_weights, top_k, out)
     }
 
