@@ -282,14 +282,13 @@ mod tests {
             assert_eq!(&q8.q[r * cols..(r + 1) * cols], &q[..], "row {r}");
             let amax = xr.iter().fold(0.0f32, |m, v| m.max(v.abs()));
             assert!((s - amax / 127.0).abs() <= f32::EPSILON * s, "row {r}: {s}");
-            for c in 0..cols {
-                let err = (d.values[r * cols + c] - xr[c]).abs();
+            let got = &d.values[r * cols..(r + 1) * cols];
+            for (c, (&g, &v)) in got.iter().zip(xr).enumerate() {
+                let err = (g - v).abs();
                 // Half a step, plus float rounding of 127/amax and s·q.
                 assert!(
                     err <= s / 2.0 * (1.0 + 2e-4),
-                    "row {r} col {c}: |{} - {}| = {err} > {}",
-                    d.values[r * cols + c],
-                    xr[c],
+                    "row {r} col {c}: |{g} - {v}| = {err} > {}",
                     s / 2.0
                 );
             }
