@@ -260,11 +260,12 @@ fn counter_sum(metrics: &str, name: &str) -> u64 {
         .sum::<f64>() as u64
 }
 
-/// `--dispatch-dtype int8`: served, the first greedy token of every golden
-/// case as transformers gives it (the agreement over whole generations is
-/// measured in `tests/experts.rs`), and the byte counters show int8 rows
-/// (hidden + a 4-byte scale per token) sent and bf16 slots (2 x hidden)
-/// returned.
+/// `--dispatch-dtype int8`, with 2 attention-workers (they get bf16): served,
+/// the first greedy token of every golden case as transformers gives it (the
+/// agreement over whole generations is measured in `tests/experts.rs`), and
+/// the byte counters show int8 rows (hidden + a 4-byte scale per token) sent
+/// to the expert-workers and bf16 slots (2 x hidden) returned (the attention
+/// shards' counter only checked to be whole bf16 rows).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn int8_dispatch_serves() {
     if !etcd_available() {
@@ -272,7 +273,7 @@ async fn int8_dispatch_serves() {
     }
     let fixture = "qwen3_moe_a";
     let g = golden(fixture);
-    let up = start_up(fixture, 2, "int8");
+    let up = start_up_with(fixture, 2, "int8", &["--attention-workers", "2"]);
     let tok =
         epserve_core::loader::tokenizer::Tokenizer::from_dir(&fixture_dir(fixture).join("f32"))
             .expect("tokenizer");
@@ -311,6 +312,11 @@ async fn int8_dispatch_serves() {
     assert!(sent > 0 && received > 0, "sent {sent}, received {received}");
     assert_eq!(sent % (hidden + 4), 0, "int8 rows + scales: {sent}");
     assert_eq!(received % (2 * hidden), 0, "bf16 slots: {received}");
+    let attn = counter_sum(&metrics, "epserve_attention_bytes_sent_total");
+    assert!(
+        attn > 0 && attn % (2 * hidden) == 0,
+        "bf16 to attention: {attn}"
+    );
 }
 
 /// Coordinator + 3 expert-workers + 2 attention-workers (tensor-parallel
