@@ -314,7 +314,7 @@ async fn int8_dispatch_serves() {
     assert_eq!(received % (2 * hidden), 0, "bf16 slots: {received}");
     let attn = counter_sum(&metrics, "epserve_attention_bytes_sent_total");
     assert!(
-        attn > 0 && attn % (2 * hidden) == 0,
+        attn > 0 && attn.is_multiple_of(2 * hidden),
         "bf16 to attention: {attn}"
     );
 }
