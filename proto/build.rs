@@ -7,6 +7,12 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     // environment concurrently.
     unsafe { std::env::set_var("PROTOC", protoc) };
     println!("cargo:rerun-if-changed=epserve/v1/epserve.proto");
-    tonic_prost_build::configure().compile_protos(&["epserve/v1/epserve.proto"], &["."])?;
+    // Tensor payloads are `bytes::Bytes`: a decoded message's payload is a
+    // slice of the received buffer, and one encoded tensor sent to several
+    // peers (the hidden state to every attention shard) is shared, not copied.
+    tonic_prost_build::configure()
+        .bytes(".epserve.v1.Tensor.data")
+        .bytes(".epserve.v1.Tensor.scales")
+        .compile_protos(&["epserve/v1/epserve.proto"], &["."])?;
     Ok(())
 }

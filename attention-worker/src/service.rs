@@ -351,7 +351,9 @@ mod tests {
                 "non-finite",
                 Box::new(|r| {
                     if let Some(t) = r.hidden.as_mut() {
-                        t.data[8..12].copy_from_slice(&f32::NAN.to_le_bytes());
+                        let mut d = t.data.to_vec();
+                        d[8..12].copy_from_slice(&f32::NAN.to_le_bytes());
+                        t.data = d.into();
                     }
                 }),
             ),
@@ -359,8 +361,10 @@ mod tests {
                 "non-finite",
                 Box::new(|r| {
                     if let Some(t) = r.hidden.as_mut() {
-                        let n = t.data.len();
-                        t.data[n - 4..].copy_from_slice(&f32::NEG_INFINITY.to_le_bytes());
+                        let mut d = t.data.to_vec();
+                        let n = d.len();
+                        d[n - 4..].copy_from_slice(&f32::NEG_INFINITY.to_le_bytes());
+                        t.data = d.into();
                     }
                 }),
             ),

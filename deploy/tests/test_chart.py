@@ -79,7 +79,8 @@ SCENARIOS: dict[str, dict] = {
         "attentionWorkers": {"replicas": 4, "antiAffinity": "hard"},
         "expertWorkers": {"replicas": 6, "antiAffinity": "hard", "advertise": "podIP", "cores": "0-13", "expertDtype": "int8"},
         "metrics": {"workerPort": 9090, "serviceMonitor": {"enabled": True, "labels": {"release": "kps"}}},
-        "coordinator": {"replicas": 2, "maxModelLen": 8192, "kvCacheMemory": "8GiB", "kvCacheDtype": "bf16", "denseDtype": "int8", "microBatches": "2"},
+        "coordinator": {"replicas": 2, "maxModelLen": 8192, "kvCacheMemory": "8GiB", "kvCacheDtype": "bf16", "denseDtype": "int8", "microBatches": "2",
+                        "dispatchDtype": "int8"},
         "model": {"servedModelName": ["a/b", "b"]},
     },
     "tls-inline-karpenter": {
@@ -497,6 +498,7 @@ def test_coordinator_precision_flags_follow_values(scenario):
         ("denseDtype", "--dense-dtype"),
         ("kvCacheDtype", "--kv-cache-dtype"),
         ("microBatches", "--micro-batches"),
+        ("dispatchDtype", "--dispatch-dtype"),
     ):
         if values["coordinator"].get(key):
             assert one(c, flag) == values["coordinator"][key]

@@ -15,7 +15,7 @@ use epserve_cluster::state::{Rebalance, desired_experts};
 use epserve_core::config::ModelConfig;
 use epserve_core::experts::{LoadOptions, load_executor_filtered};
 use epserve_core::loader::weights::WeightStore;
-use epserve_core::moe::{ExpertExecutor, SKIP_SLOT, combine};
+use epserve_core::moe::{ExpertExecutor, QuantizedRows, Rows, SKIP_SLOT, combine};
 use epserve_core::placement::Placement;
 use epserve_proto::pb::expert_service_server::ExpertService;
 use epserve_proto::pb::{DispatchRequest, DispatchResponse, Dtype, HealthRequest, HealthResponse};
@@ -127,7 +127,7 @@ impl ExpertWorker {
 
     /// Checks a Dispatch request against the model: everything a peer could
     /// get wrong is INVALID_ARGUMENT. Returns the decoded tokens.
-    fn check_dispatch(&self, r: &DispatchRequest) -> Result<Vec<f32>, Status> {
+    fn check_dispatch(&self, r: &DispatchRequest) -> Result<wire::Decoded, Status> {
         let bad = |m: String| Err(Status::invalid_argument(m));
         let tokens = r
             .tokens
@@ -173,10 +173,14 @@ impl ExpertWorker {
         if let Some(s) = r.topk_weights.iter().position(|w| !w.is_finite()) {
             return bad(format!("weight of slot {s} is {}", r.topk_weights[s]));
         }
-        if Dtype::try_from(r.output_dtype).is_err() {
-            return bad(format!("unknown output dtype {}", r.output_dtype));
+        match Dtype::try_from(r.output_dtype) {
+            Err(_) => return bad(format!("unknown output dtype {}", r.output_dtype)),
+            Ok(Dtype::Int8) => return bad("outputs are f32 or bf16, not int8".into()),
+            Ok(_) => {}
         }
-        wire::decode_finite(tokens).map_err(|e| Status::invalid_argument(e.to_string()))
+        // Int8 tokens keep their quantized rows: int8 experts use them as
+        // they are (see `ExpertExecutor::execute_rows`).
+        wire::decode_rows_finite(tokens).map_err(|e| Status::invalid_argument(e.to_string()))
     }
 
     /// Reports each change of the experts held to `status`.
@@ -319,9 +323,16 @@ impl ExpertService for ExpertWorker {
             let queued = arrived.elapsed();
             let t0 = Instant::now();
             let mut out = vec![0.0f32; rows * k * hidden];
+            let rows_in = Rows {
+                f32: &x.values,
+                int8: x.int8.as_ref().map(|q| QuantizedRows {
+                    q: &q.q,
+                    scales: &q.scales,
+                }),
+            };
             loaded
                 .executor
-                .execute(layer, &x, &r.topk_ids, &r.topk_weights, k, &mut out)
+                .execute_rows(layer, rows_in, &r.topk_ids, &r.topk_weights, k, &mut out)
                 .map_err(|e| Status::internal(e.to_string()))?;
             let outputs = if r.combine {
                 // One vector per token: its slots summed in slot order
@@ -372,6 +383,10 @@ mod tests {
     use std::path::Path;
 
     fn worker(ids: &[&str]) -> Result<(Arc<ExpertWorker>, Placement)> {
+        worker_with(ids, LoadOptions::default())
+    }
+
+    fn worker_with(ids: &[&str], opts: LoadOptions) -> Result<(Arc<ExpertWorker>, Placement)> {
         let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/qwen3_moe_a/f32");
         let cfg = ModelConfig::from_dir(&dir)?;
         let ws = Arc::new(WeightStore::open(&dir)?);
@@ -379,12 +394,7 @@ mod tests {
         let p = Placement::initial(&cfg.moe_layers(), cfg.num_experts, &ids)
             .map_err(|e| anyhow::anyhow!(e))?;
         Ok((
-            Arc::new(ExpertWorker::new(
-                ids[0].clone(),
-                cfg,
-                ws,
-                LoadOptions::default(),
-            )),
+            Arc::new(ExpertWorker::new(ids[0].clone(), cfg, ws, opts)),
             p,
         ))
     }
@@ -403,6 +413,27 @@ mod tests {
             output_dtype: Dtype::F32 as i32,
             combine: false,
         }
+    }
+
+    /// Edits a payload (`Bytes` are immutable: copy, edit, replace).
+    fn patch(b: &mut epserve_proto::Bytes, f: impl FnOnce(&mut Vec<u8>)) {
+        let mut v = b.to_vec();
+        f(&mut v);
+        *b = v.into();
+    }
+
+    /// An edit that re-encodes the request's tokens as int8, then applies `f`.
+    fn int8_edit(
+        f: impl Fn(&mut epserve_proto::pb::Tensor) + 'static,
+    ) -> Box<dyn Fn(&mut DispatchRequest)> {
+        Box::new(move |r| {
+            if let Some(t) = r.tokens.as_mut()
+                && let Ok(x) = wire::decode(t)
+            {
+                *t = wire::encode(&x, t.rows as usize, t.cols as usize, Dtype::Int8);
+                f(t);
+            }
+        })
     }
 
     async fn call(w: &Arc<ExpertWorker>, r: DispatchRequest) -> Result<DispatchResponse, Status> {
@@ -471,7 +502,9 @@ mod tests {
                 "non-finite",
                 Box::new(|r| {
                     if let Some(t) = r.tokens.as_mut() {
-                        t.data[4..8].copy_from_slice(&f32::NAN.to_le_bytes());
+                        patch(&mut t.data, |d| {
+                            d[4..8].copy_from_slice(&f32::NAN.to_le_bytes())
+                        });
                     }
                 }),
             ),
@@ -479,7 +512,9 @@ mod tests {
                 "non-finite",
                 Box::new(|r| {
                     if let Some(t) = r.tokens.as_mut() {
-                        t.data[0..4].copy_from_slice(&f32::INFINITY.to_le_bytes());
+                        patch(&mut t.data, |d| {
+                            d[0..4].copy_from_slice(&f32::INFINITY.to_le_bytes())
+                        });
                     }
                 }),
             ),
@@ -495,7 +530,7 @@ mod tests {
                 "bytes, expected",
                 Box::new(|r| {
                     if let Some(t) = r.tokens.as_mut() {
-                        t.data.pop();
+                        t.data.truncate(t.data.len() - 1);
                     }
                 }),
             ),
@@ -548,8 +583,9 @@ mod tests {
                     }
                 }),
             ),
+            // f32 bytes labelled int8: the lengths do not match.
             (
-                "unsupported tensor dtype",
+                "expected",
                 Box::new(|r| {
                     if let Some(t) = r.tokens.as_mut() {
                         t.dtype = Dtype::Int8 as i32;
@@ -557,6 +593,56 @@ mod tests {
                 }),
             ),
             ("unknown output dtype", Box::new(|r| r.output_dtype = 42)),
+            (
+                "not int8",
+                Box::new(|r| r.output_dtype = Dtype::Int8 as i32),
+            ),
+            // Malformed int8 tokens.
+            (
+                "expected",
+                int8_edit(|t| patch(&mut t.data, |d| d.truncate(d.len() - 1))),
+            ),
+            (
+                "bytes of scales",
+                int8_edit(|t| patch(&mut t.scales, |s| s.truncate(4))),
+            ),
+            (
+                "bytes of scales",
+                int8_edit(|t| t.scales = Default::default()),
+            ),
+            (
+                "scale NaN",
+                int8_edit(|t| {
+                    patch(&mut t.scales, |s| {
+                        s[4..8].copy_from_slice(&f32::NAN.to_le_bytes())
+                    })
+                }),
+            ),
+            (
+                "scale inf",
+                int8_edit(|t| {
+                    patch(&mut t.scales, |s| {
+                        s[0..4].copy_from_slice(&f32::INFINITY.to_le_bytes())
+                    })
+                }),
+            ),
+            (
+                "scale -0.25",
+                int8_edit(|t| {
+                    patch(&mut t.scales, |s| {
+                        s[0..4].copy_from_slice(&(-0.25f32).to_le_bytes())
+                    })
+                }),
+            ),
+            ("-128", int8_edit(|t| patch(&mut t.data, |d| d[5] = 0x80))),
+            (
+                "non-finite",
+                int8_edit(|t| {
+                    patch(&mut t.scales, |s| {
+                        s[0..4].copy_from_slice(&f32::MAX.to_le_bytes())
+                    })
+                }),
+            ),
         ];
         for (want, edit) in &cases {
             let mut r = good.clone();
@@ -584,6 +670,48 @@ mod tests {
             .ok_or_else(|| anyhow::anyhow!("an expert held elsewhere was served"))?;
         assert_eq!(s.code(), tonic::Code::FailedPrecondition, "{s:?}");
         assert_eq!(call(&w, good).await?.outputs, ok.outputs);
+        Ok(())
+    }
+
+    /// Int8 tokens (the `--dispatch-dtype int8` wire) are served. Int8 W8A8
+    /// experts take the rows as sent, quantized by the same function they
+    /// would have applied to f32 rows: the outputs equal the f32 wire's
+    /// exactly. Float experts get the dequantized rows: close.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn int8_tokens_are_served_and_int8_experts_take_them_as_sent() -> Result<()> {
+        use epserve_core::experts::ExpertDtype;
+        for dtype in [ExpertDtype::Int8, ExpertDtype::Auto] {
+            let opts = LoadOptions {
+                expert_dtype: dtype,
+                ..LoadOptions::default()
+            };
+            let (w, p) = worker_with(&["w"], opts)?;
+            w.apply(&p, None).await?;
+            let f = request(&w, [0, 1, 2, 3]);
+            let mut q = f.clone();
+            int8_edit(|_| {})(&mut q);
+            assert_eq!(q.tokens.as_ref().map(|t| t.dtype), Some(Dtype::Int8 as i32));
+            let decode = |r: DispatchResponse| -> Result<Vec<f32>> {
+                let t = r.outputs.ok_or_else(|| anyhow::anyhow!("no outputs"))?;
+                Ok(wire::decode(&t)?)
+            };
+            let yf = decode(call(&w, f).await?)?;
+            let yq = decode(call(&w, q).await?)?;
+            assert_eq!(yf.len(), yq.len());
+            if dtype == ExpertDtype::Int8 {
+                assert_eq!(yf, yq, "int8 experts: int8 wire vs f32 wire");
+            } else {
+                let big = yf.iter().fold(0.0f32, |m, v| m.max(v.abs()));
+                let d = yf
+                    .iter()
+                    .zip(&yq)
+                    .fold(0.0f32, |m, (a, b)| m.max((a - b).abs()));
+                assert!(
+                    d > 0.0 && d <= 0.05 * big,
+                    "float experts: max |Δ| {d} of {big}"
+                );
+            }
+        }
         Ok(())
     }
 }

@@ -10,6 +10,9 @@
 
 pub mod wire;
 
+/// The payload type of tensors (`Tensor.data`, `Tensor.scales`).
+pub use prost::bytes::Bytes;
+
 /// Generated `epserve.v1` messages, clients and servers.
 #[allow(clippy::all, missing_docs)]
 pub mod pb {

@@ -358,6 +358,74 @@ async fn emulated_links_keep_the_tokens_and_roles_are_pinned() {
     }
 }
 
+/// Sum of a counter's series in a Prometheus text exposition.
+fn counter_sum(metrics: &str, name: &str) -> u64 {
+    metrics
+        .lines()
+        .filter(|l| l.starts_with(&format!("{name}{{")) || l.starts_with(&format!("{name} ")))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum::<f64>() as u64
+}
+
+/// `--dispatch-dtype int8`, with 2 attention-workers (they get bf16): served,
+/// the first greedy token of every golden case as transformers gives it (the
+/// agreement over whole generations is measured in `tests/experts.rs`), and
+/// the byte counters show int8 rows (hidden + a 4-byte scale per token) sent
+/// to the expert-workers and bf16 slots (2 x hidden) returned (the attention
+/// shards' counter only checked to be whole bf16 rows).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn int8_dispatch_serves() {
+    if !etcd_available() {
+        return;
+    }
+    let fixture = "qwen3_moe_a";
+    let g = golden(fixture);
+    let up = start_up_with(fixture, 2, "int8", &["--attention-workers", "2"]);
+    let tok =
+        epserve_core::loader::tokenizer::Tokenizer::from_dir(&fixture_dir(fixture).join("f32"))
+            .expect("tokenizer");
+    for case in &g.cases {
+        let v = complete(
+            &up.url,
+            json!({"model": "tiny", "prompt": case.prompt_token_ids, "max_tokens": 1,
+                   "temperature": 0, "ignore_eos": true}),
+        )
+        .await;
+        let want = tok
+            .decode(&case.greedy_token_ids[..1], true)
+            .expect("decode");
+        assert_eq!(
+            v["choices"][0]["text"].as_str(),
+            Some(want.as_str()),
+            "case {}",
+            case.name
+        );
+    }
+    let v = complete(
+        &up.url,
+        json!({"model": "tiny", "prompt": "hello", "max_tokens": 8, "ignore_eos": true}),
+    )
+    .await;
+    assert_eq!(v["usage"]["completion_tokens"], 8);
+    let metrics = reqwest::get(format!("{}/metrics", up.url))
+        .await
+        .expect("metrics")
+        .text()
+        .await
+        .expect("text");
+    let hidden = 64u64; // qwen3_moe_a
+    let sent = counter_sum(&metrics, "epserve_dispatch_bytes_sent_total");
+    let received = counter_sum(&metrics, "epserve_dispatch_bytes_received_total");
+    assert!(sent > 0 && received > 0, "sent {sent}, received {received}");
+    assert_eq!(sent % (hidden + 4), 0, "int8 rows + scales: {sent}");
+    assert_eq!(received % (2 * hidden), 0, "bf16 slots: {received}");
+    let attn = counter_sum(&metrics, "epserve_attention_bytes_sent_total");
+    assert!(
+        attn > 0 && attn.is_multiple_of(2 * hidden),
+        "bf16 to attention: {attn}"
+    );
+}
+
 /// Coordinator + 3 expert-workers + 2 attention-workers (tensor-parallel
 /// attention, f32 on the wire) on `qwen3_moe_b` (11 experts). The
 /// shards' KV caches hold 160 positions, less than the three prompts together

@@ -11,8 +11,16 @@
 //!   the first one; the mean per-token KL(bf16 ‖ int8) of the next-token
 //!   distributions is printed (`cargo test --test experts -- --nocapture`).
 
-use epserve_core::experts::{DenseDtype, ExecutorKind, ExpertDtype, LoadOptions};
+use std::sync::Arc;
+
+use epserve_core::config::ModelConfig;
+use epserve_core::error::{Error, Result};
+use epserve_core::experts::{DenseDtype, ExecutorKind, ExpertDtype, LoadOptions, load_executor};
+use epserve_core::loader::weights::WeightStore;
 use epserve_core::model::{LogitsMode, Model, SeqInput};
+use epserve_core::moe::{Dispatcher, ExpertExecutor, QuantizedRows, Routing, Rows};
+use epserve_proto::pb::Dtype;
+use epserve_proto::wire;
 use epserve_tests::{fixture_dir, fixture_names, golden};
 
 fn load(name: &str, executor: ExecutorKind, dtype: ExpertDtype) -> Model {
@@ -230,4 +238,93 @@ fn compressed_tensors_w8a8_agrees_with_its_dequantized_model() {
         "qwen3_moe_b/w8a8: greedy agreement {a}/{t}, mean KL {:.2e} nats/token",
         k / t.max(1) as f64
     );
+}
+
+/// The experts behind the wire, in process: the activations are encoded as
+/// `dtype` (`--dispatch-dtype`) and decoded as an expert-worker decodes them
+/// (int8 rows handed to the executor as sent), the per-slot outputs come back
+/// in the dtype the coordinator asks for (bf16 for an int8 wire).
+struct WireDispatcher {
+    executor: Arc<dyn ExpertExecutor>,
+    dtype: Dtype,
+}
+
+impl Dispatcher for WireDispatcher {
+    fn dispatch(&self, layer: usize, x: &[f32], hidden: usize, r: &Routing) -> Result<Vec<f32>> {
+        let err = |e: wire::WireError| Error::Dispatch(e.to_string());
+        let rows = r.num_tokens;
+        let sent = wire::encode(x, rows, hidden, self.dtype);
+        let got = wire::decode_rows_finite(&sent).map_err(err)?;
+        let rows_in = Rows {
+            f32: &got.values,
+            int8: got.int8.as_ref().map(|q| QuantizedRows {
+                q: &q.q,
+                scales: &q.scales,
+            }),
+        };
+        let mut out = vec![0.0f32; rows * r.top_k * hidden];
+        self.executor.execute_rows(
+            layer,
+            rows_in,
+            &r.topk_ids,
+            &r.topk_weights,
+            r.top_k,
+            &mut out,
+        )?;
+        let back = wire::encode(&out, rows * r.top_k, hidden, wire::output_dtype(self.dtype));
+        wire::decode(&back).map_err(err)
+    }
+}
+
+fn behind_wire(name: &str, experts: ExpertDtype, dtype: Dtype) -> Model {
+    let dir = fixture_dir(name).join("bf16");
+    let cfg = ModelConfig::from_dir(&dir).unwrap_or_else(|e| panic!("{name}: {e}"));
+    let ws = WeightStore::open(&dir).unwrap_or_else(|e| panic!("{name}: {e}"));
+    let opts = LoadOptions {
+        expert_dtype: experts,
+        ..LoadOptions::default()
+    };
+    let executor = load_executor(&cfg, &ws, &opts).unwrap_or_else(|e| panic!("{name}: {e}"));
+    Model::from_store(cfg, &ws, Arc::new(WireDispatcher { executor, dtype }))
+        .unwrap_or_else(|e| panic!("{name}: {e}"))
+}
+
+/// `--dispatch-dtype int8` (and bf16, today's default) against the f32 wire
+/// (bit-exact with one process), teacher-forced as the int8 experts are
+/// measured: experts as loaded by default (bf16 weights, f32 activations),
+/// and int8 W8A8 experts, which take the int8 rows as sent (the same
+/// quantization they apply to f32 rows, so only the bf16 returns differ).
+/// `cargo test --test experts wire_dtypes -- --nocapture` prints the table.
+#[test]
+fn wire_dtypes_agree_with_the_f32_wire_on_fixtures_and_report_kl() {
+    let cases = [
+        (ExpertDtype::Auto, Dtype::Bf16, "bf16 wire vs f32 wire"),
+        (ExpertDtype::Auto, Dtype::Int8, "int8 wire vs f32 wire"),
+        (
+            ExpertDtype::Int8,
+            Dtype::Int8,
+            "int8 experts: int8 wire vs f32 wire",
+        ),
+    ];
+    for (experts, dtype, what) in cases {
+        let (mut agree_all, mut total_all, mut kl_all) = (0usize, 0usize, 0.0f64);
+        for name in fixture_names() {
+            let reference = behind_wire(&name, experts, Dtype::F32);
+            let cand = behind_wire(&name, experts, dtype);
+            let (a, t, k) = agreement(&name, what, &reference, &cand);
+            eprintln!(
+                "| {what} | {name} | {a}/{t} ({:.1}%) | {:.2e} |",
+                100.0 * a as f64 / t.max(1) as f64,
+                k / t.max(1) as f64
+            );
+            agree_all += a;
+            total_all += t;
+            kl_all += k;
+        }
+        eprintln!(
+            "| {what} | all fixtures | {agree_all}/{total_all} ({:.1}%) | {:.2e} |",
+            100.0 * agree_all as f64 / total_all.max(1) as f64,
+            kl_all / total_all.max(1) as f64
+        );
+    }
 }

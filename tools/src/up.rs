@@ -75,8 +75,8 @@ pub struct UpArgs {
     /// Use this etcd instead of starting one.
     #[arg(long)]
     pub etcd: Option<String>,
-    /// Activation dtype on the wire (bf16 or f32).
-    #[arg(long, default_value = "bf16", value_parser = ["bf16", "f32"])]
+    /// Activation dtype on the wire (bf16, f32 or int8; see `coordinator`).
+    #[arg(long, default_value = "bf16", value_parser = ["bf16", "f32", "int8"])]
     pub dispatch_dtype: String,
     /// Served model name.
     #[arg(long)]

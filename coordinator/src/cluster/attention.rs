@@ -444,6 +444,7 @@ impl RemoteAttention {
         let rows: usize = chunks.iter().map(|c| c.len).sum();
         let hidden = x.len().checked_div(rows).unwrap_or(0);
         let release = self.take_pending();
+        // Encoded once: every shard's request shares its buffer (`Bytes`).
         let tensor = wire::encode(x, rows, hidden, self.dtype);
         let seqs: Vec<pb::SeqChunk> = chunks
             .iter()

@@ -751,10 +751,10 @@ impl DispatchCore {
                 topk_ids: b.ids.clone(),
                 topk_weights: b.weights.clone(),
                 placement_version: version,
-                output_dtype: self.dtype as i32,
+                output_dtype: wire::output_dtype(self.dtype) as i32,
                 combine: true,
             };
-            let sent = req.tokens.as_ref().map(|t| t.data.len()).unwrap_or(0);
+            let sent = req.tokens.as_ref().map(wire::payload_bytes).unwrap_or(0);
             counter!("epserve_dispatch_bytes_sent_total", "worker" => b.worker.clone())
                 .increment(sent as u64);
             let timeout = self.timeout;

@@ -47,9 +47,11 @@ pub struct CoordinatorArgs {
     /// How long to wait for them, seconds.
     #[arg(long, default_value_t = 120)]
     pub wait_secs: u64,
-    /// Activation dtype on the wire: bf16 (half the bytes) or f32 (bit-exact
-    /// with the single-process engine).
-    #[arg(long, default_value = "bf16", value_parser = ["bf16", "f32"])]
+    /// Activation dtype on the wire: bf16 (half the bytes), f32 (bit-exact
+    /// with the single-process engine) or int8 (expert inputs as int8 with one
+    /// f32 scale per token, the W8A8 kernels' own quantization; outputs come
+    /// back in bf16, and attention-workers get bf16).
+    #[arg(long, default_value = "bf16", value_parser = ["bf16", "f32", "int8"])]
     pub dispatch_dtype: String,
     /// Deadline of one dispatch call, milliseconds. A call that misses it
     /// counts as a failure of its worker: its slots are re-sent to other
@@ -146,10 +148,17 @@ pub fn run(args: &CoordinatorArgs, status: Status) -> Result<()> {
     if args.attention_workers > 0 {
         attention::check_model(&cfg, args.attention_workers)?;
     }
-    let dtype = if args.dispatch_dtype == "f32" {
-        Dtype::F32
-    } else {
+    let dtype = match args.dispatch_dtype.as_str() {
+        "f32" => Dtype::F32,
+        "int8" => Dtype::Int8,
+        _ => Dtype::Bf16,
+    };
+    // int8 is for the experts' inputs (which int8 experts quantize anyway):
+    // attention-workers get the hidden state in bf16 then.
+    let attention_dtype = if dtype == Dtype::Int8 {
         Dtype::Bf16
+    } else {
+        dtype
     };
     let (dispatcher, state, remote_attention, restart) = rt.block_on(async {
         // etcd may be slow or restarting: retry within --wait-secs.
@@ -224,7 +233,7 @@ pub fn run(args: &CoordinatorArgs, status: Status) -> Result<()> {
                 &shards,
                 &cfg,
                 args.serve.block_size,
-                dtype,
+                attention_dtype,
                 Duration::from_millis(args.dispatch_timeout_ms),
                 Duration::from_secs(args.wait_secs),
             )

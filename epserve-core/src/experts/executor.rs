@@ -42,7 +42,7 @@ use crate::kernels::dispatch::{Kernels, kernels};
 use crate::kernels::layout::{
     NR, Src, bf16_padded_k, f32_to_bf16_bits, i8_padded_k, quantize_row_i8,
 };
-use crate::moe::{ExpertExecutor, SKIP_SLOT};
+use crate::moe::{ExpertExecutor, Rows, SKIP_SLOT};
 
 /// The gated nonlinearity applied to one (gate, up) pair.
 #[inline]
@@ -207,6 +207,22 @@ impl ExpertExecutor for PackedExperts {
         top_k: usize,
         out: &mut [f32],
     ) -> Result<()> {
+        let x = Rows { f32: x, int8: None };
+        self.execute_rows(layer, x, topk_ids, topk_weights, top_k, out)
+    }
+
+    /// Int8 experts take `rows.int8` as their quantized activations (step 2
+    /// copies instead of quantizing); bf16 and f32 experts use `rows.f32`.
+    fn execute_rows(
+        &self,
+        layer: usize,
+        rows_in: Rows<'_>,
+        topk_ids: &[u32],
+        topk_weights: &[f32],
+        top_k: usize,
+        out: &mut [f32],
+    ) -> Result<()> {
+        let (x, pre) = (rows_in.f32, rows_in.int8);
         let h = self.hidden;
         if h == 0 || !x.len().is_multiple_of(h) {
             return Err(Error::Dispatch(format!(
@@ -215,6 +231,15 @@ impl ExpertExecutor for PackedExperts {
             )));
         }
         let rows = x.len() / h;
+        if let Some(p) = pre
+            && (p.q.len() != x.len() || p.scales.len() != rows)
+        {
+            return Err(Error::Dispatch(format!(
+                "{rows} rows of hidden size {h} came with {} int8 values and {} scales",
+                p.q.len(),
+                p.scales.len()
+            )));
+        }
         let slots = rows * top_k;
         if topk_ids.len() < slots || topk_weights.len() < slots || out.len() < slots * h {
             return Err(Error::Dispatch(format!(
@@ -314,10 +339,23 @@ impl ExpertExecutor for PackedExperts {
             if any_i8 {
                 xq.resize(rows * hp, 0);
                 xs.resize(rows, 0.0);
-                xq.par_chunks_mut(hp)
-                    .zip(xs.par_iter_mut())
-                    .zip(x.par_chunks(h))
-                    .for_each(|((q, s), xr)| *s = quantize_row_i8(xr, q));
+                match pre {
+                    // Quantized already (the int8 wire), by the same function.
+                    Some(p) => {
+                        xq.par_chunks_mut(hp)
+                            .zip(p.q.par_chunks(h))
+                            .for_each(|(d, qr)| {
+                                d[..h].copy_from_slice(qr);
+                                d[h..].fill(0);
+                            });
+                        xs.copy_from_slice(p.scales);
+                    }
+                    None => xq
+                        .par_chunks_mut(hp)
+                        .zip(xs.par_iter_mut())
+                        .zip(x.par_chunks(h))
+                        .for_each(|((q, s), xr)| *s = quantize_row_i8(xr, q)),
+                }
             }
             // ... and bf16 rounding for experts with bf16 activations.
             if any_b16 {

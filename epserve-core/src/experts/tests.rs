@@ -461,6 +461,92 @@ fn experts_mixed_precision_uses_each_experts_own_dtype() {
     }
 }
 
+/// `execute_rows` with rows quantized already (the int8 wire): int8 experts
+/// use them as given, so their slots equal `execute` on the f32 rows (which
+/// quantizes them the same way) bit for bit; bf16 experts use the f32 rows
+/// (here the dequantized ones). Quantized rows of the wrong size are refused.
+#[test]
+fn experts_take_prequantized_rows_as_given() {
+    use crate::kernels::layout::quantize_row_i8;
+    use crate::moe::{QuantizedRows, Rows};
+    let pool = Arc::new(ExpertPool::new(Some(1), false).expect("pool"));
+    let mut rng = StdRng::seed_from_u64(15);
+    let c = &CASES[1];
+    let ms = mlps(&mut rng, c);
+    let rows = 5;
+    let x: Vec<f32> = (0..rows * c.hidden)
+        .map(|_| rng.random_range(-1.0f32..1.0))
+        .collect();
+    let mut q = vec![0i8; x.len()];
+    let scales: Vec<f32> = q
+        .chunks_mut(c.hidden)
+        .zip(x.chunks(c.hidden))
+        .map(|(qr, xr)| quantize_row_i8(xr, qr))
+        .collect();
+    let deq: Vec<f32> = q
+        .chunks(c.hidden)
+        .zip(&scales)
+        .flat_map(|(qr, &s)| qr.iter().map(move |&v| s * v as f32))
+        .collect();
+    let (ids, w) = routing(&mut rng, rows, c);
+    let is_i8 = |e: usize| e.is_multiple_of(2);
+    let ex = packed(
+        &ms,
+        c.hidden,
+        |e| {
+            if is_i8(e) {
+                PackedDtype::Int8
+            } else {
+                PackedDtype::Bf16
+            }
+        },
+        &pool,
+    );
+    let from_f32 = run(&ex, &x, &ids, &w, c);
+    let from_deq = run(&ex, &deq, &ids, &w, c);
+    let mut got = vec![7.0f32; ids.len() * c.hidden];
+    let pre = Rows {
+        f32: &deq,
+        int8: Some(QuantizedRows {
+            q: &q,
+            scales: &scales,
+        }),
+    };
+    ex.execute_rows(1, pre, &ids, &w, c.top_k, &mut got)
+        .expect("execute_rows");
+    for (s, &id) in ids.iter().enumerate() {
+        let span = s * c.hidden..(s + 1) * c.hidden;
+        let want = if id == SKIP_SLOT || !is_i8(id as usize) {
+            &from_deq[span.clone()]
+        } else {
+            &from_f32[span.clone()]
+        };
+        assert_eq!(&got[span], want, "slot {s} (expert {id})");
+    }
+    let short = Rows {
+        f32: &deq,
+        int8: Some(QuantizedRows {
+            q: &q[1..],
+            scales: &scales,
+        }),
+    };
+    assert!(
+        ex.execute_rows(1, short, &ids, &w, c.top_k, &mut got)
+            .is_err()
+    );
+    let few = Rows {
+        f32: &deq,
+        int8: Some(QuantizedRows {
+            q: &q,
+            scales: &scales[1..],
+        }),
+    };
+    assert!(
+        ex.execute_rows(1, few, &ids, &w, c.top_k, &mut got)
+            .is_err()
+    );
+}
+
 #[test]
 fn experts_reject_bad_input_without_panicking() {
     let pool = Arc::new(ExpertPool::new(Some(1), false).expect("pool"));

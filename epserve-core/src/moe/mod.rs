@@ -60,6 +60,43 @@ pub trait ExpertExecutor: Send + Sync {
         top_k: usize,
         out: &mut [f32],
     ) -> Result<()>;
+
+    /// [`execute`](Self::execute) on rows that may come already quantized to
+    /// int8 (the int8 wire): an executor whose int8 experts quantize their
+    /// activations with [`quantize_row_i8`](crate::kernels::layout::quantize_row_i8)
+    /// uses `x.int8` as it is instead of quantizing `x.f32` again. The
+    /// default ignores `x.int8`.
+    fn execute_rows(
+        &self,
+        layer: usize,
+        x: Rows<'_>,
+        topk_ids: &[u32],
+        topk_weights: &[f32],
+        top_k: usize,
+        out: &mut [f32],
+    ) -> Result<()> {
+        self.execute(layer, x.f32, topk_ids, topk_weights, top_k, out)
+    }
+}
+
+/// `[rows, hidden]` activations for [`ExpertExecutor::execute_rows`].
+#[derive(Clone, Copy)]
+pub struct Rows<'a> {
+    /// The values (for int8 rows: their dequantization, `scale · q`).
+    pub f32: &'a [f32],
+    /// The same rows as int8, if they arrived so.
+    pub int8: Option<QuantizedRows<'a>>,
+}
+
+/// Rows quantized as the W8A8 kernels quantize activations
+/// ([`quantize_row_i8`](crate::kernels::layout::quantize_row_i8)):
+/// `x[r, c] = scales[r] · q[r, c]`, `q` in `-127..=127`.
+#[derive(Clone, Copy)]
+pub struct QuantizedRows<'a> {
+    /// `[rows, hidden]`, row-major.
+    pub q: &'a [i8],
+    /// One per row.
+    pub scales: &'a [f32],
 }
 
 /// What one dispatch brings back.

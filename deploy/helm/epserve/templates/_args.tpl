@@ -57,6 +57,9 @@ $(POD_NAME) and friends are expanded by Kubernetes from the container's env.
 {{- with $c.microBatches }}
 - --micro-batches={{ . }}
 {{- end }}
+{{- with $c.dispatchDtype }}
+- --dispatch-dtype={{ . }}
+{{- end }}
 - --eplb-window={{ $c.eplb.window }}
 {{- if $c.eplb.expertLoadMetrics }}
 - --expert-load-metrics
