@@ -18,7 +18,9 @@ use epserve_core::error::{Error, Result};
 use epserve_core::experts::{DenseDtype, ExecutorKind, ExpertDtype, LoadOptions, load_executor};
 use epserve_core::loader::weights::WeightStore;
 use epserve_core::model::{LogitsMode, Model, SeqInput};
-use epserve_core::moe::{Dispatcher, ExpertExecutor, QuantizedRows, Routing, Rows};
+use epserve_core::moe::{
+    Dispatched, Dispatcher, ExpertExecutor, PendingDispatch, QuantizedRows, Routing, Rows, combine,
+};
 use epserve_proto::pb::Dtype;
 use epserve_proto::wire;
 use epserve_tests::{fixture_dir, fixture_names, golden};
@@ -250,7 +252,27 @@ struct WireDispatcher {
 }
 
 impl Dispatcher for WireDispatcher {
-    fn dispatch(&self, layer: usize, x: &[f32], hidden: usize, r: &Routing) -> Result<Vec<f32>> {
+    fn submit(
+        &self,
+        layer: usize,
+        x: Arc<[f32]>,
+        hidden: usize,
+        r: Arc<Routing>,
+    ) -> Result<PendingDispatch> {
+        Ok(PendingDispatch::ready(
+            self.round_trip(layer, &x, hidden, &r),
+        ))
+    }
+}
+
+impl WireDispatcher {
+    fn round_trip(
+        &self,
+        layer: usize,
+        x: &[f32],
+        hidden: usize,
+        r: &Routing,
+    ) -> Result<Dispatched> {
         let err = |e: wire::WireError| Error::Dispatch(e.to_string());
         let rows = r.num_tokens;
         let sent = wire::encode(x, rows, hidden, self.dtype);
@@ -271,8 +293,15 @@ impl Dispatcher for WireDispatcher {
             r.top_k,
             &mut out,
         )?;
-        let back = wire::encode(&out, rows * r.top_k, hidden, wire::output_dtype(self.dtype));
-        wire::decode(&back).map_err(err)
+        // The worker sums each token's slots and returns one vector per token.
+        let mut y = vec![0.0f32; rows * hidden];
+        combine(&out, rows, r.top_k, hidden, &mut y);
+        let back = wire::encode(&y, rows, hidden, wire::output_dtype(self.dtype));
+        Ok(Dispatched {
+            y: wire::decode(&back).map_err(err)?,
+            faults: Vec::new(),
+            timing: None,
+        })
     }
 }
 
