@@ -236,7 +236,10 @@ def phases(label, traffic):
         return None
     steps = m["epserve_step_seconds_count"]
     s = m.get("epserve_step_seconds_sum", 0.0) / steps * 1e3
-    d = m.get("epserve_dispatch_seconds_sum", 0.0) / steps * 1e3
+    # The scheduler thread's waits for remote work (experts and attention);
+    # older coordinators: the dispatch round trips.
+    w = m.get("epserve_step_wait_seconds_sum", m.get("epserve_dispatch_seconds_sum", 0.0))
+    d = w / steps * 1e3
     e = m.get("epserve_expert_worker_compute_seconds_sum", 0.0) / steps * 1e3
     return steps, s, s - d, e
 def fmt(x, d=1):
@@ -284,7 +287,7 @@ if overhead == "1":
 sync = "1" if "1" in mbs else mbs[0]
 print()
 print(f"Phase times per step of the `--micro-batches {sync}` runs (from /metrics: S = "
-      "`epserve_step_seconds`, coordinator busy A = S less `epserve_dispatch_seconds`, "
+      "`epserve_step_seconds`, coordinator busy A = S less `epserve_step_wait_seconds` (its waits for remote work), "
       "worker busy E = `epserve_expert_worker_compute_seconds`; ideal step max(A, E)):")
 print()
 print("| traffic | steps | S ms | A ms | E ms | ideal step ms | ideal speedup | achieved (auto / 1) | achieved / ideal |")
