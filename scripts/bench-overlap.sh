@@ -24,7 +24,11 @@
 #   PREFILL_IN=512 PREFILL_OUT=32 DECODE_IN=128 DECODE_OUT=512
 #   COORDINATOR_CORES=0 WORKER_CORES=1     pinning of the pinned runs
 #   OVERHEAD=1            also run `up` with default settings and `epserve serve` (0: skip)
-#   COORDINATOR_FLAGS=""  extra coordinator / serve flags for every server
+#   COORDINATOR_FLAGS=""  extra coordinator / serve flags for every server (serve's
+#                         flags only: `serve` gets them too)
+#   RUNS="serve up-default"   run only these servers (labels as in the table:
+#                         pinned-mb1, pinned-mb1-link, ..., up-default, serve); the
+#                         table shows every result already in OUT
 #   PORT=18432            port on 127.0.0.1 (one server at a time)
 #   READY_TIMEOUT=600     seconds a server may take to load
 #   OUT=/tmp/bench-overlap-<stamp>   results, logs and the table (table.md)
@@ -137,6 +141,9 @@ bench() { # OUT_JSON INPUT OUTPUT PROMPTS SEED [ARGS...]
 run() { # LABEL TRAFFIC COMMAND...
     local label=$1 traffic=$2
     shift 2
+    if [[ -n ${RUNS:-} && " $RUNS " != *" $label "* ]]; then
+        return 0
+    fi
     log "starting $label"
     start_server "$label" "$@"
     bench "$OUT/$label-warmup.json" 64 8 2 999

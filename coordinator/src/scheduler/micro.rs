@@ -70,8 +70,9 @@ pub const MAX_MICRO_BATCHES: usize = 16;
 pub const GAIN: f64 = 0.93;
 /// Samples kept for the fits.
 const WINDOW: usize = 256;
-/// Steps and dispatches seen before `auto` trusts its fits.
-const WARMUP: usize = 16;
+/// Steps and dispatches seen before `auto` trusts its fits (the ridge keeps
+/// early fits tame; a burst of long prompts arrives in the first steps).
+const WARMUP: usize = 8;
 
 /// Decides each step's micro-batch count and learns from the steps run.
 #[derive(Debug)]
@@ -129,10 +130,15 @@ impl MicroPolicy {
     pub fn choose(&self, seqs: usize, tokens: usize) -> usize {
         match self.mode {
             MicroBatches::Fixed(n) => n.min(seqs.max(1)),
-            MicroBatches::Auto => match self.predict(seqs, tokens) {
-                Some(p) if p.two < GAIN * p.one => 2,
-                _ => 1,
-            },
+            MicroBatches::Auto => {
+                let p = self.predict(seqs, tokens);
+                let n = match p {
+                    Some(p) if p.two < GAIN * p.one => 2,
+                    _ => 1,
+                };
+                tracing::debug!(seqs, tokens, prediction = ?p, micro_batches = n, "micro-batches");
+                n
+            }
         }
     }
 
