@@ -145,6 +145,34 @@ impl LocalDispatcher {
     }
 }
 
+/// Runs `routing`'s experts of `layer` on `x` in this process: per-slot
+/// outputs, then [`combine`] in slot order (one vector per token).
+pub fn execute_combined(
+    executor: &dyn ExpertExecutor,
+    layer: usize,
+    x: &[f32],
+    hidden: usize,
+    routing: &Routing,
+) -> Result<Vec<f32>> {
+    let rows = routing.num_tokens;
+    let mut out = vec![0.0f32; rows * routing.top_k * hidden];
+    {
+        let _t = profile::timer(Phase::Experts);
+        executor.execute(
+            layer,
+            x,
+            &routing.topk_ids,
+            &routing.topk_weights,
+            routing.top_k,
+            &mut out,
+        )?;
+    }
+    let _t = profile::timer(Phase::Combine);
+    let mut y = vec![0.0f32; rows * hidden];
+    combine(&out, rows, routing.top_k, hidden, &mut y);
+    Ok(y)
+}
+
 impl Dispatcher for LocalDispatcher {
     /// Runs the experts now (the handle is ready): per-slot outputs, then
     /// [`combine`] in slot order.
@@ -161,22 +189,7 @@ impl Dispatcher for LocalDispatcher {
         hidden: usize,
         routing: Arc<Routing>,
     ) -> Result<PendingDispatch> {
-        let rows = routing.num_tokens;
-        let mut out = vec![0.0f32; rows * routing.top_k * hidden];
-        {
-            let _t = profile::timer(Phase::Experts);
-            self.executor.execute(
-                layer,
-                &x,
-                &routing.topk_ids,
-                &routing.topk_weights,
-                routing.top_k,
-                &mut out,
-            )?;
-        }
-        let _t = profile::timer(Phase::Combine);
-        let mut y = vec![0.0f32; rows * hidden];
-        combine(&out, rows, routing.top_k, hidden, &mut y);
+        let y = execute_combined(self.executor.as_ref(), layer, &x, hidden, &routing)?;
         Ok(PendingDispatch::ready(Ok(Dispatched {
             y,
             faults: Vec::new(),

@@ -34,7 +34,7 @@ use crate::loader::weights::WeightStore;
 use crate::moe::ExpertExecutor;
 
 pub use executor::PackedExperts;
-pub use local::{LayerExperts, LocalDispatcher, LocalExperts};
+pub use local::{LayerExperts, LocalDispatcher, LocalExperts, execute_combined};
 pub use packed::{PackedExpert, PackedMatrix};
 pub use pool::ExpertPool;
 

@@ -7,8 +7,8 @@ use std::sync::Arc;
 
 use super::attn_shard::LocalShards;
 use super::*;
-use crate::experts::{LoadOptions, load_executor};
-use crate::moe::{Dispatched, ExpertExecutor, PendingDispatch, RowFault, combine};
+use crate::experts::{LoadOptions, execute_combined, load_executor};
+use crate::moe::{Dispatched, ExpertExecutor, PendingDispatch, RowFault};
 
 fn fixture(name: &str) -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR"))
@@ -36,18 +36,7 @@ impl Dispatcher for Deferred {
         let executor = self.executor.clone();
         let fault = self.fault_first_row;
         let job = std::thread::spawn(move || -> Result<Dispatched> {
-            let (rows, k) = (routing.num_tokens, routing.top_k);
-            let mut out = vec![0.0f32; rows * k * hidden];
-            executor.execute(
-                layer,
-                &x,
-                &routing.topk_ids,
-                &routing.topk_weights,
-                k,
-                &mut out,
-            )?;
-            let mut y = vec![0.0f32; rows * hidden];
-            combine(&out, rows, k, hidden, &mut y);
+            let y = execute_combined(executor.as_ref(), layer, &x, hidden, &routing)?;
             Ok(Dispatched {
                 y,
                 faults: if fault {

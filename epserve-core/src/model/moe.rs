@@ -339,22 +339,6 @@ pub struct MoeDone {
 }
 
 impl MoeBlock {
-    /// Routes, dispatches, combines. Returns the routing for tracing and the
-    /// rows whose experts could not all be reached.
-    pub fn forward(
-        &self,
-        layer: usize,
-        x: &[f32],
-        rows: usize,
-        hidden: usize,
-        dispatcher: &dyn Dispatcher,
-        y: &mut [f32],
-    ) -> Result<MoeDone> {
-        let x: Arc<[f32]> = Arc::from(x);
-        self.submit(layer, &x, x.clone(), rows, hidden, dispatcher)?
-            .finish(y)
-    }
-
     /// Routes `router_x` and submits `x` to the experts, then computes the
     /// shared expert while they run; [`MoePending::finish`] brings the sum.
     /// The router reads `router_x` while the experts (and shared expert)
