@@ -808,6 +808,315 @@ def test_model_volume_and_path(scenario):
             assert init["args"][2:] == list(m["s3"]["extraArgs"])
 
 
+# ---------------------------------------------------------------------------
+# TLS, certificates, NetworkPolicy
+# ---------------------------------------------------------------------------
+
+TLS_ROLE = {
+    fullname("coordinator"): "coordinator",
+    fullname("expert-worker"): "expertWorker",
+    fullname("attention-worker"): "attentionWorker",
+    fullname("etcd"): "etcd",
+    fullname("test-ctl"): "client",
+}
+
+
+def expected_tls_secret(values, role) -> str:
+    t = values["tls"]
+    if t["certManager"]["enabled"]:
+        component = {"expertWorker": "expert-worker", "attentionWorker": "attention-worker"}.get(role, role)
+        return f"{fullname(component)}-tls"
+    return t["existingSecrets"].get(role) or t["existingSecret"]
+
+
+def test_tls_switch_wires_every_link(scenario):
+    """tls.enabled: every epserve container gets its role's certificate mounted and
+    --tls-cert/--tls-key/--tls-ca (mutual TLS), the coordinator --api-tls-* with tls.api,
+    the roles reach the chart's etcd over https with their certificate, and etcd serves
+    TLS with client-cert auth to clients and peers. Off: none of it."""
+    name, values, objs = scenario
+    t = values["tls"]
+    mount = t["mountPath"].rstrip("/")
+    tls_flags = {"--tls-cert", "--tls-key", "--tls-ca"}
+    for w, c in epserve_containers(objs):
+        f = flags(c)
+        if not t["enabled"]:
+            assert not tls_flags & f.keys() and "--api-tls-cert" not in f, f"{name}: {c['name']}"
+            assert "tls" not in {v["name"] for v in pod_spec(w).get("volumes", [])}
+            continue
+        assert one(c, "--tls-cert") == f"{mount}/tls.crt", f"{name}: {c['name']}"
+        assert one(c, "--tls-key") == f"{mount}/tls.key"
+        assert one(c, "--tls-ca") == f"{mount}/ca.crt"
+        assert mount_path(c, "tls") == t["mountPath"]
+        role = TLS_ROLE[w["metadata"]["name"]]
+        assert secret_volume(w, "tls") == expected_tls_secret(values, role), f"{name}: {w['metadata']['name']}"
+        if role == "coordinator" and t["api"]["enabled"]:
+            api = mount_path(c, "api-tls")
+            assert one(c, "--api-tls-cert") == f"{api}/tls.crt" and one(c, "--api-tls-key") == f"{api}/tls.key"
+            want = t["api"]["existingSecret"] or (
+                f"{fullname('coordinator')}-api-tls" if t["certManager"]["enabled"] else expected_tls_secret(values, role)
+            )
+            assert secret_volume(w, "api-tls") == want
+            for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+                if "httpGet" in c[probe]:
+                    assert c[probe]["httpGet"]["scheme"] == "HTTPS", f"{name}: {probe}"
+        else:
+            assert "--api-tls-cert" not in f and "--api-tls-key" not in f
+            for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+                if "httpGet" in c.get(probe, {}):
+                    assert c[probe]["httpGet"].get("scheme", "HTTP") == "HTTP"
+        # The kubelet's gRPC probe has no client certificate: no gRPC probe on an mTLS port.
+        for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+            assert "grpc" not in c.get(probe, {}), f"{name}: {c['name']} {probe}"
+        if c["args"][0] != "ctl" and values["etcd"]["enabled"]:
+            assert one(c, "--etcd").startswith("https://")
+            assert one(c, "--etcd-ca") == f"{mount}/ca.crt"
+            assert one(c, "--etcd-cert") == f"{mount}/tls.crt" and one(c, "--etcd-key") == f"{mount}/tls.key"
+    if not values["etcd"]["enabled"]:
+        return
+    sts = find(objs, "StatefulSet", fullname("etcd"))
+    etcd = containers(sts)[0]
+    f = flags(etcd)
+    server = {"--cert-file", "--key-file", "--trusted-ca-file", "--client-cert-auth",
+              "--peer-cert-file", "--peer-key-file", "--peer-trusted-ca-file", "--peer-client-cert-auth"}
+    if not t["enabled"]:
+        assert not server & f.keys()
+        return
+    assert server <= f.keys(), f"{name}: etcd lacks {server - f.keys()}"
+    certs = mount_path(etcd, "tls")
+    assert one(etcd, "--cert-file") == one(etcd, "--peer-cert-file") == f"{certs}/tls.crt"
+    assert one(etcd, "--key-file") == one(etcd, "--peer-key-file") == f"{certs}/tls.key"
+    assert one(etcd, "--trusted-ca-file") == one(etcd, "--peer-trusted-ca-file") == f"{certs}/ca.crt"
+    assert f["--client-cert-auth"] == [""] and f["--peer-client-cert-auth"] == [""]
+    assert secret_volume(sts, "tls") == expected_tls_secret(values, "etcd")
+    for url_flag in ("--listen-client-urls", "--advertise-client-urls", "--listen-peer-urls", "--initial-advertise-peer-urls"):
+        assert one(etcd, url_flag).startswith("https://"), url_flag
+    # Probes stay on the plain-HTTP metrics port, which needs no client certificate.
+    for probe in ("readinessProbe", "livenessProbe"):
+        assert etcd[probe]["httpGet"]["port"] == "metrics" and etcd[probe]["httpGet"].get("scheme", "HTTP") == "HTTP"
+
+
+def test_external_etcd_security(scenario):
+    name, values, objs = scenario
+    if values["etcd"]["enabled"]:
+        return
+    ext = values["etcd"]["external"]
+    for w, c in epserve_containers(objs):
+        f = flags(c)
+        if c["args"][0] == "ctl":
+            assert not [k for k in f if k.startswith("--etcd")], f"{name}: ctl needs no etcd"
+            continue
+        if ext["tls"]["existingSecret"]:
+            d = mount_path(c, "etcd-tls")
+            assert secret_volume(w, "etcd-tls") == ext["tls"]["existingSecret"]
+            assert one(c, "--etcd-ca") == f"{d}/ca.crt"
+            if ext["tls"]["clientCert"]:
+                assert one(c, "--etcd-cert") == f"{d}/tls.crt" and one(c, "--etcd-key") == f"{d}/tls.key"
+            else:
+                assert "--etcd-cert" not in f and "--etcd-key" not in f
+        else:
+            assert "--etcd-ca" not in f
+        if ext["auth"]["user"]:
+            assert one(c, "--etcd-user") == ext["auth"]["user"]
+            d = mount_path(c, "etcd-auth")
+            assert one(c, "--etcd-password-file") == f"{d}/password"
+            (vol,) = [v for v in pod_spec(w)["volumes"] if v["name"] == "etcd-auth"]
+            assert vol["secret"]["secretName"] == ext["auth"]["existingSecret"]
+            assert vol["secret"]["items"] == [{"key": ext["auth"]["secretKey"], "path": "password"}]
+        else:
+            assert "--etcd-user" not in f and "--etcd-password-file" not in f
+        # The password never travels on the command line or in the pod spec.
+        assert not [e for e in c.get("env", []) if e["name"] == "EPSERVE_ETCD_PASSWORD"]
+
+
+def san_matches(pattern: str, host: str) -> bool:
+    """RFC 6125 matching as rustls/webpki does it: a wildcard covers one leftmost label."""
+    if pattern.startswith("*."):
+        head, _, rest = host.partition(".")
+        return bool(head) and rest == pattern[2:]
+    return pattern == host
+
+
+def certificate_for(objs, secret):
+    certs = [c for c in by_kind(objs, "Certificate") if c["spec"]["secretName"] == secret]
+    assert len(certs) == 1, f"Secret {secret}: {len(certs)} Certificates"
+    return certs[0]["spec"]
+
+
+def host_of(url: str) -> str:
+    return re.sub(r"^[a-z]+://", "", url).rsplit(":", 1)[0]
+
+
+def test_certificates_name_the_addresses_peers_dial(scenario):
+    """cert-manager: each role's Certificate carries the names its peers dial: every
+    worker pod's advertised address (what it registers in etcd and the coordinator
+    checks the certificate against), the admin Service `epserve ctl` dials, etcd's
+    client Service and every member's peer and client URL; usages fit the role."""
+    name, values, objs = scenario
+    t = values["tls"]
+    if not (t["enabled"] and t["certManager"]["enabled"]):
+        assert not by_kind(objs, "Certificate") and not by_kind(objs, "Issuer"), name
+        return
+    for component, key in (("expert-worker", "expertWorkers"), ("attention-worker", "attentionWorkers")):
+        if values[key]["replicas"] == 0:
+            continue
+        sts = find(objs, "StatefulSet", fullname(component))
+        spec = certificate_for(objs, secret_volume(sts, "tls"))
+        assert {"server auth", "client auth"} <= set(spec["usages"])
+        advertise = host_of(one(containers(sts)[0], "--advertise"))
+        for i in range(values[key]["replicas"]):
+            host = advertise.replace("$(POD_NAME)", f"{sts['metadata']['name']}-{i}")
+            assert "$(" not in host
+            assert any(san_matches(p, host) for p in spec["dnsNames"]), f"{name}: {host} not in {spec['dnsNames']}"
+        # A worker's certificate names only its own StatefulSet's pods.
+        assert not any(san_matches(p, f"{fullname('coordinator')}.{NAMESPACE}.svc.{DOMAIN}") for p in spec["dnsNames"])
+    dep = find(objs, "Deployment", fullname("coordinator"))
+    spec = certificate_for(objs, secret_volume(dep, "tls"))
+    assert {"server auth", "client auth"} <= set(spec["usages"])
+    for pod in by_kind(objs, "Pod"):
+        (c,) = containers(pod)
+        admin = host_of(one(c, "--admin"))
+        assert admin in spec["dnsNames"], f"{name}: ctl dials {admin}"
+        client = certificate_for(objs, secret_volume(pod, "tls"))
+        assert "client auth" in client["usages"] and "server auth" not in client["usages"]
+    assert f"{fullname('coordinator')}-admin.{NAMESPACE}.svc.{DOMAIN}" in spec["dnsNames"]
+    assert "localhost" in spec["dnsNames"] and "127.0.0.1" in spec["ipAddresses"]  # kubectl port-forward
+    if t["api"]["enabled"]:
+        api = secret_volume(dep, "api-tls")
+        if t["api"]["existingSecret"]:
+            assert api == t["api"]["existingSecret"]
+            assert not [c for c in by_kind(objs, "Certificate") if c["spec"]["secretName"] == api]
+        else:
+            a = certificate_for(objs, api)
+            assert f"{fullname('coordinator')}.{NAMESPACE}.svc.{DOMAIN}" in a["dnsNames"]
+            assert set(t["api"]["dnsNames"]) <= set(a["dnsNames"])
+            assert a["usages"] == ["digital signature", "server auth"]
+    if values["etcd"]["enabled"]:
+        sts = find(objs, "StatefulSet", fullname("etcd"))
+        etcd = containers(sts)[0]
+        spec = certificate_for(objs, secret_volume(sts, "tls"))
+        assert {"server auth", "client auth"} <= set(spec["usages"])  # peers are clients too
+        hosts = {host_of(one(c, "--etcd")) for _, c in epserve_containers(objs) if c["args"][0] != "ctl"}
+        hosts |= {host_of(m.split("=", 1)[1]) for m in one(etcd, "--initial-cluster").split(",")}
+        for i in range(values["etcd"]["replicas"]):
+            hosts.add(host_of(one(etcd, "--advertise-client-urls").replace("$(POD_NAME)", f"{sts['metadata']['name']}-{i}")))
+        for host in hosts:
+            assert any(san_matches(p, host) for p in spec["dnsNames"]), f"{name}: etcd {host} not in {spec['dnsNames']}"
+    # Issuers: the release's own CA chain, or the configured issuer.
+    ref = t["certManager"]["issuerRef"]
+    issuers = {i["metadata"]["name"]: i["spec"] for i in by_kind(objs, "Issuer")}
+    for cert in by_kind(objs, "Certificate"):
+        r = cert["spec"]["issuerRef"]
+        if cert["metadata"]["name"] == f"{fullname()}-api-tls" and t["api"]["issuerRef"]["name"]:
+            assert r["name"] == t["api"]["issuerRef"]["name"]
+        elif ref["name"]:
+            assert (r["name"], r["kind"]) == (ref["name"], ref["kind"]), cert["metadata"]["name"]
+        else:
+            assert r["kind"] == "Issuer" and r["name"] in issuers, cert["metadata"]["name"]
+    if ref["name"]:
+        assert not issuers
+    else:
+        ca = find(objs, "Certificate", f"{fullname()}-ca")["spec"]
+        assert ca["isCA"] is True and issuers[ca["issuerRef"]["name"]] == {"selfSigned": {}}
+        assert issuers[f"{fullname()}-ca"] == {"ca": {"secretName": ca["secretName"]}}
+        for cert in by_kind(objs, "Certificate"):
+            if cert["metadata"]["name"] != f"{fullname()}-ca":
+                assert cert["spec"]["issuerRef"]["name"] == f"{fullname()}-ca"
+
+
+def peer_selects(peer: dict, labels: dict, same_namespace=True) -> bool:
+    """Whether a NetworkPolicyPeer (podSelector only, same namespace) selects a pod."""
+    if set(peer) != {"podSelector"} or not same_namespace:
+        return False
+    sel = peer["podSelector"]
+    if not sel.get("matchLabels", {}).items() <= labels.items():
+        return False
+    for e in sel.get("matchExpressions", []):
+        assert e["operator"] == "In"
+        if labels.get(e["key"]) not in e["values"]:
+            return False
+    return True
+
+
+def allowed(policy: dict, port: str, labels: dict) -> bool:
+    for rule in policy["spec"].get("ingress", []):
+        if not any(p["port"] == port for p in rule.get("ports", [])):
+            continue
+        if "from" not in rule or any(peer_selects(p, labels) for p in rule["from"]):
+            return True
+    return False
+
+
+def test_network_policies(scenario):
+    """Only the coordinator reaches the workers' gRPC ports; only the release's epserve
+    pods reach etcd's client port and only members its peer port; the OpenAI port is
+    open to networkPolicy.api.from (anyone when empty); metrics from networkPolicy.metrics.from."""
+    name, values, objs = scenario
+    np = values["networkPolicy"]
+    policies = by_kind(objs, "NetworkPolicy")
+    if not np["enabled"]:
+        assert not policies, name
+        return
+    pods = {pod_labels(w)["app.kubernetes.io/component"]: (w, pod_labels(w)) for w in pod_owners(objs)}
+    # A pod of another release, or of another app, in the same namespace.
+    strangers = [
+        {**pods["coordinator"][1], "app.kubernetes.io/instance": "other"},
+        {"app": "debug"},
+    ]
+    for p in policies:
+        assert p["spec"]["policyTypes"] == ["Ingress"]
+        selected = [c for c, (_, lab) in pods.items() if p["spec"]["podSelector"]["matchLabels"].items() <= lab.items()]
+        assert len(selected) == 1, f"{name}: {p['metadata']['name']} selects {selected}"
+        (component,) = selected
+        w, _ = pods[component]
+        names = {port["name"] for c in containers(w) for port in c.get("ports", [])}
+        for rule in p["spec"]["ingress"]:
+            for port in rule["ports"]:
+                assert port["port"] in names, f"{name}: {p['metadata']['name']} port {port['port']}"
+    by_component = {
+        c: [p for p in policies if p["spec"]["podSelector"]["matchLabels"].items() <= lab.items()]
+        for c, (_, lab) in pods.items()
+    }
+    for component in ("coordinator", "expert-worker", "attention-worker", "etcd"):
+        if component in pods:
+            assert len(by_component[component]) == 1, f"{name}: {component} has {len(by_component[component])} policies"
+    assert not by_component.get("ctl"), "the test pod needs no ingress"
+    for component in ("expert-worker", "attention-worker"):
+        if component not in pods:
+            continue
+        (p,) = by_component[component]
+        for other, (_, lab) in pods.items():
+            assert allowed(p, "grpc", lab) == (other == "coordinator"), f"{name}: {other} -> {component}"
+        assert not any(allowed(p, "grpc", lab) for lab in strangers)
+    (coord,) = by_component["coordinator"]
+    http_rules = [r for r in coord["spec"]["ingress"] if any(pt["port"] == "http" for pt in r["ports"])]
+    if np["api"]["from"]:
+        assert not any(allowed(coord, "http", lab) for lab in strangers)
+        (rule,) = http_rules
+        assert rule["from"] == np["api"]["from"] + np["metrics"]["from"]
+    else:
+        assert allowed(coord, "http", strangers[1])
+    assert allowed(coord, "admin", pods["ctl"][1]) if "ctl" in pods else True
+    for other in ("expert-worker", "attention-worker", "etcd"):
+        if other in pods:
+            assert not allowed(coord, "admin", pods[other][1]), f"{name}: {other} -> admin"
+    assert not any(allowed(coord, "admin", lab) for lab in strangers)
+    if values["etcd"]["enabled"]:
+        (p,) = by_component["etcd"]
+        for other, (_, lab) in pods.items():
+            assert allowed(p, "client", lab) == (other in ("coordinator", "expert-worker", "attention-worker")), (
+                f"{name}: {other} -> etcd client"
+            )
+            assert allowed(p, "peer", lab) == (other == "etcd"), f"{name}: {other} -> etcd peer"
+        assert not any(allowed(p, port, lab) for lab in strangers for port in ("client", "peer", "metrics"))
+        metrics = [r for r in p["spec"]["ingress"] if any(pt["port"] == "metrics" for pt in r["ports"])]
+        if np["metrics"]["from"]:
+            (rule,) = metrics
+            assert rule["from"] == np["metrics"]["from"]
+        else:
+            assert not metrics
+
+
 def test_metrics_scraping(scenario):
     """Only what really serves /metrics is scraped: the coordinator on its OpenAI port
     (HTTPS with TLS on), etcd on its metrics port; the workers serve none."""
