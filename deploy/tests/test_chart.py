@@ -416,6 +416,8 @@ def test_values_yaml_is_documented_line_by_line():
          "attentionWorkers.advertise must be dns"),
         ({"etcd": {"enabled": False, "external": {"endpoints": ["https://e:2379"], "auth": {"user": "u"}}}},
          "etcd.external.auth.existingSecret"),
+        ({"etcd": {"enabled": False, "external": {"endpoints": ["http://e:2379"], "tls": {"existingSecret": "ca"}}}},
+         "use https://"),
         ({"model": {"source": "s3"}}, "model.s3.uri"),
         ({"expertWorkers": {"antiAffinity": "always"}}, "antiAffinity must be"),
         ({"scheduling": {"nodeAffinity": "sometimes"}}, "scheduling.nodeAffinity must be"),

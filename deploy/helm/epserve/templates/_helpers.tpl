@@ -72,6 +72,13 @@ app.kubernetes.io/part-of: epserve
 {{- if not .Values.etcd.external.endpoints }}
 {{- fail "etcd.enabled is false: set etcd.external.endpoints to the client URLs of your etcd" }}
 {{- end }}
+{{- if .Values.etcd.external.tls.existingSecret }}
+{{- range .Values.etcd.external.endpoints }}
+{{- if hasPrefix "http://" . }}
+{{- fail (printf "etcd.external.endpoints: %s is plain http but etcd.external.tls.existingSecret is set: use https://" .) }}
+{{- end }}
+{{- end }}
+{{- end }}
 {{- join "," .Values.etcd.external.endpoints }}
 {{- end }}
 {{- end }}
