@@ -1119,6 +1119,127 @@ def test_network_policies(scenario):
             assert not metrics
 
 
+def openssl_cert(tmp: Path, name: str, ca: tuple[Path, Path] | None, spec: dict) -> tuple[Path, Path]:
+    """A certificate as cert-manager would issue it from a Certificate spec (SANs,
+    usages), signed by `ca`, or a CA itself when ca is None. Returns (cert, key)."""
+    key, cert = tmp / f"{name}.key", tmp / f"{name}.crt"
+    run = lambda *a: subprocess.run(["openssl", *a], check=True, capture_output=True, timeout=60)  # noqa: E731
+    run("genpkey", "-algorithm", "EC", "-pkeyopt", "ec_paramgen_curve:P-256", "-out", str(key))
+    if ca is None:
+        run("req", "-x509", "-new", "-key", str(key), "-subj", f"/CN={name}", "-days", "2", "-out", str(cert),
+            "-addext", "basicConstraints=critical,CA:TRUE", "-addext", "keyUsage=critical,keyCertSign,cRLSign")
+        return cert, key
+    csr = tmp / f"{name}.csr"
+    run("req", "-new", "-key", str(key), "-subj", f"/CN={spec.get('commonName', name)}", "-out", str(csr))
+    eku = {"server auth": "serverAuth", "client auth": "clientAuth"}
+    ext = ["keyUsage=critical,digitalSignature",
+           "extendedKeyUsage=" + ",".join(eku[u] for u in spec["usages"] if u in eku)]
+    sans = [f"DNS:{d}" for d in spec.get("dnsNames", [])] + [f"IP:{i}" for i in spec.get("ipAddresses", [])]
+    if sans:
+        ext.append("subjectAltName=" + ",".join(sans))
+    (tmp / f"{name}.ext").write_text("\n".join(ext) + "\n")
+    run("x509", "-req", "-in", str(csr), "-CA", str(ca[0]), "-CAkey", str(ca[1]), "-CAcreateserial",
+        "-days", "2", "-out", str(cert), "-extfile", str(tmp / f"{name}.ext"))
+    return cert, key
+
+
+def free_port() -> int:
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_chart_etcd_tls_flags_work_with_a_real_etcd(tmp_path):
+    """The chart's etcd, TLS on: a real etcd (on PATH) started with exactly the flags the
+    chart renders (addresses moved to loopback, files to a temp folder), certificates
+    made as cert-manager would from the rendered Certificates. The probes' plain-HTTP
+    /readyz answers; an epserve role's certificate (the expert-workers') is accepted;
+    no client certificate, or one from another CA, is refused. (etcd also refuses a
+    client without a certificate once --trusted-ca-file is set, so this cannot tell
+    whether --client-cert-auth is there: test_tls_switch_wires_every_link checks it.)"""
+    import time
+    import urllib.request
+
+    etcd, etcdctl = shutil.which("etcd"), shutil.which("etcdctl")
+    if not (etcd and etcdctl and shutil.which("openssl")):
+        pytest.skip("needs etcd, etcdctl and openssl on PATH")
+    values = {"tls": {"enabled": True, "certManager": {"enabled": True}}, "etcd": {"replicas": 1, "persistence": {"enabled": False}}}
+    objs = render(values)
+    sts = find(objs, "StatefulSet", fullname("etcd"))
+    c = containers(sts)[0]
+    certs_dir = mount_path(c, "tls")
+    ca = openssl_cert(tmp_path, "ca", None, {})
+    other_ca = openssl_cert(tmp_path, "other-ca", None, {})
+    etcd_cert = openssl_cert(tmp_path, "etcd", ca, certificate_for(objs, secret_volume(sts, "tls")))
+    worker_spec = certificate_for(objs, secret_volume(find(objs, "StatefulSet", fullname("expert-worker")), "tls"))
+    worker = openssl_cert(tmp_path, "worker", ca, worker_spec)
+    stranger = openssl_cert(tmp_path, "stranger", other_ca, worker_spec)
+    tls_dir = tmp_path / "etcd-tls"
+    tls_dir.mkdir()
+    for src, dst in ((etcd_cert[0], "tls.crt"), (etcd_cert[1], "tls.key"), (ca[0], "ca.crt")):
+        (tls_dir / dst).write_bytes(src.read_bytes())
+    client_port, peer_port, metrics_port = free_port(), free_port(), free_port()
+    member = f"{sts['metadata']['name']}-0"
+    loopback = {
+        "--name": member,
+        "--data-dir": str(tmp_path / "data"),
+        "--listen-client-urls": f"https://127.0.0.1:{client_port}",
+        "--advertise-client-urls": f"https://127.0.0.1:{client_port}",
+        "--listen-peer-urls": f"https://127.0.0.1:{peer_port}",
+        "--initial-advertise-peer-urls": f"https://127.0.0.1:{peer_port}",
+        "--initial-cluster": f"{member}=https://127.0.0.1:{peer_port}",
+        "--listen-metrics-urls": f"http://127.0.0.1:{metrics_port}",
+    }
+    args = []
+    for arg in c["args"]:
+        flag, eq, value = arg.partition("=")
+        if flag in loopback:
+            value = loopback[flag]
+        value = value.replace(certs_dir, str(tls_dir))
+        args.append(f"{flag}{eq}{value}")
+    assert {a.partition("=")[0] for a in args} == set(flags(c)), "the chart's flag set is kept"
+    proc = subprocess.Popen([etcd, *args], stdout=subprocess.DEVNULL, stderr=open(tmp_path / "etcd.log", "w"))
+    try:
+        port = named_port(c, "metrics")
+        assert c["readinessProbe"]["httpGet"]["port"] == "metrics" and port
+        path = c["readinessProbe"]["httpGet"]["path"]
+        version = subprocess.run([etcd, "--version"], capture_output=True, text=True, timeout=30).stdout
+        if re.search(r"Version: 3\.4\.", version):
+            path = "/health"  # /readyz and /livez (the chart's image is 3.5) came with etcd 3.5
+        for _ in range(100):
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}{path}", timeout=2) as r:
+                    if r.status == 200:
+                        break
+            except OSError:
+                pass
+            if proc.poll() is not None:
+                break
+            time.sleep(0.2)
+        else:
+            pytest.fail("etcd never turned ready:\n" + (tmp_path / "etcd.log").read_text()[-3000:])
+        assert proc.poll() is None, (tmp_path / "etcd.log").read_text()[-3000:]
+
+        def ctl(*extra):
+            return subprocess.run(
+                [etcdctl, f"--endpoints=https://127.0.0.1:{client_port}", "--dial-timeout=3s", "--command-timeout=5s",
+                 f"--cacert={ca[0]}", *extra, "put", "/epserve/ep/probe", "x"],
+                capture_output=True, text=True, timeout=30, env={**os.environ, "ETCDCTL_API": "3"},
+            )
+
+        ok = ctl(f"--cert={worker[0]}", f"--key={worker[1]}")
+        assert ok.returncode == 0, ok.stderr
+        assert ctl().returncode != 0, "etcd let in a client without a certificate"
+        assert ctl(f"--cert={stranger[0]}", f"--key={stranger[1]}").returncode != 0, "etcd let in another CA's certificate"
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
 def test_metrics_scraping(scenario):
     """Only what really serves /metrics is scraped: the coordinator on its OpenAI port
     (HTTPS with TLS on), etcd on its metrics port; the workers serve none."""
