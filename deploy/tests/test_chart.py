@@ -1199,7 +1199,8 @@ def test_chart_etcd_tls_flags_work_with_a_real_etcd(tmp_path):
         value = value.replace(certs_dir, str(tls_dir))
         args.append(f"{flag}{eq}{value}")
     assert {a.partition("=")[0] for a in args} == set(flags(c)), "the chart's flag set is kept"
-    proc = subprocess.Popen([etcd, *args], stdout=subprocess.DEVNULL, stderr=open(tmp_path / "etcd.log", "w"))
+    log = open(tmp_path / "etcd.log", "w")
+    proc = subprocess.Popen([etcd, *args], stdout=subprocess.DEVNULL, stderr=log)
     try:
         port = named_port(c, "metrics")
         assert c["readinessProbe"]["httpGet"]["port"] == "metrics" and port
@@ -1238,6 +1239,8 @@ def test_chart_etcd_tls_flags_work_with_a_real_etcd(tmp_path):
             proc.wait(timeout=10)
         except subprocess.TimeoutExpired:
             proc.kill()
+            proc.wait(timeout=10)
+        log.close()
 
 
 def test_metrics_scraping(scenario):
