@@ -388,3 +388,255 @@ async fn load_shedding() {
     tokio::time::sleep(Duration::from_millis(300)).await;
     good(s.addr).await;
 }
+
+mod parser_props {
+    //! Property test of the request parser and validation through the
+    //! router itself (no sockets): random bodies made of the endpoints'
+    //! fields with random JSON values get 200 or an OpenAI-shaped 4xx.
+
+    use super::*;
+    use axum::body::Body;
+    use http_body_util::BodyExt;
+    use proptest::prelude::*;
+    use std::sync::OnceLock;
+    use tower::ServiceExt;
+
+    fn runtime() -> &'static tokio::runtime::Runtime {
+        static RT: OnceLock<tokio::runtime::Runtime> = OnceLock::new();
+        RT.get_or_init(|| {
+            tokio::runtime::Builder::new_multi_thread()
+                .worker_threads(2)
+                .enable_all()
+                .build()
+                .expect("runtime")
+        })
+    }
+
+    fn app() -> axum::Router {
+        static STATE: OnceLock<Arc<AppState>> = OnceLock::new();
+        let state = STATE.get_or_init(|| {
+            let state = AppState::new(config());
+            let engine = Arc::new(Engine::load(&fixture()).expect("fixture engine"));
+            let sched = {
+                let _entered = runtime().enter();
+                scheduler::start(
+                    engine.clone(),
+                    SchedulerConfig {
+                        max_num_seqs: 8,
+                        max_num_batched_tokens: 256,
+                        max_model_len: 256,
+                        block_size: 16,
+                        num_blocks: 128,
+                        max_waiting: 64,
+                        kv_dtype: Default::default(),
+                        micro_batches: MicroBatches::Fixed(1),
+                    },
+                )
+                .expect("scheduler")
+            };
+            let _ = state.ready.set(Ready {
+                engine,
+                scheduler: sched,
+                created: 0,
+            });
+            state
+        });
+        server::router(state.clone())
+    }
+
+    fn value() -> impl Strategy<Value = Value> {
+        let leaf = prop_oneof![
+            Just(Value::Null),
+            any::<bool>().prop_map(Value::from),
+            any::<i64>().prop_map(Value::from),
+            (-3i64..40).prop_map(Value::from),
+            any::<f64>().prop_map(|f| serde_json::Number::from_f64(f).map_or(Value::Null, Value::Number)),
+            "\\PC{0,12}".prop_map(Value::from),
+        ];
+        leaf.prop_recursive(3, 16, 4, |inner| {
+            prop_oneof![
+                proptest::collection::vec(inner.clone(), 0..4).prop_map(Value::Array),
+                proptest::collection::btree_map("[a-z_]{1,8}", inner, 0..3)
+                    .prop_map(|m| Value::Object(m.into_iter().collect())),
+            ]
+        })
+    }
+
+    const FIELDS: &[&str] = &[
+        "model", "prompt", "messages", "max_tokens", "max_completion_tokens", "temperature",
+        "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids", "ignore_eos", "n",
+        "best_of", "logprobs", "top_logprobs", "stream", "stream_options", "echo", "suffix",
+        "repetition_penalty", "frequency_penalty", "presence_penalty", "user",
+    ];
+
+    fn body() -> impl Strategy<Value = Value> {
+        proptest::collection::vec((proptest::sample::select(FIELDS), value()), 0..6).prop_map(|kv| {
+            let mut m = serde_json::Map::new();
+            // Mostly valid prompts, so that later checks are reached too.
+            m.insert("prompt".into(), json!([1, 2, 3]));
+            m.insert("messages".into(), json!([{"role": "user", "content": "hi"}]));
+            m.insert("max_tokens".into(), json!(2));
+            for (k, v) in kv {
+                m.insert(k.to_string(), v);
+            }
+            Value::Object(m)
+        })
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig { cases: 96, failure_persistence: None, ..ProptestConfig::default() })]
+
+        #[test]
+        fn random_bodies_get_200_or_a_shaped_error(b in body(), chat in any::<bool>()) {
+            let path = if chat { "/v1/chat/completions" } else { "/v1/completions" };
+            let app = app();
+            let (status, text) = runtime().block_on(async {
+                let req = axum::http::Request::post(path)
+                    .header("content-type", "application/json")
+                    .body(Body::from(b.to_string()))
+                    .expect("request");
+                let resp = tokio::time::timeout(Duration::from_secs(60), app.oneshot(req))
+                    .await
+                    .expect("answered in time")
+                    .expect("infallible");
+                let status = resp.status().as_u16();
+                let bytes = resp.into_body().collect().await.map(|c| c.to_bytes()).unwrap_or_default();
+                (status, String::from_utf8_lossy(&bytes).to_string())
+            });
+            prop_assert!(matches!(status, 200 | 400 | 404), "{status}: {text} for {b}");
+            if status != 200 {
+                let v: Value = serde_json::from_str(&text).map_err(|e| TestCaseError::fail(format!("{e}: {text}")))?;
+                prop_assert!(v["error"]["message"].is_string(), "{text}");
+            }
+        }
+
+        #[test]
+        fn random_bytes_get_a_shaped_error(bytes in proptest::collection::vec(any::<u8>(), 0..256)) {
+            let app = app();
+            let (status, text) = runtime().block_on(async {
+                let req = axum::http::Request::post("/v1/completions")
+                    .body(Body::from(bytes.clone()))
+                    .expect("request");
+                let resp = app.oneshot(req).await.expect("infallible");
+                let status = resp.status().as_u16();
+                let bytes = resp.into_body().collect().await.map(|c| c.to_bytes()).unwrap_or_default();
+                (status, String::from_utf8_lossy(&bytes).to_string())
+            });
+            prop_assert!(matches!(status, 200 | 400 | 404), "{status}: {text}");
+        }
+    }
+}
+
+fn rss_mb() -> f64 {
+    std::fs::read_to_string("/proc/self/status")
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find(|l| l.starts_with("VmRSS:"))
+                .and_then(|l| l.split_whitespace().nth(1)?.parse::<f64>().ok())
+        })
+        .map(|kb| kb / 1024.0)
+        .unwrap_or(0.0)
+}
+
+/// Time of one good 32-token request (greedy, eos ignored).
+async fn timed_good(addr: SocketAddr) -> Duration {
+    let body = json!({"prompt": [1, 2, 3], "max_tokens": 32, "temperature": 0, "ignore_eos": true})
+        .to_string();
+    let t0 = Instant::now();
+    let (st, text) = raw(addr, &post("/v1/completions", body.as_bytes()), Duration::from_secs(120)).await;
+    assert_eq!(st, 200, "{text}");
+    t0.elapsed()
+}
+
+/// The numbers, with the new caps off ("before": everything the old
+/// server accepted is accepted) and on ("after"). Run with
+/// `cargo test -p epserve-coordinator --test hostile measure -- --ignored --nocapture`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore]
+async fn measure() {
+    for (label, capped) in [("caps off", false), ("caps on", true)] {
+        let cfg = if capped {
+            ServerConfig {
+                max_body_bytes: 8 << 20,
+                body_timeout: Duration::from_secs(30),
+                max_prompt_bytes: None,
+                ..config()
+            }
+        } else {
+            ServerConfig {
+                max_body_bytes: 8 << 20,
+                body_timeout: Duration::from_secs(30),
+                max_prompt_bytes: Some(usize::MAX),
+                max_stop_strings: usize::MAX,
+                max_stop_string_bytes: usize::MAX,
+                ..config()
+            }
+        };
+        let s = start(cfg, HttpOptions { header_timeout: Duration::from_secs(30), ..opts() }, true).await;
+        let addr = s.addr;
+        let alone = timed_good(addr).await;
+
+        // 20 MB body announced by Content-Length: time to the answer.
+        let t0 = Instant::now();
+        let mut c = TcpStream::connect(addr).await.expect("connect");
+        let head = format!("POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-length: {}\r\n\r\n", 20 << 20);
+        c.write_all(head.as_bytes()).await.expect("head");
+        let chunk = vec![b' '; 1 << 16];
+        let mut sent = 0usize;
+        let mut buf = [0u8; 512];
+        let (mut rd, mut wr) = c.split();
+        let answer = loop {
+            tokio::select! {
+                r = rd.read(&mut buf) => break String::from_utf8_lossy(&buf[..r.unwrap_or(0)]).to_string(),
+                w = wr.write_all(&chunk), if sent < (20 << 20) => {
+                    if w.is_err() { break String::new(); }
+                    sent += chunk.len();
+                }
+            }
+        };
+        eprintln!(
+            "{label}: 20 MB body: answered '{}' after {:?}, {} KiB sent by then",
+            answer.lines().next().unwrap_or("(closed)"),
+            t0.elapsed(),
+            sent >> 10
+        );
+        drop(c);
+
+        // 7.9 MB prompt: its own latency, RSS growth, and a good request meanwhile.
+        let rss0 = rss_mb();
+        let big = json!({"prompt": "hello world ".repeat(660_000), "max_tokens": 1}).to_string();
+        let t0 = Instant::now();
+        let big_req = tokio::spawn(async move {
+            raw(addr, &post("/v1/completions", big.as_bytes()), Duration::from_secs(300)).await
+        });
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        let during = timed_good(addr).await;
+        let (st, text) = big_req.await.expect("join");
+        eprintln!(
+            "{label}: 7.9 MB prompt: {st} after {:?} ({}), RSS +{:.0} MB; a good request meanwhile {:?} (alone {:?})",
+            t0.elapsed(),
+            text.chars().take(90).collect::<String>(),
+            rss_mb() - rss0,
+            during,
+            alone
+        );
+
+        // 8000 stop strings on a running sequence, and another sequence's time.
+        let stops: Vec<String> = (0..8000).map(|i| format!("zq{i}x")).collect();
+        let body = json!({"prompt": [4, 5, 6], "max_tokens": 200, "temperature": 0, "ignore_eos": true, "stop": stops}).to_string();
+        let t0 = Instant::now();
+        let hog = tokio::spawn(async move {
+            raw(addr, &post("/v1/completions", body.as_bytes()), Duration::from_secs(600)).await
+        });
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        let during = timed_good(addr).await;
+        let (st, _) = hog.await.expect("join");
+        eprintln!(
+            "{label}: 8000 stop strings: {st} after {:?}; a 32-token request meanwhile {:?} (alone {:?})",
+            t0.elapsed(),
+            during,
+            alone
+        );
+    }
+}

@@ -362,9 +362,9 @@ where
     builder
         .http2()
         .timer(TokioTimer::new())
-        .max_concurrent_streams(256)
-        .keep_alive_interval(Some(opts.idle_timeout.max(Duration::from_secs(1))))
-        .keep_alive_timeout(opts.header_timeout.max(Duration::from_secs(1)));
+        // No h2 pings: they would count as traffic and keep idle
+        // connections open forever; the idle watchdog closes those.
+        .max_concurrent_streams(256);
     let builder = Arc::new(builder);
     let registry = Arc::new(Registry::default());
     let max = opts.max_connections.max(1);
@@ -427,6 +427,8 @@ where
         let drained = tokio::time::timeout(opts.shutdown_timeout, async {
             loop {
                 let notified = registry.empty.notified();
+                tokio::pin!(notified);
+                notified.as_mut().enable();
                 if registry.len() == 0 {
                     break;
                 }
@@ -509,8 +511,9 @@ async fn connection(
         deadline = Some(tokio::time::Instant::now() + opts.shutdown_timeout);
     }
     loop {
-        let hard_stop = async {
-            match deadline {
+        let dl = deadline;
+        let hard_stop = async move {
+            match dl {
                 Some(d) => tokio::time::sleep_until(d).await,
                 None => std::future::pending().await,
             }
