@@ -150,7 +150,7 @@ fn absurd_config_with_real_weights_fails_cleanly() {
     for (field, value) in [
         ("max_position_embeddings", 1u64 << 24),
         ("num_hidden_layers", 4096),
-        ("num_experts", 65536),
+        ("num_local_experts", 65536),
         ("vocab_size", 1 << 24),
     ] {
         let mut c = fixture_config();
