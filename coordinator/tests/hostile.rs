@@ -125,8 +125,16 @@ async fn good(addr: SocketAddr) {
     let body = json!({"model": "tiny", "prompt": [1, 2, 3], "max_tokens": 2, "temperature": 0,
                       "ignore_eos": true})
     .to_string();
-    let (st, text) = raw(addr, &post("/v1/completions", body.as_bytes()), Duration::from_secs(30)).await;
-    assert_eq!(st, 200, "the server stopped answering good requests: {text}");
+    let (st, text) = raw(
+        addr,
+        &post("/v1/completions", body.as_bytes()),
+        Duration::from_secs(30),
+    )
+    .await;
+    assert_eq!(
+        st, 200,
+        "the server stopped answering good requests: {text}"
+    );
     let v: Value = serde_json::from_str(&text).expect("json");
     assert_eq!(v["usage"]["completion_tokens"], 2);
 }
@@ -156,12 +164,21 @@ fn many_stops(n: usize) -> String {
 }
 
 /// (name, path, body, expected status, `param` the error must name).
-fn cases() -> Vec<(&'static str, &'static str, Vec<u8>, u16, Option<&'static str>)> {
+type Case = (
+    &'static str,
+    &'static str,
+    Vec<u8>,
+    u16,
+    Option<&'static str>,
+);
+
+fn cases() -> Vec<Case> {
     let c = "/v1/completions";
     let ch = "/v1/chat/completions";
     let j = |s: &str| s.as_bytes().to_vec();
     let big_prompt = json!({"prompt": "a ".repeat(40_000), "max_tokens": 1}).to_string();
-    let big_chat = json!({"messages": [{"role": "user", "content": "b".repeat(70_000)}]}).to_string();
+    let big_chat =
+        json!({"messages": [{"role": "user", "content": "b".repeat(70_000)}]}).to_string();
     let many_msgs: Vec<Value> = (0..20_000)
         .map(|_| json!({"role": "user", "content": "xyz"}))
         .collect();
@@ -173,68 +190,420 @@ fn cases() -> Vec<(&'static str, &'static str, Vec<u8>, u16, Option<&'static str
         ("array body", c, j("[]"), 400, None),
         ("string body", c, j("\"prompt\""), 400, None),
         ("truncated JSON", c, j(r#"{"prompt": "hi""#), 400, None),
-        ("trailing garbage", c, j(r#"{"prompt": "hi"} xx"#), 400, None),
-        ("prompt is a number", c, j(r#"{"prompt": 5}"#), 400, Some("prompt")),
-        ("prompt is an object", c, j(r#"{"prompt": {"a": 1}}"#), 400, Some("prompt")),
-        ("prompt missing", c, j(r#"{"max_tokens": 3}"#), 400, Some("prompt")),
-        ("prompt empty string", c, j(r#"{"prompt": ""}"#), 400, Some("prompt")),
-        ("prompt empty ids", c, j(r#"{"prompt": []}"#), 400, Some("prompt")),
-        ("prompt id out of vocab", c, j(r#"{"prompt": [999999999]}"#), 400, Some("prompt")),
-        ("prompt id negative", c, j(r#"{"prompt": [-1]}"#), 400, Some("prompt")),
-        ("prompt id 1e20", c, j(r#"{"prompt": [1e20]}"#), 400, Some("prompt")),
-        ("prompt batch of two", c, j(r#"{"prompt": ["a", "b"]}"#), 400, Some("prompt")),
-        ("prompt over the byte cap", c, j(&big_prompt), 400, Some("prompt")),
-        ("prompt ids over the context", c, j(&json!({"prompt": vec![1; 5000]}).to_string()), 400, Some("prompt")),
-        ("max_tokens negative", c, j(r#"{"prompt": "hi", "max_tokens": -1}"#), 400, Some("max_tokens")),
-        ("max_tokens zero", c, j(r#"{"prompt": "hi", "max_tokens": 0}"#), 400, Some("max_tokens")),
-        ("max_tokens 1e30", c, j(r#"{"prompt": "hi", "max_tokens": 1e30}"#), 400, Some("max_tokens")),
-        ("max_tokens i64::MAX", c, j(r#"{"prompt": "hi", "max_tokens": 9223372036854775807}"#), 400, Some("max_tokens")),
-        ("max_tokens u64 overflow", c, j(r#"{"prompt": "hi", "max_tokens": 99999999999999999999999}"#), 400, Some("max_tokens")),
-        ("max_tokens a string", c, j(r#"{"prompt": "hi", "max_tokens": "ten"}"#), 400, Some("max_tokens")),
-        ("temperature negative", c, j(r#"{"prompt": "hi", "temperature": -1}"#), 400, Some("temperature")),
-        ("temperature 1e300 (inf as f32)", c, j(r#"{"prompt": "hi", "temperature": 1e300}"#), 400, Some("temperature")),
-        ("temperature a string", c, j(r#"{"prompt": "hi", "temperature": "hot"}"#), 400, Some("temperature")),
-        ("top_p zero", c, j(r#"{"prompt": "hi", "top_p": 0}"#), 400, Some("top_p")),
-        ("top_p two", c, j(r#"{"prompt": "hi", "top_p": 2}"#), 400, Some("top_p")),
-        ("min_p negative", c, j(r#"{"prompt": "hi", "min_p": -0.5}"#), 400, Some("min_p")),
-        ("top_k -5", c, j(r#"{"prompt": "hi", "top_k": -5}"#), 400, Some("top_k")),
-        ("top_k 1e20", c, j(r#"{"prompt": "hi", "top_k": 1e20}"#), 400, Some("top_k")),
-        ("repetition_penalty zero", c, j(r#"{"prompt": "hi", "repetition_penalty": 0}"#), 400, Some("repetition_penalty")),
-        ("frequency_penalty 3", c, j(r#"{"prompt": "hi", "frequency_penalty": 3}"#), 400, Some("frequency_penalty")),
-        ("presence_penalty -1e10", c, j(r#"{"prompt": "hi", "presence_penalty": -1e10}"#), 400, Some("presence_penalty")),
+        (
+            "trailing garbage",
+            c,
+            j(r#"{"prompt": "hi"} xx"#),
+            400,
+            None,
+        ),
+        (
+            "prompt is a number",
+            c,
+            j(r#"{"prompt": 5}"#),
+            400,
+            Some("prompt"),
+        ),
+        (
+            "prompt is an object",
+            c,
+            j(r#"{"prompt": {"a": 1}}"#),
+            400,
+            Some("prompt"),
+        ),
+        (
+            "prompt missing",
+            c,
+            j(r#"{"max_tokens": 3}"#),
+            400,
+            Some("prompt"),
+        ),
+        (
+            "prompt empty string",
+            c,
+            j(r#"{"prompt": ""}"#),
+            400,
+            Some("prompt"),
+        ),
+        (
+            "prompt empty ids",
+            c,
+            j(r#"{"prompt": []}"#),
+            400,
+            Some("prompt"),
+        ),
+        (
+            "prompt id out of vocab",
+            c,
+            j(r#"{"prompt": [999999999]}"#),
+            400,
+            Some("prompt"),
+        ),
+        (
+            "prompt id negative",
+            c,
+            j(r#"{"prompt": [-1]}"#),
+            400,
+            Some("prompt"),
+        ),
+        (
+            "prompt id 1e20",
+            c,
+            j(r#"{"prompt": [1e20]}"#),
+            400,
+            Some("prompt"),
+        ),
+        (
+            "prompt batch of two",
+            c,
+            j(r#"{"prompt": ["a", "b"]}"#),
+            400,
+            Some("prompt"),
+        ),
+        (
+            "prompt over the byte cap",
+            c,
+            j(&big_prompt),
+            400,
+            Some("prompt"),
+        ),
+        (
+            "prompt ids over the context",
+            c,
+            j(&json!({"prompt": vec![1; 5000]}).to_string()),
+            400,
+            Some("prompt"),
+        ),
+        (
+            "max_tokens negative",
+            c,
+            j(r#"{"prompt": "hi", "max_tokens": -1}"#),
+            400,
+            Some("max_tokens"),
+        ),
+        (
+            "max_tokens zero",
+            c,
+            j(r#"{"prompt": "hi", "max_tokens": 0}"#),
+            400,
+            Some("max_tokens"),
+        ),
+        (
+            "max_tokens 1e30",
+            c,
+            j(r#"{"prompt": "hi", "max_tokens": 1e30}"#),
+            400,
+            Some("max_tokens"),
+        ),
+        (
+            "max_tokens i64::MAX",
+            c,
+            j(r#"{"prompt": "hi", "max_tokens": 9223372036854775807}"#),
+            400,
+            Some("max_tokens"),
+        ),
+        (
+            "max_tokens u64 overflow",
+            c,
+            j(r#"{"prompt": "hi", "max_tokens": 99999999999999999999999}"#),
+            400,
+            Some("max_tokens"),
+        ),
+        (
+            "max_tokens a string",
+            c,
+            j(r#"{"prompt": "hi", "max_tokens": "ten"}"#),
+            400,
+            Some("max_tokens"),
+        ),
+        (
+            "temperature negative",
+            c,
+            j(r#"{"prompt": "hi", "temperature": -1}"#),
+            400,
+            Some("temperature"),
+        ),
+        (
+            "temperature 1e300 (inf as f32)",
+            c,
+            j(r#"{"prompt": "hi", "temperature": 1e300}"#),
+            400,
+            Some("temperature"),
+        ),
+        (
+            "temperature a string",
+            c,
+            j(r#"{"prompt": "hi", "temperature": "hot"}"#),
+            400,
+            Some("temperature"),
+        ),
+        (
+            "top_p zero",
+            c,
+            j(r#"{"prompt": "hi", "top_p": 0}"#),
+            400,
+            Some("top_p"),
+        ),
+        (
+            "top_p two",
+            c,
+            j(r#"{"prompt": "hi", "top_p": 2}"#),
+            400,
+            Some("top_p"),
+        ),
+        (
+            "min_p negative",
+            c,
+            j(r#"{"prompt": "hi", "min_p": -0.5}"#),
+            400,
+            Some("min_p"),
+        ),
+        (
+            "top_k -5",
+            c,
+            j(r#"{"prompt": "hi", "top_k": -5}"#),
+            400,
+            Some("top_k"),
+        ),
+        (
+            "top_k 1e20",
+            c,
+            j(r#"{"prompt": "hi", "top_k": 1e20}"#),
+            400,
+            Some("top_k"),
+        ),
+        (
+            "repetition_penalty zero",
+            c,
+            j(r#"{"prompt": "hi", "repetition_penalty": 0}"#),
+            400,
+            Some("repetition_penalty"),
+        ),
+        (
+            "frequency_penalty 3",
+            c,
+            j(r#"{"prompt": "hi", "frequency_penalty": 3}"#),
+            400,
+            Some("frequency_penalty"),
+        ),
+        (
+            "presence_penalty -1e10",
+            c,
+            j(r#"{"prompt": "hi", "presence_penalty": -1e10}"#),
+            400,
+            Some("presence_penalty"),
+        ),
         ("n = 2", c, j(r#"{"prompt": "hi", "n": 2}"#), 400, Some("n")),
-        ("n negative", c, j(r#"{"prompt": "hi", "n": -1}"#), 400, Some("n")),
-        ("best_of 5", c, j(r#"{"prompt": "hi", "best_of": 5}"#), 400, Some("best_of")),
-        ("logprobs 200000", c, j(r#"{"prompt": "hi", "logprobs": 200000}"#), 400, Some("logprobs")),
-        ("logprobs negative", c, j(r#"{"prompt": "hi", "logprobs": -1}"#), 400, Some("logprobs")),
-        ("8000 stop strings", c, j(&many_stops(8000)), 400, Some("stop")),
+        (
+            "n negative",
+            c,
+            j(r#"{"prompt": "hi", "n": -1}"#),
+            400,
+            Some("n"),
+        ),
+        (
+            "best_of 5",
+            c,
+            j(r#"{"prompt": "hi", "best_of": 5}"#),
+            400,
+            Some("best_of"),
+        ),
+        (
+            "logprobs 200000",
+            c,
+            j(r#"{"prompt": "hi", "logprobs": 200000}"#),
+            400,
+            Some("logprobs"),
+        ),
+        (
+            "logprobs negative",
+            c,
+            j(r#"{"prompt": "hi", "logprobs": -1}"#),
+            400,
+            Some("logprobs"),
+        ),
+        (
+            "8000 stop strings",
+            c,
+            j(&many_stops(8000)),
+            400,
+            Some("stop"),
+        ),
         ("10 KB stop string", c, j(&long_stop), 400, Some("stop")),
-        ("stop is a number", c, j(r#"{"prompt": "hi", "stop": 7}"#), 400, Some("stop")),
-        ("1000 stop_token_ids", c, j(&json!({"prompt": "hi", "stop_token_ids": stop_ids}).to_string()), 400, Some("stop_token_ids")),
-        ("stop_token_id out of vocab", c, j(r#"{"prompt": "hi", "stop_token_ids": [4294967295]}"#), 400, Some("stop_token_ids")),
-        ("stop_token_id negative", c, j(r#"{"prompt": "hi", "stop_token_ids": [-3]}"#), 400, Some("stop_token_ids[0]")),
-        ("seed 1e30", c, j(r#"{"prompt": "hi", "seed": 1e30}"#), 400, Some("seed")),
-        ("stream a string", c, j(r#"{"prompt": "hi", "stream": "yes"}"#), 400, Some("stream")),
-        ("echo", c, j(r#"{"prompt": "hi", "echo": true}"#), 400, Some("echo")),
-        ("suffix", c, j(r#"{"prompt": "hi", "suffix": "x"}"#), 400, Some("suffix")),
-        ("unknown model", c, j(r#"{"model": "nope", "prompt": "hi"}"#), 404, Some("model")),
+        (
+            "stop is a number",
+            c,
+            j(r#"{"prompt": "hi", "stop": 7}"#),
+            400,
+            Some("stop"),
+        ),
+        (
+            "1000 stop_token_ids",
+            c,
+            j(&json!({"prompt": "hi", "stop_token_ids": stop_ids}).to_string()),
+            400,
+            Some("stop_token_ids"),
+        ),
+        (
+            "stop_token_id out of vocab",
+            c,
+            j(r#"{"prompt": "hi", "stop_token_ids": [4294967295]}"#),
+            400,
+            Some("stop_token_ids"),
+        ),
+        (
+            "stop_token_id negative",
+            c,
+            j(r#"{"prompt": "hi", "stop_token_ids": [-3]}"#),
+            400,
+            Some("stop_token_ids[0]"),
+        ),
+        (
+            "seed 1e30",
+            c,
+            j(r#"{"prompt": "hi", "seed": 1e30}"#),
+            400,
+            Some("seed"),
+        ),
+        (
+            "stream a string",
+            c,
+            j(r#"{"prompt": "hi", "stream": "yes"}"#),
+            400,
+            Some("stream"),
+        ),
+        (
+            "echo",
+            c,
+            j(r#"{"prompt": "hi", "echo": true}"#),
+            400,
+            Some("echo"),
+        ),
+        (
+            "suffix",
+            c,
+            j(r#"{"prompt": "hi", "suffix": "x"}"#),
+            400,
+            Some("suffix"),
+        ),
+        (
+            "unknown model",
+            c,
+            j(r#"{"model": "nope", "prompt": "hi"}"#),
+            404,
+            Some("model"),
+        ),
         ("deep nesting 100000", c, j(&nested(100_000)), 400, None),
         ("nesting 200 in a field", c, j(&nested(200)), 400, None),
-        ("invalid UTF-8 in a string", c, b"{\"prompt\": \"\xff\xfe\xc3\x28\"}".to_vec(), 400, None),
-        ("invalid UTF-8 outside strings", c, b"\xef\xbb\xbf\xff{\"prompt\": \"hi\"}".to_vec(), 400, None),
-        ("lone surrogate escape", c, j(r#"{"prompt": "\ud800"}"#), 400, None),
-        ("NaN literal", c, j(r#"{"prompt": "hi", "temperature": NaN}"#), 400, None),
-        ("Infinity literal", c, j(r#"{"prompt": "hi", "top_p": Infinity}"#), 400, None),
-        ("chat messages missing", ch, j(r#"{"model": "tiny"}"#), 400, Some("messages")),
-        ("chat messages empty", ch, j(r#"{"messages": []}"#), 400, Some("messages")),
-        ("chat messages not a list", ch, j(r#"{"messages": "hi"}"#), 400, Some("messages")),
-        ("chat role a number", ch, j(r#"{"messages": [{"role": 5, "content": "hi"}]}"#), 400, Some("messages[0].role")),
-        ("chat image part", ch, j(r#"{"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}"#), 400, Some("messages[0].content")),
-        ("chat top_logprobs 200000", ch, j(r#"{"messages": [{"role": "user", "content": "hi"}], "logprobs": true, "top_logprobs": 200000}"#), 400, Some("top_logprobs")),
-        ("chat top_logprobs negative", ch, j(r#"{"messages": [{"role": "user", "content": "hi"}], "logprobs": true, "top_logprobs": -2}"#), 400, Some("top_logprobs")),
-        ("chat max_completion_tokens negative", ch, j(r#"{"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": -5}"#), 400, Some("max_completion_tokens")),
-        ("chat content over the byte cap", ch, j(&big_chat), 400, Some("messages")),
-        ("chat 20000 messages", ch, j(&json!({"messages": many_msgs}).to_string()), 400, Some("messages")),
+        (
+            "invalid UTF-8 in a string",
+            c,
+            b"{\"prompt\": \"\xff\xfe\xc3\x28\"}".to_vec(),
+            400,
+            None,
+        ),
+        (
+            "invalid UTF-8 outside strings",
+            c,
+            b"\xef\xbb\xbf\xff{\"prompt\": \"hi\"}".to_vec(),
+            400,
+            None,
+        ),
+        (
+            "lone surrogate escape",
+            c,
+            j(r#"{"prompt": "\ud800"}"#),
+            400,
+            None,
+        ),
+        (
+            "NaN literal",
+            c,
+            j(r#"{"prompt": "hi", "temperature": NaN}"#),
+            400,
+            None,
+        ),
+        (
+            "Infinity literal",
+            c,
+            j(r#"{"prompt": "hi", "top_p": Infinity}"#),
+            400,
+            None,
+        ),
+        (
+            "chat messages missing",
+            ch,
+            j(r#"{"model": "tiny"}"#),
+            400,
+            Some("messages"),
+        ),
+        (
+            "chat messages empty",
+            ch,
+            j(r#"{"messages": []}"#),
+            400,
+            Some("messages"),
+        ),
+        (
+            "chat messages not a list",
+            ch,
+            j(r#"{"messages": "hi"}"#),
+            400,
+            Some("messages"),
+        ),
+        (
+            "chat role a number",
+            ch,
+            j(r#"{"messages": [{"role": 5, "content": "hi"}]}"#),
+            400,
+            Some("messages[0].role"),
+        ),
+        (
+            "chat image part",
+            ch,
+            j(r#"{"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}"#),
+            400,
+            Some("messages[0].content"),
+        ),
+        (
+            "chat top_logprobs 200000",
+            ch,
+            j(
+                r#"{"messages": [{"role": "user", "content": "hi"}], "logprobs": true, "top_logprobs": 200000}"#,
+            ),
+            400,
+            Some("top_logprobs"),
+        ),
+        (
+            "chat top_logprobs negative",
+            ch,
+            j(
+                r#"{"messages": [{"role": "user", "content": "hi"}], "logprobs": true, "top_logprobs": -2}"#,
+            ),
+            400,
+            Some("top_logprobs"),
+        ),
+        (
+            "chat max_completion_tokens negative",
+            ch,
+            j(r#"{"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": -5}"#),
+            400,
+            Some("max_completion_tokens"),
+        ),
+        (
+            "chat content over the byte cap",
+            ch,
+            j(&big_chat),
+            400,
+            Some("messages"),
+        ),
+        (
+            "chat 20000 messages",
+            ch,
+            j(&json!({"messages": many_msgs}).to_string()),
+            400,
+            Some("messages"),
+        ),
     ]
 }
 
@@ -378,11 +747,19 @@ async fn load_shedding() {
     let _ = tokio::time::timeout(Duration::from_secs(5), c.read_to_end(&mut buf)).await;
     let text = String::from_utf8_lossy(&buf).to_string();
     assert!(text.starts_with("HTTP/1.1 503"), "{text}");
-    assert!(text.to_ascii_lowercase().contains("retry-after: 1"), "{text}");
+    assert!(
+        text.to_ascii_lowercase().contains("retry-after: 1"),
+        "{text}"
+    );
     let json_body = text.split("\r\n\r\n").nth(1).unwrap_or("");
     check_error("shed", json_body, None);
     // /health is outside the limit.
-    let (st, _) = raw(s.addr, b"GET /health HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n", Duration::from_secs(5)).await;
+    let (st, _) = raw(
+        s.addr,
+        b"GET /health HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n",
+        Duration::from_secs(5),
+    )
+    .await;
     assert_eq!(st, 200);
     drop(holders);
     tokio::time::sleep(Duration::from_millis(300)).await;
@@ -450,7 +827,8 @@ mod parser_props {
             any::<bool>().prop_map(Value::from),
             any::<i64>().prop_map(Value::from),
             (-3i64..40).prop_map(Value::from),
-            any::<f64>().prop_map(|f| serde_json::Number::from_f64(f).map_or(Value::Null, Value::Number)),
+            any::<f64>()
+                .prop_map(|f| serde_json::Number::from_f64(f).map_or(Value::Null, Value::Number)),
             "\\PC{0,12}".prop_map(Value::from),
         ];
         leaf.prop_recursive(3, 16, 4, |inner| {
@@ -463,24 +841,50 @@ mod parser_props {
     }
 
     const FIELDS: &[&str] = &[
-        "model", "prompt", "messages", "max_tokens", "max_completion_tokens", "temperature",
-        "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids", "ignore_eos", "n",
-        "best_of", "logprobs", "top_logprobs", "stream", "stream_options", "echo", "suffix",
-        "repetition_penalty", "frequency_penalty", "presence_penalty", "user",
+        "model",
+        "prompt",
+        "messages",
+        "max_tokens",
+        "max_completion_tokens",
+        "temperature",
+        "top_p",
+        "top_k",
+        "min_p",
+        "seed",
+        "stop",
+        "stop_token_ids",
+        "ignore_eos",
+        "n",
+        "best_of",
+        "logprobs",
+        "top_logprobs",
+        "stream",
+        "stream_options",
+        "echo",
+        "suffix",
+        "repetition_penalty",
+        "frequency_penalty",
+        "presence_penalty",
+        "user",
     ];
 
     fn body() -> impl Strategy<Value = Value> {
-        proptest::collection::vec((proptest::sample::select(FIELDS), value()), 0..6).prop_map(|kv| {
-            let mut m = serde_json::Map::new();
-            // Mostly valid prompts, so that later checks are reached too.
-            m.insert("prompt".into(), json!([1, 2, 3]));
-            m.insert("messages".into(), json!([{"role": "user", "content": "hi"}]));
-            m.insert("max_tokens".into(), json!(2));
-            for (k, v) in kv {
-                m.insert(k.to_string(), v);
-            }
-            Value::Object(m)
-        })
+        proptest::collection::vec((proptest::sample::select(FIELDS), value()), 0..6).prop_map(
+            |kv| {
+                let mut m = serde_json::Map::new();
+                // Mostly valid prompts, so that later checks are reached too.
+                m.insert("prompt".into(), json!([1, 2, 3]));
+                m.insert(
+                    "messages".into(),
+                    json!([{"role": "user", "content": "hi"}]),
+                );
+                m.insert("max_tokens".into(), json!(2));
+                for (k, v) in kv {
+                    m.insert(k.to_string(), v);
+                }
+                Value::Object(m)
+            },
+        )
     }
 
     proptest! {
@@ -544,7 +948,12 @@ async fn timed_good(addr: SocketAddr) -> Duration {
     let body = json!({"prompt": [1, 2, 3], "max_tokens": 32, "temperature": 0, "ignore_eos": true})
         .to_string();
     let t0 = Instant::now();
-    let (st, text) = raw(addr, &post("/v1/completions", body.as_bytes()), Duration::from_secs(120)).await;
+    let (st, text) = raw(
+        addr,
+        &post("/v1/completions", body.as_bytes()),
+        Duration::from_secs(120),
+    )
+    .await;
     assert_eq!(st, 200, "{text}");
     t0.elapsed()
 }
@@ -573,14 +982,25 @@ async fn measure() {
                 ..config()
             }
         };
-        let s = start(cfg, HttpOptions { header_timeout: Duration::from_secs(30), ..opts() }, true).await;
+        let s = start(
+            cfg,
+            HttpOptions {
+                header_timeout: Duration::from_secs(30),
+                ..opts()
+            },
+            true,
+        )
+        .await;
         let addr = s.addr;
         let alone = timed_good(addr).await;
 
         // 20 MB body announced by Content-Length: time to the answer.
         let t0 = Instant::now();
         let mut c = TcpStream::connect(addr).await.expect("connect");
-        let head = format!("POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-length: {}\r\n\r\n", 20 << 20);
+        let head = format!(
+            "POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-length: {}\r\n\r\n",
+            20 << 20
+        );
         c.write_all(head.as_bytes()).await.expect("head");
         let chunk = vec![b' '; 1 << 16];
         let mut sent = 0usize;
@@ -608,7 +1028,12 @@ async fn measure() {
         let big = json!({"prompt": "hello world ".repeat(660_000), "max_tokens": 1}).to_string();
         let t0 = Instant::now();
         let big_req = tokio::spawn(async move {
-            raw(addr, &post("/v1/completions", big.as_bytes()), Duration::from_secs(300)).await
+            raw(
+                addr,
+                &post("/v1/completions", big.as_bytes()),
+                Duration::from_secs(300),
+            )
+            .await
         });
         tokio::time::sleep(Duration::from_millis(200)).await;
         let during = timed_good(addr).await;
@@ -627,7 +1052,12 @@ async fn measure() {
         let body = json!({"prompt": [4, 5, 6], "max_tokens": 200, "temperature": 0, "ignore_eos": true, "stop": stops}).to_string();
         let t0 = Instant::now();
         let hog = tokio::spawn(async move {
-            raw(addr, &post("/v1/completions", body.as_bytes()), Duration::from_secs(600)).await
+            raw(
+                addr,
+                &post("/v1/completions", body.as_bytes()),
+                Duration::from_secs(600),
+            )
+            .await
         });
         tokio::time::sleep(Duration::from_millis(100)).await;
         let during = timed_good(addr).await;

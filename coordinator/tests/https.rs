@@ -39,9 +39,8 @@ fn ca() -> Ca {
 /// returns its DER.
 fn write_leaf(ca: &Ca, dir: &Path, names: &[&str], serial: u64) -> CertificateDer<'static> {
     let key = KeyPair::generate().expect("key");
-    let mut p =
-        CertificateParams::new(names.iter().map(|s| s.to_string()).collect::<Vec<_>>())
-            .expect("params");
+    let mut p = CertificateParams::new(names.iter().map(|s| s.to_string()).collect::<Vec<_>>())
+        .expect("params");
     p.serial_number = Some(SerialNumber::from(serial));
     let cert = p.signed_by(&key, &ca.issuer).expect("leaf");
     // Key first, then the certificate: the watcher sees a matching pair last.
@@ -136,7 +135,11 @@ async fn https_h1_h2_reload_and_plaintext() {
     let read = tokio::time::timeout(Duration::from_secs(5), tcp.read_to_end(&mut buf)).await;
     assert!(read.is_ok(), "the server must close a plaintext connection");
     assert!(!buf.starts_with(b"HTTP/"), "no HTTP answer over plaintext");
-    let r = client(&ca, addr, true).get(&url).send().await.expect("after plaintext");
+    let r = client(&ca, addr, true)
+        .get(&url)
+        .send()
+        .await
+        .expect("after plaintext");
     assert_eq!(r.status().as_u16(), 503);
 
     // Rewrite the files: a new serial and name are picked up without a restart.
@@ -152,14 +155,22 @@ async fn https_h1_h2_reload_and_plaintext() {
         );
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
-    let r = client(&ca, addr, false).get(&url).send().await.expect("after reload");
+    let r = client(&ca, addr, false)
+        .get(&url)
+        .send()
+        .await
+        .expect("after reload");
     assert_eq!(r.status().as_u16(), 503);
 
     // A broken rewrite is refused: the previous certificate stays in use.
     std::fs::write(dir.path().join("server.crt"), "not a certificate").expect("write");
     tokio::time::sleep(Duration::from_millis(500)).await;
     assert_eq!(presented(&ca, addr).await, second);
-    let r = client(&ca, addr, true).get(&url).send().await.expect("after broken");
+    let r = client(&ca, addr, true)
+        .get(&url)
+        .send()
+        .await
+        .expect("after broken");
     assert_eq!(r.status().as_u16(), 503);
     let _ = stop.send(());
 }
@@ -175,11 +186,9 @@ fn mismatched_key_is_refused_at_load() {
         &dir.path().join("server.crt"),
         &dir.path().join("server.key"),
     )
-    .err()
-    .expect("must fail");
+    .expect_err("must fail");
     assert!(e.contains("does not match"), "{e}");
     let e = server::tls::load_certified_key(&dir.path().join("nope.crt"), &dir.path().join("x"))
-        .err()
-        .expect("must fail");
+        .expect_err("must fail");
     assert!(e.contains("nope.crt"), "{e}");
 }

@@ -48,7 +48,10 @@ fn safetensors_hostile_headers() {
             v.extend_from_slice(b"{}");
             v
         }),
-        ("header length 200 MB", (200u64 << 20).to_le_bytes().to_vec()),
+        (
+            "header length 200 MB",
+            (200u64 << 20).to_le_bytes().to_vec(),
+        ),
         ("header not JSON", st_file("not json at all", &[])),
         ("header a list", st_file("[1, 2, 3]", &[])),
         ("header invalid UTF-8", {
@@ -56,28 +59,106 @@ fn safetensors_hostile_headers() {
             v.extend_from_slice(&[0xff, 0xfe, 0xfd, 0xfc]);
             v
         }),
-        ("offsets past the data", st_file(r#"{"w": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}}"#, &[0; 4])),
-        ("offsets reversed", st_file(r#"{"w": {"dtype": "F32", "shape": [1], "data_offsets": [4, 0]}}"#, &[0; 4])),
-        ("negative offset", st_file(r#"{"w": {"dtype": "F32", "shape": [1], "data_offsets": [-4, 0]}}"#, &[0; 4])),
-        ("offset u64::MAX", st_file(r#"{"w": {"dtype": "F32", "shape": [1], "data_offsets": [18446744073709551615, 18446744073709551615]}}"#, &[0; 4])),
-        ("shape × dtype ≠ bytes", st_file(r#"{"w": {"dtype": "F32", "shape": [3], "data_offsets": [0, 4]}}"#, &[0; 4])),
-        ("shape product overflows", st_file(r#"{"w": {"dtype": "F32", "shape": [4294967296, 4294967296, 16], "data_offsets": [0, 4]}}"#, &[0; 4])),
-        ("terabyte shape", st_file(r#"{"w": {"dtype": "BF16", "shape": [1000000, 1000000], "data_offsets": [0, 4]}}"#, &[0; 4])),
-        ("unknown dtype", st_file(r#"{"w": {"dtype": "F1024", "shape": [1], "data_offsets": [0, 4]}}"#, &[0; 4])),
-        ("overlapping tensors", st_file(r#"{"a": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}, "b": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}}"#, &[0; 4])),
-        ("hole between tensors", st_file(r#"{"a": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}, "b": {"dtype": "F32", "shape": [1], "data_offsets": [8, 12]}}"#, &[0; 12])),
-        ("missing data_offsets", st_file(r#"{"w": {"dtype": "F32", "shape": [1]}}"#, &[0; 4])),
-        ("metadata not strings", st_file(r#"{"__metadata__": {"a": 1}}"#, &[])),
-        ("deep nesting", st_file(&format!("{}{}", "[".repeat(100_000), "]".repeat(100_000)), &[])),
+        (
+            "offsets past the data",
+            st_file(
+                r#"{"w": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}}"#,
+                &[0; 4],
+            ),
+        ),
+        (
+            "offsets reversed",
+            st_file(
+                r#"{"w": {"dtype": "F32", "shape": [1], "data_offsets": [4, 0]}}"#,
+                &[0; 4],
+            ),
+        ),
+        (
+            "negative offset",
+            st_file(
+                r#"{"w": {"dtype": "F32", "shape": [1], "data_offsets": [-4, 0]}}"#,
+                &[0; 4],
+            ),
+        ),
+        (
+            "offset u64::MAX",
+            st_file(
+                r#"{"w": {"dtype": "F32", "shape": [1], "data_offsets": [18446744073709551615, 18446744073709551615]}}"#,
+                &[0; 4],
+            ),
+        ),
+        (
+            "shape × dtype ≠ bytes",
+            st_file(
+                r#"{"w": {"dtype": "F32", "shape": [3], "data_offsets": [0, 4]}}"#,
+                &[0; 4],
+            ),
+        ),
+        (
+            "shape product overflows",
+            st_file(
+                r#"{"w": {"dtype": "F32", "shape": [4294967296, 4294967296, 16], "data_offsets": [0, 4]}}"#,
+                &[0; 4],
+            ),
+        ),
+        (
+            "terabyte shape",
+            st_file(
+                r#"{"w": {"dtype": "BF16", "shape": [1000000, 1000000], "data_offsets": [0, 4]}}"#,
+                &[0; 4],
+            ),
+        ),
+        (
+            "unknown dtype",
+            st_file(
+                r#"{"w": {"dtype": "F1024", "shape": [1], "data_offsets": [0, 4]}}"#,
+                &[0; 4],
+            ),
+        ),
+        (
+            "overlapping tensors",
+            st_file(
+                r#"{"a": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}, "b": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}}"#,
+                &[0; 4],
+            ),
+        ),
+        (
+            "hole between tensors",
+            st_file(
+                r#"{"a": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}, "b": {"dtype": "F32", "shape": [1], "data_offsets": [8, 12]}}"#,
+                &[0; 12],
+            ),
+        ),
+        (
+            "missing data_offsets",
+            st_file(r#"{"w": {"dtype": "F32", "shape": [1]}}"#, &[0; 4]),
+        ),
+        (
+            "metadata not strings",
+            st_file(r#"{"__metadata__": {"a": 1}}"#, &[]),
+        ),
+        (
+            "deep nesting",
+            st_file(
+                &format!("{}{}", "[".repeat(100_000), "]".repeat(100_000)),
+                &[],
+            ),
+        ),
     ];
     for (name, bytes) in &cases {
         let r = open_weights(bytes);
         assert!(r.is_err(), "{name}: accepted: {r:?}");
         let e = r.err().unwrap_or_default();
-        assert!(e.contains("model.safetensors"), "{name}: the error names the file: {e}");
+        assert!(
+            e.contains("model.safetensors"),
+            "{name}: the error names the file: {e}"
+        );
     }
     // A sane one still opens.
-    let ok = st_file(r#"{"w": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}}"#, &[0; 4]);
+    let ok = st_file(
+        r#"{"w": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}}"#,
+        &[0; 4],
+    );
     assert_eq!(open_weights(&ok), Ok(1));
 }
 
@@ -85,8 +166,14 @@ fn safetensors_hostile_headers() {
 fn index_json_hostile() {
     let dir = tempfile::tempdir().expect("tempdir");
     for (name, text) in [
-        ("escaping shard name", r#"{"weight_map": {"w": "../../etc/passwd"}}"#),
-        ("missing shard", r#"{"weight_map": {"w": "nope.safetensors"}}"#),
+        (
+            "escaping shard name",
+            r#"{"weight_map": {"w": "../../etc/passwd"}}"#,
+        ),
+        (
+            "missing shard",
+            r#"{"weight_map": {"w": "nope.safetensors"}}"#,
+        ),
         ("not JSON", "{{{"),
         ("weight_map a list", r#"{"weight_map": []}"#),
     ] {
@@ -129,7 +216,11 @@ fn config_absurd_sizes_are_refused_by_name() {
     c["hidden_size"] = serde_json::json!(1 << 17);
     assert!(ModelConfig::from_json_str(&c.to_string(), Path::new("config.json")).is_err());
     // Negative and fractional sizes are JSON type errors.
-    for bad in [serde_json::json!(-1), serde_json::json!(1.5), serde_json::json!("64")] {
+    for bad in [
+        serde_json::json!(-1),
+        serde_json::json!(1.5),
+        serde_json::json!("64"),
+    ] {
         let mut c = fixture_config();
         c["hidden_size"] = bad;
         assert!(ModelConfig::from_json_str(&c.to_string(), Path::new("config.json")).is_err());
@@ -173,10 +264,23 @@ fn tokenizer_garbage_is_an_error() {
         ("binary", (0u8..=255).collect()),
         ("not an object", b"[1, 2, 3]".to_vec()),
         ("empty object", b"{}".to_vec()),
-        ("model missing", br#"{"version": "1.0", "added_tokens": []}"#.to_vec()),
-        ("unknown model type", br#"{"model": {"type": "Quantum", "vocab": {}}}"#.to_vec()),
-        ("vocab id u32::MAX", br#"{"model": {"type": "WordLevel", "vocab": {"a": 4294967295}, "unk_token": "a"}}"#.to_vec()),
-        ("merges referencing nothing", br#"{"model": {"type": "BPE", "vocab": {"a": 0}, "merges": ["x y"]}}"#.to_vec()),
+        (
+            "model missing",
+            br#"{"version": "1.0", "added_tokens": []}"#.to_vec(),
+        ),
+        (
+            "unknown model type",
+            br#"{"model": {"type": "Quantum", "vocab": {}}}"#.to_vec(),
+        ),
+        (
+            "vocab id u32::MAX",
+            br#"{"model": {"type": "WordLevel", "vocab": {"a": 4294967295}, "unk_token": "a"}}"#
+                .to_vec(),
+        ),
+        (
+            "merges referencing nothing",
+            br#"{"model": {"type": "BPE", "vocab": {"a": 0}, "merges": ["x y"]}}"#.to_vec(),
+        ),
         ("deep nesting", deep.into_bytes()),
         ("invalid UTF-8", vec![b'{', 0xff, 0xfe, b'}']),
     ];

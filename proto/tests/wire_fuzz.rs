@@ -2,10 +2,10 @@
 //! error or to exactly rows × cols finite-checked values, never a panic; and
 //! finite values survive an encode/decode round trip (within the dtype).
 
+use epserve_proto::Bytes;
 use epserve_proto::pb::{Dtype, Tensor};
 use epserve_proto::wire;
 use proptest::prelude::*;
-use epserve_proto::Bytes;
 
 fn dtype() -> impl Strategy<Value = i32> {
     prop_oneof![

@@ -149,7 +149,11 @@ impl Registry {
     fn closing(&self) -> usize {
         self.map
             .lock()
-            .map(|m| m.values().filter(|c| c.closing.load(Ordering::Relaxed)).count())
+            .map(|m| {
+                m.values()
+                    .filter(|c| c.closing.load(Ordering::Relaxed))
+                    .count()
+            })
             .unwrap_or(0)
     }
 }
@@ -290,6 +294,7 @@ impl Drop for Active {
 /// Raises the soft open-files limit to the hard one (Linux/Unix), so the
 /// connection cap rather than the descriptor table is what limits clients.
 /// Returns the soft limit now in force.
+#[allow(clippy::unnecessary_cast)] // rlim_t is not u64 everywhere
 pub fn raise_nofile_limit() -> Option<u64> {
     #[cfg(unix)]
     {
@@ -343,9 +348,11 @@ where
     F: std::future::Future<Output = ()> + Send,
 {
     let tls = match &opts.tls {
-        Some(files) => Some(Arc::new(
-            Tls::new(files.clone()).map_err(|e| io::Error::new(io::ErrorKind::InvalidInput, e))?,
-        )),
+        Some(files) => {
+            Some(Arc::new(Tls::new(files.clone()).map_err(|e| {
+                io::Error::new(io::ErrorKind::InvalidInput, e)
+            })?))
+        }
         None => None,
     };
     let (stop_tx, stop_rx) = watch::channel(false);
@@ -488,13 +495,7 @@ async fn connection(
             Ok::<_, Infallible>(resp.map(|b| Guarded::wrap(b, active)))
         }
     });
-    let conn = builder.serve_connection(
-        TokioIo::new(Tracked {
-            io,
-            st: st.clone(),
-        }),
-        svc,
-    );
+    let conn = builder.serve_connection(TokioIo::new(Tracked { io, st: st.clone() }), svc);
     tokio::pin!(conn);
     let idle_ms = opts.idle_timeout.as_millis() as u64;
     let header_ms = opts.header_timeout.as_millis() as u64;

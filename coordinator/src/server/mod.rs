@@ -200,8 +200,11 @@ async fn read_body(State(state): State<Arc<AppState>>, req: HttpRequest, next: N
         }
         Ok(Ok(c)) => c.to_bytes(),
     };
-    next.run(HttpRequest::from_parts(parts, axum::body::Body::from(bytes)))
-        .await
+    next.run(HttpRequest::from_parts(
+        parts,
+        axum::body::Body::from(bytes),
+    ))
+    .await
 }
 
 async fn auth(State(state): State<Arc<AppState>>, req: HttpRequest, next: Next) -> Response {

@@ -306,6 +306,7 @@ fn stop_token_ids(f: &SamplingFields, vocab: usize) -> Result<Vec<u32>, ApiError
     Ok(v)
 }
 
+#[allow(clippy::too_many_arguments)]
 fn finish(
     engine: &Engine,
     limits: Limits,
@@ -476,7 +477,9 @@ pub fn parse_chat(engine: &Engine, limits: Limits, b: &ChatBody) -> Result<Parse
                 s
             }
         };
-        total = total.saturating_add(content.len()).saturating_add(m.role.len());
+        total = total
+            .saturating_add(content.len())
+            .saturating_add(m.role.len());
         limits.check_prompt_bytes("messages", total)?;
         chat.push(ChatMessage {
             role: m.role.clone(),

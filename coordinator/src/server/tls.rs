@@ -124,8 +124,7 @@ impl Tls {
         let f = &self.files;
         let mut seen = (stamp(&f.cert), stamp(&f.key));
         #[cfg(unix)]
-        let mut hup =
-            tokio::signal::unix::signal(tokio::signal::unix::SignalKind::hangup()).ok();
+        let mut hup = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::hangup()).ok();
         let mut tick = tokio::time::interval(f.reload_interval.max(Duration::from_millis(50)));
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         loop {

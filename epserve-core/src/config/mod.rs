@@ -429,7 +429,6 @@ impl ModelConfig {
     }
 }
 
-
 /// Largest value each size field of `config.json` may have: far above any
 /// real model, low enough that nothing sized from them (layer lists, rope
 /// tables, KV blocks, routing tables) can ask for terabytes before the
@@ -514,7 +513,9 @@ fn check_sizes(raw: &RawConfig, path: &Path) -> Result<()> {
     if vocab.checked_mul(hidden).is_none_or(|n| n > 1 << 36) {
         return Err(Error::config(
             path,
-            format!("vocab_size {vocab} × hidden_size {hidden} is beyond the sane limit of 2^36 elements"),
+            format!(
+                "vocab_size {vocab} × hidden_size {hidden} is beyond the sane limit of 2^36 elements"
+            ),
         ));
     }
     Ok(())
