@@ -348,3 +348,21 @@ proptest! {
         let _ = ModelConfig::from_json_str(&text, Path::new("config.json"));
     }
 }
+
+#[test]
+fn every_fixture_config_is_within_the_caps() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures");
+    let mut n = 0;
+    for model in std::fs::read_dir(&root).expect("fixtures") {
+        let model = model.expect("entry").path();
+        for variant in ["bf16", "f32"] {
+            let dir = model.join(variant);
+            if dir.join("config.json").is_file() {
+                let r = ModelConfig::from_dir(&dir);
+                assert!(r.is_ok(), "{}: {:?}", dir.display(), r.err());
+                n += 1;
+            }
+        }
+    }
+    assert!(n > 0);
+}
