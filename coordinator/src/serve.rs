@@ -366,7 +366,68 @@ where
 
 #[cfg(test)]
 mod tests {
-    use super::parse_size;
+    use super::{ServeArgs, parse_size};
+    use clap::{CommandFactory, Parser};
+
+    #[derive(Debug, Parser)]
+    struct Serve {
+        #[command(flatten)]
+        a: ServeArgs,
+    }
+
+    #[derive(Debug, Parser)]
+    struct Coordinator {
+        #[command(flatten)]
+        a: crate::cluster::CoordinatorArgs,
+    }
+
+    #[test]
+    fn http_flags_parse_and_do_not_clash() {
+        Serve::command().debug_assert();
+        Coordinator::command().debug_assert();
+        let s = Serve::try_parse_from([
+            "serve",
+            "--model",
+            "m",
+            "--api-tls-cert",
+            "c.pem",
+            "--api-tls-key",
+            "k.pem",
+            "--http-header-timeout-secs",
+            "5",
+            "--http-idle-timeout-secs",
+            "30",
+            "--request-body-timeout-secs",
+            "7",
+            "--max-connections",
+            "100",
+            "--max-concurrent-requests",
+            "9",
+            "--shutdown-timeout-secs",
+            "3",
+            "--max-prompt-bytes",
+            "1000",
+            "--max-stop-strings",
+            "4",
+            "--max-stop-string-bytes",
+            "8",
+        ]);
+        let s = s.map_err(|e| e.to_string());
+        assert!(s.is_ok(), "{s:?}");
+        let Ok(s) = s else { return };
+        let o = s.a.http_options().map_err(|e| e.to_string());
+        assert!(o.is_ok(), "{o:?}");
+        let Ok(o) = o else { return };
+        assert_eq!(o.max_connections, 100);
+        assert_eq!(o.header_timeout.as_secs(), 5);
+        assert!(o.tls.is_some());
+        // A certificate without its key is refused by clap.
+        assert!(
+            Serve::try_parse_from(["serve", "--model", "m", "--api-tls-cert", "c.pem"]).is_err()
+        );
+        let bad = Serve::try_parse_from(["serve", "--model", "m", "--http-idle-timeout-secs", "0"]);
+        assert!(bad.is_ok_and(|b| b.a.http_options().is_err()));
+    }
 
     #[test]
     fn sizes() {
