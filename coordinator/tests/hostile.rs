@@ -1070,3 +1070,29 @@ async fn measure() {
         );
     }
 }
+
+/// Responses bigger than the 64 KiB connection buffer go out whole, over
+/// HTTP/1.1 and as SSE.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn large_responses() {
+    let s = start(config(), opts(), true).await;
+    for stream in [false, true] {
+        let body = json!({"prompt": [1, 2, 3], "max_tokens": 200, "temperature": 0,
+                          "ignore_eos": true, "logprobs": 20, "stream": stream})
+        .to_string();
+        let (st, text) = raw(
+            s.addr,
+            &post("/v1/completions", body.as_bytes()),
+            Duration::from_secs(60),
+        )
+        .await;
+        assert_eq!(st, 200, "{text}");
+        assert!(text.len() > 64 * 1024, "only {} bytes", text.len());
+        if !stream {
+            let v: Value = serde_json::from_str(&text).expect("whole JSON body");
+            assert_eq!(v["usage"]["completion_tokens"], 200);
+        } else {
+            assert!(text.contains("data: [DONE]"));
+        }
+    }
+}
