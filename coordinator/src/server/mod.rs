@@ -130,10 +130,13 @@ pub fn router(state: Arc<AppState>) -> Router {
         .route("/v1/completions", post(completions))
         .route("/v1/chat/completions", post(chat_completions))
         .route("/v1/models", get(models))
-        // Run in reverse: shed load first, then check the key, then read the body.
+        // Run in reverse: check the key, read the body (bounded in size and
+        // time), then take a concurrency permit. A body still arriving holds
+        // a connection but no permit, so slow clients cannot starve the
+        // permits; memory for bodies is bounded by connections × body limit.
+        .route_layer(middleware::from_fn_with_state(state.clone(), shed_load))
         .route_layer(middleware::from_fn_with_state(state.clone(), read_body))
-        .route_layer(middleware::from_fn_with_state(state.clone(), auth))
-        .route_layer(middleware::from_fn_with_state(state.clone(), shed_load));
+        .route_layer(middleware::from_fn_with_state(state.clone(), auth));
     Router::new()
         .merge(v1)
         .route("/health", get(health))
