@@ -76,6 +76,82 @@ pub struct ServeArgs {
     /// experts leave nothing to overlap).
     #[arg(long, default_value = "auto")]
     pub micro_batches: crate::scheduler::MicroBatches,
+    /// HTTPS for the OpenAI API: PEM certificate chain (with --api-tls-key).
+    /// Reloaded when the file changes (checked every --api-tls-reload-secs, and
+    /// on SIGHUP) without a restart.
+    #[arg(long, requires = "api_tls_key", env = "EPSERVE_API_TLS_CERT")]
+    pub api_tls_cert: Option<PathBuf>,
+    /// HTTPS for the OpenAI API: PEM private key of --api-tls-cert.
+    #[arg(long, requires = "api_tls_cert", env = "EPSERVE_API_TLS_KEY")]
+    pub api_tls_key: Option<PathBuf>,
+    /// How often the certificate files are checked for changes, in seconds.
+    #[arg(long, default_value_t = 5.0)]
+    pub api_tls_reload_secs: f64,
+    /// A request's headers (and a TLS handshake, and a new connection's first
+    /// request) must arrive within this many seconds.
+    #[arg(long, default_value_t = 10.0)]
+    pub http_header_timeout_secs: f64,
+    /// Connections with no request in flight and no traffic for this many
+    /// seconds are closed (keep-alive idle timeout).
+    #[arg(long, default_value_t = 60.0)]
+    pub http_idle_timeout_secs: f64,
+    /// The whole request body must arrive within this many seconds (408 beyond).
+    #[arg(long, default_value_t = 30.0)]
+    pub request_body_timeout_secs: f64,
+    /// Most open client connections. At the cap the longest-idle one is closed
+    /// to make room; when all are busy new ones get 503. Default: 4096, or
+    /// fewer when the open-files limit is low.
+    #[arg(long)]
+    pub max_connections: Option<usize>,
+    /// Most /v1 requests in flight at once; beyond, 503 + Retry-After at once.
+    #[arg(long, default_value_t = 2048)]
+    pub max_concurrent_requests: usize,
+    /// On SIGTERM/SIGINT, in-flight requests get this many seconds to finish.
+    #[arg(long, default_value_t = 30.0)]
+    pub shutdown_timeout_secs: f64,
+    /// Longest prompt text in bytes, refused before tokenization. Default: 16
+    /// bytes per token of --max-model-len (at least 64 KiB).
+    #[arg(long)]
+    pub max_prompt_bytes: Option<usize>,
+    /// Most stop strings per request.
+    #[arg(long, default_value_t = 16)]
+    pub max_stop_strings: usize,
+    /// Longest stop string, in bytes.
+    #[arg(long, default_value_t = 256)]
+    pub max_stop_string_bytes: usize,
+}
+
+fn secs(name: &str, v: f64) -> Result<std::time::Duration> {
+    if !(v.is_finite() && v > 0.0 && v <= 1e7) {
+        bail!("--{name} must be a positive number of seconds, got {v}");
+    }
+    Ok(std::time::Duration::from_secs_f64(v))
+}
+
+impl ServeArgs {
+    /// The connection-layer settings from the flags.
+    pub fn http_options(&self) -> Result<server::HttpOptions> {
+        let tls = match (&self.api_tls_cert, &self.api_tls_key) {
+            (Some(cert), Some(key)) => Some(server::tls::TlsFiles {
+                cert: cert.clone(),
+                key: key.clone(),
+                reload_interval: secs("api-tls-reload-secs", self.api_tls_reload_secs)?,
+            }),
+            (None, None) => None,
+            _ => bail!("--api-tls-cert and --api-tls-key go together"),
+        };
+        Ok(server::HttpOptions {
+            header_timeout: secs("http-header-timeout-secs", self.http_header_timeout_secs)?,
+            idle_timeout: secs("http-idle-timeout-secs", self.http_idle_timeout_secs)?,
+            max_connections: match self.max_connections {
+                Some(0) => bail!("--max-connections must be positive"),
+                Some(n) => n,
+                None => server::conn::default_max_connections(),
+            },
+            shutdown_timeout: secs("shutdown-timeout-secs", self.shutdown_timeout_secs)?,
+            tls,
+        })
+    }
 }
 
 /// Parses `2GiB`, `512MiB`, `1.5G`, `1000000`.
@@ -213,12 +289,26 @@ where
     } else {
         args.served_model_name.clone()
     };
+    let http = args.http_options()?;
+    if let Some(t) = &http.tls {
+        // Refuse to start with certificates that do not load.
+        server::tls::load_certified_key(&t.cert, &t.key).map_err(anyhow::Error::msg)?;
+    }
+    if args.max_concurrent_requests == 0 {
+        bail!("--max-concurrent-requests must be positive");
+    }
     let state = AppState::new(ServerConfig {
-        served_model_names: names.clone(),
         api_key: args.api_key.clone().filter(|k| !k.is_empty()),
         max_body_bytes: args.max_request_body_bytes,
         max_logprobs: args.max_logprobs,
+        body_timeout: secs("request-body-timeout-secs", args.request_body_timeout_secs)?,
+        max_concurrent_requests: args.max_concurrent_requests,
+        max_prompt_bytes: args.max_prompt_bytes,
+        max_stop_strings: args.max_stop_strings,
+        max_stop_string_bytes: args.max_stop_string_bytes,
+        ..ServerConfig::new(names.clone())
     });
+    let scheme = if http.tls.is_some() { "https" } else { "http" };
     if let Some(h) = health {
         let _ = state.health.set(h);
     }
@@ -228,9 +318,9 @@ where
             .with_context(|| format!("cannot listen on {}:{}", args.host, args.port))?;
         let addr = listener.local_addr()?;
         let shown = if addr.ip().is_unspecified() {
-            format!("http://127.0.0.1:{}", addr.port())
+            format!("{scheme}://127.0.0.1:{}", addr.port())
         } else {
-            format!("http://{addr}")
+            format!("{scheme}://{addr}")
         };
         // Load in the background so /health can say "loading" meanwhile.
         let loader_state = state.clone();
@@ -256,7 +346,7 @@ where
             });
             Ok(())
         });
-        let serving = tokio::spawn(server::serve(listener, state.clone()));
+        let serving = tokio::spawn(server::serve(listener, state.clone(), http));
         match loading.await {
             Ok(Ok(())) => {
                 status.say(&format!(
@@ -276,7 +366,68 @@ where
 
 #[cfg(test)]
 mod tests {
-    use super::parse_size;
+    use super::{ServeArgs, parse_size};
+    use clap::{CommandFactory, Parser};
+
+    #[derive(Debug, Parser)]
+    struct Serve {
+        #[command(flatten)]
+        a: ServeArgs,
+    }
+
+    #[derive(Debug, Parser)]
+    struct Coordinator {
+        #[command(flatten)]
+        a: crate::cluster::CoordinatorArgs,
+    }
+
+    #[test]
+    fn http_flags_parse_and_do_not_clash() {
+        Serve::command().debug_assert();
+        Coordinator::command().debug_assert();
+        let s = Serve::try_parse_from([
+            "serve",
+            "--model",
+            "m",
+            "--api-tls-cert",
+            "c.pem",
+            "--api-tls-key",
+            "k.pem",
+            "--http-header-timeout-secs",
+            "5",
+            "--http-idle-timeout-secs",
+            "30",
+            "--request-body-timeout-secs",
+            "7",
+            "--max-connections",
+            "100",
+            "--max-concurrent-requests",
+            "9",
+            "--shutdown-timeout-secs",
+            "3",
+            "--max-prompt-bytes",
+            "1000",
+            "--max-stop-strings",
+            "4",
+            "--max-stop-string-bytes",
+            "8",
+        ]);
+        let s = s.map_err(|e| e.to_string());
+        assert!(s.is_ok(), "{s:?}");
+        let Ok(s) = s else { return };
+        let o = s.a.http_options().map_err(|e| e.to_string());
+        assert!(o.is_ok(), "{o:?}");
+        let Ok(o) = o else { return };
+        assert_eq!(o.max_connections, 100);
+        assert_eq!(o.header_timeout.as_secs(), 5);
+        assert!(o.tls.is_some());
+        // A certificate without its key is refused by clap.
+        assert!(
+            Serve::try_parse_from(["serve", "--model", "m", "--api-tls-cert", "c.pem"]).is_err()
+        );
+        let bad = Serve::try_parse_from(["serve", "--model", "m", "--http-idle-timeout-secs", "0"]);
+        assert!(bad.is_ok_and(|b| b.a.http_options().is_err()));
+    }
 
     #[test]
     fn sizes() {

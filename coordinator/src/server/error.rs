@@ -78,6 +78,29 @@ impl ApiError {
             format!("no route for {path}"),
         )
     }
+    /// 405 for a known route with another method.
+    pub fn method_not_allowed(method: &axum::http::Method, path: &str) -> Self {
+        let mut e = Self::new(
+            StatusCode::METHOD_NOT_ALLOWED,
+            "invalid_request_error",
+            format!("method {method} is not allowed for {path}"),
+        );
+        e.code = Some("method_not_allowed");
+        e
+    }
+    /// 408: the request body did not arrive in time.
+    pub fn request_timeout(limit: std::time::Duration) -> Self {
+        let mut e = Self::new(
+            StatusCode::REQUEST_TIMEOUT,
+            "invalid_request_error",
+            format!(
+                "the request body did not arrive within {} s",
+                limit.as_secs_f64()
+            ),
+        );
+        e.code = Some("request_timeout");
+        e
+    }
     /// 413: body over the limit.
     pub fn too_large(limit: usize) -> Self {
         let mut e = Self::new(

@@ -2,28 +2,33 @@
 //! limit, and the completion / chat handlers that hand validated requests to
 //! the scheduler and stream its events back as SSE or one JSON body.
 
+pub mod conn;
 pub mod error;
 pub mod openai;
 mod response;
+pub mod tls;
 
-use std::net::SocketAddr;
 use std::sync::{Arc, OnceLock};
-use std::time::{SystemTime, UNIX_EPOCH};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use axum::Router;
 use axum::body::Bytes;
 use axum::extract::rejection::BytesRejection;
 use axum::extract::{DefaultBodyLimit, Request as HttpRequest, State};
-use axum::http::{StatusCode, header};
+use axum::http::{Method, StatusCode, header};
 use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use epserve_core::engine::Engine;
+use http_body_util::BodyExt;
 use serde_json::json;
+use tokio::sync::Semaphore;
 
 use crate::scheduler::{SchedulerHandle, SubmitError};
 use error::ApiError;
 use openai::{ChatBody, CompletionBody, Limits, Parsed};
+
+pub use conn::HttpOptions;
 
 /// Server settings.
 #[derive(Debug, Clone)]
@@ -32,6 +37,34 @@ pub struct ServerConfig {
     pub api_key: Option<String>,
     pub max_body_bytes: usize,
     pub max_logprobs: usize,
+    /// The whole request body must arrive within this (slow-loris bodies get 408).
+    pub body_timeout: Duration,
+    /// Most /v1 requests in flight at once; beyond, 503 + Retry-After.
+    pub max_concurrent_requests: usize,
+    /// Longest prompt text (completion prompt, or all chat message contents
+    /// and the rendered template) in bytes, checked before tokenization.
+    /// `None`: 16 bytes per token of the context length.
+    pub max_prompt_bytes: Option<usize>,
+    /// Most stop strings per request, and the longest one in bytes.
+    pub max_stop_strings: usize,
+    pub max_stop_string_bytes: usize,
+}
+
+impl ServerConfig {
+    /// Defaults for everything but the names.
+    pub fn new(served_model_names: Vec<String>) -> Self {
+        ServerConfig {
+            served_model_names,
+            api_key: None,
+            max_body_bytes: 8 * 1024 * 1024,
+            max_logprobs: 20,
+            body_timeout: Duration::from_secs(30),
+            max_concurrent_requests: 2048,
+            max_prompt_bytes: None,
+            max_stop_strings: 16,
+            max_stop_string_bytes: 256,
+        }
+    }
 }
 
 /// What exists once the model is loaded.
@@ -48,6 +81,8 @@ pub type HealthCheck = Arc<dyn Fn() -> Result<(), serde_json::Value> + Send + Sy
 /// Shared handler state.
 pub struct AppState {
     pub config: ServerConfig,
+    /// Permits for /v1 requests in flight.
+    pub inflight: Arc<Semaphore>,
     pub ready: OnceLock<Ready>,
     /// Extra readiness check (the cluster's), if any.
     pub health: OnceLock<HealthCheck>,
@@ -57,6 +92,7 @@ impl AppState {
     /// State of a server whose model is still loading.
     pub fn new(config: ServerConfig) -> Arc<Self> {
         Arc::new(AppState {
+            inflight: Arc::new(Semaphore::new(config.max_concurrent_requests.max(1))),
             config,
             ready: OnceLock::new(),
             health: OnceLock::new(),
@@ -94,14 +130,84 @@ pub fn router(state: Arc<AppState>) -> Router {
         .route("/v1/completions", post(completions))
         .route("/v1/chat/completions", post(chat_completions))
         .route("/v1/models", get(models))
+        // Run in reverse: check the key, read the body (bounded in size and
+        // time), then take a concurrency permit. A body still arriving holds
+        // a connection but no permit, so slow clients cannot starve the
+        // permits; memory for bodies is bounded by connections × body limit.
+        .route_layer(middleware::from_fn_with_state(state.clone(), shed_load))
+        .route_layer(middleware::from_fn_with_state(state.clone(), read_body))
         .route_layer(middleware::from_fn_with_state(state.clone(), auth));
     Router::new()
         .merge(v1)
         .route("/health", get(health))
         .route("/metrics", get(metrics))
         .fallback(|req: HttpRequest| async move { ApiError::not_found(req.uri().path()) })
+        .method_not_allowed_fallback(|req: HttpRequest| async move {
+            ApiError::method_not_allowed(req.method(), req.uri().path())
+        })
         .layer(DefaultBodyLimit::max(limit))
         .with_state(state)
+}
+
+/// Global concurrency limit with load shedding: a /v1 request that finds
+/// every permit taken is answered 503 + Retry-After at once instead of
+/// queueing. The permit is held until the response body is finished.
+async fn shed_load(State(state): State<Arc<AppState>>, req: HttpRequest, next: Next) -> Response {
+    let Ok(permit) = state.inflight.clone().try_acquire_owned() else {
+        metrics::counter!("epserve_http_shed_total").increment(1);
+        return ApiError::unavailable(
+            format!(
+                "the server is handling its limit of {} concurrent requests; retry later",
+                state.config.max_concurrent_requests
+            ),
+            1,
+        )
+        .into_response();
+    };
+    let resp = next.run(req).await;
+    resp.map(|b| conn::Guarded::wrap(b, permit))
+}
+
+/// Reads a request body under the size limit and a total deadline before the
+/// handler sees it: a `Content-Length` over the limit is refused (413) before
+/// a byte is read, a body that grows past it is refused as soon as it does,
+/// and a body that has not fully arrived within `body_timeout` gets 408.
+async fn read_body(State(state): State<Arc<AppState>>, req: HttpRequest, next: Next) -> Response {
+    if req.method() != Method::POST {
+        return next.run(req).await;
+    }
+    let limit = state.config.max_body_bytes;
+    let declared = req
+        .headers()
+        .get(header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .map(|v| v.trim().parse::<u64>());
+    match declared {
+        Some(Ok(n)) if n > limit as u64 => return ApiError::too_large(limit).into_response(),
+        Some(Err(_)) => return ApiError::bad_request("invalid Content-Length").into_response(),
+        _ => {}
+    }
+    let (parts, body) = req.into_parts();
+    let limited = http_body_util::Limited::new(body, limit);
+    let bytes = match tokio::time::timeout(state.config.body_timeout, limited.collect()).await {
+        Err(_) => {
+            metrics::counter!("epserve_http_body_timeouts_total").increment(1);
+            return ApiError::request_timeout(state.config.body_timeout).into_response();
+        }
+        Ok(Err(e)) => {
+            if e.is::<http_body_util::LengthLimitError>() {
+                return ApiError::too_large(limit).into_response();
+            }
+            return ApiError::bad_request(format!("cannot read the request body: {e}"))
+                .into_response();
+        }
+        Ok(Ok(c)) => c.to_bytes(),
+    };
+    next.run(HttpRequest::from_parts(
+        parts,
+        axum::body::Body::from(bytes),
+    ))
+    .await
 }
 
 async fn auth(State(state): State<Arc<AppState>>, req: HttpRequest, next: Next) -> Response {
@@ -179,10 +285,27 @@ fn body_bytes(state: &AppState, body: Result<Bytes, BytesRejection>) -> Result<B
 }
 
 fn limits(ready: &Ready, state: &AppState) -> Limits {
+    let max_model_len = ready.scheduler.config().max_model_len;
     Limits {
-        max_model_len: ready.scheduler.config().max_model_len,
+        max_model_len,
         max_logprobs: state.config.max_logprobs,
+        max_prompt_bytes: state
+            .config
+            .max_prompt_bytes
+            .unwrap_or_else(|| max_model_len.saturating_mul(16).max(64 * 1024)),
+        max_stop_strings: state.config.max_stop_strings,
+        max_stop_string_bytes: state.config.max_stop_string_bytes,
     }
+}
+
+/// Runs `f` (JSON parsing, chat template, tokenization: CPU work that grows
+/// with the body) on the blocking pool, off the async runtime's threads.
+async fn off_runtime<T: Send + 'static>(
+    f: impl FnOnce() -> Result<T, ApiError> + Send + 'static,
+) -> Result<T, ApiError> {
+    tokio::task::spawn_blocking(f)
+        .await
+        .map_err(|e| ApiError::internal(format!("request parsing failed: {e}")))?
 }
 
 async fn completions(
@@ -191,9 +314,13 @@ async fn completions(
 ) -> Result<Response, ApiError> {
     let bytes = body_bytes(&state, body)?;
     let ready = state.ready()?;
-    let b: CompletionBody = openai::parse_body(&bytes)?;
-    let model = state.check_model(b.model.as_deref())?;
-    let parsed = openai::parse_completion(&ready.engine, limits(ready, &state), &b)?;
+    let (engine, lim, st) = (ready.engine.clone(), limits(ready, &state), state.clone());
+    let (parsed, model) = off_runtime(move || {
+        let b: CompletionBody = openai::parse_body(&bytes)?;
+        let model = st.check_model(b.model.as_deref())?;
+        Ok((openai::parse_completion(&engine, lim, &b)?, model))
+    })
+    .await?;
     run(ready, parsed, model, response::Kind::Completion).await
 }
 
@@ -203,9 +330,13 @@ async fn chat_completions(
 ) -> Result<Response, ApiError> {
     let bytes = body_bytes(&state, body)?;
     let ready = state.ready()?;
-    let b: ChatBody = openai::parse_body(&bytes)?;
-    let model = state.check_model(b.model.as_deref())?;
-    let parsed = openai::parse_chat(&ready.engine, limits(ready, &state), &b)?;
+    let (engine, lim, st) = (ready.engine.clone(), limits(ready, &state), state.clone());
+    let (parsed, model) = off_runtime(move || {
+        let b: ChatBody = openai::parse_body(&bytes)?;
+        let model = st.check_model(b.model.as_deref())?;
+        Ok((openai::parse_chat(&engine, lim, &b)?, model))
+    })
+    .await?;
     run(ready, parsed, model, response::Kind::Chat).await
 }
 
@@ -242,18 +373,31 @@ async fn run(
     }
 }
 
-/// Binds `addr` and serves until SIGINT/SIGTERM, then drains in-flight requests.
-pub async fn serve(listener: tokio::net::TcpListener, state: Arc<AppState>) -> std::io::Result<()> {
-    let app = router(state);
-    axum::serve(
-        listener,
-        app.into_make_service_with_connect_info::<SocketAddr>(),
-    )
-    .with_graceful_shutdown(shutdown_signal())
-    .await
+/// Serves on `listener` until SIGINT/SIGTERM, then drains in-flight requests
+/// (for at most `opts.shutdown_timeout`).
+pub async fn serve(
+    listener: tokio::net::TcpListener,
+    state: Arc<AppState>,
+    opts: HttpOptions,
+) -> std::io::Result<()> {
+    serve_until(listener, state, opts, shutdown_signal()).await
 }
 
-async fn shutdown_signal() {
+/// [`serve`], stopping when `shutdown` resolves instead of on a signal.
+pub async fn serve_until<F>(
+    listener: tokio::net::TcpListener,
+    state: Arc<AppState>,
+    opts: HttpOptions,
+    shutdown: F,
+) -> std::io::Result<()>
+where
+    F: std::future::Future<Output = ()> + Send,
+{
+    conn::serve_connections(listener, router(state), opts, shutdown).await
+}
+
+/// Resolves on SIGINT or SIGTERM.
+pub async fn shutdown_signal() {
     let ctrl_c = async {
         let _ = tokio::signal::ctrl_c().await;
     };

@@ -160,6 +160,29 @@ pub struct Parsed {
 pub struct Limits {
     pub max_model_len: usize,
     pub max_logprobs: usize,
+    /// Longest prompt text in bytes, checked before tokenization.
+    pub max_prompt_bytes: usize,
+    pub max_stop_strings: usize,
+    pub max_stop_string_bytes: usize,
+}
+
+/// Most `stop_token_ids` per request.
+pub const MAX_STOP_TOKEN_IDS: usize = 256;
+
+impl Limits {
+    /// Refuses prompt text over the byte cap before any tokenizer runs.
+    fn check_prompt_bytes(&self, param: &str, n: usize) -> Result<(), ApiError> {
+        if n > self.max_prompt_bytes {
+            return Err(ApiError::bad_param(
+                param,
+                format!(
+                    "the prompt is {n} bytes, over the limit of {} bytes",
+                    self.max_prompt_bytes
+                ),
+            ));
+        }
+        Ok(())
+    }
 }
 
 fn sampling(
@@ -220,19 +243,70 @@ fn sampling(
         p.presence_penalty = v;
     }
     p.seed = f.seed.map(|s| s as u64);
-    p.validate()
-        .map_err(|e| ApiError::bad_request(e.to_string().replace("invalid input: ", "")))?;
+    p.validate().map_err(|e| {
+        let msg = e.to_string().replace("invalid input: ", "");
+        // The message starts with the field's name ("top_p must be ...").
+        let param = msg.split_whitespace().next().unwrap_or("").to_string();
+        ApiError::bad_param(&param, msg)
+    })?;
     Ok(p)
 }
 
-fn stops(f: &SamplingFields) -> Vec<String> {
-    match &f.stop {
+fn stops(limits: &Limits, f: &SamplingFields) -> Result<Vec<String>, ApiError> {
+    let v = match &f.stop {
         None => vec![],
         Some(StopInput::One(s)) => vec![s.clone()],
-        Some(StopInput::Many(v)) => v.clone(),
+        Some(StopInput::Many(v)) => {
+            if v.len() > limits.max_stop_strings {
+                return Err(ApiError::bad_param(
+                    "stop",
+                    format!(
+                        "at most {} stop strings may be given, got {}",
+                        limits.max_stop_strings,
+                        v.len()
+                    ),
+                ));
+            }
+            v.clone()
+        }
+    };
+    for (i, s) in v.iter().enumerate() {
+        if s.len() > limits.max_stop_string_bytes {
+            return Err(ApiError::bad_param(
+                "stop",
+                format!(
+                    "stop string {i} is {} bytes, over the limit of {} bytes",
+                    s.len(),
+                    limits.max_stop_string_bytes
+                ),
+            ));
+        }
     }
+    // An empty stop string would match everywhere.
+    Ok(v.into_iter().filter(|s| !s.is_empty()).collect())
 }
 
+fn stop_token_ids(f: &SamplingFields, vocab: usize) -> Result<Vec<u32>, ApiError> {
+    let v = f.stop_token_ids.clone().unwrap_or_default();
+    if v.len() > MAX_STOP_TOKEN_IDS {
+        return Err(ApiError::bad_param(
+            "stop_token_ids",
+            format!(
+                "at most {MAX_STOP_TOKEN_IDS} stop token ids may be given, got {}",
+                v.len()
+            ),
+        ));
+    }
+    if let Some(bad) = v.iter().find(|&&t| t as usize >= vocab) {
+        return Err(ApiError::bad_param(
+            "stop_token_ids",
+            format!("token id {bad} is out of range for a vocabulary of {vocab}"),
+        ));
+    }
+    Ok(v)
+}
+
+#[allow(clippy::too_many_arguments)]
 fn finish(
     engine: &Engine,
     limits: Limits,
@@ -240,6 +314,7 @@ fn finish(
     max_tokens: Option<i64>,
     max_tokens_name: &str,
     logprobs: Option<usize>,
+    logprobs_name: &str,
     f: &SamplingFields,
 ) -> Result<Parsed, ApiError> {
     let n_prompt = prompt_token_ids.len();
@@ -264,12 +339,12 @@ fn finish(
         Some(m) => m as usize,
         None => max_len.saturating_sub(n_prompt),
     };
-    if n_prompt + max_tokens > max_len {
+    if n_prompt.saturating_add(max_tokens) > max_len {
         return Err(ApiError::bad_param(
             max_tokens_name,
             format!(
                 "This model's maximum context length is {max_len} tokens. However, you requested {} tokens ({n_prompt} in the prompt, {max_tokens} in the completion). Please reduce the length of the prompt or {max_tokens_name}.",
-                n_prompt + max_tokens
+                n_prompt.saturating_add(max_tokens)
             ),
         ));
     }
@@ -277,9 +352,9 @@ fn finish(
         && n > limits.max_logprobs
     {
         return Err(ApiError::bad_param(
-            "logprobs",
+            logprobs_name,
             format!(
-                "at most {} logprobs may be requested, got {n}",
+                "at most {} {logprobs_name} may be requested, got {n}",
                 limits.max_logprobs
             ),
         ));
@@ -289,8 +364,8 @@ fn finish(
             prompt_token_ids,
             max_tokens,
             sampling: sampling(engine, f)?,
-            stop: stops(f),
-            stop_token_ids: f.stop_token_ids.clone().unwrap_or_default(),
+            stop: stops(&limits, f)?,
+            stop_token_ids: stop_token_ids(f, vocab)?,
             ignore_eos: f.ignore_eos.unwrap_or(false),
             logprobs,
         },
@@ -303,7 +378,17 @@ fn finish(
     })
 }
 
-fn ids(v: &[i64]) -> Result<Vec<u32>, ApiError> {
+fn ids(limits: Limits, v: &[i64]) -> Result<Vec<u32>, ApiError> {
+    if v.len() > limits.max_model_len {
+        return Err(ApiError::bad_param(
+            "prompt",
+            format!(
+                "the prompt has {} tokens, more than the context length of {}",
+                v.len(),
+                limits.max_model_len
+            ),
+        ));
+    }
     v.iter()
         .map(|&x| {
             u32::try_from(x)
@@ -325,14 +410,16 @@ pub fn parse_completion(
         return Err(ApiError::bad_param("suffix", "suffix is not supported"));
     }
     let tok_err = |e: epserve_core::Error| ApiError::internal(e.to_string());
+    let encode = |s: &str| {
+        limits.check_prompt_bytes("prompt", s.len())?;
+        engine.tokenizer.encode(s, true).map_err(tok_err)
+    };
     let prompt_ids = match &b.prompt {
         None => return Err(ApiError::bad_param("prompt", "missing field 'prompt'")),
-        Some(PromptInput::Text(s)) => engine.tokenizer.encode(s, true).map_err(tok_err)?,
-        Some(PromptInput::Ids(v)) => ids(v)?,
-        Some(PromptInput::Texts(v)) if v.len() == 1 => {
-            engine.tokenizer.encode(&v[0], true).map_err(tok_err)?
-        }
-        Some(PromptInput::IdBatch(v)) if v.len() == 1 => ids(&v[0])?,
+        Some(PromptInput::Text(s)) => encode(s)?,
+        Some(PromptInput::Ids(v)) => ids(limits, v)?,
+        Some(PromptInput::Texts(v)) if v.len() == 1 => encode(&v[0])?,
+        Some(PromptInput::IdBatch(v)) if v.len() == 1 => ids(limits, &v[0])?,
         Some(_) => {
             return Err(ApiError::bad_param(
                 "prompt",
@@ -353,6 +440,7 @@ pub fn parse_completion(
         Some(b.max_tokens.unwrap_or(16)),
         "max_tokens",
         logprobs,
+        "logprobs",
         &b.sampling,
     )
 }
@@ -370,6 +458,7 @@ pub fn parse_chat(engine: &Engine, limits: Limits, b: &ChatBody) -> Result<Parse
         ));
     }
     let mut chat = Vec::with_capacity(msgs.len());
+    let mut total = 0usize;
     for (i, m) in msgs.iter().enumerate() {
         let content = match &m.content {
             None => String::new(),
@@ -388,6 +477,10 @@ pub fn parse_chat(engine: &Engine, limits: Limits, b: &ChatBody) -> Result<Parse
                 s
             }
         };
+        total = total
+            .saturating_add(content.len())
+            .saturating_add(m.role.len());
+        limits.check_prompt_bytes("messages", total)?;
         chat.push(ChatMessage {
             role: m.role.clone(),
             content,
@@ -397,6 +490,7 @@ pub fn parse_chat(engine: &Engine, limits: Limits, b: &ChatBody) -> Result<Parse
         .tokenizer
         .apply_chat_template(&chat, b.add_generation_prompt.unwrap_or(true))
         .map_err(|e| ApiError::bad_param("messages", e.to_string()))?;
+    limits.check_prompt_bytes("messages", text.len())?;
     let prompt_ids = engine
         .tokenizer
         .encode(&text, false)
@@ -419,5 +513,14 @@ pub fn parse_chat(engine: &Engine, limits: Limits, b: &ChatBody) -> Result<Parse
         (Some(m), _) => (Some(m), "max_completion_tokens"),
         (None, m) => (m, "max_tokens"),
     };
-    finish(engine, limits, prompt_ids, max, name, logprobs, &b.sampling)
+    finish(
+        engine,
+        limits,
+        prompt_ids,
+        max,
+        name,
+        logprobs,
+        "top_logprobs",
+        &b.sampling,
+    )
 }

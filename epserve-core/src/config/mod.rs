@@ -307,6 +307,7 @@ impl ModelConfig {
         if let Some(text) = raw.text_config.take() {
             return Self::from_wrapper(raw, text, arch, path);
         }
+        check_sizes(&raw, path)?;
         let fam = arch::family(arch, &raw);
         let vocab_size = need(path, raw.vocab_size, "vocab_size")?;
         let hidden_size = need(path, raw.hidden_size, "hidden_size")?;
@@ -426,6 +427,98 @@ impl ModelConfig {
             .map(|(i, _)| i)
             .collect()
     }
+}
+
+/// Largest value each size field of `config.json` may have: far above any
+/// real model, low enough that nothing sized from them (layer lists, rope
+/// tables, KV blocks, routing tables) can ask for terabytes before the
+/// weights are checked against the file.
+pub const SIZE_CAPS: &[(&str, usize)] = &[
+    ("vocab_size", 1 << 24),
+    ("hidden_size", 1 << 17),
+    ("intermediate_size", 1 << 20),
+    ("moe_intermediate_size", 1 << 20),
+    ("shared_expert_intermediate_size", 1 << 20),
+    ("num_hidden_layers", 1 << 12),
+    ("num_attention_heads", 1 << 12),
+    ("num_key_value_heads", 1 << 12),
+    ("head_dim", 1 << 13),
+    ("max_position_embeddings", 1 << 24),
+    ("sliding_window", 1 << 24),
+    ("num_experts", 1 << 16),
+    ("num_local_experts", 1 << 16),
+    ("n_routed_experts", 1 << 16),
+    ("n_shared_experts", 1 << 10),
+    ("num_experts_per_tok", 1 << 10),
+    ("experts_per_token", 1 << 10),
+    ("top_k_experts", 1 << 10),
+    ("kv_lora_rank", 1 << 16),
+    ("q_lora_rank", 1 << 16),
+    ("qk_rope_head_dim", 1 << 13),
+    ("qk_nope_head_dim", 1 << 13),
+    ("v_head_dim", 1 << 13),
+    ("n_group", 1 << 16),
+    ("topk_group", 1 << 16),
+    ("global_head_dim", 1 << 13),
+    ("num_global_key_value_heads", 1 << 12),
+];
+
+/// Refuses absurd sizes with a clear error before anything is allocated
+/// from them; also the product that sizes the embedding table.
+fn check_sizes(raw: &RawConfig, path: &Path) -> Result<()> {
+    let get = |name: &str| -> Option<usize> {
+        match name {
+            "vocab_size" => raw.vocab_size,
+            "hidden_size" => raw.hidden_size,
+            "intermediate_size" => raw.intermediate_size,
+            "moe_intermediate_size" => raw.moe_intermediate_size,
+            "shared_expert_intermediate_size" => raw.shared_expert_intermediate_size,
+            "num_hidden_layers" => raw.num_hidden_layers,
+            "num_attention_heads" => raw.num_attention_heads,
+            "num_key_value_heads" => raw.num_key_value_heads,
+            "head_dim" => raw.head_dim,
+            "max_position_embeddings" => raw.max_position_embeddings,
+            "sliding_window" => raw.sliding_window,
+            "num_experts" => raw.num_experts,
+            "num_local_experts" => raw.num_local_experts,
+            "n_routed_experts" => raw.n_routed_experts,
+            "n_shared_experts" => raw.n_shared_experts,
+            "num_experts_per_tok" => raw.num_experts_per_tok,
+            "experts_per_token" => raw.experts_per_token,
+            "top_k_experts" => raw.top_k_experts,
+            "kv_lora_rank" => raw.kv_lora_rank,
+            "q_lora_rank" => raw.q_lora_rank,
+            "qk_rope_head_dim" => raw.qk_rope_head_dim,
+            "qk_nope_head_dim" => raw.qk_nope_head_dim,
+            "v_head_dim" => raw.v_head_dim,
+            "n_group" => raw.n_group,
+            "topk_group" => raw.topk_group,
+            "global_head_dim" => raw.global_head_dim,
+            "num_global_key_value_heads" => raw.num_global_key_value_heads,
+            _ => None,
+        }
+    };
+    for &(name, max) in SIZE_CAPS {
+        if let Some(v) = get(name)
+            && v > max
+        {
+            return Err(Error::config(
+                path,
+                format!("`{name}` is {v}, beyond the sane limit of {max}"),
+            ));
+        }
+    }
+    let vocab = raw.vocab_size.unwrap_or(0);
+    let hidden = raw.hidden_size.unwrap_or(0);
+    if vocab.checked_mul(hidden).is_none_or(|n| n > 1 << 36) {
+        return Err(Error::config(
+            path,
+            format!(
+                "vocab_size {vocab} × hidden_size {hidden} is beyond the sane limit of 2^36 elements"
+            ),
+        ));
+    }
+    Ok(())
 }
 
 /// Parses `2GiB`, `512MiB`, `1.5G`, `1000000`.

@@ -10,6 +10,9 @@ use serde_json::Value;
 
 use crate::error::{Error, Result};
 
+/// Largest `tokenizer.json` accepted (real ones are tens of MB).
+pub const MAX_TOKENIZER_BYTES: u64 = 512 << 20;
+
 /// One chat message.
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
 pub struct ChatMessage {
@@ -48,10 +51,33 @@ impl Tokenizer {
                 what: "tokenizer",
             });
         }
-        let inner = tokenizers::Tokenizer::from_file(&path).map_err(|e| Error::Tokenizer {
-            path: path.clone(),
-            message: format!("cannot load tokenizer: {e}"),
-        })?;
+        let size = std::fs::metadata(&path)
+            .map_err(|e| Error::io(&path, e))?
+            .len();
+        if size > MAX_TOKENIZER_BYTES {
+            return Err(Error::Tokenizer {
+                path,
+                message: format!(
+                    "the file is {size} bytes, beyond the sane limit of {MAX_TOKENIZER_BYTES}"
+                ),
+            });
+        }
+        // A hostile file must not take the process down: a panic inside the
+        // tokenizers crate becomes an error naming the file.
+        let loaded = std::panic::catch_unwind(|| tokenizers::Tokenizer::from_file(&path));
+        let inner = match loaded {
+            Ok(r) => r.map_err(|e| Error::Tokenizer {
+                path: path.clone(),
+                message: format!("cannot load tokenizer: {e}"),
+            })?,
+            Err(_) => {
+                return Err(Error::Tokenizer {
+                    path: path.clone(),
+                    message: "cannot load tokenizer: the file is malformed (the parser panicked)"
+                        .into(),
+                });
+            }
+        };
         let cfg_path = dir.join("tokenizer_config.json");
         let cfg: Value = if cfg_path.is_file() {
             let text = std::fs::read_to_string(&cfg_path).map_err(|e| Error::io(&cfg_path, e))?;

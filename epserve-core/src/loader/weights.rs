@@ -116,6 +116,11 @@ impl WeightStore {
             path: path.to_path_buf(),
             message: e.to_string(),
         })?;
+        // The header is checked by the safetensors crate (size, JSON, offsets
+        // contiguous and inside the file, shape × dtype = bytes); check again
+        // here what this store relies on, so that a hostile file can only
+        // ever be an error.
+        let file_len = shared.bytes().len();
         let base = shared.bytes().as_ptr() as usize;
         let file_idx = self.files.len();
         for (name, view) in st.tensors() {
@@ -126,13 +131,24 @@ impl WeightStore {
                 other => Err(format!("{other:?}")),
             };
             let data = view.data();
+            let elems = view
+                .shape()
+                .iter()
+                .try_fold(1usize, |a, &d| a.checked_mul(d));
+            let offset = (data.as_ptr() as usize).wrapping_sub(base);
+            if elems.is_none() || offset > file_len || data.len() > file_len - offset {
+                return Err(Error::CorruptWeights {
+                    path: path.to_path_buf(),
+                    message: format!("tensor '{name}': shape or offsets out of range"),
+                });
+            }
             self.entries.insert(
                 name,
                 Entry {
                     file: file_idx,
                     dtype,
                     shape: view.shape().to_vec(),
-                    offset: data.as_ptr() as usize - base,
+                    offset,
                     len: data.len(),
                 },
             );
