@@ -113,10 +113,7 @@ fn certs(pem: &[u8], path: &Path, what: &str) -> Result<Vec<CertificateDer<'stat
         .collect::<Result<Vec<_>, _>>()
         .map_err(|e| anyhow::anyhow!("{what} {}: not PEM: {e}", path.display()))?;
     if certs.is_empty() {
-        bail!(
-            "{what} {}: no CERTIFICATE in the PEM file",
-            path.display()
-        );
+        bail!("{what} {}: no CERTIFICATE in the PEM file", path.display());
     }
     Ok(certs)
 }
@@ -140,7 +137,10 @@ impl NodeTls {
     ) -> Result<Self> {
         let chain = certs(&cert_pem, cert, "--tls-cert")?;
         let key_der = PrivateKeyDer::from_pem_slice(&key_pem).map_err(|e| {
-            anyhow::anyhow!("--tls-key {}: no usable PEM private key: {e}", key.display())
+            anyhow::anyhow!(
+                "--tls-key {}: no usable PEM private key: {e}",
+                key.display()
+            )
         })?;
         let provider = Arc::new(rustls::crypto::ring::default_provider());
         let signer = provider
@@ -196,9 +196,7 @@ impl NodeTls {
 }
 
 /// Applies `tls` to a server builder (unchanged without TLS).
-pub fn server_builder(
-    tls: Option<&NodeTls>,
-) -> Result<tonic::transport::Server> {
+pub fn server_builder(tls: Option<&NodeTls>) -> Result<tonic::transport::Server> {
     let b = tonic::transport::Server::builder();
     match tls {
         None => Ok(b),
@@ -217,9 +215,7 @@ pub fn address_host(addr: &str) -> Option<&str> {
     if let Some(v6) = authority.strip_prefix('[') {
         return v6.split_once(']').map(|(h, _)| h).filter(|h| !h.is_empty());
     }
-    let host = authority
-        .rsplit_once(':')
-        .map_or(authority, |(h, _)| h);
+    let host = authority.rsplit_once(':').map_or(authority, |(h, _)| h);
     (!host.is_empty()).then_some(host)
 }
 
@@ -316,7 +312,10 @@ mod tests {
             Err(e) => e.to_string(),
             Ok(_) => panic!("two of three accepted"),
         };
-        assert!(e.contains("missing --tls-ca") && !e.contains("--tls-key,"), "{e}");
+        assert!(
+            e.contains("missing --tls-ca") && !e.contains("--tls-key,"),
+            "{e}"
+        );
         assert_eq!(
             parse(&["--tls-cert", "c", "--tls-key", "k", "--tls-ca", "a"]).to_flags(),
             ["--tls-cert", "c", "--tls-key", "k", "--tls-ca", "a"]
@@ -350,7 +349,10 @@ mod tests {
     #[test]
     fn hosts_and_urls_of_node_addresses() {
         assert_eq!(address_host("127.0.0.1:50051"), Some("127.0.0.1"));
-        assert_eq!(address_host("http://worker-0.epserve:50051"), Some("worker-0.epserve"));
+        assert_eq!(
+            address_host("http://worker-0.epserve:50051"),
+            Some("worker-0.epserve")
+        );
         assert_eq!(address_host("https://[::1]:9000/x"), Some("::1"));
         assert_eq!(address_host("localhost"), Some("localhost"));
         assert_eq!(address_host("http://:1"), None);

@@ -28,6 +28,6 @@ pub mod bench_step;
 pub mod ctl;
 pub mod generate;
 pub mod link;
-pub mod plan;
 pub mod pki;
+pub mod plan;
 pub mod up;

@@ -12,6 +12,7 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, bail};
 use epserve_cluster::runtime::Status;
 use epserve_cluster::state::{ClusterState, WorkerInfo};
+use epserve_cluster::tls::NodeTls;
 use epserve_core::config::ModelConfig;
 use epserve_core::model::attention::HeadShard;
 use epserve_core::model::attn_shard::{AttentionBackend, PendingAttention, SeqChunk};
@@ -21,7 +22,6 @@ use epserve_proto::pb::{self, AttentionRequest, Dtype, HealthRequest, ReleaseReq
 use epserve_proto::wire;
 use futures_util::future::join_all;
 use metrics::{counter, histogram};
-use epserve_cluster::tls::NodeTls;
 use tonic::transport::Channel;
 use tower::retry::budget::Budget;
 use tracing::Instrument;

@@ -28,6 +28,7 @@ use std::collections::{BTreeMap, HashMap, HashSet};
 use std::sync::{Arc, Mutex, RwLock};
 use std::time::{Duration, Instant};
 
+use epserve_cluster::tls::NodeTls;
 use epserve_core::moe::{
     DispatchTiming, Dispatched, Dispatcher, PendingDispatch, Routing, RowFault, SKIP_SLOT,
 };
@@ -39,7 +40,6 @@ use epserve_proto::wire;
 use futures_util::future::join_all;
 use metrics::{counter, gauge, histogram};
 use tonic::Status;
-use epserve_cluster::tls::NodeTls;
 use tonic::transport::Channel;
 use tower::retry::budget::{Budget, TpsBudget};
 use tracing::Instrument;
@@ -1395,6 +1395,7 @@ mod tests {
             "the reason names the certificate: {}",
             dead[0].1
         );
+        eprintln!("w0 marked dead: {}", dead[0].1);
         // Expert 0 (on w0 and w1) is served by w1 alone.
         let r = Routing {
             num_tokens: 1,

@@ -335,11 +335,7 @@ pub fn run(args: &CoordinatorArgs, status: Status) -> Result<()> {
             tracing::info!("admin service requires client certificates from --tls-ca");
         }
         rt.spawn(async move {
-            if let Err(e) = builder
-                .add_service(svc)
-                .serve_with_incoming(incoming)
-                .await
-            {
+            if let Err(e) = builder.add_service(svc).serve_with_incoming(incoming).await {
                 tracing::error!(error = %e, "admin service failed");
             }
         });
