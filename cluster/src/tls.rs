@@ -24,6 +24,10 @@ use rustls::pki_types::pem::PemObject;
 use rustls::pki_types::{CertificateDer, PrivateKeyDer};
 use tonic::transport::{Certificate, ClientTlsConfig, Endpoint, Identity, ServerTlsConfig};
 
+/// How long a TLS handshake may take, on either side: a peer that stalls
+/// in it is dropped.
+pub const HANDSHAKE_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(10);
+
 /// `--tls-cert --tls-key --tls-ca`: mutual TLS on the node links, the same
 /// three flags on every role (flattened into each role's arguments).
 #[derive(Debug, Clone, Default, Args, PartialEq, Eq)]
@@ -177,12 +181,14 @@ impl NodeTls {
     }
 
     /// A server's configuration: this identity, client certificates from
-    /// the CA required.
+    /// the CA required, handshakes bounded by [`HANDSHAKE_TIMEOUT`] (tonic
+    /// runs them concurrently, off the accept loop).
     pub fn server_config(&self) -> ServerTlsConfig {
         ServerTlsConfig::new()
             .identity(self.identity())
             .client_ca_root(self.ca())
             .client_auth_optional(false)
+            .timeout(HANDSHAKE_TIMEOUT)
     }
 
     /// A client's configuration for a server that must present a
@@ -192,6 +198,7 @@ impl NodeTls {
             .ca_certificate(self.ca())
             .identity(self.identity())
             .domain_name(host)
+            .timeout(HANDSHAKE_TIMEOUT)
     }
 }
 

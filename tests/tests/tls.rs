@@ -325,7 +325,7 @@ async fn check(ch: Channel) -> Result<(), tonic::Status> {
 /// registered at 127.0.0.1 is trusted only if its certificate names
 /// 127.0.0.1 (an IP SAN), one registered at `localhost` only with that
 /// DNS SAN; a certificate for another name is refused at the handshake,
-/// saying so.
+/// saying so. Connections stalled before their handshake block no one.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_worker_certificate_for_another_name_is_refused() {
     let dir = tempfile::tempdir().expect("tmp");
@@ -361,8 +361,69 @@ async fn a_worker_certificate_for_another_name_is_refused() {
             .await
             .is_err()
     );
+    // A peer that opens connections and never says anything holds up no
+    // one: handshakes run concurrently, each bounded.
+    let mut stalled = Vec::new();
+    for _ in 0..20 {
+        stalled.push(
+            tokio::net::TcpStream::connect(right.trim_start_matches("https://"))
+                .await
+                .expect("tcp"),
+        );
+    }
     // And the right server still serves.
     try_call(endpoint(&right, Some(&client)).expect("ep"), check)
         .await
         .expect("still serving");
+    drop(stalled);
+}
+
+/// Every role takes the same three flags and stops at once, naming what is
+/// wrong, when only some are given or a file is not PEM.
+#[test]
+fn every_role_checks_its_tls_flags_before_starting() {
+    let dir = tempfile::tempdir().expect("tmp");
+    let junk = dir.path().join("junk.pem");
+    std::fs::write(&junk, "not PEM\n").expect("write");
+    let junk = junk.to_str().expect("utf-8");
+    let model = fixture_dir("qwen3_moe_a").join("f32");
+    let model = model.to_str().expect("utf-8");
+    let roles: [&[&str]; 4] = [
+        &["expert-worker", "--model", model, "--etcd", "127.0.0.1:1"],
+        &[
+            "attention-worker",
+            "--model",
+            model,
+            "--etcd",
+            "127.0.0.1:1",
+            "--shard",
+            "0",
+            "--of",
+            "1",
+        ],
+        &["coordinator", "--model", model, "--etcd", "127.0.0.1:1"],
+        &["ctl", "--admin", "127.0.0.1:1"],
+    ];
+    for role in roles {
+        for (flags, want) in [
+            (
+                vec!["--tls-cert", junk],
+                "missing --tls-key, --tls-ca".to_string(),
+            ),
+            (
+                vec!["--tls-cert", junk, "--tls-key", junk, "--tls-ca", junk],
+                format!("--tls-cert {junk}: no CERTIFICATE"),
+            ),
+        ] {
+            let mut cmd = std::process::Command::new(env!("CARGO_BIN_EXE_epserve-it"));
+            cmd.args(role).args(&flags);
+            if role[0] == "ctl" {
+                cmd.arg("placement");
+            }
+            let out = cmd.output().expect("run");
+            let err = String::from_utf8_lossy(&out.stderr);
+            assert!(!out.status.success(), "{role:?} {flags:?} started");
+            assert!(err.contains(&want), "{role:?} {flags:?}: {err}");
+        }
+    }
 }
