@@ -3,8 +3,9 @@
 # renders it with Helm's Go SDK for the default values, the example values files
 # and variants, validates every object against the Kubernetes 1.33 API schemas
 # (strict) and with yamllint, checks the wiring between objects, and, when the
-# epserve binary is built (target/debug or EPSERVE_BIN), checks the chart's flags
-# against `epserve <role> --help` and renders `epserve plan --helm-values` output.
+# epserve binary is built (target/debug or EPSERVE_BIN), checks every flag the chart
+# passes to an epserve container against `epserve <role> --help` (strict: an unknown
+# flag fails) and renders `epserve plan --helm-values` output.
 # Needs python3 (3.10+) with venv and pip access to PyPI. Exits non-zero on any error.
 set -euo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
@@ -36,7 +37,8 @@ echo "== deploy: kubernetes-validate --strict -k 1.33 on every rendered scenario
 out="$(mktemp -d)"
 trap 'rm -rf "$out"' EXIT
 "$venv/bin/python" "$here/tests/render.py" "$out" >/dev/null
-# ServiceMonitor (a CRD) has no bundled schema: kubernetes-validate warns and the
-# pytest suite checks its shape; every other object must pass.
+# ServiceMonitor, Certificate and Issuer (CRDs of the Prometheus Operator and
+# cert-manager) have no bundled schema: kubernetes-validate warns and the pytest
+# suite checks their shape; every other object must pass.
 "$venv/bin/kubernetes-validate" --strict -k 1.33 --quiet "$out"/*.yaml
 echo "== deploy: OK"

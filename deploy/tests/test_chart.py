@@ -6,9 +6,13 @@ variants; validates every object against the Kubernetes 1.33 API schemas
 (kubernetes-validate, strict: unknown fields are errors) and with yamllint;
 and checks that the objects wire together: Service selectors match pod labels,
 ports match the flags the containers get, etcd endpoints match, referenced
-Secrets exist, workers get Guaranteed QoS. When the epserve binary is built,
-the flags the chart passes are checked against `epserve <role> --help`, and the
-values `epserve plan --helm-values` writes are rendered too.
+Secrets exist, workers get Guaranteed QoS; with TLS on, every link is wired
+(certificates mounted, flags passed, etcd served over TLS with client-cert
+auth) and the cert-manager certificates name the addresses peers dial; the
+NetworkPolicies let only the right pods in. When the epserve binary is built,
+every flag the chart passes to an epserve container must be accepted by
+`epserve <role> --help` (strict: an unknown flag fails; see PENDING_FLAGS),
+and the values `epserve plan --helm-values` writes are rendered too.
 
 Run: deploy/ci-check.sh (or pytest deploy/tests in a venv with deploy/requirements.txt).
 """
@@ -16,9 +20,9 @@ Run: deploy/ci-check.sh (or pytest deploy/tests in a venv with deploy/requiremen
 from __future__ import annotations
 
 import copy
+import fnmatch
 import json
 import os
-import warnings
 import re
 import shutil
 import subprocess
@@ -41,10 +45,6 @@ DOMAIN = "cluster.local"
 
 # Example values files shipped with the chart.
 EXAMPLES = sorted(CHART.glob("values-*.yaml"))
-
-# Self-signed throwaway PEM-looking material: the chart only base64-encodes it.
-FAKE_PEM = "-----BEGIN CERTIFICATE-----\nMIIBfake\n-----END CERTIFICATE-----\n"
-FAKE_KEY = "-----BEGIN PRIVATE KEY-----\nMIIBfake\n-----END PRIVATE KEY-----\n"
 
 
 def load_values(path: Path) -> dict:
@@ -78,22 +78,59 @@ SCENARIOS: dict[str, dict] = {
     "attention-shards-servicemonitor": {
         "attentionWorkers": {"replicas": 4, "antiAffinity": "hard"},
         "expertWorkers": {"replicas": 6, "antiAffinity": "hard", "advertise": "podIP", "cores": "0-13", "expertDtype": "int8"},
-        "metrics": {"workerPort": 9090, "serviceMonitor": {"enabled": True, "labels": {"release": "kps"}}},
+        "metrics": {"serviceMonitor": {"enabled": True, "labels": {"release": "kps"}}},
         "coordinator": {"replicas": 2, "maxModelLen": 8192, "kvCacheMemory": "8GiB", "kvCacheDtype": "bf16", "denseDtype": "int8", "microBatches": "2",
                         "dispatchDtype": "int8"},
         "model": {"servedModelName": ["a/b", "b"]},
     },
-    "tls-inline-karpenter": {
-        "tls": {"enabled": True, "cert": FAKE_PEM, "key": FAKE_KEY, "ca": FAKE_PEM},
+    # TLS everywhere from cert-manager with the release's own CA, attention shards,
+    # a restricted OpenAI port.
+    "tls-certmanager-karpenter": {
+        "tls": {"enabled": True, "certManager": {"enabled": True}, "api": {"dnsNames": ["llm.example.com"]}},
+        "attentionWorkers": {"replicas": 2},
         "scheduling": {"instanceFamilyLabel": "karpenter.k8s.aws/instance-family", "nodeAffinity": "preferred", "sameZone": False},
         "metrics": {"serviceMonitor": {"enabled": True}},
+        "networkPolicy": {
+            "api": {"from": [{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "apps"}}}]},
+            "admin": {"from": [{"ipBlock": {"cidr": "10.1.0.0/16"}}]},
+        },
     },
+    # cert-manager with a ClusterIssuer, a separate API certificate Secret, one etcd member
+    # (RSA keys), no NetworkPolicy.
+    "tls-clusterissuer-api-secret": {
+        "tls": {
+            "enabled": True,
+            "certManager": {"enabled": True, "issuerRef": {"name": "corp-ca", "kind": "ClusterIssuer"},
+                            "privateKeyAlgorithm": "RSA", "privateKeySize": 3072},
+            "api": {"existingSecret": "public-api-cert"},
+        },
+        "etcd": {"replicas": 1, "persistence": {"enabled": False}},
+        "networkPolicy": {"enabled": False},
+        "tests": {"enabled": False},
+    },
+    # TLS on the node links only (HTTPS terminated by a load balancer), one Secret for all.
     "existing-secrets-no-auth": {
         "auth": {"apiKey": {"enabled": False}, "adminToken": {"existingSecret": "ops-admin"}},
-        "tls": {"enabled": True, "existingSecret": "ops-tls", "existingSecretHasCa": True},
+        "tls": {"enabled": True, "existingSecret": "ops-tls", "api": {"enabled": False}},
         "serviceAccount": {"create": False, "name": "epserve-sa"},
         "scheduling": {"nodeAffinity": "none", "tolerations": [{"key": "graviton", "operator": "Exists", "effect": "NoSchedule"}]},
         "coordinator": {"service": {"type": "LoadBalancer", "loadBalancerSourceRanges": ["10.0.0.0/8"]}},
+        "networkPolicy": {"metrics": {"from": []}},
+    },
+    # A Secret per role, attention shards, an external etcd with TLS and user auth.
+    "tls-per-role-secrets-external-etcd": {
+        "tls": {"enabled": True, "existingSecrets": {
+            "coordinator": "coord-tls", "expertWorker": "ew-tls", "attentionWorker": "aw-tls", "client": "ctl-tls"}},
+        "attentionWorkers": {"replicas": 4},
+        "etcd": {"enabled": False, "external": {
+            "endpoints": ["https://etcd-a.infra:2379", "https://etcd-b.infra:2379"],
+            "tls": {"existingSecret": "infra-etcd-client"},
+            "auth": {"user": "epserve", "existingSecret": "infra-etcd-password"}}},
+    },
+    # An external etcd with a CA only (no client certificate) and no TLS elsewhere.
+    "external-etcd-ca-only": {
+        "etcd": {"enabled": False, "external": {
+            "endpoints": ["https://etcd.infra:2379"], "tls": {"existingSecret": "infra-etcd-ca", "clientCert": False}}},
     },
 }
 for example in EXAMPLES:
@@ -148,12 +185,50 @@ def workloads(objs):
     return [o for o in objs if o["kind"] in ("Deployment", "StatefulSet")]
 
 
+def pod_spec(obj):
+    return obj["spec"] if obj["kind"] == "Pod" else obj["spec"]["template"]["spec"]
+
+
+def pod_labels(obj):
+    return obj["metadata"]["labels"] if obj["kind"] == "Pod" else obj["spec"]["template"]["metadata"]["labels"]
+
+
 def containers(workload, init=False):
-    spec = workload["spec"]["template"]["spec"]
+    spec = pod_spec(workload)
     out = list(spec.get("containers", []))
     if init:
         out += spec.get("initContainers", [])
     return out
+
+
+def pod_owners(objs):
+    """Everything that makes pods: Deployments, StatefulSets and bare Pods (the helm test)."""
+    return [o for o in objs if o["kind"] in ("Deployment", "StatefulSet", "Pod")]
+
+
+def epserve_containers(objs):
+    """(pod owner, container) for every container, init ones too, running the epserve image."""
+    out = []
+    for w in pod_owners(objs):
+        for c in containers(w, init=True):
+            if c["image"].split("@")[0].rsplit(":", 1)[0].endswith("/epserve"):
+                out.append((w, c))
+    return out
+
+
+def secret_volume(workload, volume_name):
+    for v in pod_spec(workload).get("volumes", []):
+        if v["name"] == volume_name:
+            return v["secret"]["secretName"]
+    raise AssertionError(f"{workload['metadata']['name']} has no volume {volume_name}")
+
+
+def mount_path(container, volume_name):
+    for m in container.get("volumeMounts", []):
+        if m["name"] == volume_name:
+            assert m.get("readOnly") is True, f"{container['name']}: {volume_name} mounted writable"
+            return m["mountPath"]
+    raise AssertionError(f"{container['name']} does not mount {volume_name}")
 
 
 def flags(container) -> dict[str, list[str]]:
@@ -206,6 +281,9 @@ def test_objects_validate_against_kubernetes_schemas(scenario):
         if data["apiVersion"].startswith("monitoring.coreos.com/"):
             check_service_monitor_shape(data)
             continue
+        if data["apiVersion"].startswith("cert-manager.io/"):
+            check_cert_manager_shape(data)
+            continue
         try:
             kubernetes_validate.validate(data, KUBE_VERSION, strict=True)
         except kubernetes_validate.ValidationError as e:
@@ -223,6 +301,33 @@ def check_service_monitor_shape(sm: dict):
         assert set(ep) <= allowed_ep, ep.keys()
         assert re.fullmatch(r"\d+[smh]", ep["interval"]) and re.fullmatch(r"\d+[smh]", ep["scrapeTimeout"])
     assert sm["spec"]["selector"]["matchLabels"]
+
+
+def check_cert_manager_shape(obj: dict):
+    """cert-manager's CRDs are not in the bundled schemas: check the fields we use (cert-manager.io/v1)."""
+    assert obj["apiVersion"] == "cert-manager.io/v1", obj["apiVersion"]
+    spec = obj["spec"]
+    if obj["kind"] == "Issuer":
+        assert set(spec) in ({"selfSigned"}, {"ca"}), spec
+        if "ca" in spec:
+            assert set(spec["ca"]) == {"secretName"}
+        return
+    assert obj["kind"] == "Certificate", obj["kind"]
+    allowed = {"secretName", "secretTemplate", "duration", "renewBefore", "commonName", "dnsNames",
+               "ipAddresses", "usages", "privateKey", "issuerRef", "isCA"}
+    assert set(spec) <= allowed, set(spec) - allowed
+    assert spec["secretName"] and spec["issuerRef"]["name"]
+    assert spec["issuerRef"]["kind"] in ("Issuer", "ClusterIssuer")
+    assert spec.get("commonName") or spec.get("dnsNames") or spec.get("ipAddresses")
+    assert len(spec.get("commonName", "")) <= 64, "cert-manager refuses a commonName over 64 characters"
+    for d in ("duration", "renewBefore"):
+        if d in spec:
+            assert re.fullmatch(r"\d+h", spec[d]), spec[d]
+    known_usages = {"digital signature", "key encipherment", "server auth", "client auth", "cert sign"}
+    assert set(spec.get("usages", [])) <= known_usages, spec.get("usages")
+    pk = spec["privateKey"]
+    assert pk["algorithm"] in ("ECDSA", "RSA", "Ed25519") and pk.get("rotationPolicy") == "Always"
+    assert set(pk) <= {"algorithm", "size", "rotationPolicy"}
 
 
 YAMLLINT_CONFIG = yamllint_config.YamlLintConfig(
@@ -301,7 +406,18 @@ def test_values_yaml_is_documented_line_by_line():
         ({"model": {"source": "nfs"}}, "model.source must be"),
         ({"etcd": {"enabled": False}}, "etcd.external.endpoints"),
         ({"etcd": {"replicas": 2}}, "etcd.replicas must be 1, 3 or 5"),
-        ({"tls": {"enabled": True}}, "tls.cert"),
+        ({"tls": {"enabled": True}}, "tls.enabled needs certificates"),
+        ({"tls": {"enabled": True, "existingSecrets": {"coordinator": "c"}}}, "tls.enabled needs certificates"),
+        ({"tls": {"enabled": True, "existingSecrets": {"coordinator": "c", "client": "c"}}}, "tls.existingSecrets.expertWorker"),
+        ({"tls": {"enabled": True, "cert": "PEM"}}, "tls.cert was removed"),
+        ({"metrics": {"workerPort": 9090}}, "metrics.workerPort was removed"),
+        ({"tls": {"enabled": True, "existingSecret": "s"}, "expertWorkers": {"advertise": "podIP"}}, "expertWorkers.advertise must be dns"),
+        ({"tls": {"enabled": True, "existingSecret": "s"}, "attentionWorkers": {"replicas": 2, "advertise": "podIP"}},
+         "attentionWorkers.advertise must be dns"),
+        ({"etcd": {"enabled": False, "external": {"endpoints": ["https://e:2379"], "auth": {"user": "u"}}}},
+         "etcd.external.auth.existingSecret"),
+        ({"etcd": {"enabled": False, "external": {"endpoints": ["http://e:2379"], "tls": {"existingSecret": "ca"}}}},
+         "use https://"),
         ({"model": {"source": "s3"}}, "model.s3.uri"),
         ({"expertWorkers": {"antiAffinity": "always"}}, "antiAffinity must be"),
         ({"scheduling": {"nodeAffinity": "sometimes"}}, "scheduling.nodeAffinity must be"),
@@ -446,7 +562,13 @@ def test_workers_are_ready_by_grpc_health_and_expert_workers_drain_on_sigterm(sc
         c = containers(sts)[0]
         # Readiness: Kubernetes' gRPC probe (grpc.health.v1.Health) on the worker's own port;
         # liveness stays TCP (NOT_SERVING while loading or draining must not kill the pod).
-        assert c["readinessProbe"]["grpc"]["port"] == named_port(c, "grpc"), f"{name}: {component}"
+        # With mutual TLS the kubelet's gRPC probe (plaintext, no client certificate) cannot
+        # pass: readiness is a TCP probe then.
+        if values["tls"]["enabled"]:
+            assert "grpc" not in c["readinessProbe"], f"{name}: {component}"
+            assert c["readinessProbe"]["tcpSocket"]["port"] == "grpc"
+        else:
+            assert c["readinessProbe"]["grpc"]["port"] == named_port(c, "grpc"), f"{name}: {component}"
         assert "grpc" not in c["livenessProbe"], f"{name}: {component}"
         if component == "expert-worker":
             drain = int(one(c, "--drain-timeout-secs"))
@@ -518,11 +640,15 @@ def test_etcd_endpoints_match(scenario):
         return
     svc = find(objs, "Service", fullname("etcd"))
     (client,) = [p for p in svc["spec"]["ports"] if p["name"] == "client"]
-    assert endpoint == f"http://{svc['metadata']['name']}.{NAMESPACE}.svc.{DOMAIN}:{client['port']}"
+    scheme = "https" if values["tls"]["enabled"] else "http"
+    assert endpoint == f"{scheme}://{svc['metadata']['name']}.{NAMESPACE}.svc.{DOMAIN}:{client['port']}"
     sts = find(objs, "StatefulSet", fullname("etcd"))
     etcd = containers(sts)[0]
     assert named_port(etcd, "client") == client["port"] or client["targetPort"] == "client"
-    assert one(etcd, "--listen-client-urls") == f"http://0.0.0.0:{named_port(etcd, 'client')}"
+    assert one(etcd, "--listen-client-urls") == f"{scheme}://0.0.0.0:{named_port(etcd, 'client')}"
+    assert one(etcd, "--listen-peer-urls") == f"{scheme}://0.0.0.0:{named_port(etcd, 'peer')}"
+    # /metrics, /livez and /readyz stay plain HTTP (the probes use them).
+    assert one(etcd, "--listen-metrics-urls") == f"http://0.0.0.0:{named_port(etcd, 'metrics')}"
     # The initial cluster names every member by its peer DNS name.
     replicas = values["etcd"]["replicas"]
     assert sts["spec"]["replicas"] == replicas
@@ -531,10 +657,10 @@ def test_etcd_endpoints_match(scenario):
     peer_port = named_port(etcd, "peer")
     members = one(etcd, "--initial-cluster").split(",")
     assert members == [
-        f"{sts['metadata']['name']}-{i}=http://{sts['metadata']['name']}-{i}.{peers}.{NAMESPACE}.svc.{DOMAIN}:{peer_port}"
+        f"{sts['metadata']['name']}-{i}={scheme}://{sts['metadata']['name']}-{i}.{peers}.{NAMESPACE}.svc.{DOMAIN}:{peer_port}"
         for i in range(replicas)
     ]
-    assert one(etcd, "--initial-advertise-peer-urls") == f"http://$(POD_NAME).{peers}.{NAMESPACE}.svc.{DOMAIN}:{peer_port}"
+    assert one(etcd, "--initial-advertise-peer-urls") == f"{scheme}://$(POD_NAME).{peers}.{NAMESPACE}.svc.{DOMAIN}:{peer_port}"
     if values["etcd"]["persistence"]["enabled"]:
         (claim,) = sts["spec"]["volumeClaimTemplates"]
         assert claim["metadata"]["name"] == "data"
@@ -543,16 +669,28 @@ def test_etcd_endpoints_match(scenario):
         assert "volumeClaimTemplates" not in sts["spec"]
 
 
+def external_secrets(values) -> set[str]:
+    """Secrets the values name that live outside the chart."""
+    t, ext = values["tls"], values["etcd"]["external"]
+    names = {
+        values["auth"]["apiKey"]["existingSecret"],
+        values["auth"]["adminToken"]["existingSecret"],
+        t["api"]["existingSecret"],
+    }
+    if not t["certManager"]["enabled"]:
+        names |= {t["existingSecret"], *t["existingSecrets"].values()}
+    if not values["etcd"]["enabled"]:
+        names |= {ext["tls"]["existingSecret"], ext["auth"]["existingSecret"]}
+    return names - {""}
+
+
 def test_referenced_secrets_exist(scenario):
     name, values, objs = scenario
     rendered = {o["metadata"]["name"] for o in by_kind(objs, "Secret")}
-    external = {
-        values["auth"]["apiKey"]["existingSecret"],
-        values["auth"]["adminToken"]["existingSecret"],
-        values["tls"]["existingSecret"],
-    } - {""}
-    for w in workloads(objs):
-        spec = w["spec"]["template"]["spec"]
+    issued = {c["spec"]["secretName"] for c in by_kind(objs, "Certificate")}
+    external = external_secrets(values)
+    for w in pod_owners(objs):
+        spec = pod_spec(w)
         refs = []
         for c in containers(w, init=True):
             for e in c.get("env", []):
@@ -563,7 +701,7 @@ def test_referenced_secrets_exist(scenario):
             if "secret" in v:
                 refs.append((v["secret"]["secretName"], None))
         for secret, key in refs:
-            if secret in external:
+            if secret in external or secret in issued:
                 continue
             assert secret in rendered, f"{name}: {w['metadata']['name']} needs Secret {secret}"
             if key:
@@ -573,14 +711,10 @@ def test_referenced_secrets_exist(scenario):
     env = {e["name"] for e in c["env"]}
     assert "EPSERVE_ADMIN_TOKEN" in env
     assert ("EPSERVE_API_KEY" in env) == values["auth"]["apiKey"]["enabled"]
-    if values["tls"]["enabled"]:
-        for w in workloads(objs):
-            if w["metadata"]["name"] == fullname("etcd"):
-                continue
-            c = containers(w)[0]
-            mount = values["tls"]["mountPath"]
-            assert one(c, "--tls-cert") == f"{mount}/tls.crt"
-            assert any(m["name"] == "tls" and m["mountPath"] == mount for m in c["volumeMounts"])
+    # No private key is ever rendered into a chart Secret: TLS material comes from
+    # cert-manager or from Secrets made outside the chart.
+    for secret in by_kind(objs, "Secret"):
+        assert not any(k.endswith(".key") for k in secret.get("data", {})), f"{name}: {secret['metadata']['name']}"
 
 
 def test_epserve_pods_get_guaranteed_qos_and_arm64(scenario):
@@ -676,26 +810,473 @@ def test_model_volume_and_path(scenario):
             assert init["args"][2:] == list(m["s3"]["extraArgs"])
 
 
-def test_metrics_scraping(scenario):
+# ---------------------------------------------------------------------------
+# TLS, certificates, NetworkPolicy
+# ---------------------------------------------------------------------------
+
+TLS_ROLE = {
+    fullname("coordinator"): "coordinator",
+    fullname("expert-worker"): "expertWorker",
+    fullname("attention-worker"): "attentionWorker",
+    fullname("etcd"): "etcd",
+    fullname("test-ctl"): "client",
+}
+
+
+def expected_tls_secret(values, role) -> str:
+    t = values["tls"]
+    if t["certManager"]["enabled"]:
+        component = {"expertWorker": "expert-worker", "attentionWorker": "attention-worker"}.get(role, role)
+        return f"{fullname(component)}-tls"
+    return t["existingSecrets"].get(role) or t["existingSecret"]
+
+
+def test_tls_switch_wires_every_link(scenario):
+    """tls.enabled: every epserve container gets its role's certificate mounted and
+    --tls-cert/--tls-key/--tls-ca (mutual TLS), the coordinator --api-tls-* with tls.api,
+    the roles reach the chart's etcd over https with their certificate, and etcd serves
+    TLS with client-cert auth to clients and peers. Off: none of it."""
     name, values, objs = scenario
+    t = values["tls"]
+    mount = t["mountPath"].rstrip("/")
+    tls_flags = {"--tls-cert", "--tls-key", "--tls-ca"}
+    for w, c in epserve_containers(objs):
+        f = flags(c)
+        if not t["enabled"]:
+            assert not tls_flags & f.keys() and "--api-tls-cert" not in f, f"{name}: {c['name']}"
+            assert "tls" not in {v["name"] for v in pod_spec(w).get("volumes", [])}
+            continue
+        assert one(c, "--tls-cert") == f"{mount}/tls.crt", f"{name}: {c['name']}"
+        assert one(c, "--tls-key") == f"{mount}/tls.key"
+        assert one(c, "--tls-ca") == f"{mount}/ca.crt"
+        assert mount_path(c, "tls") == t["mountPath"]
+        role = TLS_ROLE[w["metadata"]["name"]]
+        assert secret_volume(w, "tls") == expected_tls_secret(values, role), f"{name}: {w['metadata']['name']}"
+        if role == "coordinator" and t["api"]["enabled"]:
+            api = mount_path(c, "api-tls")
+            assert one(c, "--api-tls-cert") == f"{api}/tls.crt" and one(c, "--api-tls-key") == f"{api}/tls.key"
+            want = t["api"]["existingSecret"] or (
+                f"{fullname('coordinator')}-api-tls" if t["certManager"]["enabled"] else expected_tls_secret(values, role)
+            )
+            assert secret_volume(w, "api-tls") == want
+            for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+                if "httpGet" in c[probe]:
+                    assert c[probe]["httpGet"]["scheme"] == "HTTPS", f"{name}: {probe}"
+        else:
+            assert "--api-tls-cert" not in f and "--api-tls-key" not in f
+            for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+                if "httpGet" in c.get(probe, {}):
+                    assert c[probe]["httpGet"].get("scheme", "HTTP") == "HTTP"
+        # The kubelet's gRPC probe has no client certificate: no gRPC probe on an mTLS port.
+        for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+            assert "grpc" not in c.get(probe, {}), f"{name}: {c['name']} {probe}"
+        if c["args"][0] != "ctl" and values["etcd"]["enabled"]:
+            assert one(c, "--etcd").startswith("https://")
+            assert one(c, "--etcd-ca") == f"{mount}/ca.crt"
+            assert one(c, "--etcd-cert") == f"{mount}/tls.crt" and one(c, "--etcd-key") == f"{mount}/tls.key"
+    if not values["etcd"]["enabled"]:
+        return
+    sts = find(objs, "StatefulSet", fullname("etcd"))
+    etcd = containers(sts)[0]
+    f = flags(etcd)
+    server = {"--cert-file", "--key-file", "--trusted-ca-file", "--client-cert-auth",
+              "--peer-cert-file", "--peer-key-file", "--peer-trusted-ca-file", "--peer-client-cert-auth"}
+    if not t["enabled"]:
+        assert not server & f.keys()
+        return
+    assert server <= f.keys(), f"{name}: etcd lacks {server - f.keys()}"
+    certs = mount_path(etcd, "tls")
+    assert one(etcd, "--cert-file") == one(etcd, "--peer-cert-file") == f"{certs}/tls.crt"
+    assert one(etcd, "--key-file") == one(etcd, "--peer-key-file") == f"{certs}/tls.key"
+    assert one(etcd, "--trusted-ca-file") == one(etcd, "--peer-trusted-ca-file") == f"{certs}/ca.crt"
+    assert f["--client-cert-auth"] == [""] and f["--peer-client-cert-auth"] == [""]
+    assert secret_volume(sts, "tls") == expected_tls_secret(values, "etcd")
+    for url_flag in ("--listen-client-urls", "--advertise-client-urls", "--listen-peer-urls", "--initial-advertise-peer-urls"):
+        assert one(etcd, url_flag).startswith("https://"), url_flag
+    # Probes stay on the plain-HTTP metrics port, which needs no client certificate.
+    for probe in ("readinessProbe", "livenessProbe"):
+        assert etcd[probe]["httpGet"]["port"] == "metrics" and etcd[probe]["httpGet"].get("scheme", "HTTP") == "HTTP"
+
+
+def test_external_etcd_security(scenario):
+    name, values, objs = scenario
+    if values["etcd"]["enabled"]:
+        return
+    ext = values["etcd"]["external"]
+    for w, c in epserve_containers(objs):
+        f = flags(c)
+        if c["args"][0] == "ctl":
+            assert not [k for k in f if k.startswith("--etcd")], f"{name}: ctl needs no etcd"
+            continue
+        if ext["tls"]["existingSecret"]:
+            d = mount_path(c, "etcd-tls")
+            assert secret_volume(w, "etcd-tls") == ext["tls"]["existingSecret"]
+            assert one(c, "--etcd-ca") == f"{d}/ca.crt"
+            if ext["tls"]["clientCert"]:
+                assert one(c, "--etcd-cert") == f"{d}/tls.crt" and one(c, "--etcd-key") == f"{d}/tls.key"
+            else:
+                assert "--etcd-cert" not in f and "--etcd-key" not in f
+        else:
+            assert "--etcd-ca" not in f
+        if ext["auth"]["user"]:
+            assert one(c, "--etcd-user") == ext["auth"]["user"]
+            d = mount_path(c, "etcd-auth")
+            assert one(c, "--etcd-password-file") == f"{d}/password"
+            (vol,) = [v for v in pod_spec(w)["volumes"] if v["name"] == "etcd-auth"]
+            assert vol["secret"]["secretName"] == ext["auth"]["existingSecret"]
+            assert vol["secret"]["items"] == [{"key": ext["auth"]["secretKey"], "path": "password"}]
+        else:
+            assert "--etcd-user" not in f and "--etcd-password-file" not in f
+        # The password never travels on the command line or in the pod spec.
+        assert not [e for e in c.get("env", []) if e["name"] == "EPSERVE_ETCD_PASSWORD"]
+
+
+def san_matches(pattern: str, host: str) -> bool:
+    """RFC 6125 matching as rustls/webpki does it: a wildcard covers one leftmost label."""
+    if pattern.startswith("*."):
+        head, _, rest = host.partition(".")
+        return bool(head) and rest == pattern[2:]
+    return pattern == host
+
+
+def certificate_for(objs, secret):
+    certs = [c for c in by_kind(objs, "Certificate") if c["spec"]["secretName"] == secret]
+    assert len(certs) == 1, f"Secret {secret}: {len(certs)} Certificates"
+    return certs[0]["spec"]
+
+
+def host_of(url: str) -> str:
+    return re.sub(r"^[a-z]+://", "", url).rsplit(":", 1)[0]
+
+
+def test_certificates_name_the_addresses_peers_dial(scenario):
+    """cert-manager: each role's Certificate carries the names its peers dial: every
+    worker pod's advertised address (what it registers in etcd and the coordinator
+    checks the certificate against), the admin Service `epserve ctl` dials, etcd's
+    client Service and every member's peer and client URL; usages fit the role."""
+    name, values, objs = scenario
+    t = values["tls"]
+    if not (t["enabled"] and t["certManager"]["enabled"]):
+        assert not by_kind(objs, "Certificate") and not by_kind(objs, "Issuer"), name
+        return
+    for component, key in (("expert-worker", "expertWorkers"), ("attention-worker", "attentionWorkers")):
+        if values[key]["replicas"] == 0:
+            continue
+        sts = find(objs, "StatefulSet", fullname(component))
+        spec = certificate_for(objs, secret_volume(sts, "tls"))
+        assert {"server auth", "client auth"} <= set(spec["usages"])
+        advertise = host_of(one(containers(sts)[0], "--advertise"))
+        for i in range(values[key]["replicas"]):
+            host = advertise.replace("$(POD_NAME)", f"{sts['metadata']['name']}-{i}")
+            assert "$(" not in host
+            assert any(san_matches(p, host) for p in spec["dnsNames"]), f"{name}: {host} not in {spec['dnsNames']}"
+        # A worker's certificate names only its own StatefulSet's pods.
+        assert not any(san_matches(p, f"{fullname('coordinator')}.{NAMESPACE}.svc.{DOMAIN}") for p in spec["dnsNames"])
+    dep = find(objs, "Deployment", fullname("coordinator"))
+    spec = certificate_for(objs, secret_volume(dep, "tls"))
+    assert {"server auth", "client auth"} <= set(spec["usages"])
+    for pod in by_kind(objs, "Pod"):
+        (c,) = containers(pod)
+        admin = host_of(one(c, "--admin"))
+        assert admin in spec["dnsNames"], f"{name}: ctl dials {admin}"
+        client = certificate_for(objs, secret_volume(pod, "tls"))
+        assert "client auth" in client["usages"] and "server auth" not in client["usages"]
+    assert f"{fullname('coordinator')}-admin.{NAMESPACE}.svc.{DOMAIN}" in spec["dnsNames"]
+    assert "localhost" in spec["dnsNames"] and "127.0.0.1" in spec["ipAddresses"]  # kubectl port-forward
+    if t["api"]["enabled"]:
+        api = secret_volume(dep, "api-tls")
+        if t["api"]["existingSecret"]:
+            assert api == t["api"]["existingSecret"]
+            assert not [c for c in by_kind(objs, "Certificate") if c["spec"]["secretName"] == api]
+        else:
+            a = certificate_for(objs, api)
+            assert f"{fullname('coordinator')}.{NAMESPACE}.svc.{DOMAIN}" in a["dnsNames"]
+            assert set(t["api"]["dnsNames"]) <= set(a["dnsNames"])
+            assert a["usages"] == ["digital signature", "server auth"]
+    if values["etcd"]["enabled"]:
+        sts = find(objs, "StatefulSet", fullname("etcd"))
+        etcd = containers(sts)[0]
+        spec = certificate_for(objs, secret_volume(sts, "tls"))
+        assert {"server auth", "client auth"} <= set(spec["usages"])  # peers are clients too
+        hosts = {host_of(one(c, "--etcd")) for _, c in epserve_containers(objs) if c["args"][0] != "ctl"}
+        hosts |= {host_of(m.split("=", 1)[1]) for m in one(etcd, "--initial-cluster").split(",")}
+        for i in range(values["etcd"]["replicas"]):
+            hosts.add(host_of(one(etcd, "--advertise-client-urls").replace("$(POD_NAME)", f"{sts['metadata']['name']}-{i}")))
+        for host in hosts:
+            assert any(san_matches(p, host) for p in spec["dnsNames"]), f"{name}: etcd {host} not in {spec['dnsNames']}"
+    # Issuers: the release's own CA chain, or the configured issuer.
+    ref = t["certManager"]["issuerRef"]
+    issuers = {i["metadata"]["name"]: i["spec"] for i in by_kind(objs, "Issuer")}
+    for cert in by_kind(objs, "Certificate"):
+        r = cert["spec"]["issuerRef"]
+        if cert["metadata"]["name"] == f"{fullname()}-api-tls" and t["api"]["issuerRef"]["name"]:
+            assert r["name"] == t["api"]["issuerRef"]["name"]
+        elif ref["name"]:
+            assert (r["name"], r["kind"]) == (ref["name"], ref["kind"]), cert["metadata"]["name"]
+        else:
+            assert r["kind"] == "Issuer" and r["name"] in issuers, cert["metadata"]["name"]
+    if ref["name"]:
+        assert not issuers
+    else:
+        ca = find(objs, "Certificate", f"{fullname()}-ca")["spec"]
+        assert ca["isCA"] is True and issuers[ca["issuerRef"]["name"]] == {"selfSigned": {}}
+        assert issuers[f"{fullname()}-ca"] == {"ca": {"secretName": ca["secretName"]}}
+        for cert in by_kind(objs, "Certificate"):
+            if cert["metadata"]["name"] != f"{fullname()}-ca":
+                assert cert["spec"]["issuerRef"]["name"] == f"{fullname()}-ca"
+
+
+def peer_selects(peer: dict, labels: dict, same_namespace=True) -> bool:
+    """Whether a NetworkPolicyPeer (podSelector only, same namespace) selects a pod."""
+    if set(peer) != {"podSelector"} or not same_namespace:
+        return False
+    sel = peer["podSelector"]
+    if not sel.get("matchLabels", {}).items() <= labels.items():
+        return False
+    for e in sel.get("matchExpressions", []):
+        assert e["operator"] == "In"
+        if labels.get(e["key"]) not in e["values"]:
+            return False
+    return True
+
+
+def allowed(policy: dict, port: str, labels: dict) -> bool:
+    for rule in policy["spec"].get("ingress", []):
+        if not any(p["port"] == port for p in rule.get("ports", [])):
+            continue
+        if "from" not in rule or any(peer_selects(p, labels) for p in rule["from"]):
+            return True
+    return False
+
+
+def test_network_policies(scenario):
+    """Only the coordinator reaches the workers' gRPC ports; only the release's epserve
+    pods reach etcd's client port and only members its peer port; the OpenAI port is
+    open to networkPolicy.api.from (anyone when empty); metrics from networkPolicy.metrics.from."""
+    name, values, objs = scenario
+    np = values["networkPolicy"]
+    policies = by_kind(objs, "NetworkPolicy")
+    if not np["enabled"]:
+        assert not policies, name
+        return
+    pods = {pod_labels(w)["app.kubernetes.io/component"]: (w, pod_labels(w)) for w in pod_owners(objs)}
+    # A pod of another release, or of another app, in the same namespace.
+    strangers = [
+        {**pods["coordinator"][1], "app.kubernetes.io/instance": "other"},
+        {"app": "debug"},
+    ]
+    for p in policies:
+        assert p["spec"]["policyTypes"] == ["Ingress"]
+        selected = [c for c, (_, lab) in pods.items() if p["spec"]["podSelector"]["matchLabels"].items() <= lab.items()]
+        assert len(selected) == 1, f"{name}: {p['metadata']['name']} selects {selected}"
+        (component,) = selected
+        w, _ = pods[component]
+        names = {port["name"] for c in containers(w) for port in c.get("ports", [])}
+        for rule in p["spec"]["ingress"]:
+            for port in rule["ports"]:
+                assert port["port"] in names, f"{name}: {p['metadata']['name']} port {port['port']}"
+    by_component = {
+        c: [p for p in policies if p["spec"]["podSelector"]["matchLabels"].items() <= lab.items()]
+        for c, (_, lab) in pods.items()
+    }
+    for component in ("coordinator", "expert-worker", "attention-worker", "etcd"):
+        if component in pods:
+            assert len(by_component[component]) == 1, f"{name}: {component} has {len(by_component[component])} policies"
+    assert not by_component.get("ctl"), "the test pod needs no ingress"
+    for component in ("expert-worker", "attention-worker"):
+        if component not in pods:
+            continue
+        (p,) = by_component[component]
+        for other, (_, lab) in pods.items():
+            assert allowed(p, "grpc", lab) == (other == "coordinator"), f"{name}: {other} -> {component}"
+        assert not any(allowed(p, "grpc", lab) for lab in strangers)
+    (coord,) = by_component["coordinator"]
+    http_rules = [r for r in coord["spec"]["ingress"] if any(pt["port"] == "http" for pt in r["ports"])]
+    if np["api"]["from"]:
+        assert not any(allowed(coord, "http", lab) for lab in strangers)
+        (rule,) = http_rules
+        assert rule["from"] == np["api"]["from"] + np["metrics"]["from"]
+    else:
+        assert allowed(coord, "http", strangers[1])
+    assert allowed(coord, "admin", pods["ctl"][1]) if "ctl" in pods else True
+    for other in ("expert-worker", "attention-worker", "etcd"):
+        if other in pods:
+            assert not allowed(coord, "admin", pods[other][1]), f"{name}: {other} -> admin"
+    assert not any(allowed(coord, "admin", lab) for lab in strangers)
+    if values["etcd"]["enabled"]:
+        (p,) = by_component["etcd"]
+        for other, (_, lab) in pods.items():
+            assert allowed(p, "client", lab) == (other in ("coordinator", "expert-worker", "attention-worker")), (
+                f"{name}: {other} -> etcd client"
+            )
+            assert allowed(p, "peer", lab) == (other == "etcd"), f"{name}: {other} -> etcd peer"
+        assert not any(allowed(p, port, lab) for lab in strangers for port in ("client", "peer", "metrics"))
+        metrics = [r for r in p["spec"]["ingress"] if any(pt["port"] == "metrics" for pt in r["ports"])]
+        if np["metrics"]["from"]:
+            (rule,) = metrics
+            assert rule["from"] == np["metrics"]["from"]
+        else:
+            assert not metrics
+
+
+def openssl_cert(tmp: Path, name: str, ca: tuple[Path, Path] | None, spec: dict) -> tuple[Path, Path]:
+    """A certificate as cert-manager would issue it from a Certificate spec (SANs,
+    usages), signed by `ca`, or a CA itself when ca is None. Returns (cert, key)."""
+    key, cert = tmp / f"{name}.key", tmp / f"{name}.crt"
+    run = lambda *a: subprocess.run(["openssl", *a], check=True, capture_output=True, timeout=60)  # noqa: E731
+    run("genpkey", "-algorithm", "EC", "-pkeyopt", "ec_paramgen_curve:P-256", "-out", str(key))
+    if ca is None:
+        run("req", "-x509", "-new", "-key", str(key), "-subj", f"/CN={name}", "-days", "2", "-out", str(cert),
+            "-addext", "basicConstraints=critical,CA:TRUE", "-addext", "keyUsage=critical,keyCertSign,cRLSign")
+        return cert, key
+    csr = tmp / f"{name}.csr"
+    run("req", "-new", "-key", str(key), "-subj", f"/CN={spec.get('commonName', name)}", "-out", str(csr))
+    eku = {"server auth": "serverAuth", "client auth": "clientAuth"}
+    ext = ["keyUsage=critical,digitalSignature",
+           "extendedKeyUsage=" + ",".join(eku[u] for u in spec["usages"] if u in eku)]
+    sans = [f"DNS:{d}" for d in spec.get("dnsNames", [])] + [f"IP:{i}" for i in spec.get("ipAddresses", [])]
+    if sans:
+        ext.append("subjectAltName=" + ",".join(sans))
+    (tmp / f"{name}.ext").write_text("\n".join(ext) + "\n")
+    run("x509", "-req", "-in", str(csr), "-CA", str(ca[0]), "-CAkey", str(ca[1]), "-CAcreateserial",
+        "-days", "2", "-out", str(cert), "-extfile", str(tmp / f"{name}.ext"))
+    return cert, key
+
+
+def free_port() -> int:
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_chart_etcd_tls_flags_work_with_a_real_etcd(tmp_path):
+    """The chart's etcd, TLS on: a real etcd (on PATH) started with exactly the flags the
+    chart renders (addresses moved to loopback, files to a temp folder), certificates
+    made as cert-manager would from the rendered Certificates. The probes' plain-HTTP
+    /readyz answers; an epserve role's certificate (the expert-workers') is accepted;
+    no client certificate, or one from another CA, is refused. (etcd also refuses a
+    client without a certificate once --trusted-ca-file is set, so this cannot tell
+    whether --client-cert-auth is there: test_tls_switch_wires_every_link checks it.)"""
+    import time
+    import urllib.request
+
+    etcd, etcdctl = shutil.which("etcd"), shutil.which("etcdctl")
+    if not (etcd and etcdctl and shutil.which("openssl")):
+        pytest.skip("needs etcd, etcdctl and openssl on PATH")
+    values = {"tls": {"enabled": True, "certManager": {"enabled": True}}, "etcd": {"replicas": 1, "persistence": {"enabled": False}}}
+    objs = render(values)
+    sts = find(objs, "StatefulSet", fullname("etcd"))
+    c = containers(sts)[0]
+    certs_dir = mount_path(c, "tls")
+    ca = openssl_cert(tmp_path, "ca", None, {})
+    other_ca = openssl_cert(tmp_path, "other-ca", None, {})
+    etcd_cert = openssl_cert(tmp_path, "etcd", ca, certificate_for(objs, secret_volume(sts, "tls")))
+    worker_spec = certificate_for(objs, secret_volume(find(objs, "StatefulSet", fullname("expert-worker")), "tls"))
+    worker = openssl_cert(tmp_path, "worker", ca, worker_spec)
+    stranger = openssl_cert(tmp_path, "stranger", other_ca, worker_spec)
+    tls_dir = tmp_path / "etcd-tls"
+    tls_dir.mkdir()
+    for src, dst in ((etcd_cert[0], "tls.crt"), (etcd_cert[1], "tls.key"), (ca[0], "ca.crt")):
+        (tls_dir / dst).write_bytes(src.read_bytes())
+    client_port, peer_port, metrics_port = free_port(), free_port(), free_port()
+    member = f"{sts['metadata']['name']}-0"
+    loopback = {
+        "--name": member,
+        "--data-dir": str(tmp_path / "data"),
+        "--listen-client-urls": f"https://127.0.0.1:{client_port}",
+        "--advertise-client-urls": f"https://127.0.0.1:{client_port}",
+        "--listen-peer-urls": f"https://127.0.0.1:{peer_port}",
+        "--initial-advertise-peer-urls": f"https://127.0.0.1:{peer_port}",
+        "--initial-cluster": f"{member}=https://127.0.0.1:{peer_port}",
+        "--listen-metrics-urls": f"http://127.0.0.1:{metrics_port}",
+    }
+    args = []
+    for arg in c["args"]:
+        flag, eq, value = arg.partition("=")
+        if flag in loopback:
+            value = loopback[flag]
+        value = value.replace(certs_dir, str(tls_dir))
+        args.append(f"{flag}{eq}{value}")
+    assert {a.partition("=")[0] for a in args} == set(flags(c)), "the chart's flag set is kept"
+    log = open(tmp_path / "etcd.log", "w")
+    proc = subprocess.Popen([etcd, *args], stdout=subprocess.DEVNULL, stderr=log)
+    try:
+        port = named_port(c, "metrics")
+        assert c["readinessProbe"]["httpGet"]["port"] == "metrics" and port
+        path = c["readinessProbe"]["httpGet"]["path"]
+        version = subprocess.run([etcd, "--version"], capture_output=True, text=True, timeout=30).stdout
+        if re.search(r"Version: 3\.4\.", version):
+            path = "/health"  # /readyz and /livez (the chart's image is 3.5) came with etcd 3.5
+        for _ in range(100):
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}{path}", timeout=2) as r:
+                    if r.status == 200:
+                        break
+            except OSError:
+                pass
+            if proc.poll() is not None:
+                break
+            time.sleep(0.2)
+        else:
+            pytest.fail("etcd never turned ready:\n" + (tmp_path / "etcd.log").read_text()[-3000:])
+        assert proc.poll() is None, (tmp_path / "etcd.log").read_text()[-3000:]
+
+        def ctl(*extra):
+            return subprocess.run(
+                [etcdctl, f"--endpoints=https://127.0.0.1:{client_port}", "--dial-timeout=3s", "--command-timeout=5s",
+                 f"--cacert={ca[0]}", *extra, "put", "/epserve/ep/probe", "x"],
+                capture_output=True, text=True, timeout=30, env={**os.environ, "ETCDCTL_API": "3"},
+            )
+
+        ok = ctl(f"--cert={worker[0]}", f"--key={worker[1]}")
+        assert ok.returncode == 0, ok.stderr
+        assert ctl().returncode != 0, "etcd let in a client without a certificate"
+        assert ctl(f"--cert={stranger[0]}", f"--key={stranger[1]}").returncode != 0, "etcd let in another CA's certificate"
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=10)
+        log.close()
+
+
+def test_metrics_scraping(scenario):
+    """Only what really serves /metrics is scraped: the coordinator on its OpenAI port
+    (HTTPS with TLS on), etcd on its metrics port; the workers serve none."""
+    name, values, objs = scenario
+    https = values["tls"]["enabled"] and values["tls"]["api"]["enabled"]
     dep = find(objs, "Deployment", fullname("coordinator"))
     ann = dep["spec"]["template"]["metadata"].get("annotations", {})
     if values["metrics"]["podAnnotations"]:
         assert ann["prometheus.io/scrape"] == "true"
         assert ann["prometheus.io/port"] == str(named_port(containers(dep)[0], "http"))
+        assert ann.get("prometheus.io/scheme", "http") == ("https" if https else "http")
+    for component in ("expert-worker", "attention-worker"):
+        for sts in [o for o in by_kind(objs, "StatefulSet") if o["metadata"]["name"] == fullname(component)]:
+            assert "prometheus.io/scrape" not in sts["spec"]["template"]["metadata"].get("annotations", {})
+            assert [p["name"] for p in containers(sts)[0]["ports"]] == ["grpc"], f"{name}: {component} ports"
+            svc = find(objs, "Service", sts["spec"]["serviceName"])
+            assert [p["name"] for p in svc["spec"]["ports"]] == ["grpc"]
     monitors = by_kind(objs, "ServiceMonitor")
     if not values["metrics"]["serviceMonitor"]["enabled"]:
         assert not monitors
         return
-    assert monitors
+    expected = {fullname("coordinator")} | ({fullname("etcd")} if values["etcd"]["enabled"] else set())
+    assert {m["metadata"]["name"] for m in monitors} == expected, f"{name}: {[m['metadata']['name'] for m in monitors]}"
     for sm in monitors:
         sel = sm["spec"]["selector"]["matchLabels"]
-        port = sm["spec"]["endpoints"][0]["port"]
+        ep = sm["spec"]["endpoints"][0]
+        port = ep["port"]
         svcs = [
             s for s in by_kind(objs, "Service")
             if sel.items() <= s["metadata"]["labels"].items() and any(p["name"] == port for p in s["spec"]["ports"])
         ]
         assert svcs, f"{name}: ServiceMonitor {sm['metadata']['name']} finds no Service with port {port}"
+        is_coordinator = sm["metadata"]["name"] == fullname("coordinator")
+        assert ep.get("scheme", "http") == ("https" if https and is_coordinator else "http")
         for k, v in values["metrics"]["serviceMonitor"]["labels"].items():
             assert sm["metadata"]["labels"][k] == v
 
@@ -704,10 +1285,18 @@ def test_metrics_scraping(scenario):
 # The epserve binary: flags and plan
 # ---------------------------------------------------------------------------
 
-ROLES = {"coordinator": "coordinator", "expert-worker": "expert-worker", "attention-worker": "attention-worker"}
-# Flags only rendered with optional values whose support in the binary may lag
-# (reported, not failed): worker metrics port and TLS files.
-OPTIONAL_FLAGS = {"--metrics-port", "--tls-cert", "--tls-key", "--tls-ca"}
+# The issue-18 flags of the epserve roles that the chart renders before the binary
+# has them: `--tls-cert/--tls-key/--tls-ca` (mutual TLS on the node links, every role
+# and `ctl`) and `--api-tls-cert/--api-tls-key` (HTTPS on the coordinator's OpenAI
+# port). (`--etcd-ca/--etcd-cert/--etcd-key/--etcd-user/--etcd-password-file` already
+# landed.) Tolerated when the binary lacks them, and only them; once the binary accepts
+# one of them for every role that renders it, the test fails until it is taken out
+# of this set.
+# Remove when issue-18 branches merge.
+PENDING_FLAGS = {
+    "--tls-cert", "--tls-key", "--tls-ca",
+    "--api-tls-cert", "--api-tls-key",
+}
 
 
 def epserve_binary() -> Path | None:
@@ -722,40 +1311,104 @@ def epserve_binary() -> Path | None:
     return Path(found) if found else None
 
 
-def help_flags(binary: Path, role: str) -> set[str] | None:
-    top = subprocess.run([str(binary), "--help"], capture_output=True, text=True, timeout=60)
-    if not re.search(rf"^\s+{re.escape(role)}\s", top.stdout, re.M):
+_HELP_CACHE: dict[tuple, set[str] | None] = {}
+
+
+def help_flags(binary: Path, role: str | list[str]) -> set[str] | None:
+    """The long options `epserve <role...> --help` lists (only its option lines, not
+    flags mentioned in descriptions); None when the subcommand is not in this build."""
+    words = [role] if isinstance(role, str) else list(role)
+    key = (str(binary), *words)
+    if key in _HELP_CACHE:
+        return _HELP_CACHE[key]
+    parent = subprocess.run([str(binary), *words[:-1], "--help"], capture_output=True, text=True, timeout=60)
+    if not re.search(rf"^\s+{re.escape(words[-1])}\s", parent.stdout, re.M):
+        _HELP_CACHE[key] = None
         return None
-    out = subprocess.run([str(binary), role, "--help"], capture_output=True, text=True, timeout=60)
+    out = subprocess.run([str(binary), *words, "--help"], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
-    return set(re.findall(r"(--[a-z0-9][a-z0-9-]*)", out.stdout))
+    found = set(re.findall(r"^\s+(?:-\w,\s+)?(--[a-z0-9][a-z0-9-]*)", out.stdout, re.M))
+    _HELP_CACHE[key] = found
+    return found
+
+
+def command_words(container) -> list[tuple[list[str], str]]:
+    """(subcommand path, flag) for every --flag of an epserve container: flags before a
+    nested subcommand (ctl's `workers`) belong to the parent, after it to the child."""
+    args = container["args"]
+    path = [args[0]]
+    out = []
+    for arg in args[1:]:
+        if arg.startswith("--"):
+            out.append((list(path), arg.partition("=")[0]))
+        elif re.fullmatch(r"[a-z][a-z-]*", arg):
+            path.append(arg)
+        else:
+            raise AssertionError(f"{container['name']}: positional argument {arg!r}: write flags as --flag=value")
+    return out
+
+
+def test_every_epserve_container_runs_a_known_role(scenario):
+    name, _, objs = scenario
+    roles = {c["args"][0] for _, c in epserve_containers(objs)}
+    assert roles <= {"coordinator", "expert-worker", "attention-worker", "ctl"}, f"{name}: {roles}"
+    assert {"coordinator", "expert-worker"} <= roles
 
 
 def test_chart_flags_exist_in_the_binary():
+    """Strict: every flag of every epserve container (each role, init containers, the helm
+    test pod) in every scenario is accepted by `epserve <role> --help`. The only exception
+    is PENDING_FLAGS, while the binary lacks them."""
     binary = epserve_binary()
     if binary is None:
         pytest.skip("no epserve binary built (cargo build --bin epserve, or set EPSERVE_BIN)")
-    checked = []
-    for role in ROLES:
-        known = help_flags(binary, role)
-        if known is None:
-            continue  # the role is not in this build yet
-        missing_required: set[str] = set()
-        missing_optional: set[str] = set()
-        for name, values in SCENARIOS.items():
-            for w in workloads(render(values)):
-                for c in containers(w):
-                    if c["args"][0] != role:
-                        continue
-                    for flag in flags(c):
-                        if flag and flag not in known:
-                            (missing_optional if flag in OPTIONAL_FLAGS else missing_required).add(flag)
-        if missing_optional:
-            warnings.warn(f"epserve {role} lacks optional chart flags {sorted(missing_optional)}")
-        assert not missing_required, f"`epserve {role}` does not accept {sorted(missing_required)} (deploy/helm/epserve/templates/_args.tpl)"
-        checked.append(role)
-    if not checked:
-        pytest.skip("none of the roles the chart runs is in this epserve build yet")
+    unknown: dict[str, set[str]] = {}
+    pending_missing: dict[str, set[str]] = {}
+    pending_rendered: dict[str, set[str]] = {}
+    checked = set()
+    for name, values in SCENARIOS.items():
+        for w, c in epserve_containers(render(values)):
+            path = [c["args"][0]] + [a for a in c["args"][1:] if not a.startswith("--")]
+            assert help_flags(binary, path) is not None, f"{name}: `epserve {' '.join(path)}` is not in this build"
+            checked.add(" ".join(path))
+            for path, flag in command_words(c):
+                cmd = " ".join(path)
+                known = help_flags(binary, path)
+                assert known is not None, f"{name}: {w['metadata']['name']} runs `epserve {cmd}`, which this build lacks"
+                checked.add(cmd)
+                if flag in PENDING_FLAGS:
+                    pending_rendered.setdefault(flag, set()).add(cmd)
+                if flag in known:
+                    continue
+                if flag in PENDING_FLAGS:
+                    pending_missing.setdefault(cmd, set()).add(flag)
+                else:
+                    unknown.setdefault(cmd, set()).add(f"{flag} ({name})")
+    assert not unknown, "flags the binary does not accept (deploy/helm/epserve/templates/_args.tpl):\n" + "\n".join(
+        f"  epserve {cmd}: {sorted(f)}" for cmd, f in sorted(unknown.items())
+    )
+    landed = sorted(f for f, cmds in pending_rendered.items() if not any(f in pending_missing.get(c, ()) for c in cmds))
+    assert not landed, f"{binary} accepts {landed} now: take them out of PENDING_FLAGS"
+    assert {"coordinator", "expert-worker", "attention-worker", "ctl workers"} <= checked, checked
+
+
+def test_etcd_flags_exist_in_etcd():
+    """The chart's etcd flags, against the `etcd --help` of an etcd on PATH (3.4+)."""
+    etcd = shutil.which("etcd")
+    if etcd is None:
+        pytest.skip("no etcd on PATH")
+    out = subprocess.run([etcd, "--help"], capture_output=True, text=True, timeout=60)
+    known = set(re.findall(r"^\s+(--[a-z0-9][a-z0-9-]*)", out.stdout + out.stderr, re.M))
+    assert "--listen-client-urls" in known, out.stdout[:500]
+    unknown = set()
+    for name, values in SCENARIOS.items():
+        for w in by_kind(render(values), "StatefulSet"):
+            if w["metadata"]["name"] != fullname("etcd"):
+                continue
+            for flag in flags(containers(w)[0]):
+                if flag not in known:
+                    unknown.add(f"{flag} ({name})")
+    assert not unknown, sorted(unknown)
 
 
 QWEN3_CONFIG = {

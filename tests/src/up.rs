@@ -226,11 +226,32 @@ pub struct Etcd {
     pub addr: String,
     peer_port: u16,
     dir: PathBuf,
+    tls: Option<EtcdTls>,
+}
+
+/// Certificates of a TLS etcd ([`Etcd::start_tls`]): PEM files.
+#[derive(Debug, Clone)]
+pub struct EtcdTls {
+    /// CA that signed the server certificate and the clients'.
+    pub ca: PathBuf,
+    pub cert: PathBuf,
+    pub key: PathBuf,
 }
 
 impl Etcd {
     /// Starts etcd and waits up to 20 s for its client port.
     pub fn start() -> Etcd {
+        Self::start_opt(None)
+    }
+
+    /// Starts etcd serving clients over TLS with `tls`'s server certificate
+    /// and requiring client certificates signed by its CA
+    /// (`--client-cert-auth`).
+    pub fn start_tls(tls: EtcdTls) -> Etcd {
+        Self::start_opt(Some(tls))
+    }
+
+    fn start_opt(tls: Option<EtcdTls>) -> Etcd {
         let port = || {
             std::net::TcpListener::bind("127.0.0.1:0")
                 .and_then(|l| l.local_addr())
@@ -241,26 +262,37 @@ impl Etcd {
         let dir =
             std::env::temp_dir().join(format!("epserve-test-etcd-{}-{cport}", std::process::id()));
         let addr = format!("127.0.0.1:{cport}");
-        let child = Self::spawn(&addr, pport, &dir);
+        let child = Self::spawn(&addr, pport, &dir, tls.as_ref());
         let etcd = Etcd {
             child,
             addr,
             peer_port: pport,
             dir,
+            tls,
         };
         etcd.wait_ready();
         etcd
     }
 
-    fn spawn(addr: &str, pport: u16, dir: &std::path::Path) -> Child {
-        Command::new("etcd")
-            .args(["--name", "t", "--data-dir"])
+    fn spawn(addr: &str, pport: u16, dir: &std::path::Path, tls: Option<&EtcdTls>) -> Child {
+        let scheme = if tls.is_some() { "https" } else { "http" };
+        let mut cmd = Command::new("etcd");
+        if let Some(t) = tls {
+            cmd.arg("--cert-file")
+                .arg(&t.cert)
+                .arg("--key-file")
+                .arg(&t.key)
+                .arg("--trusted-ca-file")
+                .arg(&t.ca)
+                .arg("--client-cert-auth");
+        }
+        cmd.args(["--name", "t", "--data-dir"])
             .arg(dir)
             .args([
                 "--listen-client-urls",
-                &format!("http://{addr}"),
+                &format!("{scheme}://{addr}"),
                 "--advertise-client-urls",
-                &format!("http://{addr}"),
+                &format!("{scheme}://{addr}"),
                 "--listen-peer-urls",
                 &format!("http://127.0.0.1:{pport}"),
                 "--initial-advertise-peer-urls",
@@ -295,7 +327,7 @@ impl Etcd {
     pub fn restart_after(&mut self, down: Duration) {
         self.kill();
         std::thread::sleep(down);
-        self.child = Self::spawn(&self.addr, self.peer_port, &self.dir);
+        self.child = Self::spawn(&self.addr, self.peer_port, &self.dir, self.tls.as_ref());
         self.wait_ready();
     }
 }

@@ -68,6 +68,11 @@ pub struct PlanArgs {
     /// (same-AZ VPC with a small gRPC message; a cluster placement group gets lower).
     #[arg(long, default_value_t = 100.0)]
     pub rtt_us: f64,
+    /// Activations on the coordinator-worker wire, as the coordinator's
+    /// `--dispatch-dtype`: workers return one combined vector per token
+    /// (bf16, or f32 with the f32 wire).
+    #[arg(long, value_enum, default_value_t = WireDtype::Bf16)]
+    pub dispatch_dtype: WireDtype,
     /// Share of the peak DRAM bandwidth a streaming kernel reaches (STREAM triad
     /// reaches ~0.8 on Graviton).
     #[arg(long, default_value_t = 0.8)]
@@ -89,6 +94,42 @@ impl ExpertDtype {
         match self {
             ExpertDtype::Bf16 => "bf16",
             ExpertDtype::Int8 => "int8",
+        }
+    }
+}
+
+/// Activation element type on the coordinator-worker wire
+/// (`coordinator --dispatch-dtype`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum WireDtype {
+    Bf16,
+    F32,
+    Int8,
+}
+
+impl WireDtype {
+    /// Bytes of one token's hidden state sent to a worker: int8 carries
+    /// one f32 scale per token.
+    pub(crate) fn out_bytes(self, hidden: u64) -> f64 {
+        match self {
+            WireDtype::Bf16 => 2.0 * hidden as f64,
+            WireDtype::F32 => 4.0 * hidden as f64,
+            WireDtype::Int8 => hidden as f64 + 4.0,
+        }
+    }
+    /// Bytes of one token's combined partial sum coming back from a worker
+    /// (int8 inputs come back as bf16).
+    pub(crate) fn back_bytes(self, hidden: u64) -> f64 {
+        match self {
+            WireDtype::F32 => 4.0 * hidden as f64,
+            WireDtype::Bf16 | WireDtype::Int8 => 2.0 * hidden as f64,
+        }
+    }
+    pub(crate) fn name(self) -> &'static str {
+        match self {
+            WireDtype::Bf16 => "bf16",
+            WireDtype::F32 => "f32",
+            WireDtype::Int8 => "int8",
         }
     }
 }
@@ -139,6 +180,7 @@ pub fn run(args: &PlanArgs) -> Result<()> {
         context_len: args.context_len as u64,
         rtt_s: args.rtt_us * 1e-6,
         mem_bw_efficiency: args.mem_bw_efficiency,
+        wire_dtype: args.dispatch_dtype,
     };
     let batch = args.batch as u64;
     let plan = make_plan(&shape, &inst, &a, args.target_output_tps, batch)?;

@@ -75,6 +75,9 @@ pub struct UpArgs {
     /// Use this etcd instead of starting one.
     #[arg(long)]
     pub etcd: Option<String>,
+    /// TLS and auth of that etcd, passed on to every role.
+    #[command(flatten)]
+    pub etcd_security: epserve_cluster::runtime::EtcdSecurityArgs,
     /// Activation dtype on the wire (bf16, f32 or int8; see `coordinator`).
     #[arg(long, default_value = "bf16", value_parser = ["bf16", "f32", "int8"])]
     pub dispatch_dtype: String,
@@ -691,6 +694,8 @@ pub fn run(args: &UpArgs) -> Result<()> {
             addr
         }
     };
+    // How every role reaches etcd's TLS and auth (none for a plain etcd).
+    let etcd_security = args.etcd_security.to_args();
     for i in 0..args.expert_workers {
         let port = free_port()?;
         let name = format!("expert-{i}");
@@ -706,6 +711,7 @@ pub fn run(args: &UpArgs) -> Result<()> {
             "--listen",
             &format!("127.0.0.1:{port}"),
         ]));
+        a.extend(etcd_security.iter().cloned());
         a.extend(lease_ttl_arg(args.lease_ttl_secs));
         a.extend(cores_arg(i));
         a.extend(link_for(&name, port)?);
@@ -747,6 +753,7 @@ pub fn run(args: &UpArgs) -> Result<()> {
         if let Some(d) = flag_arg(&args.coordinator_args, "--dense-dtype") {
             a.extend(os_args(["--dense-dtype".to_string(), d]));
         }
+        a.extend(etcd_security.iter().cloned());
         a.extend(lease_ttl_arg(args.lease_ttl_secs));
         a.extend(cores_arg(args.expert_workers + i));
         a.extend(link_for(&name, port)?);
@@ -791,6 +798,7 @@ pub fn run(args: &UpArgs) -> Result<()> {
         "--admin-port".to_string(),
         admin_port.to_string(),
     ]));
+    a.extend(etcd_security.iter().cloned());
     a.extend(tls_for("coordinator")?);
     a.extend(os_args(&args.coordinator_args));
     if args.secure || args.tls.any() {

@@ -19,7 +19,121 @@ use anyhow::{Context, Result};
 use clap::Args;
 
 use crate::state::WORKER_TTL_SECS;
-use crate::store::{EtcdStore, LeaseGuard};
+use crate::store::{EtcdSecurity, EtcdStore, LeaseGuard};
+
+/// How every role reaches a secured etcd (flattened next to each role's
+/// `--etcd`): TLS with `--etcd-ca` (and a client certificate for etcd's
+/// `--client-cert-auth`), user/password auth with `--etcd-user`. The
+/// password is read from `--etcd-password-file` or `EPSERVE_ETCD_PASSWORD`,
+/// never from the command line.
+#[derive(Debug, Clone, Default, Args)]
+pub struct EtcdSecurityArgs {
+    /// CA certificate (PEM) that signed etcd's server certificate: etcd is
+    /// dialled over TLS (`https://`) and its certificate verified.
+    #[arg(long, env = "EPSERVE_ETCD_CA")]
+    pub etcd_ca: Option<PathBuf>,
+    /// Client certificate (PEM) presented to etcd (its `--client-cert-auth`);
+    /// with --etcd-key and --etcd-ca.
+    #[arg(long, env = "EPSERVE_ETCD_CERT")]
+    pub etcd_cert: Option<PathBuf>,
+    /// Private key (PEM) of --etcd-cert.
+    #[arg(long, env = "EPSERVE_ETCD_KEY")]
+    pub etcd_key: Option<PathBuf>,
+    /// etcd user (etcd with auth enabled); the password comes from
+    /// --etcd-password-file or the EPSERVE_ETCD_PASSWORD environment variable.
+    #[arg(long, env = "EPSERVE_ETCD_USER")]
+    pub etcd_user: Option<String>,
+    /// File holding the etcd user's password (one line; a trailing newline
+    /// is ignored).
+    #[arg(long, env = "EPSERVE_ETCD_PASSWORD_FILE")]
+    pub etcd_password_file: Option<PathBuf>,
+}
+
+/// Environment variable with the etcd password (when no file is given).
+pub const ETCD_PASSWORD_ENV: &str = "EPSERVE_ETCD_PASSWORD";
+
+impl EtcdSecurityArgs {
+    /// The files read and checked: certificates and keys must be PEM, a
+    /// certificate needs its key (and the CA), a user needs a password and a
+    /// password a user. Errors name the flag and the file.
+    pub fn resolve(&self) -> Result<EtcdSecurity> {
+        let read = |flag: &str, p: &PathBuf, tag: &str| -> Result<Vec<u8>> {
+            let b = std::fs::read(p)
+                .with_context(|| format!("--{flag}: cannot read {}", p.display()))?;
+            if !String::from_utf8_lossy(&b).contains(tag) {
+                anyhow::bail!(
+                    "--{flag}: {} is not a PEM file (no `{tag}` block)",
+                    p.display()
+                );
+            }
+            Ok(b)
+        };
+        let ca_pem = match &self.etcd_ca {
+            Some(p) => Some(read("etcd-ca", p, "-----BEGIN CERTIFICATE-----")?),
+            None => None,
+        };
+        let identity = match (&self.etcd_cert, &self.etcd_key) {
+            (Some(c), Some(k)) => {
+                anyhow::ensure!(
+                    ca_pem.is_some(),
+                    "--etcd-cert needs --etcd-ca (the CA of etcd's server certificate)"
+                );
+                Some((
+                    read("etcd-cert", c, "-----BEGIN CERTIFICATE-----")?,
+                    read("etcd-key", k, "PRIVATE KEY-----")?,
+                ))
+            }
+            (None, None) => None,
+            (Some(_), None) => anyhow::bail!("--etcd-cert needs --etcd-key"),
+            (None, Some(_)) => anyhow::bail!("--etcd-key needs --etcd-cert"),
+        };
+        let password = match &self.etcd_password_file {
+            Some(p) => {
+                let s = std::fs::read_to_string(p).with_context(|| {
+                    format!("--etcd-password-file: cannot read {}", p.display())
+                })?;
+                Some(s.trim_end_matches(['\r', '\n']).to_string())
+            }
+            None => std::env::var(ETCD_PASSWORD_ENV).ok(),
+        };
+        let user = match (&self.etcd_user, password) {
+            (Some(u), Some(p)) => Some((u.clone(), p)),
+            (Some(u), None) => anyhow::bail!(
+                "--etcd-user {u} needs a password: --etcd-password-file or {ETCD_PASSWORD_ENV}"
+            ),
+            (None, Some(_)) if self.etcd_password_file.is_some() => {
+                anyhow::bail!("--etcd-password-file needs --etcd-user")
+            }
+            (None, _) => None,
+        };
+        Ok(EtcdSecurity {
+            ca_pem,
+            identity,
+            user,
+        })
+    }
+
+    /// The same flags as arguments, to pass on to a child process (the
+    /// password stays in its file or the environment).
+    pub fn to_args(&self) -> Vec<std::ffi::OsString> {
+        let mut out = Vec::new();
+        let mut push = |flag: &str, v: Option<std::ffi::OsString>| {
+            if let Some(v) = v {
+                out.push(flag.into());
+                out.push(v);
+            }
+        };
+        push("--etcd-ca", self.etcd_ca.clone().map(Into::into));
+        push("--etcd-cert", self.etcd_cert.clone().map(Into::into));
+        push("--etcd-key", self.etcd_key.clone().map(Into::into));
+        push("--etcd-user", self.etcd_user.clone().map(Into::into));
+        push(
+            "--etcd-password-file",
+            self.etcd_password_file.clone().map(Into::into),
+        );
+        out
+    }
+}
 
 /// Flags shared by `epserve expert-worker` and `epserve attention-worker`
 /// (flattened into each role's own arguments; `--listen` stays with the role,
@@ -32,6 +146,8 @@ pub struct WorkerArgs {
     /// etcd endpoints, comma-separated (`127.0.0.1:2379`).
     #[arg(long, env = "EPSERVE_ETCD")]
     pub etcd: String,
+    #[command(flatten)]
+    pub etcd_security: EtcdSecurityArgs,
     /// Cluster name: keys live under `/epserve/<cluster>/`.
     #[arg(long, default_value = "default", env = "EPSERVE_CLUSTER")]
     pub cluster: String,
@@ -92,7 +208,12 @@ impl WorkerArgs {
     /// the registration made through it is then kept for as long as the
     /// worker runs, however long etcd is away.
     pub async fn connect_etcd(&self) -> Result<EtcdStore> {
-        connect_etcd(&self.etcd, self.etcd_timeout_secs).await
+        connect_etcd(
+            &self.etcd,
+            &self.etcd_security.resolve()?,
+            self.etcd_timeout_secs,
+        )
+        .await
     }
 }
 
@@ -153,9 +274,13 @@ pub async fn bind_grpc(listen: SocketAddr) -> Result<tonic::transport::server::T
 /// Leases of registrations made through it are never given up: the keeper
 /// retries while etcd is away and writes the key again when it returns.
 /// Shared by both worker roles.
-pub async fn connect_etcd(endpoints: &str, timeout_secs: u64) -> Result<EtcdStore> {
+pub async fn connect_etcd(
+    endpoints: &str,
+    security: &EtcdSecurity,
+    timeout_secs: u64,
+) -> Result<EtcdStore> {
     let limit = std::time::Duration::from_secs(timeout_secs);
-    Ok(EtcdStore::connect_within(endpoints, limit).await?)
+    Ok(EtcdStore::connect_secure_within(endpoints, security, limit).await?)
 }
 
 /// Runs a worker's gRPC `server` until it stops (SIGINT/SIGTERM), or fails
@@ -238,4 +363,112 @@ pub fn io_runtime() -> Result<tokio::runtime::Runtime> {
         .enable_all()
         .build()
         .context("cannot start the async runtime")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const CERT: &str = "-----BEGIN CERTIFICATE-----\nAAAA\n-----END CERTIFICATE-----\n";
+    const KEY: &str = "-----BEGIN PRIVATE KEY-----\nAAAA\n-----END PRIVATE KEY-----\n";
+
+    fn files() -> (tempdir::Dir, PathBuf, PathBuf, PathBuf) {
+        let d = tempdir::Dir::new("etcd-sec");
+        let w = |n: &str, s: &str| {
+            let p = d.0.join(n);
+            std::fs::write(&p, s).expect("write");
+            p
+        };
+        let (c, k, pw) = (w("c.pem", CERT), w("k.pem", KEY), w("pw", "secret\n"));
+        (d, c, k, pw)
+    }
+
+    mod tempdir {
+        pub struct Dir(pub std::path::PathBuf);
+        impl Dir {
+            pub fn new(tag: &str) -> Dir {
+                let p = std::env::temp_dir().join(format!(
+                    "epserve-{tag}-{}-{:?}",
+                    std::process::id(),
+                    std::thread::current().id()
+                ));
+                std::fs::create_dir_all(&p).expect("tmp dir");
+                Dir(p)
+            }
+        }
+        impl Drop for Dir {
+            fn drop(&mut self) {
+                let _ = std::fs::remove_dir_all(&self.0);
+            }
+        }
+    }
+
+    #[test]
+    fn etcd_security_flags_are_checked_and_read() {
+        let (_d, cert, key, pw) = files();
+        let none = EtcdSecurityArgs::default().resolve().expect("plain");
+        assert!(!none.tls() && none.identity.is_none() && none.user.is_none());
+
+        let full = EtcdSecurityArgs {
+            etcd_ca: Some(cert.clone()),
+            etcd_cert: Some(cert.clone()),
+            etcd_key: Some(key.clone()),
+            etcd_user: Some("epserve".into()),
+            etcd_password_file: Some(pw.clone()),
+        };
+        let sec = full.resolve().expect("all flags");
+        assert!(sec.tls() && sec.identity.is_some());
+        assert_eq!(sec.user, Some(("epserve".into(), "secret".into())));
+        // The password never reaches Debug output or a child's arguments.
+        assert!(!format!("{sec:?}").contains("secret"));
+        let args: Vec<String> = full
+            .to_args()
+            .iter()
+            .map(|a| a.to_string_lossy().into_owned())
+            .collect();
+        assert_eq!(args.len(), 10);
+        assert!(!args.iter().any(|a| a.contains("secret")));
+
+        let bad = |a: EtcdSecurityArgs, want: &str| {
+            let e = format!("{:#}", a.resolve().expect_err(want));
+            assert!(e.contains(want), "{e:?} should say {want:?}");
+        };
+        bad(
+            EtcdSecurityArgs {
+                etcd_cert: Some(cert.clone()),
+                etcd_ca: Some(cert.clone()),
+                ..Default::default()
+            },
+            "--etcd-cert needs --etcd-key",
+        );
+        bad(
+            EtcdSecurityArgs {
+                etcd_cert: Some(cert.clone()),
+                etcd_key: Some(key.clone()),
+                ..Default::default()
+            },
+            "--etcd-cert needs --etcd-ca",
+        );
+        bad(
+            EtcdSecurityArgs {
+                etcd_ca: Some(key.clone()),
+                ..Default::default()
+            },
+            "is not a PEM file",
+        );
+        bad(
+            EtcdSecurityArgs {
+                etcd_ca: Some(PathBuf::from("/nonexistent/ca.pem")),
+                ..Default::default()
+            },
+            "--etcd-ca: cannot read /nonexistent/ca.pem",
+        );
+        bad(
+            EtcdSecurityArgs {
+                etcd_password_file: Some(pw),
+                ..Default::default()
+            },
+            "--etcd-password-file needs --etcd-user",
+        );
+    }
 }

@@ -12,6 +12,63 @@ use tokio::sync::mpsc;
 
 use super::{KvStore, LeaseGuard, StoreError, StoreResult, Versioned};
 
+/// How to reach a secured etcd: TLS (its server certificate verified
+/// against a CA, optionally presenting a client certificate for etcd's
+/// `--client-cert-auth`) and/or user/password auth (etcd's `auth enable`;
+/// the token is refreshed when it expires). The default: plaintext, no auth.
+#[derive(Clone, Default)]
+pub struct EtcdSecurity {
+    /// PEM of the CA that signed etcd's server certificate; Some: TLS.
+    pub ca_pem: Option<Vec<u8>>,
+    /// PEM client certificate and key (needs `ca_pem`).
+    pub identity: Option<(Vec<u8>, Vec<u8>)>,
+    /// User and password.
+    pub user: Option<(String, String)>,
+}
+
+impl std::fmt::Debug for EtcdSecurity {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("EtcdSecurity")
+            .field("tls", &self.ca_pem.is_some())
+            .field("client_cert", &self.identity.is_some())
+            .field("user", &self.user.as_ref().map(|(u, _)| u))
+            .finish()
+    }
+}
+
+impl EtcdSecurity {
+    /// Whether the endpoints are dialled over TLS.
+    pub fn tls(&self) -> bool {
+        self.ca_pem.is_some()
+    }
+
+    fn options(&self) -> Result<etcd_client::ConnectOptions, String> {
+        let mut opts = etcd_client::ConnectOptions::new()
+            .with_connect_timeout(Duration::from_secs(5))
+            .with_timeout(Duration::from_secs(10));
+        match (&self.ca_pem, &self.identity) {
+            (Some(ca), id) => {
+                let mut tls = etcd_client::TlsOptions::new()
+                    .ca_certificate(etcd_client::Certificate::from_pem(ca));
+                if let Some((cert, key)) = id {
+                    tls = tls.identity(etcd_client::Identity::from_pem(cert, key));
+                }
+                opts = opts.with_tls(tls);
+            }
+            (None, Some(_)) => {
+                return Err("a client certificate for etcd needs its CA (--etcd-ca)".into());
+            }
+            (None, None) => {}
+        }
+        if let Some((user, password)) = &self.user {
+            opts = opts
+                .with_user(user.clone(), password.clone())
+                .with_auto_token_refresh(true);
+        }
+        Ok(opts)
+    }
+}
+
 /// etcd v3 through the `etcd-client` crate.
 #[derive(Clone)]
 pub struct EtcdStore {
@@ -28,17 +85,30 @@ impl EtcdStore {
     /// bounds only this connect: leased keys of the store are kept alive
     /// however long etcd is away later (see [`give_up_leases_after`](Self::give_up_leases_after)).
     pub async fn connect_within(endpoints: &str, limit: Duration) -> StoreResult<Self> {
+        Self::connect_secure_within(endpoints, &EtcdSecurity::default(), limit).await
+    }
+
+    /// [`connect_within`](Self::connect_within) with TLS and/or auth.
+    /// Refusals that retrying cannot fix (a bad certificate, wrong
+    /// credentials) still retry until `limit`, since etcd may be starting;
+    /// the last error names them.
+    pub async fn connect_secure_within(
+        endpoints: &str,
+        security: &EtcdSecurity,
+        limit: Duration,
+    ) -> StoreResult<Self> {
         let deadline = tokio::time::Instant::now() + limit;
         let mut backoff = Duration::from_millis(100);
         let mut attempt = 1u32;
         loop {
             let left = deadline.saturating_duration_since(tokio::time::Instant::now());
-            let last = match tokio::time::timeout(left, Self::connect(endpoints)).await {
-                Ok(Ok(s)) => return Ok(s),
-                Ok(Err(StoreError::Etcd { message, .. })) => message,
-                Ok(Err(e)) => e.to_string(),
-                Err(_) => "no answer".to_string(),
-            };
+            let last =
+                match tokio::time::timeout(left, Self::connect_secure(endpoints, security)).await {
+                    Ok(Ok(s)) => return Ok(s),
+                    Ok(Err(StoreError::Etcd { message, .. })) => message,
+                    Ok(Err(e)) => e.to_string(),
+                    Err(_) => "no answer".to_string(),
+                };
             let left = deadline.saturating_duration_since(tokio::time::Instant::now());
             if left.is_zero() {
                 return Err(StoreError::Etcd {
@@ -67,6 +137,12 @@ impl EtcdStore {
 
     /// Connects (with a timeout) to `endpoints` (comma-separated `host:port` or URLs).
     pub async fn connect(endpoints: &str) -> StoreResult<Self> {
+        Self::connect_secure(endpoints, &EtcdSecurity::default()).await
+    }
+
+    /// [`connect`](Self::connect) with TLS and/or auth: endpoints without a
+    /// scheme are dialled with `https://` when `security` has a CA.
+    pub async fn connect_secure(endpoints: &str, security: &EtcdSecurity) -> StoreResult<Self> {
         let eps: Vec<String> = endpoints
             .split(',')
             .map(|s| s.trim().to_string())
@@ -79,12 +155,10 @@ impl EtcdStore {
         if eps.is_empty() {
             return Err(err("no endpoint given".into()));
         }
-        let opts = etcd_client::ConnectOptions::new()
-            .with_connect_timeout(Duration::from_secs(5))
-            .with_timeout(Duration::from_secs(10));
+        let opts = security.options().map_err(err)?;
         let client = Client::connect(eps, Some(opts))
             .await
-            .map_err(|e| err(e.to_string()))?;
+            .map_err(|e| err(short_error(&e)))?;
         let s = EtcdStore {
             client,
             endpoint: endpoints.to_string(),
@@ -93,6 +167,53 @@ impl EtcdStore {
         // Fail fast if nothing answers.
         s.get("/epserve/.ping").await?;
         Ok(s)
+    }
+
+    /// Turns on etcd's auth for a fresh etcd (as an operator's `etcdctl
+    /// user add root; role add; auth enable` would): a `root` user with
+    /// `root_password`, and `user` / `password` with one role of its own
+    /// that may read and write only the keys under `prefix`. `security`
+    /// carries the TLS used to reach it (its user is ignored: auth is off
+    /// until this returns). Idempotent only on a fresh etcd: an existing
+    /// user or enabled auth is an error.
+    pub async fn enable_auth(
+        endpoints: &str,
+        security: &EtcdSecurity,
+        root_password: &str,
+        user: &str,
+        password: &str,
+        prefix: &str,
+    ) -> StoreResult<()> {
+        let plain = EtcdSecurity {
+            user: None,
+            ..security.clone()
+        };
+        let mut c = Self::connect_secure(endpoints, &plain).await?.client;
+        let err = |what: &str, e: etcd_client::Error| StoreError::Etcd {
+            endpoint: endpoints.to_string(),
+            message: format!("{what}: {}", short_error(&e)),
+        };
+        c.user_add("root", root_password, None)
+            .await
+            .map_err(|e| err("add user root", e))?;
+        c.user_grant_role("root", "root")
+            .await
+            .map_err(|e| err("grant root", e))?;
+        c.user_add(user, password, None)
+            .await
+            .map_err(|e| err("add user", e))?;
+        c.role_add(user).await.map_err(|e| err("add role", e))?;
+        c.role_grant_permission(
+            user,
+            etcd_client::Permission::read_write(prefix).with_prefix(),
+        )
+        .await
+        .map_err(|e| err("grant the role", e))?;
+        c.user_grant_role(user, user)
+            .await
+            .map_err(|e| err("grant the user its role", e))?;
+        c.auth_enable().await.map_err(|e| err("enable auth", e))?;
+        Ok(())
     }
 
     fn err(&self, e: etcd_client::Error) -> StoreError {
@@ -118,7 +239,18 @@ fn short_error(e: &etcd_client::Error) -> String {
                 None => status.message().to_string(),
             }
         }
-        other => other.to_string(),
+        other => {
+            // Transport errors (TLS handshakes above all) say little at the
+            // top ("transport error"): name the innermost cause too.
+            let mut root: Option<&dyn std::error::Error> = std::error::Error::source(other);
+            while let Some(next) = root.and_then(|r| r.source()) {
+                root = Some(next);
+            }
+            match root {
+                Some(r) => format!("{other}: {r}"),
+                None => other.to_string(),
+            }
+        }
     }
 }
 

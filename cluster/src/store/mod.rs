@@ -10,7 +10,7 @@ mod memory;
 use async_trait::async_trait;
 use tokio::sync::mpsc;
 
-pub use etcd::EtcdStore;
+pub use etcd::{EtcdSecurity, EtcdStore};
 pub use memory::MemoryStore;
 
 /// Store failures.

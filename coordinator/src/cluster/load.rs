@@ -20,15 +20,23 @@ struct Entry {
 
 #[derive(Default)]
 struct LayerWindow {
-    ring: VecDeque<Vec<Entry>>,
+    /// Per step in the window: its number ([`LoadStats::steps_total`] when
+    /// it ran) and its entries.
+    ring: VecDeque<(u64, Vec<Entry>)>,
     expert: Vec<u64>,
     replica: HashMap<(u32, u32), u64>,
 }
 
 impl LayerWindow {
-    fn push(&mut self, entries: Vec<Entry>, capacity: usize) {
-        if self.ring.len() >= capacity
-            && let Some(old) = self.ring.pop_front()
+    /// Adds step `step`'s `entries`: to that step's slot when the layer
+    /// already has one (a step split into micro-batches dispatches each
+    /// layer once per micro-batch), else to a new slot, the oldest leaving
+    /// a full window.
+    fn push(&mut self, step: u64, entries: Vec<Entry>, capacity: usize) {
+        let same_step = self.ring.back().is_some_and(|(s, _)| *s == step);
+        if !same_step
+            && self.ring.len() >= capacity
+            && let Some((_, old)) = self.ring.pop_front()
         {
             for e in old {
                 if let Some(x) = self.expert.get_mut(e.expert as usize) {
@@ -49,7 +57,10 @@ impl LayerWindow {
             self.expert[e.expert as usize] += e.tokens as u64;
             *self.replica.entry((e.expert, e.worker)).or_default() += e.tokens as u64;
         }
-        self.ring.push_back(entries);
+        match self.ring.back_mut() {
+            Some((_, slot)) if same_step => slot.extend(entries),
+            _ => self.ring.push_back((step, entries)),
+        }
     }
 }
 
@@ -174,8 +185,11 @@ impl LoadStats {
                 tokens,
             })
             .collect();
-        let cap = self.capacity;
-        self.layers.entry(layer).or_default().push(entries, cap);
+        let (cap, step) = (self.capacity, self.steps_total);
+        self.layers
+            .entry(layer)
+            .or_default()
+            .push(step, entries, cap);
     }
 
     /// The window of one layer, with worker loads over `placement`'s workers;
@@ -272,6 +286,22 @@ mod tests {
         s.begin_step(2);
         assert_eq!(s.window_steps(), 0);
         assert_eq!(s.layer(3, &p).balancedness, 1.0);
+    }
+
+    #[test]
+    fn micro_batches_of_one_step_fill_one_slot() {
+        let p = placement();
+        let mut s = LoadStats::new(2);
+        for step in 0..3u32 {
+            s.begin_step(1);
+            // Two micro-batches dispatch layer 3 in each step.
+            s.record(3, &[(0, "a", 1 + step)]);
+            s.record(3, &[(1, "a", 10)]);
+        }
+        // Two whole steps in the window (not the last two micro-batches).
+        assert_eq!(s.window_steps(), 2);
+        let l = s.layer(3, &p);
+        assert_eq!(l.expert_tokens, vec![2 + 3, 20]);
     }
 
     #[test]

@@ -38,6 +38,8 @@ pub struct CoordinatorArgs {
     /// etcd endpoints, comma-separated (`127.0.0.1:2379`).
     #[arg(long, env = "EPSERVE_ETCD")]
     pub etcd: String,
+    #[command(flatten)]
+    pub etcd_security: epserve_cluster::runtime::EtcdSecurityArgs,
     /// Cluster name: keys live under `/epserve/<cluster>/`.
     #[arg(long, default_value = "default", env = "EPSERVE_CLUSTER")]
     pub cluster: String,
@@ -168,7 +170,8 @@ pub fn run(args: &CoordinatorArgs, status: Status) -> Result<()> {
     let (dispatcher, state, remote_attention, restart) = rt.block_on(async {
         // etcd may be slow or restarting: retry within --wait-secs.
         let wait = Duration::from_secs(args.wait_secs);
-        let store = EtcdStore::connect_within(&args.etcd, wait).await?;
+        let security = args.etcd_security.resolve()?;
+        let store = EtcdStore::connect_secure_within(&args.etcd, &security, wait).await?;
         let state = ClusterState::new(Arc::new(store), &args.cluster);
         let deadline = Instant::now() + wait;
         // A placement in etcd (a restarted coordinator): serve it at once,

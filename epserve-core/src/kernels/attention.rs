@@ -305,6 +305,41 @@ fn merge(shape: &AttnShape<'_>, it: &Item, dv: usize, parts: &[Partial]) -> Vec<
     acc
 }
 
+/// Hints the cache lines of `bytes` bytes at element `off` of `rows` into
+/// L2 (a hint: never faults, a no-op past the end or on other targets).
+#[inline]
+fn prefetch_l2(rows: KvRows<'_>, off: usize, bytes: usize) {
+    if off >= rows.len() {
+        return;
+    }
+    let p = rows.as_ptr().wrapping_add(off * esize(rows));
+    let mut b = 0;
+    while b < bytes {
+        let a = p.wrapping_add(b);
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: SSE is baseline on x86_64, and a prefetch is a hint that
+        // never faults.
+        unsafe {
+            std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T1 }>(a as *const i8);
+        }
+        #[cfg(target_arch = "aarch64")]
+        // SAFETY: PRFM is a hint: it never faults, reads nothing and
+        // writes nothing architecturally visible.
+        unsafe {
+            std::arch::asm!("prfm pldl2keep, [{0}]", in(reg) a, options(nostack, readonly, preserves_flags));
+        }
+        #[cfg(not(any(target_arch = "x86_64", target_arch = "aarch64")))]
+        let _ = a;
+        b += 64;
+    }
+}
+
+/// Bytes per stored element.
+#[inline]
+fn esize(rows: KvRows<'_>) -> usize {
+    if rows.is_bf16() { 2 } else { 4 }
+}
+
 /// Calls `f(j, n, row0)` for each run `j..j + n` of positions in `j0..j1`
 /// that are consecutive pool rows (inside one cache block) from `row0`.
 #[inline]
@@ -353,6 +388,15 @@ fn run_item(
     while j0 < hi {
         let j1 = (j0 + KEY_BLOCK).min(hi);
         let n = j1 - j0;
+        // The next block's K/V rows, found through the block table (the
+        // hardware prefetchers cannot follow a head's short slice of each
+        // row across cache blocks): they arrive while this block computes.
+        runs(s, bs, j1, (j1 + KEY_BLOCK).min(hi), |_, len, row0| {
+            for r in row0..row0 + len {
+                prefetch_l2(k.rows, r * k.stride + koff, dk * esize(k.rows));
+                prefetch_l2(v.rows, r * v.stride + voff, dv * esize(v.rows));
+            }
+        });
         runs(s, bs, j0, j1, |j, len, row0| {
             kern.attn_scores(
                 &qb,

@@ -177,8 +177,10 @@ pub fn render_report(
     let _ = writeln!(
         s,
         "assumptions: uniform routing, balanced placement, no overlap of stages, {:.0} us per round trip, \
+         {} activations on the wire (one combined vector per token back from each worker), \
          bandwidth shared by vCPU share of the socket, {} GFLOP/s bf16 per vCPU sustained, context {} tokens.",
         a.rtt_s * 1e6,
+        a.wire_dtype.name(),
         inst.generation.gflops_bf16_per_vcpu,
         a.context_len
     );
@@ -274,6 +276,13 @@ pub fn helm_values(
         let _ = writeln!(s, "  kvCacheMemory: {kv_gib}GiB");
     } else {
         let _ = writeln!(s, "  kvCacheMemory: \"\"");
+    }
+    if a.wire_dtype != super::WireDtype::Bf16 {
+        let _ = writeln!(
+            s,
+            "  # -- The plan assumed this activation dtype on the wire."
+        );
+        let _ = writeln!(s, "  dispatchDtype: {}", a.wire_dtype.name());
     }
     let _ = writeln!(s, "  # -- One coordinator per node.");
     let _ = writeln!(s, "  resources:");

@@ -3,7 +3,7 @@
 
 use anyhow::{Context, Result, bail};
 
-use super::{ExpertDtype, GIB, Instance, KvDtype, ModelShape, expected_touched};
+use super::{ExpertDtype, GIB, Instance, KvDtype, ModelShape, WireDtype, expected_touched};
 
 /// Decode-step batch sizes shown in the throughput table.
 const TABLE_BATCHES: [u64; 9] = [1, 2, 4, 8, 16, 32, 64, 128, 256];
@@ -24,6 +24,7 @@ pub struct Assumptions {
     pub context_len: u64,
     pub rtt_s: f64,
     pub mem_bw_efficiency: f64,
+    pub wire_dtype: WireDtype,
 }
 
 /// How many worker pods of each kind (one per node).
@@ -127,17 +128,21 @@ pub fn estimate(
     let per_worker_flops = b * m.top_k as f64 * 2.0 * m.expert_params() as f64 / w;
     let experts_s = m.moe_layers as f64 * roof(per_worker_bytes, per_worker_flops, bw, expert_ops);
 
-    // Network through the coordinator's NIC (full duplex, so one direction):
-    // a token's hidden state goes once to each distinct worker its k experts
-    // live on and one partial sum per worker comes back; with shards, the
-    // hidden state goes to every shard each layer.
+    // Network through the coordinator's NIC (full duplex: the busier
+    // direction): a token's hidden state goes once to each distinct worker
+    // its k experts live on (in the wire dtype) and one combined partial sum
+    // per worker comes back; with shards, the hidden state (bf16) goes to
+    // every shard each layer and its slice of the output comes back.
     let distinct = w * (1.0 - (1.0 - 1.0 / w).powf(m.top_k as f64));
-    let hidden_bytes = 2.0 * m.hidden as f64;
-    let mut net_bytes = m.moe_layers as f64 * b * distinct * hidden_bytes;
+    let per_moe = m.moe_layers as f64 * b * distinct;
+    let mut out = per_moe * a.wire_dtype.out_bytes(m.hidden);
+    let mut back = per_moe * a.wire_dtype.back_bytes(m.hidden);
     if shards > 0 {
-        net_bytes += m.layers as f64 * shards as f64 * b * hidden_bytes;
+        let shard_bytes = m.layers as f64 * shards as f64 * b * 2.0 * m.hidden as f64;
+        out += shard_bytes;
+        back += shard_bytes / shards as f64;
     }
-    let network_s = net_bytes / (inst.net_gbps * 1e9 / 8.0);
+    let network_s = out.max(back) / (inst.net_gbps * 1e9 / 8.0);
     let round_trips = m.moe_layers + if shards > 0 { m.layers } else { 0 };
     let latency_s = round_trips as f64 * a.rtt_s;
 

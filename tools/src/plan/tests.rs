@@ -43,6 +43,7 @@ fn assumptions(expert_dtype: ExpertDtype, kv_dtype: KvDtype) -> Assumptions {
         context_len: 1024,
         rtt_s: 100e-6,
         mem_bw_efficiency: 0.8,
+        wire_dtype: WireDtype::Bf16,
     }
 }
 
@@ -197,6 +198,33 @@ fn mixtral_decode_step_by_hand() {
 }
 
 #[test]
+fn the_wire_dtype_sizes_each_direction() {
+    let m = shape_of(QWEN3_30B_A3B);
+    let inst = Instance::lookup("c8g.16xlarge").expect("known");
+    let layout = Layout {
+        expert_workers: 4,
+        attention_workers: 0,
+    };
+    let net = |wire| {
+        let a = Assumptions {
+            wire_dtype: wire,
+            ..assumptions(ExpertDtype::Bf16, KvDtype::Bf16)
+        };
+        estimate(&m, &inst, &a, layout, 16).network_s
+    };
+    let (bf16, f32_, int8) = (
+        net(WireDtype::Bf16),
+        net(WireDtype::F32),
+        net(WireDtype::Int8),
+    );
+    // f32 doubles both directions; int8 halves what goes out but the
+    // combined sums come back in bf16, which then bounds the link.
+    close(f32_, 2.0 * bf16, 1e-12);
+    close(int8, bf16, 1e-12);
+    assert!(WireDtype::Int8.out_bytes(m.hidden) < WireDtype::Bf16.out_bytes(m.hidden) / 1.9);
+}
+
+#[test]
 fn qwen3_plan_reaches_the_target_with_the_fewest_nodes() {
     let m = shape_of(QWEN3_30B_A3B);
     let inst = Instance::lookup("c8g.16xlarge").expect("known");
@@ -294,6 +322,7 @@ fn helm_values_carry_the_layout() {
         context_len: 1024,
         rtt_us: 100.0,
         mem_bw_efficiency: 0.8,
+        dispatch_dtype: WireDtype::Bf16,
         helm_values: None,
     };
     let v = helm_values(&m, &inst, &a, &plan, &args);

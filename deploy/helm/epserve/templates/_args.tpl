@@ -6,21 +6,50 @@ changes, change it here (deploy/tests/test_chart.py checks these flags against
 $(POD_NAME) and friends are expanded by Kubernetes from the container's env.
 */}}
 
-{{/* Flags every role shares: the model, etcd, the cluster's key prefix. */}}
+{{/* Flags every role shares: the model, etcd (and how to reach it securely), the cluster's key prefix. */}}
 {{- define "epserve.args.common" -}}
 - --model={{ include "epserve.modelDir" . }}
-- --etcd={{ include "epserve.etcdEndpoints" . }}
+{{ include "epserve.args.etcd" . }}
 - --cluster={{ include "epserve.clusterName" . }}
 {{- end }}
 
-{{/* TLS files (only with tls.enabled). */}}
+{{/*
+etcd: the endpoints, TLS (--etcd-ca: the chart's etcd with tls.enabled, where each
+role presents its own certificate for etcd's --client-cert-auth; or an external etcd's
+Secret) and user/password auth (an external etcd; the password from a mounted file).
+*/}}
+{{- define "epserve.args.etcd" -}}
+- --etcd={{ include "epserve.etcdEndpoints" . }}
+{{- with include "epserve.etcdTlsDir" . }}
+- --etcd-ca={{ . }}/ca.crt
+{{- if or $.Values.etcd.enabled $.Values.etcd.external.tls.clientCert }}
+- --etcd-cert={{ . }}/tls.crt
+- --etcd-key={{ . }}/tls.key
+{{- end }}
+{{- end }}
+{{- if and (not .Values.etcd.enabled) .Values.etcd.external.auth.user }}
+- --etcd-user={{ .Values.etcd.external.auth.user }}
+- --etcd-password-file={{ include "epserve.etcdAuthMountPath" . }}/password
+{{- end }}
+{{- end }}
+
+{{/*
+Mutual TLS of the gRPC node links (tls.enabled): every role's own certificate (its
+server and its client identity) and the CA its peers must be signed by.
+*/}}
 {{- define "epserve.args.tls" -}}
 {{- if .Values.tls.enabled }}
-- --tls-cert={{ .Values.tls.mountPath }}/tls.crt
-- --tls-key={{ .Values.tls.mountPath }}/tls.key
-{{- if or .Values.tls.ca .Values.tls.existingSecretHasCa }}
-- --tls-ca={{ .Values.tls.mountPath }}/ca.crt
+- --tls-cert={{ trimSuffix "/" .Values.tls.mountPath }}/tls.crt
+- --tls-key={{ trimSuffix "/" .Values.tls.mountPath }}/tls.key
+- --tls-ca={{ trimSuffix "/" .Values.tls.mountPath }}/ca.crt
 {{- end }}
+{{- end }}
+
+{{/* HTTPS on the coordinator's OpenAI port (tls.enabled and tls.api.enabled). */}}
+{{- define "epserve.args.apiTls" -}}
+{{- if include "epserve.tls.api" . }}
+- --api-tls-cert={{ include "epserve.tls.apiMountPath" . }}/tls.crt
+- --api-tls-key={{ include "epserve.tls.apiMountPath" . }}/tls.key
 {{- end }}
 {{- end }}
 
@@ -69,6 +98,7 @@ $(POD_NAME) and friends are expanded by Kubernetes from the container's env.
 - --eplb-redundant-experts={{ $c.eplb.redundantExperts }}
 - --rebalance-timeout-secs={{ $c.eplb.rebalanceTimeoutSecs }}
 {{- include "epserve.args.tls" . }}
+{{- include "epserve.args.apiTls" . }}
 {{- range $c.extraArgs }}
 - {{ . }}
 {{- end }}
@@ -84,6 +114,9 @@ $(POD_NAME) and friends are expanded by Kubernetes from the container's env.
 {{- if eq $w.advertise "dns" }}
 - --advertise=$(POD_NAME).{{ include "epserve.headlessDomain" (dict "ctx" . "name" $name) }}:{{ $w.port }}
 {{- else if eq $w.advertise "podIP" }}
+{{- if .Values.tls.enabled }}
+{{- fail "expertWorkers.advertise must be dns with tls.enabled: the coordinator checks that a worker's certificate names the address it registers in etcd, and a pod IP is not known when the certificate is made" }}
+{{- end }}
 - --advertise=$(POD_IP):{{ $w.port }}
 {{- else }}
 {{- fail (printf "expertWorkers.advertise must be dns or podIP (got %s)" $w.advertise) }}
@@ -95,9 +128,6 @@ $(POD_NAME) and friends are expanded by Kubernetes from the container's env.
 - --expert-dtype={{ . }}
 {{- end }}
 - --drain-timeout-secs={{ $w.drainTimeoutSeconds }}
-{{- if gt (int .Values.metrics.workerPort) 0 }}
-- --metrics-port={{ .Values.metrics.workerPort }}
-{{- end }}
 {{- include "epserve.args.tls" . }}
 {{- range $w.extraArgs }}
 - {{ . }}
@@ -116,6 +146,9 @@ $(POD_NAME) and friends are expanded by Kubernetes from the container's env.
 {{- if eq $w.advertise "dns" }}
 - --advertise=$(POD_NAME).{{ include "epserve.headlessDomain" (dict "ctx" . "name" $name) }}:{{ $w.port }}
 {{- else if eq $w.advertise "podIP" }}
+{{- if .Values.tls.enabled }}
+{{- fail "attentionWorkers.advertise must be dns with tls.enabled: the coordinator checks that a worker's certificate names the address it registers in etcd, and a pod IP is not known when the certificate is made" }}
+{{- end }}
 - --advertise=$(POD_IP):{{ $w.port }}
 {{- else }}
 {{- fail (printf "attentionWorkers.advertise must be dns or podIP (got %s)" $w.advertise) }}
@@ -130,11 +163,19 @@ $(POD_NAME) and friends are expanded by Kubernetes from the container's env.
 {{- with .Values.coordinator.denseDtype }}
 - --dense-dtype={{ . }}
 {{- end }}
-{{- if gt (int .Values.metrics.workerPort) 0 }}
-- --metrics-port={{ .Values.metrics.workerPort }}
-{{- end }}
 {{- include "epserve.args.tls" . }}
 {{- range $w.extraArgs }}
 - {{ . }}
 {{- end }}
+{{- end }}
+
+{{/*
+epserve ctl (the helm test pod): the coordinator's admin Service, mutual TLS with the
+client certificate, the token from EPSERVE_ADMIN_TOKEN; lists the registered workers.
+*/}}
+{{- define "epserve.args.ctl" -}}
+- ctl
+- --admin={{ include "epserve.coordinator.fullname" . }}-admin.{{ .Release.Namespace }}.svc.{{ .Values.clusterDomain }}:{{ .Values.coordinator.adminService.port }}
+{{- include "epserve.args.tls" . }}
+- workers
 {{- end }}

@@ -9,6 +9,7 @@ of each role are in _args.tpl.
 
 {{/* <release>-epserve, or the release name when it already contains the chart name. */}}
 {{- define "epserve.fullname" -}}
+{{- include "epserve.removedValues" . }}
 {{- if .Values.fullnameOverride }}
 {{- .Values.fullnameOverride | trunc 40 | trimSuffix "-" }}
 {{- else }}
@@ -66,10 +67,17 @@ app.kubernetes.io/part-of: epserve
 {{/* --etcd: the chart's client Service, or the external endpoints joined by commas. */}}
 {{- define "epserve.etcdEndpoints" -}}
 {{- if .Values.etcd.enabled }}
-{{- printf "http://%s.%s.svc.%s:%v" (include "epserve.etcd.fullname" .) .Release.Namespace .Values.clusterDomain .Values.etcd.clientPort }}
+{{- printf "%s://%s.%s.svc.%s:%v" (ternary "https" "http" (and .Values.tls.enabled true)) (include "epserve.etcd.fullname" .) .Release.Namespace .Values.clusterDomain .Values.etcd.clientPort }}
 {{- else }}
 {{- if not .Values.etcd.external.endpoints }}
 {{- fail "etcd.enabled is false: set etcd.external.endpoints to the client URLs of your etcd" }}
+{{- end }}
+{{- if .Values.etcd.external.tls.existingSecret }}
+{{- range .Values.etcd.external.endpoints }}
+{{- if hasPrefix "http://" . }}
+{{- fail (printf "etcd.external.endpoints: %s is plain http but etcd.external.tls.existingSecret is set: use https://" .) }}
+{{- end }}
+{{- end }}
 {{- end }}
 {{- join "," .Values.etcd.external.endpoints }}
 {{- end }}
@@ -87,8 +95,140 @@ app.kubernetes.io/part-of: epserve
 {{- define "epserve.adminTokenSecretName" -}}
 {{- default (printf "%s-admin-token" (include "epserve.fullname" .)) .Values.auth.adminToken.existingSecret }}
 {{- end }}
-{{- define "epserve.tlsSecretName" -}}
-{{- default (printf "%s-tls" (include "epserve.fullname" .)) .Values.tls.existingSecret }}
+
+{{/*
+TLS (tls.enabled). Each role has its own certificate, mounted at tls.mountPath
+(tls.crt, tls.key, ca.crt): from cert-manager ("<component fullname>-tls") or an
+existing Secret. include "epserve.tls.secretName" (dict "ctx" $ "role" "expertWorker")
+with role one of coordinator, expertWorker, attentionWorker, etcd, client.
+*/}}
+{{- define "epserve.tls.component" -}}
+{{- get (dict "coordinator" "coordinator" "expertWorker" "expert-worker" "attentionWorker" "attention-worker" "etcd" "etcd" "client" "client") .role | required (printf "unknown TLS role %s" .role) }}
+{{- end }}
+
+{{- define "epserve.tls.secretName" -}}
+{{- $t := .ctx.Values.tls }}
+{{- if $t.certManager.enabled }}
+{{- printf "%s-%s-tls" (include "epserve.fullname" .ctx) (include "epserve.tls.component" .) }}
+{{- else }}
+{{- $name := (index $t.existingSecrets .role) | default $t.existingSecret }}
+{{- if not $name }}
+{{- fail (printf "tls.enabled needs certificates: set tls.certManager.enabled=true, or tls.existingSecret (or tls.existingSecrets.%s) to a Secret with tls.crt, tls.key and ca.crt" .role) }}
+{{- end }}
+{{- $name }}
+{{- end }}
+{{- end }}
+
+{{/* The Secret of the OpenAI port's HTTPS certificate (tls.api). */}}
+{{- define "epserve.tls.apiSecretName" -}}
+{{- $t := .Values.tls }}
+{{- if $t.api.existingSecret }}
+{{- $t.api.existingSecret }}
+{{- else if $t.certManager.enabled }}
+{{- printf "%s-api-tls" (include "epserve.coordinator.fullname" .) }}
+{{- else }}
+{{- include "epserve.tls.secretName" (dict "ctx" . "role" "coordinator") }}
+{{- end }}
+{{- end }}
+
+{{/* HTTPS on the OpenAI port: tls.enabled and tls.api.enabled. */}}
+{{- define "epserve.tls.api" -}}
+{{- if and .Values.tls.enabled .Values.tls.api.enabled }}true{{ end }}
+{{- end }}
+
+{{/* Mount paths of the API certificate, an external etcd's TLS material and its password. */}}
+{{- define "epserve.tls.apiMountPath" -}}{{ trimSuffix "/" .Values.tls.mountPath }}-api{{- end }}
+{{- define "epserve.etcdTlsMountPath" -}}/etc/epserve/etcd-tls{{- end }}
+{{- define "epserve.etcdAuthMountPath" -}}/etc/epserve/etcd-auth{{- end }}
+
+{{/*
+How the epserve roles reach etcd securely, as (tls ca cert) paths or empty:
+the chart's etcd with tls.enabled (each role's own certificate, client-cert auth),
+or an external etcd with etcd.external.tls.existingSecret.
+*/}}
+{{- define "epserve.etcdTlsDir" -}}
+{{- if and .Values.etcd.enabled .Values.tls.enabled }}
+{{- trimSuffix "/" .Values.tls.mountPath }}
+{{- else if and (not .Values.etcd.enabled) .Values.etcd.external.tls.existingSecret }}
+{{- include "epserve.etcdTlsMountPath" . }}
+{{- end }}
+{{- end }}
+
+{{/*
+Volumes with an epserve role's TLS and etcd credentials: include with
+(dict "ctx" $ "role" "expertWorker"). Secret files are readable by the pod's group only.
+*/}}
+{{- define "epserve.securityVolumes" -}}
+{{- $ctx := .ctx }}
+{{- if $ctx.Values.tls.enabled }}
+- name: tls
+  secret:
+    secretName: {{ include "epserve.tls.secretName" . }}
+    defaultMode: 288  # 0440
+{{- if and (eq .role "coordinator") (include "epserve.tls.api" $ctx) }}
+- name: api-tls
+  secret:
+    secretName: {{ include "epserve.tls.apiSecretName" $ctx }}
+    defaultMode: 288  # 0440
+{{- end }}
+{{- end }}
+{{- if ne .role "client" }}
+{{- if and (not $ctx.Values.etcd.enabled) $ctx.Values.etcd.external.tls.existingSecret }}
+- name: etcd-tls
+  secret:
+    secretName: {{ $ctx.Values.etcd.external.tls.existingSecret }}
+    defaultMode: 288  # 0440
+{{- end }}
+{{- if and (not $ctx.Values.etcd.enabled) $ctx.Values.etcd.external.auth.user }}
+- name: etcd-auth
+  secret:
+    secretName: {{ required "etcd.external.auth.existingSecret (the etcd password) is required with etcd.external.auth.user" $ctx.Values.etcd.external.auth.existingSecret }}
+    defaultMode: 288  # 0440
+    items:
+      - key: {{ $ctx.Values.etcd.external.auth.secretKey }}
+        path: password
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{- define "epserve.securityVolumeMounts" -}}
+{{- $ctx := .ctx }}
+{{- if $ctx.Values.tls.enabled }}
+- name: tls
+  mountPath: {{ $ctx.Values.tls.mountPath }}
+  readOnly: true
+{{- if and (eq .role "coordinator") (include "epserve.tls.api" $ctx) }}
+- name: api-tls
+  mountPath: {{ include "epserve.tls.apiMountPath" $ctx }}
+  readOnly: true
+{{- end }}
+{{- end }}
+{{- if ne .role "client" }}
+{{- if and (not $ctx.Values.etcd.enabled) $ctx.Values.etcd.external.tls.existingSecret }}
+- name: etcd-tls
+  mountPath: {{ include "epserve.etcdTlsMountPath" $ctx }}
+  readOnly: true
+{{- end }}
+{{- if and (not $ctx.Values.etcd.enabled) $ctx.Values.etcd.external.auth.user }}
+- name: etcd-auth
+  mountPath: {{ include "epserve.etcdAuthMountPath" $ctx }}
+  readOnly: true
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{/*
+Values that were removed: fail instead of silently ignoring them.
+*/}}
+{{- define "epserve.removedValues" -}}
+{{- if hasKey .Values.metrics "workerPort" }}
+{{- fail "metrics.workerPort was removed: expert- and attention-workers serve no /metrics (the coordinator serves it on its OpenAI port)" }}
+{{- end }}
+{{- range $k := list "cert" "key" "ca" "existingSecretHasCa" }}
+{{- if hasKey $.Values.tls $k }}
+{{- fail (printf "tls.%s was removed: give each role a Secret with tls.crt, tls.key and ca.crt (tls.existingSecret / tls.existingSecrets) or use tls.certManager" $k) }}
+{{- end }}
+{{- end }}
 {{- end }}
 
 {{/* The model folder passed as --model. */}}
@@ -229,6 +369,9 @@ podAntiAffinity:
 prometheus.io/scrape: "true"
 prometheus.io/port: {{ .port | quote }}
 prometheus.io/path: /metrics
+{{- if .https }}
+prometheus.io/scheme: https
+{{- end }}
 {{- end }}
 {{- end }}
 
@@ -259,11 +402,6 @@ prometheus.io/path: /metrics
 {{- end }}
 - name: tmp
   emptyDir: {}
-{{- if .Values.tls.enabled }}
-- name: tls
-  secret:
-    secretName: {{ include "epserve.tlsSecretName" . }}
-{{- end }}
 {{- end }}
 
 {{- define "epserve.volumeMounts" -}}
@@ -272,11 +410,6 @@ prometheus.io/path: /metrics
   readOnly: true
 - name: tmp
   mountPath: /tmp
-{{- if .Values.tls.enabled }}
-- name: tls
-  mountPath: {{ .Values.tls.mountPath }}
-  readOnly: true
-{{- end }}
 {{- end }}
 
 {{/*
@@ -367,8 +500,25 @@ probe's port must be a number). Args: probe (the values dict), port.
 */}}
 {{- define "epserve.workerProbe" -}}
 {{- $p := deepCopy .probe -}}
-{{- if hasKey $p "grpc" -}}
+{{- if and (hasKey $p "grpc") .tls -}}
+{{- /* The kubelet's gRPC probe speaks plaintext and has no client certificate: with
+mutual TLS on the port it could never pass, so it becomes a TCP probe. */ -}}
+{{- $_ := unset $p "grpc" -}}
+{{- $_ := set $p "tcpSocket" (dict "port" "grpc") -}}
+{{- else if hasKey $p "grpc" -}}
 {{- $_ := set $p "grpc" (merge (deepCopy ($p.grpc | default dict)) (dict "port" (int .port))) -}}
+{{- end -}}
+{{- toYaml $p -}}
+{{- end }}
+
+{{/*
+The coordinator's HTTP probes: scheme HTTPS when the OpenAI port serves TLS (the
+kubelet does not verify the certificate). Args: probe, https.
+*/}}
+{{- define "epserve.httpProbe" -}}
+{{- $p := deepCopy .probe -}}
+{{- if and (hasKey $p "httpGet") .https (not (hasKey $p.httpGet "scheme")) -}}
+{{- $_ := set $p "httpGet" (merge (deepCopy $p.httpGet) (dict "scheme" "HTTPS")) -}}
 {{- end -}}
 {{- toYaml $p -}}
 {{- end }}
