@@ -103,6 +103,7 @@ pub fn run(args: &AttentionWorkerArgs, status: Status) -> Result<()> {
         bail!("--block-size must be positive");
     }
     let w = &args.worker;
+    let tls = w.tls.load()?;
     let cores = w.pin_cores()?;
     if w.cores.is_some() {
         // Attention's kernels run on rayon's global pool: one thread per core.
@@ -135,7 +136,7 @@ pub fn run(args: &AttentionWorkerArgs, status: Status) -> Result<()> {
         let info = WorkerInfo {
             id: id.clone(),
             role: "attention".into(),
-            addr: format!("http://{advertise}"),
+            addr: format!("{}://{advertise}", epserve_cluster::tls::scheme(tls.as_ref())),
             cores: cores.clone(),
             memory_bytes: kv_bytes as u64,
             shard: Some((args.shard as u32, args.of as u32)),
@@ -147,7 +148,7 @@ pub fn run(args: &AttentionWorkerArgs, status: Status) -> Result<()> {
             args.shard, args.of, stats.blocks_total, kv_dtype.name(), stats.block_size
         ));
         let health = HealthServer::new(HealthService::from_health_reporter(serving_health().await));
-        let server = tonic::transport::Server::builder()
+        let server = epserve_cluster::tls::server_builder(tls.as_ref())?
             .add_service(health)
             .add_service(
                 AttentionServiceServer::from_arc(worker)

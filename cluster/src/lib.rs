@@ -8,6 +8,8 @@
 //! - [`runtime`]: what the worker roles share when they run: common flags,
 //!   core pinning, the etcd connection, registered serving, shutdown, status
 //!   lines.
+//! - [`tls`]: mutual TLS on the node links: the `--tls-*` flags every role
+//!   shares, the PEM files checked, tonic's server and client configurations.
 //!
 //! Depends on `epserve-core` (the placement map) only; the wire is `epserve-proto`.
 #![deny(clippy::print_stdout)]
@@ -15,3 +17,4 @@
 pub mod runtime;
 pub mod state;
 pub mod store;
+pub mod tls;

@@ -1293,10 +1293,7 @@ def test_metrics_scraping(scenario):
 # one of them for every role that renders it, the test fails until it is taken out
 # of this set.
 # Remove when issue-18 branches merge.
-PENDING_FLAGS = {
-    "--tls-cert", "--tls-key", "--tls-ca",
-    "--api-tls-cert", "--api-tls-key",
-}
+PENDING_FLAGS: set[str] = set()
 
 
 def epserve_binary() -> Path | None:

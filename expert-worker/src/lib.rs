@@ -64,6 +64,7 @@ pub struct ExpertWorkerArgs {
 /// lines (serving, experts held).
 pub fn run(args: &ExpertWorkerArgs, status: Status) -> Result<()> {
     let w = &args.worker;
+    let tls = w.tls.load()?;
     let cores = w.pin_cores()?;
     let cfg = ModelConfig::from_dir(&w.model)?;
     let ws = Arc::new(WeightStore::open(&w.model)?);
@@ -102,7 +103,7 @@ pub fn run(args: &ExpertWorkerArgs, status: Status) -> Result<()> {
         let info = WorkerInfo {
             id: id.clone(),
             role: "expert".into(),
-            addr: format!("http://{advertise}"),
+            addr: format!("{}://{advertise}", epserve_cluster::tls::scheme(tls.as_ref())),
             cores: cores.clone(),
             memory_bytes: args.memory_bytes,
             shard: None,
@@ -110,10 +111,11 @@ pub fn run(args: &ExpertWorkerArgs, status: Status) -> Result<()> {
         };
         let mut lease = state.register_ttl(&info, w.lease_ttl_secs).await?;
         status.say(&format!(
-            "epserve expert-worker '{id}' serving ExpertService at {advertise} (cores {cores:?})"
+            "epserve expert-worker '{id}' serving ExpertService at {advertise} (cores {cores:?}{})",
+            if tls.is_some() { ", mutual TLS" } else { "" }
         ));
         let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
-        let server = tonic::transport::Server::builder()
+        let server = epserve_cluster::tls::server_builder(tls.as_ref())?
             .add_service(health)
             .add_service(
                 ExpertServiceServer::from_arc(worker.clone())

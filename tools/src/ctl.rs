@@ -40,6 +40,10 @@ pub struct CtlArgs {
     /// Print one JSON document instead of tables.
     #[arg(long, global = true)]
     pub json: bool,
+    /// Mutual TLS to the admin service (before the subcommand): the
+    /// coordinator's certificate must name the --admin host.
+    #[command(flatten)]
+    pub tls: epserve_cluster::tls::NodeTlsArgs,
     #[command(subcommand)]
     pub command: CtlCommand,
 }
@@ -94,18 +98,20 @@ type Auth = Box<dyn FnMut(tonic::Request<()>) -> Result<tonic::Request<()>, toni
 type Client = AdminServiceClient<InterceptedService<Channel, Auth>>;
 
 async fn connect(args: &CtlArgs) -> Result<Client> {
-    let url = if args.admin.contains("://") {
-        args.admin.clone()
-    } else {
-        format!("http://{}", args.admin)
-    };
-    let channel = tonic::transport::Endpoint::from_shared(url.clone())
-        .with_context(|| format!("--admin {}: not an address", args.admin))?
+    let tls = args.tls.load()?;
+    let url = epserve_cluster::tls::node_url(&args.admin, tls.is_some());
+    let channel = epserve_cluster::tls::endpoint(&args.admin, tls.as_ref())
+        .with_context(|| format!("--admin {}", args.admin))?
         .connect_timeout(std::time::Duration::from_secs(5))
         .tcp_nodelay(true)
         .connect()
         .await
-        .with_context(|| format!("cannot reach the admin service at {url}"))?;
+        .map_err(|e| {
+            anyhow::anyhow!(
+                "cannot reach the admin service at {url}: {}",
+                epserve_cluster::tls::error_chain(&e)
+            )
+        })?;
     let header: Option<MetadataValue<_>> = match args.token.as_deref().filter(|t| !t.is_empty()) {
         Some(t) => Some(
             format!("Bearer {t}")
@@ -124,7 +130,11 @@ async fn connect(args: &CtlArgs) -> Result<Client> {
 }
 
 fn rpc_err(s: tonic::Status) -> anyhow::Error {
-    anyhow::anyhow!("admin service: {:?}: {}", s.code(), s.message())
+    anyhow::anyhow!(
+        "admin service: {:?}: {}",
+        s.code(),
+        epserve_cluster::tls::status_why(&s)
+    )
 }
 
 /// Runs `epserve ctl` (blocking).

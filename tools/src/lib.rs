@@ -14,6 +14,7 @@
 //! - [`plan`]: the capacity planner;
 //! - [`ctl`]: the admin client of a running coordinator;
 //! - [`up`]: a whole local cluster on loopback as child processes.
+//! - [`pki`]: a small CA for the node links' mutual TLS (`up --secure`, tests).
 //! - [`link`]: the link emulator `up --emulate-link` puts between the
 //!   coordinator and each worker (delay, rate cap).
 //!
@@ -27,5 +28,6 @@ pub mod bench_step;
 pub mod ctl;
 pub mod generate;
 pub mod link;
+pub mod pki;
 pub mod plan;
 pub mod up;

@@ -104,6 +104,16 @@ pub struct UpArgs {
     /// then attention-0..M-1. Passed on as each worker's `--cores`.
     #[arg(long, value_name = "LIST[/LIST...]")]
     pub worker_cores: Option<String>,
+    /// Mutual TLS on every node link (coordinator to workers, admin): make
+    /// a CA and one certificate per role (SANs 127.0.0.1 and localhost)
+    /// in the run directory, removed at the end, and pass `--tls-cert
+    /// --tls-key --tls-ca` to every role. etcd stays plaintext.
+    #[arg(long, conflicts_with_all = ["tls_cert", "tls_key", "tls_ca"])]
+    pub secure: bool,
+    /// Mutual TLS with these files instead: passed on as they are to every
+    /// role (the certificate must name 127.0.0.1).
+    #[command(flatten)]
+    pub tls: epserve_cluster::tls::NodeTlsArgs,
     /// Extra arguments passed to the coordinator (e.g. `--max-num-seqs 8`).
     #[arg(last = true)]
     pub coordinator_args: Vec<String>,
@@ -627,6 +637,24 @@ pub fn run(args: &UpArgs) -> Result<()> {
         list: Vec::new(),
         tmp: Vec::new(),
     };
+    // `--tls-*` of each role by name (`coordinator`, `expert-0`, `ctl`).
+    let tls_dir = std::env::temp_dir().join(format!("epserve-up-{}-tls", std::process::id()));
+    let ca = if args.secure {
+        kids.tmp.push(tls_dir.clone());
+        Some(crate::pki::Ca::new("epserve up local CA")?)
+    } else {
+        args.tls.load()?;
+        None
+    };
+    let tls_for = |name: &str| -> Result<Vec<OsString>> {
+        match &ca {
+            Some(ca) => Ok(os_args(
+                ca.write_leaf(&tls_dir, name, &["127.0.0.1", "localhost"])?
+                    .to_flags(),
+            )),
+            None => Ok(os_args(args.tls.to_flags())),
+        }
+    };
     let (tx, rx) = mpsc::channel::<(String, String)>();
     let cluster = format!("local-{}", std::process::id());
     let etcd = match &args.etcd {
@@ -687,6 +715,7 @@ pub fn run(args: &UpArgs) -> Result<()> {
         a.extend(lease_ttl_arg(args.lease_ttl_secs));
         a.extend(cores_arg(i));
         a.extend(link_for(&name, port)?);
+        a.extend(tls_for(&name)?);
         let mut p = Proc::new(&name, Role::ExpertWorker, &exe, a);
         p.spawn(&tx)?;
         kids.list.push(p);
@@ -728,6 +757,7 @@ pub fn run(args: &UpArgs) -> Result<()> {
         a.extend(lease_ttl_arg(args.lease_ttl_secs));
         a.extend(cores_arg(args.expert_workers + i));
         a.extend(link_for(&name, port)?);
+        a.extend(tls_for(&name)?);
         let mut p = Proc::new(&name, Role::AttentionWorker, &exe, a);
         p.spawn(&tx)?;
         kids.list.push(p);
@@ -745,6 +775,7 @@ pub fn run(args: &UpArgs) -> Result<()> {
     } else {
         args.port
     };
+    let admin_port = free_port()?;
     let mut a = os_args(["coordinator", "--model"]);
     a.push(args.model.clone().into_os_string());
     a.extend(os_args([
@@ -765,10 +796,35 @@ pub fn run(args: &UpArgs) -> Result<()> {
         "--dispatch-dtype".to_string(),
         args.dispatch_dtype.clone(),
         "--admin-port".to_string(),
-        free_port()?.to_string(),
+        admin_port.to_string(),
     ]));
     a.extend(etcd_security.iter().cloned());
+    a.extend(tls_for("coordinator")?);
     a.extend(os_args(&args.coordinator_args));
+    if args.secure || args.tls.any() {
+        let ctl_tls = match &ca {
+            Some(_) => {
+                let f = tls_for("ctl")?;
+                println!(
+                    "epserve up: mutual TLS on the node links (certificates in {})",
+                    tls_dir.display()
+                );
+                f
+            }
+            None => {
+                println!("epserve up: mutual TLS on the node links");
+                os_args(args.tls.to_flags())
+            }
+        };
+        let flags: Vec<String> = ctl_tls
+            .iter()
+            .map(|f| f.to_string_lossy().into_owned())
+            .collect();
+        println!(
+            "epserve up: admin: epserve ctl --admin 127.0.0.1:{admin_port} {} placement",
+            flags.join(" ")
+        );
+    }
     let mut p = Proc::new("coordinator", Role::Coordinator, &exe, a);
     if let Some(c) = &coordinator_cores {
         p.affinity = Some(cpu_set(c));

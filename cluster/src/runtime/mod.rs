@@ -171,6 +171,8 @@ pub struct WorkerArgs {
     /// dead worker is noticed this fast.
     #[arg(long, default_value_t = WORKER_TTL_SECS, value_parser = clap::value_parser!(i64).range(1..))]
     pub lease_ttl_secs: i64,
+    #[command(flatten)]
+    pub tls: crate::tls::NodeTlsArgs,
 }
 
 impl WorkerArgs {

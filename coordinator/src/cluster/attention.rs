@@ -12,6 +12,7 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, bail};
 use epserve_cluster::runtime::Status;
 use epserve_cluster::state::{ClusterState, WorkerInfo};
+use epserve_cluster::tls::NodeTls;
 use epserve_core::config::ModelConfig;
 use epserve_core::model::attention::HeadShard;
 use epserve_core::model::attn_shard::{AttentionBackend, PendingAttention, SeqChunk};
@@ -21,7 +22,7 @@ use epserve_proto::pb::{self, AttentionRequest, Dtype, HealthRequest, ReleaseReq
 use epserve_proto::wire;
 use futures_util::future::join_all;
 use metrics::{counter, histogram};
-use tonic::transport::{Channel, Endpoint};
+use tonic::transport::Channel;
 use tower::retry::budget::Budget;
 use tracing::Instrument;
 
@@ -50,6 +51,8 @@ pub struct RemoteAttention {
     missing: Mutex<Vec<String>>,
     /// Re-sent calls draw from it; first sends deposit.
     budget: tower::retry::budget::TpsBudget,
+    /// Mutual TLS on the links to the shards (`--tls-*`).
+    tls: Option<NodeTls>,
 }
 
 /// Waits before re-sending a failed attention call (one per retry).
@@ -132,12 +135,15 @@ impl Shape {
 }
 
 /// A lazily connecting client for one attention-worker.
+/// With `tls`, the worker's certificate must name the host of its
+/// registered address.
 fn shard_client(
     w: &WorkerInfo,
     timeout: Duration,
+    tls: Option<&NodeTls>,
 ) -> anyhow::Result<AttentionServiceClient<Channel>> {
-    let ep = Endpoint::from_shared(w.addr.clone())
-        .with_context(|| format!("attention-worker {}: bad address {}", w.id, w.addr))?
+    let ep = epserve_cluster::tls::endpoint(&w.addr, tls)
+        .with_context(|| format!("attention-worker {}", w.id))?
         .tcp_nodelay(true)
         .connect_timeout(Duration::from_secs(5))
         .timeout(timeout);
@@ -192,12 +198,13 @@ impl RemoteAttention {
         dtype: Dtype,
         timeout: Duration,
         wait: Duration,
+        tls: Option<NodeTls>,
     ) -> anyhow::Result<Self> {
         let deadline = Instant::now() + wait;
         let mut shards = Vec::with_capacity(workers.len());
         let mut capacity = usize::MAX;
         for (i, w) in workers.iter().enumerate() {
-            let mut client = shard_client(w, timeout)?;
+            let mut client = shard_client(w, timeout, tls.as_ref())?;
             let h = loop {
                 match client.health(HealthRequest {}).await {
                     Ok(r) => break r.into_inner(),
@@ -206,7 +213,7 @@ impl RemoteAttention {
                             "attention-worker {} ({}) did not answer in time: {}",
                             w.id,
                             w.addr,
-                            e.message()
+                            epserve_cluster::tls::status_why(&e)
                         )
                     }
                     Err(_) => tokio::time::sleep(Duration::from_millis(200)).await,
@@ -249,6 +256,7 @@ impl RemoteAttention {
             capacity,
             missing: Mutex::new(Vec::new()),
             budget: tower::retry::budget::TpsBudget::new(Duration::from_secs(10), 10, 0.2),
+            tls,
         })
     }
 
@@ -284,7 +292,7 @@ impl RemoteAttention {
             let Some(w) = cands.first() else {
                 continue;
             };
-            match shard_client(w, self.timeout) {
+            match shard_client(w, self.timeout, self.tls.as_ref()) {
                 Ok(client) => {
                     changed.push(format!(
                         "attention shard {i} of {n}: {} ({}) -> {} ({})",
@@ -379,7 +387,7 @@ impl RemoteAttention {
             if of as usize != n || i as usize >= n || warned.contains(&key) {
                 continue;
             }
-            let Ok(mut client) = shard_client(&w, self.timeout) else {
+            let Ok(mut client) = shard_client(&w, self.timeout, self.tls.as_ref()) else {
                 continue;
             };
             let mut r = tonic::Request::new(HealthRequest {});
@@ -666,7 +674,7 @@ mod tests {
             Ok(ShardConn {
                 id: x.id.clone(),
                 addr: x.addr.clone(),
-                client: shard_client(x, Duration::from_secs(1))?,
+                client: shard_client(x, Duration::from_secs(1), None)?,
             })
         };
         let (a, b) = (w("a", Some((0, 2))), w("b", Some((1, 2))));
@@ -684,6 +692,7 @@ mod tests {
             capacity: 1,
             missing: Mutex::new(Vec::new()),
             budget: tower::retry::budget::TpsBudget::new(Duration::from_secs(10), 10, 0.2),
+            tls: None,
         };
         let addrs = |ra: &RemoteAttention| -> Vec<String> {
             ra.shard_list()

@@ -28,6 +28,7 @@ use std::collections::{BTreeMap, HashMap, HashSet};
 use std::sync::{Arc, Mutex, RwLock};
 use std::time::{Duration, Instant};
 
+use epserve_cluster::tls::NodeTls;
 use epserve_core::moe::{
     DispatchTiming, Dispatched, Dispatcher, PendingDispatch, Routing, RowFault, SKIP_SLOT,
 };
@@ -39,7 +40,7 @@ use epserve_proto::wire;
 use futures_util::future::join_all;
 use metrics::{counter, gauge, histogram};
 use tonic::Status;
-use tonic::transport::{Channel, Endpoint};
+use tonic::transport::Channel;
 use tower::retry::budget::{Budget, TpsBudget};
 use tracing::Instrument;
 
@@ -243,6 +244,9 @@ pub struct DispatchCore {
     on_loss: OnExpertLoss,
     dtype: Dtype,
     timeout: Duration,
+    /// Mutual TLS on the links to the workers (`--tls-*`): a worker must
+    /// present a certificate from the CA naming its registered host.
+    tls: Option<NodeTls>,
 }
 
 #[derive(Debug)]
@@ -305,6 +309,14 @@ impl GrpcDispatcher {
         self
     }
 
+    /// Mutual TLS on the links to the workers.
+    pub fn with_tls(mut self, tls: Option<NodeTls>) -> Self {
+        if let Some(c) = Arc::get_mut(&mut self.core) {
+            c.tls = tls;
+        }
+        self
+    }
+
     /// Probes every placed worker each `period`, forever (spawn it).
     pub fn probe_forever(&self, period: Duration) -> impl Future<Output = ()> + Send + 'static {
         let core = self.core.clone();
@@ -342,6 +354,7 @@ impl DispatchCore {
             on_loss: OnExpertLoss::Fail,
             dtype,
             timeout,
+            tls: None,
         }
     }
 
@@ -572,8 +585,8 @@ impl DispatchCore {
         {
             return Ok(c.clone());
         }
-        let ep = Endpoint::from_shared(addr.to_string())
-            .map_err(|e| Error::Dispatch(format!("worker {worker}: bad address {addr}: {e}")))?
+        let ep = epserve_cluster::tls::endpoint(addr, self.tls.as_ref())
+            .map_err(|e| Error::Dispatch(format!("worker {worker}: {e:#}")))?
             .tcp_nodelay(true)
             .connect_timeout(Duration::from_secs(2));
         // connect_lazy spawns the connection task: it needs the runtime entered.
@@ -702,7 +715,10 @@ impl DispatchCore {
                 let ok = match res {
                     Ok(Ok(h)) if h.get_ref().ready => Ok(()),
                     Ok(Ok(_)) => Err("not ready (loading its experts)".to_string()),
-                    Ok(Err(s)) => Err(format!("health check failed: {}", s.message())),
+                    Ok(Err(s)) => Err(format!(
+                        "health check failed: {}",
+                        epserve_cluster::tls::status_why(&s)
+                    )),
                     Err(_) => Err("health check timed out".to_string()),
                 };
                 (w, ok)
@@ -1319,6 +1335,78 @@ mod tests {
                 .serve_with_incoming(incoming),
         );
         addr
+    }
+
+    /// Serves a fake worker over mutual TLS with a certificate from `ca`
+    /// naming `sans`; its address as registered (`https://127.0.0.1:PORT`).
+    fn serve_fake_tls(
+        rt: &tokio::runtime::Runtime,
+        ca: &epserve_tools::pki::Ca,
+        dir: &std::path::Path,
+        name: &str,
+        sans: &[&str],
+    ) -> String {
+        let tls = ca
+            .write_leaf(dir, name, sans)
+            .expect("leaf")
+            .load()
+            .expect("load")
+            .expect("TLS on");
+        let listener = rt
+            .block_on(tokio::net::TcpListener::bind("127.0.0.1:0"))
+            .expect("bind");
+        let addr = format!("https://{}", listener.local_addr().expect("addr"));
+        let incoming = tonic::transport::server::TcpIncoming::from(listener);
+        rt.spawn(
+            epserve_cluster::tls::server_builder(Some(&tls))
+                .expect("server TLS")
+                .add_service(ExpertServiceServer::new(Fake { hang: false }))
+                .serve_with_incoming(incoming),
+        );
+        addr
+    }
+
+    /// Mutual TLS: a worker whose certificate does not name the address it
+    /// registered is marked dead with the handshake's reason and gets no
+    /// rows; the one whose certificate names 127.0.0.1 takes them.
+    #[test]
+    fn a_worker_whose_certificate_names_another_host_is_unreachable() {
+        let (rt, _) = fake_worker();
+        let dir = tempfile::tempdir().expect("tmp");
+        let ca = epserve_tools::pki::Ca::new("test CA").expect("CA");
+        let wrong = serve_fake_tls(&rt, &ca, dir.path(), "w0", &["worker-0.example"]);
+        let right = serve_fake_tls(&rt, &ca, dir.path(), "w1", &["127.0.0.1"]);
+        let client = ca
+            .write_leaf(dir.path(), "coordinator", &["127.0.0.1"])
+            .expect("leaf")
+            .load()
+            .expect("load");
+        let addrs = [("w0".to_string(), wrong), ("w1".to_string(), right)]
+            .into_iter()
+            .collect();
+        let d = dispatcher_on(&rt, addrs).with_tls(client);
+        rt.block_on(d.probe_once());
+        assert!(d.liveness().is_live("w1"), "{:?}", d.liveness().dead());
+        let dead = d.liveness().dead();
+        assert_eq!(dead.len(), 1, "{dead:?}");
+        assert_eq!(dead[0].0, "w0");
+        assert!(
+            dead[0].1.contains("certificate"),
+            "the reason names the certificate: {}",
+            dead[0].1
+        );
+        eprintln!("w0 marked dead: {}", dead[0].1);
+        // Expert 0 (on w0 and w1) is served by w1 alone.
+        let r = Routing {
+            num_tokens: 1,
+            top_k: 1,
+            topk_ids: vec![0],
+            topk_weights: vec![0.5],
+        };
+        let out = d.dispatch(0, &[0.0; 3], 3, &r).expect("dispatch");
+        assert_eq!(out.y, vec![0.5, 0.5, 0.5]);
+        assert!(out.faults.is_empty());
+        drop(rt);
     }
 
     /// A port nothing listens on (bound, then released).

@@ -83,6 +83,10 @@ pub struct CoordinatorArgs {
     pub attention_workers: usize,
     #[command(flatten)]
     pub eplb: EplbArgs,
+    /// Mutual TLS on the node links: to the expert- and attention-workers
+    /// (clients) and on the admin service (server).
+    #[command(flatten)]
+    pub tls: epserve_cluster::tls::NodeTlsArgs,
 }
 
 /// Expert load statistics and rebalancing flags of `epserve coordinator`.
@@ -144,6 +148,7 @@ pub fn run(args: &CoordinatorArgs, status: Status) -> Result<()> {
             args.eplb.eplb_min_improvement
         );
     }
+    let tls = args.tls.load()?;
     let rt = io_runtime()?;
     let model_dir = args.serve.model.clone();
     let cfg = ModelConfig::from_dir(&model_dir)?;
@@ -227,7 +232,8 @@ pub fn run(args: &CoordinatorArgs, status: Status) -> Result<()> {
                 args.eplb.eplb_window,
                 args.eplb.expert_load_metrics,
             )
-            .with_on_expert_loss(args.on_expert_loss),
+            .with_on_expert_loss(args.on_expert_loss)
+            .with_tls(tls.clone()),
         );
         let remote_attention = if args.attention_workers > 0 {
             let shards =
@@ -239,6 +245,7 @@ pub fn run(args: &CoordinatorArgs, status: Status) -> Result<()> {
                 attention_dtype,
                 Duration::from_millis(args.dispatch_timeout_ms),
                 Duration::from_secs(args.wait_secs),
+                tls.clone(),
             )
             .await?;
             status.say(&format!(
@@ -326,12 +333,12 @@ pub fn run(args: &CoordinatorArgs, status: Status) -> Result<()> {
         ));
         let incoming =
             tonic::transport::server::TcpIncoming::from(listener).with_nodelay(Some(true));
+        let mut builder = epserve_cluster::tls::server_builder(tls.as_ref())?;
+        if tls.is_some() {
+            tracing::info!("admin service requires client certificates from --tls-ca");
+        }
         rt.spawn(async move {
-            if let Err(e) = tonic::transport::Server::builder()
-                .add_service(svc)
-                .serve_with_incoming(incoming)
-                .await
-            {
+            if let Err(e) = builder.add_service(svc).serve_with_incoming(incoming).await {
                 tracing::error!(error = %e, "admin service failed");
             }
         });
