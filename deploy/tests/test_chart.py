@@ -1285,14 +1285,10 @@ def test_metrics_scraping(scenario):
 # The epserve binary: flags and plan
 # ---------------------------------------------------------------------------
 
-# The issue-18 flags of the epserve roles that the chart renders before the binary
-# has them: `--tls-cert/--tls-key/--tls-ca` (mutual TLS on the node links, every role
-# and `ctl`) and `--api-tls-cert/--api-tls-key` (HTTPS on the coordinator's OpenAI
-# port). (`--etcd-ca/--etcd-cert/--etcd-key/--etcd-user/--etcd-password-file` already
-# landed.) Tolerated when the binary lacks them, and only them; once the binary accepts
-# one of them for every role that renders it, the test fails until it is taken out
-# of this set.
-# Remove when issue-18 branches merge.
+# Flags the chart may render before the binary has them (a chart change landing
+# ahead of its Rust side): tolerated while the binary lacks them, and only them; once
+# the binary accepts one for every role that renders it, the test fails until it is
+# taken out of this set. Empty: every rendered flag must be the binary's.
 PENDING_FLAGS: set[str] = set()
 
 
