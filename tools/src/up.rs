@@ -104,10 +104,14 @@ pub struct UpArgs {
     /// then attention-0..M-1. Passed on as each worker's `--cores`.
     #[arg(long, value_name = "LIST[/LIST...]")]
     pub worker_cores: Option<String>,
-    /// Mutual TLS on every node link (coordinator to workers, admin): make
-    /// a CA and one certificate per role (SANs 127.0.0.1 and localhost)
-    /// in the run directory, removed at the end, and pass `--tls-cert
-    /// --tls-key --tls-ca` to every role. etcd stays plaintext.
+    /// Secure every link: make a CA and one certificate per role (SANs
+    /// 127.0.0.1 and localhost) in the run directory, removed at the end;
+    /// mutual TLS on every node link (`--tls-cert --tls-key --tls-ca` to
+    /// every role); the local etcd served over TLS with client-certificate
+    /// auth and user auth on (a user `epserve` limited to `/epserve/`, a
+    /// random password in a 0600 file), every role given `--etcd-ca
+    /// --etcd-cert --etcd-key --etcd-user --etcd-password-file`. With
+    /// `--etcd`, that etcd's security is yours to pass (`--etcd-*`).
     #[arg(long, conflicts_with_all = ["tls_cert", "tls_key", "tls_ca"])]
     pub secure: bool,
     /// Mutual TLS with these files instead: passed on as they are to every
@@ -117,6 +121,87 @@ pub struct UpArgs {
     /// Extra arguments passed to the coordinator (e.g. `--max-num-seqs 8`).
     #[arg(last = true)]
     pub coordinator_args: Vec<String>,
+}
+
+/// Turns on auth in the local etcd `up --secure` started (TLS with client
+/// certificates): a `root` user and a user `epserve` whose role may only
+/// read and write `/epserve/`, random passwords (the user's in a 0600 file
+/// in `dir`, root's nowhere: the etcd and its data go when `up` stops).
+/// Returns the `--etcd-*` flags every role gets (one client certificate
+/// for them all).
+fn secure_local_etcd(ca: &crate::pki::Ca, dir: &Path, etcd: &str) -> Result<Vec<OsString>> {
+    use epserve_cluster::store::{EtcdSecurity, EtcdStore};
+    use rand::Rng;
+    let client = ca.write_leaf(dir, "etcd-client", &["localhost"])?;
+    let (Some(cert), Some(key), Some(ca_path)) = (
+        client.tls_cert.clone(),
+        client.tls_key.clone(),
+        client.tls_ca.clone(),
+    ) else {
+        anyhow::bail!("the etcd client certificate was not written");
+    };
+    let read = |p: &Path| std::fs::read(p).with_context(|| format!("cannot read {}", p.display()));
+    let security = EtcdSecurity {
+        ca_pem: Some(read(&ca_path)?),
+        identity: Some((read(&cert)?, read(&key)?)),
+        user: None,
+    };
+    let secret = || -> String {
+        let mut rng = rand::rng();
+        (0..32)
+            .map(|_| char::from(b"0123456789abcdef"[rng.random_range(0..16)]))
+            .collect()
+    };
+    let (root_pw, password) = (secret(), secret());
+    let pw_file = dir.join("etcd-password");
+    {
+        use std::io::Write;
+        use std::os::unix::fs::OpenOptionsExt;
+        let mut f = std::fs::OpenOptions::new()
+            .write(true)
+            .create(true)
+            .truncate(true)
+            .mode(0o600)
+            .open(&pw_file)
+            .with_context(|| format!("cannot write {}", pw_file.display()))?;
+        f.write_all(password.as_bytes())
+            .with_context(|| format!("cannot write {}", pw_file.display()))?;
+    }
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .context("cannot start a runtime for etcd's auth setup")?;
+    // etcd listens before it serves: retry for a while.
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        let r = rt.block_on(EtcdStore::enable_auth(
+            etcd, &security, &root_pw, "epserve", &password, "/epserve/",
+        ));
+        match r {
+            Ok(()) => break,
+            Err(e) if Instant::now() < deadline => {
+                tracing::debug!(error = %e, "etcd auth setup: retrying");
+                std::thread::sleep(Duration::from_millis(200));
+            }
+            Err(e) => return Err(e).context("cannot turn on etcd's auth"),
+        }
+    }
+    println!(
+        "epserve up: etcd over TLS with client certificates and auth (user epserve, password in {})",
+        pw_file.display()
+    );
+    let mut flags = Vec::new();
+    for (flag, v) in [
+        ("--etcd-ca", ca_path.into_os_string()),
+        ("--etcd-cert", cert.into_os_string()),
+        ("--etcd-key", key.into_os_string()),
+        ("--etcd-user", "epserve".into()),
+        ("--etcd-password-file", pw_file.into_os_string()),
+    ] {
+        flags.push(OsString::from(flag));
+        flags.push(v);
+    }
+    Ok(flags)
 }
 
 /// Restarts of etcd or of the coordinator in a row (each one exiting within
@@ -668,11 +753,29 @@ pub fn run(args: &UpArgs) -> Result<()> {
             kids.tmp.push(dir.clone());
             let mut etcd_args = os_args(["--name", "epserve-up", "--data-dir"]);
             etcd_args.push(dir.clone().into_os_string());
+            // --secure: TLS for etcd's clients, who must show a certificate
+            // from the CA (the peer URL stays on loopback, one member).
+            let scheme = match &ca {
+                Some(ca) => {
+                    let server = ca.write_leaf(&tls_dir, "etcd", &["127.0.0.1", "localhost"])?;
+                    for (flag, path) in [
+                        ("--cert-file", &server.tls_cert),
+                        ("--key-file", &server.tls_key),
+                        ("--trusted-ca-file", &server.tls_ca),
+                    ] {
+                        etcd_args.push(flag.into());
+                        etcd_args.extend(path.clone().map(Into::into));
+                    }
+                    etcd_args.push("--client-cert-auth".into());
+                    "https"
+                }
+                None => "http",
+            };
             etcd_args.extend(os_args([
                 "--listen-client-urls".to_string(),
-                format!("http://127.0.0.1:{cport}"),
+                format!("{scheme}://127.0.0.1:{cport}"),
                 "--advertise-client-urls".to_string(),
-                format!("http://127.0.0.1:{cport}"),
+                format!("{scheme}://127.0.0.1:{cport}"),
                 "--listen-peer-urls".to_string(),
                 format!("http://127.0.0.1:{pport}"),
                 "--initial-advertise-peer-urls".to_string(),
@@ -695,7 +798,10 @@ pub fn run(args: &UpArgs) -> Result<()> {
         }
     };
     // How every role reaches etcd's TLS and auth (none for a plain etcd).
-    let etcd_security = args.etcd_security.to_args();
+    let etcd_security = match (&ca, &args.etcd) {
+        (Some(ca), None) => secure_local_etcd(ca, &tls_dir, &etcd)?,
+        _ => args.etcd_security.to_args(),
+    };
     for i in 0..args.expert_workers {
         let port = free_port()?;
         let name = format!("expert-{i}");
