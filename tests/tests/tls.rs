@@ -15,7 +15,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use epserve_cluster::state::ClusterState;
-use epserve_cluster::store::EtcdStore;
+use epserve_cluster::store::{EtcdSecurity, EtcdStore};
 use epserve_cluster::tls::{NodeTls, NodeTlsArgs, endpoint};
 use epserve_proto::pb::admin_service_client::AdminServiceClient;
 use epserve_proto::pb::attention_service_client::AttentionServiceClient;
@@ -194,7 +194,54 @@ async fn mutual_tls_cluster_serves_goldens_and_refuses_strangers() {
     // The workers registered https:// addresses.
     let dir = tls_dir(&up);
     let ca_pem = std::fs::read(dir.join("ca.pem")).expect("ca.pem");
-    let store = EtcdStore::connect(&up.etcd).await.expect("etcd");
+    // etcd is on TLS with client certificates and auth: plaintext, a
+    // certificate without the password, and a wrong password are refused;
+    // the roles' credentials work.
+    let read = |n: &str| std::fs::read(dir.join(n)).unwrap_or_else(|e| panic!("{n}: {e}"));
+    let password = String::from_utf8(read("etcd-password")).expect("utf-8 password");
+    let etcd_ok = EtcdSecurity {
+        ca_pem: Some(read("ca.pem")),
+        identity: Some((read("etcd-client.pem"), read("etcd-client-key.pem"))),
+        user: Some(("epserve".into(), password)),
+    };
+    for (what, sec) in [
+        ("plaintext", EtcdSecurity::default()),
+        (
+            "no password",
+            EtcdSecurity {
+                user: None,
+                ..etcd_ok.clone()
+            },
+        ),
+        (
+            "a wrong password",
+            EtcdSecurity {
+                user: Some(("epserve".into(), "guess".into())),
+                ..etcd_ok.clone()
+            },
+        ),
+    ] {
+        let r = tokio::time::timeout(
+            Duration::from_secs(30),
+            EtcdStore::connect_secure(&up.etcd, &sec),
+        )
+        .await
+        .unwrap_or_else(|_| panic!("etcd, {what}: no answer"));
+        if what == "no password" {
+            // TLS with a good certificate connects (etcd then takes the
+            // certificate's common name as the user, which has no role):
+            // reading the cluster's keys is refused.
+            if let Ok(s) = r {
+                let st = ClusterState::new(Arc::new(s), &format!("local-{}", up.child.id()));
+                assert!(st.workers("expert").await.is_err(), "etcd, {what}: read allowed");
+            }
+            continue;
+        }
+        assert!(r.is_err(), "etcd, {what}: connected");
+    }
+    let store = EtcdStore::connect_secure(&up.etcd, &etcd_ok)
+        .await
+        .expect("etcd with the roles' credentials");
     let state = ClusterState::new(Arc::new(store), &format!("local-{}", up.child.id()));
     let experts = state.workers("expert").await.expect("expert-workers");
     let attention = state.workers("attention").await.expect("attention-workers");
