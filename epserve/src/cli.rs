@@ -34,7 +34,7 @@ pub fn main() {
     let status = Status::new(|line| println!("{line}"));
     let result = match &cli.command {
         Command::Generate(args) => epserve_tools::generate::run(args),
-        Command::Serve(args) => epserve_coordinator::serve::run(args, status),
+        Command::Serve(cmd) => epserve_coordinator::serve::run(&cmd.args(), status),
         Command::Coordinator(args) => epserve_coordinator::cluster::run(args, status),
         Command::ExpertWorker(args) => epserve_expert_worker::run(args, status),
         Command::AttentionWorker(args) => epserve_attention_worker::run(args, status),
@@ -64,13 +64,51 @@ pub struct Cli {
     pub command: Command,
 }
 
+/// `epserve serve`: the server's flags, and `--tls-cert/--tls-key` as the
+/// names of its HTTPS certificate (a single process has no node links, so
+/// the short names are free; the coordinator, whose `--tls-*` are its node
+/// links' mutual TLS, takes `--api-tls-*` only).
+#[derive(Debug, clap::Args)]
+pub struct ServeCmd {
+    #[command(flatten)]
+    pub serve: epserve_coordinator::serve::ServeArgs,
+    /// HTTPS certificate chain of the OpenAI port (PEM), as --api-tls-cert.
+    #[arg(
+        long,
+        value_name = "PATH",
+        conflicts_with = "api_tls_cert",
+        requires = "tls_key"
+    )]
+    pub tls_cert: Option<std::path::PathBuf>,
+    /// Private key of --tls-cert (PEM), as --api-tls-key.
+    #[arg(
+        long,
+        value_name = "PATH",
+        conflicts_with = "api_tls_key",
+        requires = "tls_cert"
+    )]
+    pub tls_key: Option<std::path::PathBuf>,
+}
+
+impl ServeCmd {
+    /// The server's arguments, `--tls-cert/--tls-key` folded into `--api-tls-*`.
+    pub fn args(&self) -> epserve_coordinator::serve::ServeArgs {
+        let mut a = self.serve.clone();
+        if self.tls_cert.is_some() {
+            a.api_tls_cert = self.tls_cert.clone();
+            a.api_tls_key = self.tls_key.clone();
+        }
+        a
+    }
+}
+
 /// Subcommands.
 #[derive(Debug, Subcommand)]
 pub enum Command {
     /// Run one prompt through the single-process engine and print the completion.
     Generate(Box<epserve_tools::generate::GenerateArgs>),
     /// Single-process OpenAI-compatible server (completions, chat, models, health, metrics).
-    Serve(Box<epserve_coordinator::serve::ServeArgs>),
+    Serve(Box<ServeCmd>),
     /// The cluster's front: OpenAI API, scheduler, attention/router/combine,
     /// experts dispatched to expert-workers over gRPC (placement in etcd).
     Coordinator(Box<epserve_coordinator::cluster::CoordinatorArgs>),
@@ -120,4 +158,51 @@ pub enum BenchCommand {
     /// The flash attention kernel (decode at 128 / 2k / 8k context, 512-row
     /// prefill; f32 and bf16 KV) against its scalar twin and the read bandwidth.
     Attention(Box<epserve_tools::bench_attention::BenchAttentionArgs>),
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn serve_takes_tls_cert_as_its_https_certificate() {
+        let parse = |extra: &[&str]| {
+            let mut v = vec!["epserve", "serve", "--model", "m"];
+            v.extend_from_slice(extra);
+            Cli::try_parse_from(v)
+        };
+        let Ok(Cli {
+            command: Command::Serve(cmd),
+        }) = parse(&["--tls-cert", "c.pem", "--tls-key", "k.pem"])
+        else {
+            panic!("serve --tls-cert --tls-key parses");
+        };
+        let a = cmd.args();
+        assert_eq!(
+            a.api_tls_cert.as_deref(),
+            Some(std::path::Path::new("c.pem"))
+        );
+        assert_eq!(
+            a.api_tls_key.as_deref(),
+            Some(std::path::Path::new("k.pem"))
+        );
+        assert!(
+            parse(&["--tls-cert", "c.pem"]).is_err(),
+            "a cert needs its key"
+        );
+        assert!(
+            parse(&[
+                "--tls-cert",
+                "c",
+                "--tls-key",
+                "k",
+                "--api-tls-cert",
+                "c",
+                "--api-tls-key",
+                "k"
+            ])
+            .is_err(),
+            "one name per certificate"
+        );
+    }
 }

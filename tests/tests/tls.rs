@@ -233,7 +233,10 @@ async fn mutual_tls_cluster_serves_goldens_and_refuses_strangers() {
             // reading the cluster's keys is refused.
             if let Ok(s) = r {
                 let st = ClusterState::new(Arc::new(s), &format!("local-{}", up.child.id()));
-                assert!(st.workers("expert").await.is_err(), "etcd, {what}: read allowed");
+                assert!(
+                    st.workers("expert").await.is_err(),
+                    "etcd, {what}: read allowed"
+                );
             }
             continue;
         }

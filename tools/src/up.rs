@@ -175,7 +175,12 @@ fn secure_local_etcd(ca: &crate::pki::Ca, dir: &Path, etcd: &str) -> Result<Vec<
     let deadline = Instant::now() + Duration::from_secs(20);
     loop {
         let r = rt.block_on(EtcdStore::enable_auth(
-            etcd, &security, &root_pw, "epserve", &password, "/epserve/",
+            etcd,
+            &security,
+            &root_pw,
+            "epserve",
+            &password,
+            "/epserve/",
         ));
         match r {
             Ok(()) => break,
