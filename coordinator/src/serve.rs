@@ -76,6 +76,14 @@ pub struct ServeArgs {
     /// experts leave nothing to overlap).
     #[arg(long, default_value = "auto")]
     pub micro_batches: crate::scheduler::MicroBatches,
+    /// Turns automatic prefix caching off (on by default, as vLLM): full KV
+    /// blocks are content-hashed and reused by later requests whose prompt
+    /// starts with the same tokens. Off by itself with attention-workers.
+    #[arg(long, overrides_with = "enable_prefix_caching")]
+    pub no_enable_prefix_caching: bool,
+    /// Prefix caching on (the default; vLLM's flag, accepted for scripts).
+    #[arg(long, overrides_with = "no_enable_prefix_caching")]
+    pub enable_prefix_caching: bool,
 }
 
 /// Parses `2GiB`, `512MiB`, `1.5G`, `1000000`.
@@ -149,6 +157,7 @@ pub fn scheduler_config(args: &ServeArgs, engine: &Engine) -> Result<SchedulerCo
         max_waiting: args.max_waiting,
         kv_dtype,
         micro_batches: args.micro_batches,
+        enable_prefix_caching: !args.no_enable_prefix_caching,
     })
 }
 
