@@ -296,4 +296,30 @@ mod tests {
         assert!(parse_size("lots").is_err());
         assert!(parse_size("3 parsecs").is_err());
     }
+
+    #[test]
+    fn prefix_caching_is_on_unless_turned_off_and_the_last_flag_wins() {
+        use clap::Parser;
+        #[derive(Parser)]
+        struct Cli {
+            #[command(flatten)]
+            serve: super::ServeArgs,
+        }
+        let off = |args: &[&str]| {
+            Cli::try_parse_from([&["serve", "--model", "m"], args].concat())
+                .map(|c| c.serve.no_enable_prefix_caching)
+                .ok()
+        };
+        assert_eq!(off(&[]), Some(false));
+        assert_eq!(off(&["--no-enable-prefix-caching"]), Some(true));
+        assert_eq!(off(&["--enable-prefix-caching"]), Some(false));
+        assert_eq!(
+            off(&["--no-enable-prefix-caching", "--enable-prefix-caching"]),
+            Some(false)
+        );
+        assert_eq!(
+            off(&["--enable-prefix-caching", "--no-enable-prefix-caching"]),
+            Some(true)
+        );
+    }
 }
