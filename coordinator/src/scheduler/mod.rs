@@ -527,7 +527,9 @@ impl Scheduler {
                 }
                 let rows = start..start + s.step_take;
                 start += s.step_take;
+                let mut faulty = false;
                 for f in out.faults.iter().filter(|f| rows.contains(&f.row)) {
+                    faulty = true;
                     if f.degraded {
                         if s.degraded.is_none() {
                             s.degraded = Some(f.message.clone());
@@ -535,6 +537,11 @@ impl Scheduler {
                     } else {
                         lost.entry(idx).or_insert_with(|| f.message.clone());
                     }
+                }
+                if faulty {
+                    // Keys/values computed without part of the model are
+                    // never offered to another request.
+                    self.pool.uncache(&mut s.cache);
                 }
             }
         }
@@ -750,6 +757,28 @@ mod tests {
             }
         }
         assert_eq!(tokens, 4);
+    }
+
+    #[test]
+    fn keys_and_values_computed_with_a_lost_expert_are_not_cached() {
+        let lossy = Arc::new(Lossy {
+            lose: std::sync::atomic::AtomicBool::new(true),
+        });
+        let (engine, handle) = fixture_scheduler(lossy.clone());
+        // 40 tokens: two full blocks of 16 are written by the failing step.
+        let mut request = three_tokens(&engine);
+        request.prompt_token_ids = (1..41).collect();
+        request.max_tokens = 2;
+        let mut rx = handle.submit(request.clone()).expect("submit");
+        assert!(matches!(rx.blocking_recv(), Some(Event::Unavailable(_))));
+        lossy.lose.store(false, Ordering::Relaxed);
+        let hits = || handle.stats().prefix_cache_hits.load(Ordering::Relaxed);
+        collect(handle.submit(request.clone()).expect("submit"));
+        assert_eq!(hits(), 0, "the failed request's blocks were reused");
+        // The clean run's blocks are.
+        collect(handle.submit(request).expect("submit"));
+        assert_eq!(hits(), 32);
+        assert_all_blocks_free(&handle, 16);
     }
 
     /// The qwen3_moe_a fixture with its own experts, under a scheduler of

@@ -177,6 +177,8 @@ pub struct SeqCache {
     hashes: Vec<u64>,
     /// Tokens written past the last full block (prefix caching only).
     tail: Vec<u32>,
+    /// Set by [`KvPool::uncache`]: its keys/values are not to be reused.
+    no_cache: bool,
 }
 
 /// Source of [`SeqCache`] ids.
@@ -197,6 +199,7 @@ impl SeqCache {
             id: NEXT_SEQ_ID.fetch_add(1, Ordering::Relaxed),
             hashes: Vec::new(),
             tail: Vec::new(),
+            no_cache: false,
         }
     }
     /// The sequence's id, unique in this process (remote attention shards
@@ -356,6 +359,9 @@ impl KvPool {
         let Some(seed) = self.prefix_seed else {
             return;
         };
+        if seq.no_cache {
+            return;
+        }
         let bs = self.block_size;
         // Only positions in whole blocks this sequence tracks are hashed.
         if seq.hashes.len() * bs + seq.tail.len() + tokens.len() != seq.len {
@@ -441,6 +447,20 @@ impl KvPool {
         Ok(())
     }
 
+    /// Keeps what `seq` computed out of the prefix cache: its registered
+    /// blocks are forgotten (freed, not cached, when released) and its later
+    /// blocks are not registered, until it is released. For keys/values
+    /// computed without part of the model (a lost or rerouted expert), which
+    /// another request must never reuse.
+    pub fn uncache(&mut self, seq: &mut SeqCache) {
+        seq.no_cache = true;
+        for &b in &seq.blocks {
+            if let Some(h) = self.block_hash[b as usize].take() {
+                self.cached.remove(&h);
+            }
+        }
+    }
+
     /// Gives back blocks beyond the first `keep` (undoing a [`reserve`](Self::reserve)).
     pub fn shrink(&mut self, seq: &mut SeqCache, keep: usize) {
         while seq.blocks.len() > keep {
@@ -471,6 +491,7 @@ impl KvPool {
         seq.len = 0;
         seq.hashes.clear();
         seq.tail.clear();
+        seq.no_cache = false;
     }
 
     /// Row index of position `pos` of `seq` in a layer's storage.
@@ -621,6 +642,22 @@ mod tests {
             p.release(s);
         }
         assert_eq!(p.free_blocks(), 4);
+    }
+
+    #[test]
+    fn uncached_sequences_leave_nothing_to_reuse() {
+        let mut p = caching_pool(8);
+        let toks: Vec<u32> = (0..9).collect();
+        let mut a = SeqCache::new();
+        p.reserve(&mut a, 5).expect("fits");
+        p.advance(&mut a, &toks[..5]);
+        p.uncache(&mut a);
+        p.reserve(&mut a, 9).expect("fits");
+        p.advance(&mut a, &toks[5..]);
+        let mut b = SeqCache::new();
+        assert_eq!(p.match_prefix(&mut b, &toks), 0, "nothing registered");
+        p.release(&mut a);
+        assert_eq!((p.free_blocks(), p.cached_free_blocks()), (8, 0));
     }
 
     #[test]
