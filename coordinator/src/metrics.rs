@@ -102,6 +102,27 @@ pub fn micro_step(micro_batches: usize, waited_secs: f64) {
     histogram!("epserve_step_wait_seconds").record(waited_secs);
 }
 
+/// A sequence was admitted with prefix caching on: `queried` tokens looked
+/// up, `hits` of them found cached (vLLM's `prefix_cache_queries` /
+/// `prefix_cache_hits`, in tokens).
+pub fn prefix_cache(queried: u64, hits: u64) {
+    static DESCRIBED: std::sync::Once = std::sync::Once::new();
+    DESCRIBED.call_once(|| {
+        metrics::describe_counter!(
+            "epserve_prefix_cache_queries_total",
+            metrics::Unit::Count,
+            "Prompt tokens looked up in the prefix cache at admission."
+        );
+        metrics::describe_counter!(
+            "epserve_prefix_cache_hits_total",
+            metrics::Unit::Count,
+            "Prompt tokens found in the prefix cache at admission (their prefill skipped)."
+        );
+    });
+    counter!("epserve_prefix_cache_queries_total").increment(queried);
+    counter!("epserve_prefix_cache_hits_total").increment(hits);
+}
+
 /// A sequence was preempted for lack of KV blocks.
 pub fn preempted() {
     counter!("epserve_num_preemptions_total").increment(1);

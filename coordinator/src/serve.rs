@@ -119,6 +119,14 @@ pub struct ServeArgs {
     /// Longest stop string, in bytes.
     #[arg(long, default_value_t = 256)]
     pub max_stop_string_bytes: usize,
+    /// Turns automatic prefix caching off (on by default, as vLLM): full KV
+    /// blocks are content-hashed and reused by later requests whose prompt
+    /// starts with the same tokens. Off by itself with attention-workers.
+    #[arg(long, overrides_with = "enable_prefix_caching")]
+    pub no_enable_prefix_caching: bool,
+    /// Prefix caching on (the default; vLLM's flag, accepted for scripts).
+    #[arg(long, overrides_with = "no_enable_prefix_caching")]
+    pub enable_prefix_caching: bool,
 }
 
 fn secs(name: &str, v: f64) -> Result<std::time::Duration> {
@@ -225,6 +233,7 @@ pub fn scheduler_config(args: &ServeArgs, engine: &Engine) -> Result<SchedulerCo
         max_waiting: args.max_waiting,
         kv_dtype,
         micro_batches: args.micro_batches,
+        enable_prefix_caching: !args.no_enable_prefix_caching,
     })
 }
 
@@ -437,5 +446,31 @@ mod tests {
         assert_eq!(parse_size("1.5G").ok(), Some(1_500_000_000));
         assert!(parse_size("lots").is_err());
         assert!(parse_size("3 parsecs").is_err());
+    }
+
+    #[test]
+    fn prefix_caching_is_on_unless_turned_off_and_the_last_flag_wins() {
+        use clap::Parser;
+        #[derive(Parser)]
+        struct Cli {
+            #[command(flatten)]
+            serve: super::ServeArgs,
+        }
+        let off = |args: &[&str]| {
+            Cli::try_parse_from([&["serve", "--model", "m"], args].concat())
+                .map(|c| c.serve.no_enable_prefix_caching)
+                .ok()
+        };
+        assert_eq!(off(&[]), Some(false));
+        assert_eq!(off(&["--no-enable-prefix-caching"]), Some(true));
+        assert_eq!(off(&["--enable-prefix-caching"]), Some(false));
+        assert_eq!(
+            off(&["--no-enable-prefix-caching", "--enable-prefix-caching"]),
+            Some(false)
+        );
+        assert_eq!(
+            off(&["--enable-prefix-caching", "--no-enable-prefix-caching"]),
+            Some(true)
+        );
     }
 }

@@ -6,6 +6,12 @@
 //! When the KV pool runs out, the most recently admitted sequence is preempted
 //! (its blocks freed, recomputed later from its tokens), so older requests
 //! always make progress.
+//!
+//! With automatic prefix caching (on by default, `--no-enable-prefix-caching`
+//! turns it off) a sequence being admitted first attaches the longest chain of
+//! cached full KV blocks matching its tokens ([`KvPool::match_prefix`]) and
+//! starts computing after them; finished and preempted sequences leave their
+//! full blocks cached in the pool's LRU for the next request with that prefix.
 
 mod micro;
 mod seq;
@@ -46,6 +52,23 @@ pub struct SchedulerConfig {
     pub kv_dtype: epserve_core::model::kv_cache::KvDtype,
     /// Into how many micro-batches a step is split (`--micro-batches`).
     pub micro_batches: MicroBatches,
+    /// Automatic prefix caching (`--no-enable-prefix-caching` turns it off;
+    /// off by itself when attention runs on attention-workers).
+    pub enable_prefix_caching: bool,
+}
+
+/// Counters the scheduler thread keeps, readable from any thread.
+#[derive(Debug, Default)]
+pub struct SchedulerStats {
+    /// Tokens of admitted sequences looked up in the prefix cache.
+    pub prefix_cache_queries: AtomicU64,
+    /// Of those, tokens found cached (their prefill skipped).
+    pub prefix_cache_hits: AtomicU64,
+    /// Sequences preempted for lack of KV blocks.
+    pub preemptions: AtomicU64,
+    /// KV blocks no sequence holds (truly free plus cached-free), after the
+    /// last step.
+    pub free_blocks: AtomicUsize,
 }
 
 /// A validated generation request.
@@ -119,12 +142,18 @@ pub struct SchedulerHandle {
     config: SchedulerConfig,
     block_size: usize,
     num_blocks: usize,
+    stats: Arc<SchedulerStats>,
 }
 
 impl SchedulerHandle {
     /// The limits in force.
     pub fn config(&self) -> &SchedulerConfig {
         &self.config
+    }
+
+    /// The scheduler's counters.
+    pub fn stats(&self) -> &SchedulerStats {
+        &self.stats
     }
 
     /// Queues a request; events arrive on the returned receiver. Dropping the
@@ -161,9 +190,33 @@ impl SchedulerHandle {
 pub fn start(engine: Arc<Engine>, config: SchedulerConfig) -> std::io::Result<SchedulerHandle> {
     let (tx, rx) = mpsc::channel();
     let waiting = Arc::new(AtomicUsize::new(0));
-    let pool = engine
+    let mut pool = engine
         .model
         .new_pool(config.block_size, config.num_blocks, config.kv_dtype);
+    if config.enable_prefix_caching {
+        if engine.model.remote_attention().is_some() {
+            // The attention-workers keep their KV per sequence id, not in
+            // shared blocks: nothing could be reused there.
+            tracing::info!(
+                "prefix caching disabled: attention runs on attention-workers, whose KV caches are per sequence"
+            );
+        } else {
+            let c = &engine.model.config;
+            pool.enable_prefix_caching(&format!(
+                "{}|{:?}|{}|{}|{}",
+                engine.dir.display(),
+                c.arch,
+                c.num_hidden_layers,
+                c.hidden_size,
+                c.vocab_size
+            ));
+            tracing::info!(block_size = pool.block_size(), "prefix caching enabled");
+        }
+    }
+    let stats = Arc::new(SchedulerStats::default());
+    stats
+        .free_blocks
+        .store(pool.free_blocks(), Ordering::Relaxed);
     let handle = SchedulerHandle {
         tx,
         waiting: waiting.clone(),
@@ -171,6 +224,7 @@ pub fn start(engine: Arc<Engine>, config: SchedulerConfig) -> std::io::Result<Sc
         block_size: pool.block_size(),
         num_blocks: pool.num_blocks(),
         config: config.clone(),
+        stats: stats.clone(),
     };
     let cfg = &engine.model.config;
     let policy = MicroPolicy::new(
@@ -188,6 +242,7 @@ pub fn start(engine: Arc<Engine>, config: SchedulerConfig) -> std::io::Result<Sc
         running: Vec::new(),
         waiting_count: waiting,
         rx,
+        stats,
     };
     std::thread::Builder::new()
         .name("epserve-scheduler".into())
@@ -204,6 +259,7 @@ struct Scheduler {
     running: Vec<Seq>,
     waiting_count: Arc<AtomicUsize>,
     rx: mpsc::Receiver<Msg>,
+    stats: Arc<SchedulerStats>,
 }
 
 impl Scheduler {
@@ -234,7 +290,9 @@ impl Scheduler {
 
     fn publish_gauges(&self) {
         m::set_queue(self.running.len(), self.waiting.len());
-        let used = self.pool.num_blocks() - self.pool.free_blocks();
+        let free = self.pool.free_blocks();
+        self.stats.free_blocks.store(free, Ordering::Relaxed);
+        let used = self.pool.num_blocks() - free;
         m::set_kv_usage(used as f64 / self.pool.num_blocks().max(1) as f64);
     }
 
@@ -274,6 +332,7 @@ impl Scheduler {
             s.num_computed = 0;
             s.step_take = 0;
             s.preemptions += 1;
+            self.stats.preemptions.fetch_add(1, Ordering::Relaxed);
             m::preempted();
             tracing::debug!(id = s.id, "preempted");
             self.waiting.push_front(s);
@@ -315,6 +374,14 @@ impl Scheduler {
             let Some(front) = self.waiting.front_mut() else {
                 break;
             };
+            // Waiting sequences hold no blocks: attach the cached prefix
+            // (if any) and compute from there.
+            let hit = if front.num_computed == 0 && front.cache.is_empty() {
+                self.pool.match_prefix(&mut front.cache, &front.tokens)
+            } else {
+                0
+            };
+            front.num_computed += hit;
             let need = front.tokens.len() - front.num_computed;
             let take = need.min(budget);
             if self
@@ -322,8 +389,23 @@ impl Scheduler {
                 .reserve(&mut front.cache, front.num_computed + take)
                 .is_err()
             {
+                // Give the prefix back while it waits (it is looked up again).
+                if hit > 0 {
+                    self.pool.release(&mut front.cache);
+                    front.num_computed = 0;
+                }
                 // FCFS: nobody jumps the queue; wait for blocks to free up.
                 break;
+            }
+            if self.pool.prefix_caching() {
+                let queried = front.tokens.len() as u64;
+                self.stats
+                    .prefix_cache_queries
+                    .fetch_add(queried, Ordering::Relaxed);
+                self.stats
+                    .prefix_cache_hits
+                    .fetch_add(hit as u64, Ordering::Relaxed);
+                m::prefix_cache(queried, hit as u64);
             }
             let Some(mut s) = self.waiting.pop_front() else {
                 break;
@@ -445,7 +527,9 @@ impl Scheduler {
                 }
                 let rows = start..start + s.step_take;
                 start += s.step_take;
+                let mut faulty = false;
                 for f in out.faults.iter().filter(|f| rows.contains(&f.row)) {
+                    faulty = true;
                     if f.degraded {
                         if s.degraded.is_none() {
                             s.degraded = Some(f.message.clone());
@@ -453,6 +537,11 @@ impl Scheduler {
                     } else {
                         lost.entry(idx).or_insert_with(|| f.message.clone());
                     }
+                }
+                if faulty {
+                    // Keys/values computed without part of the model are
+                    // never offered to another request.
+                    self.pool.uncache(&mut s.cache);
                 }
             }
         }
@@ -559,6 +648,7 @@ mod tests {
                 max_waiting: 4,
                 kv_dtype: Default::default(),
                 micro_batches: MicroBatches::Fixed(1),
+                enable_prefix_caching: true,
             },
         )
         .expect("scheduler");
@@ -667,5 +757,197 @@ mod tests {
             }
         }
         assert_eq!(tokens, 4);
+    }
+
+    #[test]
+    fn keys_and_values_computed_with_a_lost_expert_are_not_cached() {
+        let lossy = Arc::new(Lossy {
+            lose: std::sync::atomic::AtomicBool::new(true),
+        });
+        let (engine, handle) = fixture_scheduler(lossy.clone());
+        // 40 tokens: two full blocks of 16 are written by the failing step.
+        let mut request = three_tokens(&engine);
+        request.prompt_token_ids = (1..41).collect();
+        request.max_tokens = 2;
+        let mut rx = handle.submit(request.clone()).expect("submit");
+        assert!(matches!(rx.blocking_recv(), Some(Event::Unavailable(_))));
+        lossy.lose.store(false, Ordering::Relaxed);
+        let hits = || handle.stats().prefix_cache_hits.load(Ordering::Relaxed);
+        collect(handle.submit(request.clone()).expect("submit"));
+        assert_eq!(hits(), 0, "the failed request's blocks were reused");
+        // The clean run's blocks are.
+        collect(handle.submit(request).expect("submit"));
+        assert_eq!(hits(), 32);
+        assert_all_blocks_free(&handle, 16);
+    }
+
+    /// The qwen3_moe_a fixture with its own experts, under a scheduler of
+    /// `num_blocks` blocks of 4 positions, prefix caching on or off.
+    fn local_scheduler(cache: bool, num_blocks: usize, max_num_seqs: usize) -> SchedulerHandle {
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("../tests/fixtures/qwen3_moe_a/f32");
+        let engine = Arc::new(Engine::load(&dir).expect("fixture engine"));
+        start(
+            engine,
+            SchedulerConfig {
+                max_num_seqs,
+                max_num_batched_tokens: 32,
+                max_model_len: 128,
+                block_size: 4,
+                num_blocks,
+                max_waiting: 16,
+                kv_dtype: Default::default(),
+                micro_batches: MicroBatches::Fixed(1),
+                enable_prefix_caching: cache,
+            },
+        )
+        .expect("scheduler")
+    }
+
+    /// A greedy request for `max_tokens` tokens, eos ignored.
+    fn greedy(prompt: Vec<u32>, max_tokens: usize) -> Request {
+        Request {
+            prompt_token_ids: prompt,
+            max_tokens,
+            sampling: SamplingParams::default(),
+            stop: vec![],
+            stop_token_ids: vec![],
+            ignore_eos: true,
+            logprobs: None,
+        }
+    }
+
+    /// The tokens a request's stream delivers, until it finishes.
+    fn collect(mut rx: UnboundedReceiver<Event>) -> Vec<u32> {
+        let mut out = Vec::new();
+        loop {
+            match rx.blocking_recv() {
+                Some(Event::Token { token_id, .. }) => out.push(token_id),
+                Some(Event::Finished { .. }) => return out,
+                Some(Event::Error(e)) | Some(Event::Unavailable(e)) => panic!("failed: {e}"),
+                None => panic!("stream ended without finishing"),
+            }
+        }
+    }
+
+    fn run_one(h: &SchedulerHandle, req: Request) -> Vec<u32> {
+        collect(h.submit(req).expect("submit"))
+    }
+
+    /// `n` pseudo-random token ids below 300 from `seed`.
+    fn tokens(seed: u32, n: usize) -> Vec<u32> {
+        let mut x = seed.wrapping_mul(2_654_435_761).wrapping_add(12345);
+        (0..n)
+            .map(|_| {
+                x = x.wrapping_mul(1_103_515_245).wrapping_add(12345);
+                (x >> 8) % 300
+            })
+            .collect()
+    }
+
+    /// Waits until the scheduler has published that every block is free.
+    fn assert_all_blocks_free(h: &SchedulerHandle, total: usize) {
+        for _ in 0..500 {
+            if h.stats().free_blocks.load(Ordering::Relaxed) == total {
+                return;
+            }
+            std::thread::sleep(std::time::Duration::from_millis(10));
+        }
+        panic!(
+            "blocks leaked: {} free of {total}",
+            h.stats().free_blocks.load(Ordering::Relaxed)
+        );
+    }
+
+    #[test]
+    fn a_shared_prefix_is_computed_once_and_outputs_match_no_cache() {
+        let prefix = tokens(1, 37);
+        let a = [prefix.clone(), vec![5, 6, 7]].concat();
+        let b = [prefix.clone(), vec![8, 9]].concat();
+        let plain = local_scheduler(false, 64, 4);
+        let cached = local_scheduler(true, 64, 4);
+        let want_a = run_one(&plain, greedy(a.clone(), 6));
+        let want_b = run_one(&plain, greedy(b.clone(), 6));
+        assert_eq!(
+            plain.stats().prefix_cache_queries.load(Ordering::Relaxed),
+            0
+        );
+
+        assert_eq!(run_one(&cached, greedy(a.clone(), 6)), want_a);
+        let st = cached.stats();
+        assert_eq!(st.prefix_cache_queries.load(Ordering::Relaxed), 40);
+        assert_eq!(st.prefix_cache_hits.load(Ordering::Relaxed), 0);
+        // b shares the 9 full blocks of the prefix (36 of its 39 tokens).
+        assert_eq!(run_one(&cached, greedy(b.clone(), 6)), want_b);
+        assert_eq!(st.prefix_cache_queries.load(Ordering::Relaxed), 79);
+        assert_eq!(st.prefix_cache_hits.load(Ordering::Relaxed), 36);
+        // a again: everything but its last block (its last token is recomputed).
+        assert_eq!(run_one(&cached, greedy(a.clone(), 6)), want_a);
+        assert_eq!(st.prefix_cache_hits.load(Ordering::Relaxed), 72);
+        // A prompt extending a's output hits the generated tokens' blocks too.
+        let turn2 = [a.clone(), want_a.clone(), vec![11, 12]].concat();
+        assert_eq!(
+            run_one(&cached, greedy(turn2.clone(), 4)),
+            run_one(&plain, greedy(turn2, 4))
+        );
+        // a's prompt and 5 of its 6 outputs were in the cache: 44 of 45 → 44.
+        assert_eq!(st.prefix_cache_hits.load(Ordering::Relaxed), 72 + 44);
+        assert_all_blocks_free(&cached, 64);
+    }
+
+    #[test]
+    fn a_tiny_pool_evicts_cached_blocks_and_outputs_still_match() {
+        // 12 blocks of 4: each request (20 + 8 tokens) needs 7.
+        let prompts: Vec<Vec<u32>> = (0..3).map(|i| tokens(10 + i, 20)).collect();
+        let plain = local_scheduler(false, 12, 1);
+        let cached = local_scheduler(true, 12, 1);
+        let want: Vec<Vec<u32>> = prompts
+            .iter()
+            .map(|p| run_one(&plain, greedy(p.clone(), 8)))
+            .collect();
+        for round in 0..2 {
+            for (p, w) in prompts.iter().zip(&want) {
+                assert_eq!(&run_one(&cached, greedy(p.clone(), 8)), w, "round {round}");
+                assert_all_blocks_free(&cached, 12);
+            }
+        }
+        // The last prompt, run again at once, hits its 4 full prompt blocks
+        // (16 of 20; the last token is always recomputed).
+        let before = cached.stats().prefix_cache_hits.load(Ordering::Relaxed);
+        assert_eq!(run_one(&cached, greedy(prompts[2].clone(), 8)), want[2]);
+        assert_eq!(
+            cached.stats().prefix_cache_hits.load(Ordering::Relaxed) - before,
+            16
+        );
+        assert_all_blocks_free(&cached, 12);
+    }
+
+    #[test]
+    fn preemption_with_shared_blocks_keeps_outputs_and_frees_everything() {
+        let prefix = tokens(3, 24);
+        let prompts: Vec<Vec<u32>> = (0..4)
+            .map(|i| [prefix.clone(), vec![20 + i, 40 + i, 60 + i]].concat())
+            .collect();
+        let plain = local_scheduler(false, 64, 1);
+        let want: Vec<Vec<u32>> = prompts
+            .iter()
+            .map(|p| run_one(&plain, greedy(p.clone(), 16)))
+            .collect();
+        // 16 blocks: four sequences of 27 + 16 tokens sharing 6 blocks need
+        // 6 + 4 · 5 = 26, so some are preempted (their blocks released to the
+        // cache and attached again on readmission).
+        let cached = local_scheduler(true, 16, 4);
+        assert_eq!(run_one(&cached, greedy(prompts[0].clone(), 16)), want[0]);
+        let rxs: Vec<_> = prompts
+            .iter()
+            .map(|p| cached.submit(greedy(p.clone(), 16)).expect("submit"))
+            .collect();
+        let got: Vec<Vec<u32>> = rxs.into_iter().map(collect).collect();
+        assert_eq!(got, want);
+        let st = cached.stats();
+        assert!(st.preemptions.load(Ordering::Relaxed) > 0, "no preemption");
+        // Each of the four found at least the 6 shared blocks at admission.
+        assert!(st.prefix_cache_hits.load(Ordering::Relaxed) >= 4 * 24);
+        assert_all_blocks_free(&cached, 16);
     }
 }

@@ -3,7 +3,19 @@
 //! just its block table and length. Blocks are handed out by a free list, so
 //! sequences of any length share one memory budget without fragmentation, and
 //! a finished or preempted sequence gives its blocks back at once.
+//!
+//! With automatic prefix caching ([`KvPool::enable_prefix_caching`], as vLLM's)
+//! every full block is content-hashed as it fills: the hash of block `i` chains
+//! the hash of block `i - 1` with the block's token ids (seeded with the model's
+//! identity). Blocks are reference-counted; a released block that is full and
+//! hashed is not freed but parked in an LRU of cached-free blocks, evicted
+//! (oldest first) only when a reservation finds no truly free block. A new
+//! sequence whose tokens start with a cached chain attaches those blocks
+//! ([`KvPool::match_prefix`]) and computes only the rest. A full block is
+//! immutable: a sequence only ever writes positions past the blocks it shares.
 
+use std::collections::{BTreeMap, HashMap};
+use std::hash::{Hash, Hasher};
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use crate::error::{Error, Result};
@@ -130,6 +142,28 @@ pub struct KvPool {
     dtype: KvDtype,
     layers: Vec<LayerPool>,
     free: Vec<u32>,
+    /// Sequences holding each block.
+    refs: Vec<u32>,
+    /// Set when prefix caching is on: the seed of every hash chain.
+    prefix_seed: Option<u64>,
+    /// Per block, the chain hash it is registered under (full blocks only).
+    block_hash: Vec<Option<u64>>,
+    /// Registered full blocks by chain hash, with what they hold (checked on
+    /// lookup, so a 64-bit collision can never attach the wrong block).
+    cached: HashMap<u64, CachedBlock>,
+    /// Hashed blocks no sequence holds, by release tick (oldest first).
+    lru: BTreeMap<u64, u32>,
+    /// Per block, its key in `lru` while it is there.
+    lru_tick: Vec<u64>,
+    tick: u64,
+}
+
+/// What a registered block holds: its chain's parent hash and its tokens.
+#[derive(Debug)]
+struct CachedBlock {
+    block: u32,
+    parent: u64,
+    tokens: Box<[u32]>,
 }
 
 /// One sequence's view of the pool.
@@ -139,6 +173,12 @@ pub struct SeqCache {
     len: usize,
     /// Unique in this process: names the sequence's KV on attention-workers.
     id: u64,
+    /// Chain hashes of the full blocks so far (prefix caching only).
+    hashes: Vec<u64>,
+    /// Tokens written past the last full block (prefix caching only).
+    tail: Vec<u32>,
+    /// Set by [`KvPool::uncache`]: its keys/values are not to be reused.
+    no_cache: bool,
 }
 
 /// Source of [`SeqCache`] ids.
@@ -157,6 +197,9 @@ impl SeqCache {
             blocks: Vec::new(),
             len: 0,
             id: NEXT_SEQ_ID.fetch_add(1, Ordering::Relaxed),
+            hashes: Vec::new(),
+            tail: Vec::new(),
+            no_cache: false,
         }
     }
     /// The sequence's id, unique in this process (remote attention shards
@@ -175,9 +218,6 @@ impl SeqCache {
     /// The block table.
     pub fn blocks(&self) -> &[u32] {
         &self.blocks
-    }
-    pub(crate) fn advance(&mut self, n: usize) {
-        self.len += n;
     }
 }
 
@@ -208,6 +248,148 @@ impl KvPool {
                 })
                 .collect(),
             free: (0..num_blocks as u32).rev().collect(),
+            refs: vec![0; num_blocks],
+            prefix_seed: None,
+            block_hash: vec![None; num_blocks],
+            cached: HashMap::new(),
+            lru: BTreeMap::new(),
+            lru_tick: vec![0; num_blocks],
+            tick: 0,
+        }
+    }
+
+    /// Turns on automatic prefix caching; `identity` (the model's and any
+    /// salt's) seeds every hash chain. Call before any sequence holds blocks.
+    pub fn enable_prefix_caching(&mut self, identity: &str) {
+        let mut h = std::collections::hash_map::DefaultHasher::new();
+        "epserve-prefix-cache-v1".hash(&mut h);
+        identity.hash(&mut h);
+        self.block_size.hash(&mut h);
+        self.dtype.name().hash(&mut h);
+        self.prefix_seed = Some(h.finish());
+    }
+
+    /// Whether prefix caching is on.
+    pub fn prefix_caching(&self) -> bool {
+        self.prefix_seed.is_some()
+    }
+
+    /// Hashed blocks no sequence holds (reusable on a prefix hit, evicted
+    /// when a reservation finds no truly free block).
+    pub fn cached_free_blocks(&self) -> usize {
+        self.lru.len()
+    }
+
+    fn chain_hash(parent: u64, tokens: &[u32]) -> u64 {
+        let mut h = std::collections::hash_map::DefaultHasher::new();
+        parent.hash(&mut h);
+        tokens.hash(&mut h);
+        h.finish()
+    }
+
+    /// A block no sequence holds: a truly free one, else the least recently
+    /// released cached one (its hash forgotten).
+    fn take_block(&mut self) -> Option<u32> {
+        let b = match self.free.pop() {
+            Some(b) => b,
+            None => {
+                let (_, b) = self.lru.pop_first()?;
+                if let Some(h) = self.block_hash[b as usize].take() {
+                    self.cached.remove(&h);
+                }
+                b
+            }
+        };
+        self.refs[b as usize] = 1;
+        Some(b)
+    }
+
+    /// Drops one reference to `b`; at zero it is parked in the LRU when it
+    /// holds a registered full block, freed otherwise.
+    fn put_block(&mut self, b: u32) {
+        let r = &mut self.refs[b as usize];
+        *r = r.saturating_sub(1);
+        if *r > 0 {
+            return;
+        }
+        if self.block_hash[b as usize].is_some() {
+            self.tick += 1;
+            self.lru_tick[b as usize] = self.tick;
+            self.lru.insert(self.tick, b);
+        } else {
+            self.free.push(b);
+        }
+    }
+
+    /// Attaches to an empty `seq` the longest chain of cached full blocks
+    /// matching the start of `tokens`, leaving at least the last token to
+    /// compute (its logits are needed), and returns the positions attached
+    /// (a multiple of the block size; 0 when caching is off).
+    pub fn match_prefix(&mut self, seq: &mut SeqCache, tokens: &[u32]) -> usize {
+        let Some(seed) = self.prefix_seed else {
+            return 0;
+        };
+        if !seq.blocks.is_empty() || seq.len > 0 {
+            return 0;
+        }
+        let bs = self.block_size;
+        let mut parent = seed;
+        for chunk in tokens[..tokens.len().saturating_sub(1)].chunks_exact(bs) {
+            let h = Self::chain_hash(parent, chunk);
+            let b = match self.cached.get(&h) {
+                Some(c) if c.parent == parent && *c.tokens == *chunk => c.block,
+                _ => break,
+            };
+            if self.refs[b as usize] == 0 {
+                self.lru.remove(&self.lru_tick[b as usize]);
+            }
+            self.refs[b as usize] += 1;
+            seq.blocks.push(b);
+            seq.hashes.push(h);
+            parent = h;
+        }
+        seq.len = seq.blocks.len() * bs;
+        seq.len
+    }
+
+    /// Moves `seq` past `tokens` just written (the forward pass calls it);
+    /// with prefix caching, blocks that became full are hashed and registered.
+    pub fn advance(&mut self, seq: &mut SeqCache, tokens: &[u32]) {
+        seq.len += tokens.len();
+        let Some(seed) = self.prefix_seed else {
+            return;
+        };
+        if seq.no_cache {
+            return;
+        }
+        let bs = self.block_size;
+        // Only positions in whole blocks this sequence tracks are hashed.
+        if seq.hashes.len() * bs + seq.tail.len() + tokens.len() != seq.len {
+            seq.tail.clear();
+            seq.hashes.clear();
+            return;
+        }
+        seq.tail.extend_from_slice(tokens);
+        while seq.tail.len() >= bs {
+            let i = seq.hashes.len();
+            let parent = seq.hashes.last().copied().unwrap_or(seed);
+            let h = Self::chain_hash(parent, &seq.tail[..bs]);
+            if let Some(&b) = seq.blocks.get(i)
+                && self.block_hash[b as usize].is_none()
+                && !self.cached.contains_key(&h)
+            {
+                self.block_hash[b as usize] = Some(h);
+                self.cached.insert(
+                    h,
+                    CachedBlock {
+                        block: b,
+                        parent,
+                        tokens: seq.tail[..bs].into(),
+                    },
+                );
+            }
+            seq.hashes.push(h);
+            seq.tail.drain(..bs);
         }
     }
 
@@ -237,9 +419,9 @@ impl KvPool {
     pub fn num_blocks(&self) -> usize {
         self.num_blocks
     }
-    /// Blocks not held by any sequence.
+    /// Blocks not held by any sequence (truly free plus cached-free).
     pub fn free_blocks(&self) -> usize {
-        self.free.len()
+        self.free.len() + self.lru.len()
     }
     /// Blocks a sequence needs to hold `len` positions.
     pub fn blocks_for(&self, len: usize) -> usize {
@@ -250,35 +432,66 @@ impl KvPool {
     /// is allocated.
     pub fn reserve(&mut self, seq: &mut SeqCache, new_len: usize) -> Result<()> {
         let need = self.blocks_for(new_len).saturating_sub(seq.blocks.len());
-        if need > self.free.len() {
+        if need > self.free_blocks() {
             return Err(Error::InvalidInput(format!(
                 "KV cache full: {need} more blocks needed, {} free of {}",
-                self.free.len(),
+                self.free_blocks(),
                 self.num_blocks
             )));
         }
         for _ in 0..need {
-            if let Some(b) = self.free.pop() {
+            if let Some(b) = self.take_block() {
                 seq.blocks.push(b);
             }
         }
         Ok(())
     }
 
+    /// Keeps what `seq` computed out of the prefix cache: its registered
+    /// blocks are forgotten (freed, not cached, when released) and its later
+    /// blocks are not registered, until it is released. For keys/values
+    /// computed without part of the model (a lost or rerouted expert), which
+    /// another request must never reuse.
+    pub fn uncache(&mut self, seq: &mut SeqCache) {
+        seq.no_cache = true;
+        for &b in &seq.blocks {
+            if let Some(h) = self.block_hash[b as usize].take() {
+                self.cached.remove(&h);
+            }
+        }
+    }
+
     /// Gives back blocks beyond the first `keep` (undoing a [`reserve`](Self::reserve)).
     pub fn shrink(&mut self, seq: &mut SeqCache, keep: usize) {
         while seq.blocks.len() > keep {
             if let Some(b) = seq.blocks.pop() {
-                self.free.push(b);
+                self.put_block(b);
             }
         }
         seq.len = seq.len.min(seq.blocks.len() * self.block_size);
+        let full = seq.len / self.block_size;
+        if seq.hashes.len() > full || seq.hashes.len() * self.block_size + seq.tail.len() > seq.len
+        {
+            seq.hashes.truncate(full);
+            seq.tail.clear();
+            // Re-derived only from whole blocks: a partial tail is forgotten.
+            if seq.hashes.len() * self.block_size != seq.len {
+                seq.hashes.clear();
+            }
+        }
     }
 
-    /// Returns all of a sequence's blocks to the pool and empties it.
+    /// Returns all of a sequence's blocks to the pool and empties it. Its
+    /// last blocks are released first, so the LRU evicts a chain's tail
+    /// before its head.
     pub fn release(&mut self, seq: &mut SeqCache) {
-        self.free.extend(seq.blocks.drain(..).rev());
+        while let Some(b) = seq.blocks.pop() {
+            self.put_block(b);
+        }
         seq.len = 0;
+        seq.hashes.clear();
+        seq.tail.clear();
+        seq.no_cache = false;
     }
 
     /// Row index of position `pos` of `seq` in a layer's storage.
@@ -315,6 +528,148 @@ mod tests {
         assert_eq!(p.free_blocks(), 3);
         p.reserve(&mut b, 5).expect("fits after release");
         assert_eq!(p.row(&b, 5), b.blocks()[1] as usize * 4 + 1);
+    }
+
+    /// A caching pool of `n` blocks of 4 positions.
+    fn caching_pool(n: usize) -> KvPool {
+        let mut p = KvPool::new(&[(2, 2)], 4, n, KvDtype::F32);
+        p.enable_prefix_caching("test-model");
+        p
+    }
+
+    /// A sequence that wrote `tokens` (reserved and advanced in `steps` pieces).
+    fn written(p: &mut KvPool, tokens: &[u32], steps: &[usize]) -> SeqCache {
+        let mut s = SeqCache::new();
+        let hit = p.match_prefix(&mut s, tokens);
+        let mut at = hit;
+        for &n in steps {
+            let n = n.min(tokens.len() - at);
+            if n == 0 {
+                break;
+            }
+            p.reserve(&mut s, at + n).expect("fits");
+            p.advance(&mut s, &tokens[at..at + n]);
+            at += n;
+        }
+        if at < tokens.len() {
+            p.reserve(&mut s, tokens.len()).expect("fits");
+            p.advance(&mut s, &tokens[at..]);
+        }
+        s
+    }
+
+    #[test]
+    fn full_blocks_are_hashed_as_a_chain_however_they_were_written() {
+        let mut p = caching_pool(16);
+        let toks: Vec<u32> = (0..14).collect();
+        let a = written(&mut p, &toks, &[14]);
+        let b = written(&mut p, &toks, &[1, 2, 3, 1, 5, 2]);
+        // 3 full blocks each; the tail of 2 tokens is not hashed.
+        assert_eq!(a.hashes.len(), 3);
+        assert_eq!(a.hashes, b.hashes);
+        assert_eq!(a.tail, vec![12, 13]);
+        // The chain: same block content after a different prefix hashes differently.
+        let mut other = toks.clone();
+        other[0] = 99;
+        let c = written(&mut p, &other, &[14]);
+        assert_ne!(c.hashes[1], a.hashes[1]);
+        // A different model identity hashes differently.
+        let mut q = KvPool::new(&[(2, 2)], 4, 16, KvDtype::F32);
+        q.enable_prefix_caching("another-model");
+        let d = written(&mut q, &toks, &[14]);
+        assert_ne!(d.hashes[0], a.hashes[0]);
+    }
+
+    #[test]
+    fn a_matching_prefix_is_shared_with_reference_counts_and_leaves_the_last_token() {
+        let mut p = caching_pool(8);
+        let toks: Vec<u32> = (0..10).collect();
+        let mut a = written(&mut p, &toks, &[10]);
+        assert_eq!(p.free_blocks(), 5);
+        // 12 tokens sharing the first 10: blocks 0 and 1 are shared.
+        let longer: Vec<u32> = (0..12).collect();
+        let mut b = SeqCache::new();
+        assert_eq!(p.match_prefix(&mut b, &longer), 8);
+        assert_eq!(b.len(), 8);
+        assert_eq!(&b.blocks()[..2], &a.blocks()[..2]);
+        assert_eq!(p.free_blocks(), 5, "a hit takes no new block");
+        // Exactly two full blocks of prompt: the last token is left to compute,
+        // so only the first block is attached.
+        let mut c = SeqCache::new();
+        assert_eq!(p.match_prefix(&mut c, &toks[..8]), 4);
+        // Releasing the first holder keeps the shared blocks alive.
+        p.release(&mut a);
+        assert_eq!(p.refs[b.blocks()[0] as usize], 2);
+        assert_eq!(p.refs[b.blocks()[1] as usize], 1);
+        p.reserve(&mut b, 12).expect("fits");
+        p.advance(&mut b, &longer[8..]);
+        assert_eq!(b.hashes.len(), 3);
+        p.release(&mut b);
+        p.release(&mut c);
+        assert_eq!(p.free_blocks(), 8, "no leak");
+        assert!(p.refs.iter().all(|&r| r == 0));
+        // The three full blocks stay cached (the partial one of `a` was freed).
+        assert_eq!(p.cached_free_blocks(), 3);
+        let mut d = SeqCache::new();
+        assert_eq!(p.match_prefix(&mut d, &longer), 8);
+        assert_eq!(p.cached_free_blocks(), 1, "taken back out of the LRU");
+        p.release(&mut d);
+        assert_eq!(p.cached_free_blocks(), 3);
+    }
+
+    #[test]
+    fn cached_blocks_are_evicted_oldest_first_and_only_when_nothing_is_free() {
+        let mut p = caching_pool(4);
+        let x: Vec<u32> = (0..9).collect(); // 2 full blocks + 1 partial
+        let mut a = written(&mut p, &x, &[9]);
+        p.release(&mut a);
+        assert_eq!((p.free.len(), p.cached_free_blocks()), (2, 2));
+        // Two blocks fit in the truly free ones: the cache survives.
+        let y: Vec<u32> = (100..108).collect();
+        let mut b = written(&mut p, &y, &[8]);
+        assert_eq!(p.cached_free_blocks(), 2);
+        // One more: the oldest cached block goes, which is the chain's tail
+        // (released first), so the head still hits.
+        let mut c = SeqCache::new();
+        p.reserve(&mut c, 1).expect("evicts one");
+        assert_eq!(p.cached_free_blocks(), 1);
+        let mut d = SeqCache::new();
+        assert_eq!(p.match_prefix(&mut d, &x), 4);
+        // Full: a reservation fails and takes nothing.
+        let mut e = SeqCache::new();
+        assert!(p.reserve(&mut e, 1).is_err());
+        for s in [&mut b, &mut c, &mut d] {
+            p.release(s);
+        }
+        assert_eq!(p.free_blocks(), 4);
+    }
+
+    #[test]
+    fn uncached_sequences_leave_nothing_to_reuse() {
+        let mut p = caching_pool(8);
+        let toks: Vec<u32> = (0..9).collect();
+        let mut a = SeqCache::new();
+        p.reserve(&mut a, 5).expect("fits");
+        p.advance(&mut a, &toks[..5]);
+        p.uncache(&mut a);
+        p.reserve(&mut a, 9).expect("fits");
+        p.advance(&mut a, &toks[5..]);
+        let mut b = SeqCache::new();
+        assert_eq!(p.match_prefix(&mut b, &toks), 0, "nothing registered");
+        p.release(&mut a);
+        assert_eq!((p.free_blocks(), p.cached_free_blocks()), (8, 0));
+    }
+
+    #[test]
+    fn without_prefix_caching_nothing_is_hashed_or_shared() {
+        let mut p = KvPool::new(&[(2, 2)], 4, 4, KvDtype::F32);
+        let toks: Vec<u32> = (0..9).collect();
+        let mut a = written(&mut p, &toks, &[9]);
+        assert!(a.hashes.is_empty());
+        p.release(&mut a);
+        assert_eq!(p.cached_free_blocks(), 0);
+        let mut b = SeqCache::new();
+        assert_eq!(p.match_prefix(&mut b, &toks), 0);
     }
 
     #[test]

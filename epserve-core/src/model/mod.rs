@@ -533,8 +533,8 @@ impl Model {
             waited,
             timings,
         } = step;
-        for (s, sp) in seqs.iter_mut().zip(&spans) {
-            s.cache.advance(sp.len);
+        for s in seqs.iter_mut() {
+            pool.advance(s.cache, s.tokens);
         }
         // Final norm and LM head on the rows that need logits.
         let wanted = spans.iter().zip(seqs.iter()).filter(|(_, s)| s.logits);
