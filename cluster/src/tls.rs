@@ -202,9 +202,24 @@ impl NodeTls {
     }
 }
 
-/// Applies `tls` to a server builder (unchanged without TLS).
+/// Longest a node gRPC server works on one call before answering
+/// DEADLINE_EXCEEDED (the coordinator's own deadlines are shorter: this only
+/// bounds a call nobody waits for any more).
+pub const SERVER_CALL_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(300);
+
+/// A node gRPC server builder (workers, admin) with `tls` applied (none:
+/// plaintext) and the limits every node server has: at most 256 concurrent
+/// h2 streams and 64 calls in progress per connection, calls bounded by
+/// [`SERVER_CALL_TIMEOUT`], HTTP/2 and TCP keep-alives so a vanished peer's
+/// connection is closed, and the TLS handshake bounded.
 pub fn server_builder(tls: Option<&NodeTls>) -> Result<tonic::transport::Server> {
-    let b = tonic::transport::Server::builder();
+    let b = tonic::transport::Server::builder()
+        .max_concurrent_streams(Some(256))
+        .concurrency_limit_per_connection(64)
+        .timeout(SERVER_CALL_TIMEOUT)
+        .http2_keepalive_interval(Some(std::time::Duration::from_secs(30)))
+        .http2_keepalive_timeout(Some(std::time::Duration::from_secs(20)))
+        .tcp_keepalive(Some(std::time::Duration::from_secs(60)));
     match tls {
         None => Ok(b),
         Some(t) => b

@@ -64,6 +64,7 @@ async fn start(cfg: ServerConfig, opts: HttpOptions, with_model: bool) -> Runnin
                 max_waiting: 64,
                 kv_dtype: Default::default(),
                 micro_batches: MicroBatches::Fixed(1),
+                enable_prefix_caching: true,
             },
         )
         .expect("scheduler");
@@ -811,6 +812,7 @@ mod parser_props {
                         max_waiting: 64,
                         kv_dtype: Default::default(),
                         micro_batches: MicroBatches::Fixed(1),
+                        enable_prefix_caching: true,
                     },
                 )
                 .expect("scheduler")
