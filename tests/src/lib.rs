@@ -65,3 +65,43 @@ pub fn golden(name: &str) -> Golden {
     let text = std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
     serde_json::from_str(&text).unwrap_or_else(|e| panic!("{}: {e}", path.display()))
 }
+
+/// POSTs `body` to `{url}/v1/completions` and returns the JSON answer;
+/// panics (with the body) unless the status is a success.
+pub async fn complete(url: &str, body: serde_json::Value) -> serde_json::Value {
+    let resp = reqwest::Client::new()
+        .post(format!("{url}/v1/completions"))
+        .json(&body)
+        .send()
+        .await
+        .expect("send");
+    let status = resp.status();
+    let text = resp.text().await.expect("body");
+    assert!(status.is_success(), "{status}: {text}");
+    serde_json::from_str(&text).expect("json")
+}
+
+/// Every golden case of `fixture` through the server at `url` (serving it
+/// as `model`): the greedy completion of each prompt is transformers' text
+/// (decoded with the fixture's f32 tokenizer).
+pub async fn assert_goldens(url: &str, model: &str, fixture: &str) {
+    let g = golden(fixture);
+    let tok =
+        epserve_core::loader::tokenizer::Tokenizer::from_dir(&fixture_dir(fixture).join("f32"))
+            .expect("tokenizer");
+    for case in &g.cases {
+        let v = complete(
+            url,
+            serde_json::json!({"model": model, "prompt": case.prompt_token_ids,
+                "max_tokens": case.greedy_token_ids.len(), "temperature": 0, "ignore_eos": true}),
+        )
+        .await;
+        let want = tok.decode(&case.greedy_token_ids, true).expect("decode");
+        assert_eq!(
+            v["choices"][0]["text"].as_str(),
+            Some(want.as_str()),
+            "{fixture} case {}",
+            case.name
+        );
+    }
+}

@@ -16,7 +16,7 @@ use std::time::{Duration, Instant};
 use epserve_cluster::state::ClusterState;
 use epserve_cluster::store::{EtcdStore, KvStore};
 use epserve_tests::up::{Up, etcd_available};
-use epserve_tests::{fixture_dir, golden};
+use epserve_tests::{complete, fixture_dir, golden};
 use serde_json::{Value, json};
 
 fn start_up(fixture: &str, workers: usize, dtype: &str) -> Up {
@@ -39,19 +39,6 @@ fn start_up_with(fixture: &str, workers: usize, dtype: &str, extra: &[&str]) -> 
     args.extend(["--dispatch-dtype", dtype, "--served-model-name", "tiny"]);
     args.extend_from_slice(extra);
     Up::start(env!("CARGO_BIN_EXE_epserve-it"), &args, false)
-}
-
-async fn complete(url: &str, body: Value) -> Value {
-    let resp = reqwest::Client::new()
-        .post(format!("{url}/v1/completions"))
-        .json(&body)
-        .send()
-        .await
-        .expect("send");
-    let status = resp.status();
-    let text = resp.text().await.expect("body");
-    assert!(status.is_success(), "{status}: {text}");
-    serde_json::from_str(&text).expect("json")
 }
 
 fn pid_alive(pid: u32) -> bool {

@@ -6,6 +6,7 @@ use std::time::Duration;
 
 use epserve_cluster::store::{EtcdStore, conformance};
 use epserve_tests::up::{Etcd, etcd_available};
+use epserve_tools::pki::Ca;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn etcd_store_passes_the_conformance_suite() {
@@ -21,49 +22,6 @@ async fn etcd_store_passes_the_conformance_suite() {
         .expect("etcd answers every call");
 }
 
-/// A CA and leaf certificates for it, made at test time.
-struct TestCa {
-    issuer: rcgen::Issuer<'static, rcgen::KeyPair>,
-    pem: String,
-}
-
-impl TestCa {
-    fn new(name: &str) -> TestCa {
-        let mut params = rcgen::CertificateParams::new(Vec::<String>::new()).expect("params");
-        params.is_ca = rcgen::IsCa::Ca(rcgen::BasicConstraints::Unconstrained);
-        params
-            .distinguished_name
-            .push(rcgen::DnType::CommonName, name);
-        params.key_usages = vec![
-            rcgen::KeyUsagePurpose::KeyCertSign,
-            rcgen::KeyUsagePurpose::CrlSign,
-        ];
-        let key = rcgen::KeyPair::generate().expect("key");
-        let cert = params.self_signed(&key).expect("self-signed CA");
-        TestCa {
-            pem: cert.pem(),
-            issuer: rcgen::Issuer::new(params, key),
-        }
-    }
-
-    /// (certificate PEM, key PEM) for `sans`, with common name `cn`.
-    fn leaf(&self, cn: &str, sans: &[&str]) -> (String, String) {
-        let mut params =
-            rcgen::CertificateParams::new(sans.iter().map(|s| s.to_string()).collect::<Vec<_>>())
-                .expect("params");
-        params
-            .distinguished_name
-            .push(rcgen::DnType::CommonName, cn);
-        params.extended_key_usages = vec![
-            rcgen::ExtendedKeyUsagePurpose::ServerAuth,
-            rcgen::ExtendedKeyUsagePurpose::ClientAuth,
-        ];
-        let key = rcgen::KeyPair::generate().expect("key");
-        let cert = params.signed_by(&key, &self.issuer).expect("sign");
-        (cert.pem(), key.serialize_pem())
-    }
-}
-
 /// etcd over TLS with client-certificate auth and user/password auth on
 /// (what `epserve up --secure` and the chart run): the store passes the
 /// conformance suite as a user limited to `/epserve/`, and every client
@@ -77,22 +35,26 @@ async fn etcd_with_tls_and_auth_serves_only_trusted_clients() {
     }
     let dir = std::env::temp_dir().join(format!("epserve-etcd-tls-{}", std::process::id()));
     std::fs::create_dir_all(&dir).expect("cert dir");
-    let ca = TestCa::new("epserve test CA");
-    let (server_cert, server_key) = ca.leaf("etcd", &["127.0.0.1", "localhost"]);
-    let (client_cert, client_key) = ca.leaf("epserve", &[]);
+    let ca = Ca::new("epserve test CA").expect("CA");
+    let leaf = |name: &str, sans: &[&str]| {
+        let l = ca.issue(name, sans).expect("certificate");
+        (l.cert_pem, l.key_pem)
+    };
+    let (server_cert, server_key) = leaf("etcd", &["127.0.0.1", "localhost"]);
+    let (client_cert, client_key) = leaf("epserve", &[]);
     let write = |name: &str, pem: &str| {
         let p = dir.join(name);
         std::fs::write(&p, pem).expect("write pem");
         p
     };
     let tls = EtcdTls {
-        ca: write("ca.pem", &ca.pem),
+        ca: write("ca.pem", ca.cert_pem()),
         cert: write("etcd.pem", &server_cert),
         key: write("etcd-key.pem", &server_key),
     };
     let etcd = Etcd::start_tls(tls);
     let client = EtcdSecurity {
-        ca_pem: Some(ca.pem.clone().into_bytes()),
+        ca_pem: Some(ca.cert_pem().as_bytes().to_vec()),
         identity: Some((
             client_cert.clone().into_bytes(),
             client_key.clone().into_bytes(),
@@ -130,8 +92,9 @@ async fn etcd_with_tls_and_auth_serves_only_trusted_clients() {
         "a write outside /epserve/ must be refused"
     );
 
-    let other_ca = TestCa::new("another CA");
-    let (stranger_cert, stranger_key) = other_ca.leaf("epserve", &[]);
+    let other_ca = Ca::new("another CA").expect("CA");
+    let stranger = other_ca.issue("epserve", &[]).expect("certificate");
+    let (stranger_cert, stranger_key) = (stranger.cert_pem, stranger.key_pem);
     let refused: Vec<(&str, EtcdSecurity)> = vec![
         ("plaintext", EtcdSecurity::default()),
         (
@@ -151,7 +114,7 @@ async fn etcd_with_tls_and_auth_serves_only_trusted_clients() {
         (
             "a server verified against another CA",
             EtcdSecurity {
-                ca_pem: Some(other_ca.pem.clone().into_bytes()),
+                ca_pem: Some(other_ca.cert_pem().as_bytes().to_vec()),
                 ..good.clone()
             },
         ),

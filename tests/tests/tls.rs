@@ -22,26 +22,12 @@ use epserve_proto::pb::attention_service_client::AttentionServiceClient;
 use epserve_proto::pb::expert_service_client::ExpertServiceClient;
 use epserve_proto::pb::{HealthRequest, ListWorkersRequest};
 use epserve_tests::up::{Up, etcd_available};
-use epserve_tests::{fixture_dir, golden};
+use epserve_tests::{assert_goldens, fixture_dir};
 use epserve_tools::pki::Ca;
-use serde_json::{Value, json};
 use tonic::transport::{Certificate, Channel, ClientTlsConfig, Endpoint, Identity};
 
 /// Every call of a refused client must fail within this.
 const LIMIT: Duration = Duration::from_secs(10);
-
-async fn complete(url: &str, body: Value) -> Value {
-    let resp = reqwest::Client::new()
-        .post(format!("{url}/v1/completions"))
-        .json(&body)
-        .send()
-        .await
-        .expect("send");
-    let status = resp.status();
-    let text = resp.text().await.expect("body");
-    assert!(status.is_success(), "{status}: {text}");
-    serde_json::from_str(&text).expect("json")
-}
 
 /// `up`'s certificate directory, from its "certificates in DIR" line.
 fn tls_dir(up: &Up) -> PathBuf {
@@ -150,7 +136,6 @@ async fn mutual_tls_cluster_serves_goldens_and_refuses_strangers() {
         return;
     }
     let fixture = "qwen3_moe_b";
-    let g = golden(fixture);
     let model = fixture_dir(fixture).join("f32");
     let model = model.to_str().expect("utf-8 fixture path");
     let up = Up::start(
@@ -172,24 +157,7 @@ async fn mutual_tls_cluster_serves_goldens_and_refuses_strangers() {
         ],
         false,
     );
-    let tok =
-        epserve_core::loader::tokenizer::Tokenizer::from_dir(&fixture_dir(fixture).join("f32"))
-            .expect("tokenizer");
-    for case in &g.cases {
-        let v = complete(
-            &up.url,
-            json!({"model": "tiny", "prompt": case.prompt_token_ids, "max_tokens": case.greedy_token_ids.len(),
-                   "temperature": 0, "ignore_eos": true}),
-        )
-        .await;
-        let want = tok.decode(&case.greedy_token_ids, true).expect("decode");
-        assert_eq!(
-            v["choices"][0]["text"].as_str(),
-            Some(want.as_str()),
-            "case {}",
-            case.name
-        );
-    }
+    assert_goldens(&up.url, "tiny", fixture).await;
 
     // The workers registered https:// addresses.
     let dir = tls_dir(&up);
@@ -324,17 +292,7 @@ async fn mutual_tls_cluster_serves_goldens_and_refuses_strangers() {
     assert!(printed, "up prints the ctl command with its --tls-* flags");
 
     // The cluster still serves after all of it.
-    let case = &g.cases[0];
-    let v = complete(
-        &up.url,
-        json!({"model": "tiny", "prompt": case.prompt_token_ids, "max_tokens": 4,
-               "temperature": 0, "ignore_eos": true}),
-    )
-    .await;
-    let want = tok
-        .decode(&case.greedy_token_ids[..4], true)
-        .expect("decode");
-    assert_eq!(v["choices"][0]["text"].as_str(), Some(want.as_str()));
+    assert_goldens(&up.url, "tiny", fixture).await;
 }
 
 fn good_flags(dir: &Path, name: &str) -> Vec<String> {

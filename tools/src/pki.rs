@@ -4,7 +4,7 @@
 //! certificate, with the SANs given (IP addresses become IP SANs, names DNS
 //! SANs). ECDSA P-256 keys, generated with ring.
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
 use anyhow::{Context, Result};
 use epserve_cluster::tls::NodeTlsArgs;
@@ -111,7 +111,12 @@ impl Ca {
     }
 }
 
-fn write(path: &PathBuf, text: &str, private: bool) -> Result<()> {
+/// Writes `text` to `path` (readable by its owner only: 0600).
+pub fn write_private(path: &Path, text: &str) -> Result<()> {
+    write(path, text, true)
+}
+
+fn write(path: &Path, text: &str, private: bool) -> Result<()> {
     use std::io::Write;
     use std::os::unix::fs::OpenOptionsExt;
     let mut o = std::fs::OpenOptions::new();

@@ -154,19 +154,7 @@ fn secure_local_etcd(ca: &crate::pki::Ca, dir: &Path, etcd: &str) -> Result<Vec<
     };
     let (root_pw, password) = (secret(), secret());
     let pw_file = dir.join("etcd-password");
-    {
-        use std::io::Write;
-        use std::os::unix::fs::OpenOptionsExt;
-        let mut f = std::fs::OpenOptions::new()
-            .write(true)
-            .create(true)
-            .truncate(true)
-            .mode(0o600)
-            .open(&pw_file)
-            .with_context(|| format!("cannot write {}", pw_file.display()))?;
-        f.write_all(password.as_bytes())
-            .with_context(|| format!("cannot write {}", pw_file.display()))?;
-    }
+    crate::pki::write_private(&pw_file, &password)?;
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
