@@ -127,6 +127,12 @@ pub struct ServeArgs {
     /// Prefix caching on (the default; vLLM's flag, accepted for scripts).
     #[arg(long, overrides_with = "no_enable_prefix_caching")]
     pub enable_prefix_caching: bool,
+    /// Export per-expert series: epserve_expert_tokens_total and, in a cluster,
+    /// the per-expert and per-replica load gauges (epserve_eplb_expert_tokens,
+    /// epserve_eplb_replica_tokens): layers x experts series (6k on Qwen3), so
+    /// off by default.
+    #[arg(long)]
+    pub expert_load_metrics: bool,
 }
 
 fn secs(name: &str, v: f64) -> Result<std::time::Duration> {
@@ -234,6 +240,7 @@ pub fn scheduler_config(args: &ServeArgs, engine: &Engine) -> Result<SchedulerCo
         kv_dtype,
         micro_batches: args.micro_batches,
         enable_prefix_caching: !args.no_enable_prefix_caching,
+        expert_load_metrics: args.expert_load_metrics,
     })
 }
 

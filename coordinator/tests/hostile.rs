@@ -65,6 +65,7 @@ async fn start(cfg: ServerConfig, opts: HttpOptions, with_model: bool) -> Runnin
                 kv_dtype: Default::default(),
                 micro_batches: MicroBatches::Fixed(1),
                 enable_prefix_caching: true,
+                expert_load_metrics: false,
             },
         )
         .expect("scheduler");
@@ -813,6 +814,7 @@ mod parser_props {
                         kv_dtype: Default::default(),
                         micro_batches: MicroBatches::Fixed(1),
                         enable_prefix_caching: true,
+                        expert_load_metrics: false,
                     },
                 )
                 .expect("scheduler")

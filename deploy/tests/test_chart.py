@@ -78,7 +78,8 @@ SCENARIOS: dict[str, dict] = {
     "attention-shards-servicemonitor": {
         "attentionWorkers": {"replicas": 4, "antiAffinity": "hard"},
         "expertWorkers": {"replicas": 6, "antiAffinity": "hard", "advertise": "podIP", "cores": "0-13", "expertDtype": "int8"},
-        "metrics": {"serviceMonitor": {"enabled": True, "labels": {"release": "kps"}}},
+        "metrics": {"serviceMonitor": {"enabled": True, "labels": {"release": "kps"}},
+                    "grafanaDashboard": {"enabled": True, "annotations": {"grafana_folder": "LLM"}}},
         "coordinator": {"replicas": 2, "maxModelLen": 8192, "kvCacheMemory": "8GiB", "kvCacheDtype": "bf16", "denseDtype": "int8", "microBatches": "2",
                         "dispatchDtype": "int8"},
         "model": {"servedModelName": ["a/b", "b"]},
@@ -401,11 +402,12 @@ def test_values_yaml_is_documented_line_by_line():
 @pytest.mark.parametrize(
     "values, message",
     [
-        ({"expertWorkers": {"resources": {"cpu": 7.5, "memory": "8Gi"}}}, "whole number"),
-        ({"expertWorkers": {"resources": {"cpu": "500m", "memory": "8Gi"}}}, "whole number"),
-        ({"model": {"source": "nfs"}}, "model.source must be"),
+        # (values.schema.json refuses these before the templates' own check runs)
+        ({"expertWorkers": {"resources": {"cpu": 7.5, "memory": "8Gi"}}}, "/expertWorkers/resources/cpu"),
+        ({"expertWorkers": {"resources": {"cpu": "500m", "memory": "8Gi"}}}, "/expertWorkers/resources/cpu"),
+        ({"model": {"source": "nfs"}}, "'/model/source': value must be one of"),
         ({"etcd": {"enabled": False}}, "etcd.external.endpoints"),
-        ({"etcd": {"replicas": 2}}, "etcd.replicas must be 1, 3 or 5"),
+        ({"etcd": {"replicas": 2}}, "'/etcd/replicas': value must be one of 1, 3, 5"),
         ({"tls": {"enabled": True}}, "tls.enabled needs certificates"),
         ({"tls": {"enabled": True, "existingSecrets": {"coordinator": "c"}}}, "tls.enabled needs certificates"),
         ({"tls": {"enabled": True, "existingSecrets": {"coordinator": "c", "client": "c"}}}, "tls.existingSecrets.expertWorker"),
@@ -419,8 +421,8 @@ def test_values_yaml_is_documented_line_by_line():
         ({"etcd": {"enabled": False, "external": {"endpoints": ["http://e:2379"], "tls": {"existingSecret": "ca"}}}},
          "use https://"),
         ({"model": {"source": "s3"}}, "model.s3.uri"),
-        ({"expertWorkers": {"antiAffinity": "always"}}, "antiAffinity must be"),
-        ({"scheduling": {"nodeAffinity": "sometimes"}}, "scheduling.nodeAffinity must be"),
+        ({"expertWorkers": {"antiAffinity": "always"}}, "'/expertWorkers/antiAffinity': value must be one of"),
+        ({"scheduling": {"nodeAffinity": "sometimes"}}, "'/scheduling/nodeAffinity': value must be one of"),
         ({"expertWorkers": {"terminationGracePeriodSeconds": 60}}, "must exceed expertWorkers.drainTimeoutSeconds"),
     ],
 )
@@ -506,7 +508,10 @@ def test_coordinator_flags_ports_and_draining(scenario):
     assert c["lifecycle"]["preStop"]["sleep"]["seconds"] > 0
     spec = dep["spec"]["template"]["spec"]
     assert spec["terminationGracePeriodSeconds"] > c["lifecycle"]["preStop"]["sleep"]["seconds"]
-    assert dep["spec"]["strategy"]["rollingUpdate"]["maxUnavailable"] == 0
+    strategy = dep["spec"]["strategy"]
+    assert strategy["type"] == values["coordinator"]["updateStrategy"]
+    if strategy["type"] == "RollingUpdate":
+        assert strategy["rollingUpdate"]["maxUnavailable"] == 0
     # Serving flags from values.
     f = flags(c)
     assert f.get("--served-model-name", []) == list(values["model"]["servedModelName"])
@@ -743,6 +748,7 @@ def test_scheduling_affinity(scenario):
             continue
         aff = find(objs, "StatefulSet", fullname(component))["spec"]["template"]["spec"].get("affinity", {})
         families = values[key]["instanceFamilies"] or s["instanceFamilies"]
+        sizes = values[key]["instanceSizes"] or s["instanceSizes"]
         if s["nodeAffinity"] == "none":
             assert "nodeAffinity" not in aff
         else:
@@ -757,7 +763,7 @@ def test_scheduling_affinity(scenario):
                 assert expr["key"] == s["instanceFamilyLabel"] and expr["values"] == families
             else:
                 assert expr["key"] == "node.kubernetes.io/instance-type"
-                assert expr["values"] == [f"{f}.{z}" for f in families for z in s["instanceSizes"]]
+                assert expr["values"] == [f"{f}.{z}" for f in families for z in sizes]
         anti = values[key]["antiAffinity"]
         labels = find(objs, "StatefulSet", fullname(component))["spec"]["template"]["metadata"]["labels"]
         if anti == "hard":
@@ -1412,6 +1418,174 @@ QWEN3_CONFIG = {
     "rms_norm_eps": 1e-6, "rope_theta": 1000000.0, "tie_word_embeddings": False, "hidden_act": "silu",
     "bos_token_id": 151643, "eos_token_id": 151645, "torch_dtype": "bfloat16",
 }
+
+
+_NODE_MODEL: list[dict | None] = []
+
+
+def node_model() -> dict | None:
+    """`epserve plan --node-model`: allocatable CPU / memory per instance type and the
+    DaemonSets' requests (one model for the planner and this test)."""
+    if not _NODE_MODEL:
+        binary = epserve_binary()
+        model = None
+        if binary is not None and "--node-model" in (help_flags(binary, "plan") or set()):
+            run = subprocess.run([str(binary), "plan", "--node-model"], capture_output=True, text=True, timeout=60)
+            assert run.returncode == 0, run.stderr
+            model = json.loads(run.stdout)
+        _NODE_MODEL.append(model)
+    return _NODE_MODEL[0]
+
+
+def cpu_millis(q) -> int:
+    q = str(q)
+    return int(q[:-1]) if q.endswith("m") else int(float(q) * 1000)
+
+
+def memory_mib(q) -> float:
+    q = str(q)
+    units = {"Ki": 1 / 1024, "Mi": 1, "Gi": 1024, "Ti": 1024 * 1024, "k": 1e3 / 2**20, "M": 1e6 / 2**20, "G": 1e9 / 2**20}
+    for u, f in units.items():
+        if q.endswith(u):
+            return float(q[: -len(u)]) * f
+    return float(q) / 2**20
+
+
+def pod_requests(workload) -> tuple[int, float]:
+    """What the scheduler counts for one pod: the larger of the containers' sum and
+    the largest init container (Kubernetes' effective request)."""
+    def req(c):
+        r = c.get("resources", {})
+        got = r.get("requests") or r.get("limits") or {}
+        return cpu_millis(got.get("cpu", 0)), memory_mib(got.get("memory", 0))
+    main = [req(c) for c in containers(workload)]
+    init = [req(c) for c in containers(workload, init=True) if c not in containers(workload)]
+    cpu = max([sum(c for c, _ in main)] + [c for c, _ in init])
+    mem = max([sum(m for _, m in main)] + [m for _, m in init])
+    return cpu, mem
+
+
+def offered_instance_types(workload) -> list[str]:
+    """The node.kubernetes.io/instance-type values a workload's required node affinity
+    allows (empty: no instance-type constraint)."""
+    na = workload["spec"]["template"]["spec"].get("affinity", {}).get("nodeAffinity", {})
+    req = na.get("requiredDuringSchedulingIgnoredDuringExecution", {})
+    types = []
+    for term in req.get("nodeSelectorTerms", []):
+        for expr in term.get("matchExpressions", []):
+            if expr["key"] == "node.kubernetes.io/instance-type":
+                types += expr["values"]
+    return types
+
+
+def test_pods_fit_the_allocatable_of_every_offered_instance_type(scenario):
+    name, values, objs = scenario
+    model = node_model()
+    if model is None:
+        pytest.skip("no epserve binary with `plan --node-model` built")
+    nodes = {i["name"]: i for i in model["instances"]}
+    ds_cpu = model["assumptions"]["daemonset_cpu_millis"]
+    ds_mem = model["assumptions"]["daemonset_memory_mib"]
+    for w in workloads(objs):
+        cpu, mem = pod_requests(w)
+        known = [t for t in offered_instance_types(w) if t in nodes]
+        for t in known:
+            n = nodes[t]
+            room_cpu = n["allocatable_cpu_millis"] - ds_cpu
+            room_mem = n["allocatable_memory_mib"] - ds_mem
+            assert cpu <= room_cpu and mem <= room_mem, (
+                f"{name}: {w['metadata']['name']} requests {cpu}m CPU / {mem:.0f} MiB but a {t} node leaves "
+                f"{room_cpu}m / {room_mem:.0f} MiB next to the DaemonSets (epserve plan --node-model)")
+
+
+def test_etcd_and_the_coordinator_can_use_their_own_nodes():
+    values = deep_merge(load_values(CHART / "values.yaml"), {
+        "etcd": {"nodeSelector": {"eks.amazonaws.com/nodegroup": "system"}},
+        "coordinator": {"instanceFamilies": ["r8g"], "instanceSizes": ["24xlarge"], "resources": {"cpu": 90, "memory": "700Gi"}},
+        "expertWorkers": {"instanceSizes": ["16xlarge"]},
+    })
+    objs = render(values)
+    etcd = find(objs, "StatefulSet", fullname("etcd"))
+    spec = etcd["spec"]["template"]["spec"]
+    # etcd: by default no instance-type constraint, only the architecture and its own selector.
+    assert offered_instance_types(etcd) == []
+    assert spec["nodeSelector"] == {"kubernetes.io/arch": "arm64", "eks.amazonaws.com/nodegroup": "system"}
+    assert offered_instance_types(find(objs, "Deployment", fullname("coordinator"))) == ["r8g.24xlarge"]
+    assert offered_instance_types(find(objs, "StatefulSet", fullname("expert-worker"))) == [
+        f"{f}.16xlarge" for f in values["scheduling"]["instanceFamilies"]]
+    pinned = deep_merge(load_values(CHART / "values.yaml"), {"etcd": {"instanceFamilies": ["m7g"], "instanceSizes": ["large"]}})
+    assert offered_instance_types(find(render(pinned), "StatefulSet", fullname("etcd"))) == ["m7g.large"]
+
+
+def rust_metric_names() -> set[str]:
+    names = set()
+    for path in REPO.glob("*/src/**/*.rs"):
+        names |= set(re.findall(r'"(epserve_[a-z0-9_]+)"', path.read_text()))
+    return names
+
+
+def test_grafana_dashboard():
+    values = deep_merge(load_values(CHART / "values.yaml"), {"metrics": {"grafanaDashboard": {"enabled": True}}})
+    objs = render(values)
+    (cm,) = [o for o in by_kind(objs, "ConfigMap") if o["metadata"]["name"] == fullname("dashboard")]
+    assert cm["metadata"]["labels"]["grafana_dashboard"] == "1"
+    dash = json.loads(cm["data"]["epserve.json"])
+    assert dash["uid"] and dash["title"] == "epserve"
+    exprs = [t["expr"] for p in dash["panels"] for t in p.get("targets", [])]
+    known = rust_metric_names()
+    used = set()
+    for e in exprs:
+        for m in re.findall(r"\b(epserve_[a-z0-9_]+)", e):
+            base = re.sub(r"_(bucket|sum|count)$", "", m)
+            assert base in known, f"dashboard query uses {m}, which no epserve code exports: {e}"
+            used.add(base)
+    # What the dashboard must show (issue: throughput, TTFT/TPOT, per-worker dispatch
+    # latency, expert load heat map, balancedness).
+    for must in ("epserve_generation_tokens_total", "epserve_time_to_first_token_seconds",
+                 "epserve_time_per_output_token_seconds", "epserve_expert_worker_compute_seconds",
+                 "epserve_dispatch_seconds", "epserve_eplb_expert_tokens", "epserve_eplb_balancedness"):
+        assert must in used, must
+    ids = [p["id"] for p in dash["panels"]]
+    assert len(ids) == len(set(ids))
+    assert not [o for o in by_kind(render(load_values(CHART / "values.yaml")), "ConfigMap")
+                if o["metadata"]["name"] == fullname("dashboard")], "the dashboard is opt-in"
+
+
+def test_values_schema_is_current():
+    import values_schema
+    assert (CHART / "values.schema.json").read_text() == values_schema.build(), \
+        "values.schema.json is stale: run python deploy/tests/values_schema.py"
+
+
+@pytest.mark.parametrize(
+    "values, message",
+    [
+        ({"coordinator": {"replica": 2}}, "replica"),
+        ({"expertWorkers": {"resources": {"cpu": "14"}}}, "cpu"),
+        ({"expertWorkers": {"resources": {"cpu": 2.5}}}, "cpu"),
+        ({"coordinator": {"kvCacheDtype": "fp8"}}, "kvCacheDtype"),
+        ({"model": {"source": "http"}}, "source"),
+        ({"etcd": {"persistance": {"enabled": False}}}, "persistance"),
+    ],
+)
+def test_values_schema_rejects_typos(values, message):
+    with pytest.raises(helm.HelmError) as e:
+        render(values)
+    assert "schema" in str(e.value) and message in str(e.value), str(e.value)
+
+
+def test_update_strategies_fit_whole_node_pods():
+    objs = render(load_values(CHART / "values.yaml"))
+    assert find(objs, "Deployment", fullname("coordinator"))["spec"]["strategy"] == {"type": "Recreate"}
+    for component in ("expert-worker", "attention-worker"):
+        values = deep_merge(load_values(CHART / "values.yaml"), {"attentionWorkers": {"replicas": 2}})
+        sts = find(render(values), "StatefulSet", fullname(component))
+        # One pod at a time, each after the previous one is Ready (experts loaded) for minReadySeconds.
+        assert sts["spec"]["updateStrategy"] == {"type": "RollingUpdate"}
+        assert sts["spec"]["minReadySeconds"] >= 1
+    rolling = deep_merge(load_values(CHART / "values.yaml"), {"coordinator": {"updateStrategy": "RollingUpdate"}})
+    strategy = find(render(rolling), "Deployment", fullname("coordinator"))["spec"]["strategy"]
+    assert strategy == {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}}
 
 
 @pytest.mark.parametrize("target, dtype", [(100, "bf16"), (500, "bf16"), (900, "int8")])

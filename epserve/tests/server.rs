@@ -38,7 +38,7 @@ async fn sse(url: &str, body: &str) -> Vec<String> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn endpoints_and_golden_tokens() {
-    let s = Server::start("qwen3_moe_a", &[]);
+    let s = Server::start("qwen3_moe_a", &["--expert-load-metrics"]);
     let (st, body) = get(&s.url("/health")).await;
     assert_eq!(st, 200, "{body}");
     let (st, body) = get(&s.url("/v1/models")).await;

@@ -43,15 +43,15 @@ pub(crate) const GIB: f64 = 1024.0 * 1024.0 * 1024.0;
 #[derive(Debug, Clone, Args)]
 pub struct PlanArgs {
     /// Hugging Face model folder (only config.json is read).
-    #[arg(long, env = "EPSERVE_MODEL")]
-    pub model: PathBuf,
+    #[arg(long, env = "EPSERVE_MODEL", required_unless_present = "node_model")]
+    pub model: Option<PathBuf>,
     /// EC2 instance type of every node, e.g. c8g.16xlarge, r8g.24xlarge, c7g.16xlarge
     /// (families c7g m7g r7g c8g m8g r8g).
     #[arg(long, default_value = "c8g.16xlarge")]
     pub instance: String,
     /// Aggregate decode throughput to reach, in output tokens per second.
-    #[arg(long)]
-    pub target_output_tps: f64,
+    #[arg(long, required_unless_present = "node_model")]
+    pub target_output_tps: Option<f64>,
     /// How the expert-workers store expert weights (int8: W8A8, one f32 scale per output row).
     #[arg(long, value_enum, default_value_t = ExpertDtype::Bf16)]
     pub expert_dtype: ExpertDtype,
@@ -80,6 +80,12 @@ pub struct PlanArgs {
     /// Write a values file for the Helm chart (deploy/helm/epserve) to FILE.
     #[arg(long, value_name = "FILE")]
     pub helm_values: Option<PathBuf>,
+    /// Print the node model as JSON and exit: per instance type the allocatable
+    /// CPU and memory of an EKS node (deploy/README.md's kubelet settings) and
+    /// what one Guaranteed pod can request next to the DaemonSets (the chart's
+    /// test checks every pod against it).
+    #[arg(long, conflicts_with_all = ["model", "target_output_tps", "helm_values"])]
+    pub node_model: bool,
 }
 
 /// Storage of expert weights on the expert-workers.
@@ -158,8 +164,18 @@ impl KvDtype {
 
 /// Reads the model's config and the instance, plans, prints, writes values.
 pub fn run(args: &PlanArgs) -> Result<()> {
-    let cfg = ModelConfig::from_dir(&args.model)?;
-    let raw = read_raw(&args.model)?;
+    if args.node_model {
+        println!(
+            "{}",
+            serde_json::to_string_pretty(&hardware::node_model_json())?
+        );
+        return Ok(());
+    }
+    let (Some(model), Some(target_output_tps)) = (&args.model, args.target_output_tps) else {
+        bail!("--model and --target-output-tps are required (or --node-model)");
+    };
+    let cfg = ModelConfig::from_dir(model)?;
+    let raw = read_raw(model)?;
     let shape = ModelShape::from_config(&cfg, &raw);
     let inst = Instance::lookup(&args.instance)?;
     if !(args.mem_bw_efficiency > 0.0 && args.mem_bw_efficiency <= 1.0) {
@@ -183,10 +199,10 @@ pub fn run(args: &PlanArgs) -> Result<()> {
         wire_dtype: args.dispatch_dtype,
     };
     let batch = args.batch as u64;
-    let plan = make_plan(&shape, &inst, &a, args.target_output_tps, batch)?;
+    let plan = make_plan(&shape, &inst, &a, target_output_tps, batch)?;
     print!(
         "{}",
-        render_report(&shape, &inst, &a, &plan, args.target_output_tps, batch)
+        render_report(&shape, &inst, &a, &plan, target_output_tps, batch)
     );
     if let Some(path) = &args.helm_values {
         let text = helm_values(&shape, &inst, &a, &plan, args);

@@ -95,10 +95,6 @@ pub struct EplbArgs {
     /// Forward steps in the expert-load window (load, balancedness, rebalance plans).
     #[arg(long, default_value_t = 1000)]
     pub eplb_window: usize,
-    /// Export per-expert and per-replica load gauges (epserve_eplb_expert_tokens,
-    /// epserve_eplb_replica_tokens; layers x experts series).
-    #[arg(long)]
-    pub expert_load_metrics: bool,
     /// Rebalance automatically every STEPS forward steps (0 = off).
     #[arg(long, default_value_t = 0, value_name = "STEPS")]
     pub eplb_interval: u64,
@@ -230,7 +226,7 @@ pub fn run(args: &CoordinatorArgs, status: Status) -> Result<()> {
                 dtype,
                 Duration::from_millis(args.dispatch_timeout_ms),
                 args.eplb.eplb_window,
-                args.eplb.expert_load_metrics,
+                args.serve.expert_load_metrics,
             )
             .with_on_expert_loss(args.on_expert_loss)
             .with_tls(tls.clone()),

@@ -55,6 +55,8 @@ pub struct SchedulerConfig {
     /// Automatic prefix caching (`--no-enable-prefix-caching` turns it off;
     /// off by itself when attention runs on attention-workers).
     pub enable_prefix_caching: bool,
+    /// Per-expert token counters (`--expert-load-metrics`; layers x experts series).
+    pub expert_load_metrics: bool,
 }
 
 /// Counters the scheduler thread keeps, readable from any thread.
@@ -460,13 +462,18 @@ impl Scheduler {
         span.record("seqs", n_seqs);
         span.record("tokens", n_tokens);
         let micro_batches = self.policy.choose(n_seqs, n_tokens);
+        let trace_router = self.config.expert_load_metrics;
         let started = Instant::now();
         // A panic in the model (a bug) fails this step's requests, not the server.
         let pool = &mut self.pool;
         let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-            engine
-                .model
-                .forward_micro(&mut inputs, pool, LogitsMode::Last, true, micro_batches)
+            engine.model.forward_micro(
+                &mut inputs,
+                pool,
+                LogitsMode::Last,
+                trace_router,
+                micro_batches,
+            )
         }))
         .unwrap_or_else(|p| {
             let msg = p
@@ -649,6 +656,7 @@ mod tests {
                 kv_dtype: Default::default(),
                 micro_batches: MicroBatches::Fixed(1),
                 enable_prefix_caching: true,
+                expert_load_metrics: false,
             },
         )
         .expect("scheduler");
@@ -799,6 +807,7 @@ mod tests {
                 kv_dtype: Default::default(),
                 micro_batches: MicroBatches::Fixed(1),
                 enable_prefix_caching: cache,
+                expert_load_metrics: true,
             },
         )
         .expect("scheduler")

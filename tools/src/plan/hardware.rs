@@ -6,9 +6,26 @@ use anyhow::{Result, bail};
 
 use super::GIB;
 
-/// Share of an instance's memory a pod may ask for: the rest is the kubelet's,
-/// the OS's and the eviction threshold's (EKS reserves ~1-3 GiB on large nodes).
-const POD_MEMORY_FRACTION: f64 = 0.9;
+/// Share of an instance's nominal memory the kernel reports as `MemTotal`
+/// (the node's capacity in Kubernetes): firmware, the kernel image and its
+/// reservations take the rest (assumption: ~3% on Graviton AL2023 nodes).
+const NODE_CAPACITY_FRACTION: f64 = 0.97;
+/// The kubelet's `reservedSystemCPUs` in deploy/README.md's node configuration
+/// ("0-1"): with the static CPU manager these whole cores replace kube-reserved
+/// and system-reserved CPU, and are never handed to a Guaranteed pod.
+pub const RESERVED_SYSTEM_CPUS: u32 = 2;
+/// EKS AL2023's kube-reserved memory: 255 MiB + 11 MiB per pod the node may
+/// run (nodeadm, from the VPC CNI's max-pods).
+const KUBE_RESERVED_MIB_BASE: f64 = 255.0;
+const KUBE_RESERVED_MIB_PER_POD: f64 = 11.0;
+/// The kubelet's default hard eviction threshold (`memory.available<100Mi`).
+const EVICTION_HARD_MIB: f64 = 100.0;
+/// What the DaemonSets an EKS node runs request, summed: kube-proxy (100m),
+/// aws-node (25m), ebs-csi-node (3 × 10m, 3 × 40Mi), eks-pod-identity-agent
+/// (25m) — 180m and 120Mi — rounded up for one more agent (a log shipper or
+/// the CloudWatch agent): 250m CPU and 256 MiB.
+pub const DAEMONSET_CPU_MILLIS: u32 = 250;
+pub const DAEMONSET_MEMORY_MIB: u32 = 256;
 /// Memory of a pod not available to weights / KV: runtime, activations,
 /// gRPC buffers, page tables.
 const POD_OVERHEAD_BYTES: f64 = 4.0 * GIB;
@@ -151,23 +168,95 @@ impl Instance {
             / f64::from(self.generation.cores_per_socket)
     }
 
-    /// vCPUs a Guaranteed pod can request on a node of this type: the kubelet,
-    /// system daemons and DaemonSets keep 1 (small nodes) or 2 vCPUs.
-    pub fn pod_cpus(&self) -> u32 {
-        if self.vcpus >= 16 {
-            self.vcpus - 2
-        } else {
-            self.vcpus.saturating_sub(1).max(1)
-        }
+    /// CPU sockets (NUMA nodes): the 48xlarge and metal-48xl Graviton4 sizes
+    /// span two.
+    pub fn sockets(&self) -> u32 {
+        self.vcpus.div_ceil(self.generation.cores_per_socket).max(1)
     }
 
-    /// GiB of memory a pod can request on a node of this type (whole GiB).
+    /// Pods the node may run: the VPC CNI's max-pods, `ENIs × (IPv4 per ENI − 1) + 2`,
+    /// from the EC2 network limits of Graviton sizes (4xlarge to 12xlarge: 8 ENIs
+    /// of 30 addresses; 16xlarge and larger: 15 of 50).
+    pub fn max_pods(&self) -> u32 {
+        let (enis, ips) = match self.vcpus {
+            0..=1 => (2, 4),
+            2 => (3, 10),
+            3..=8 => (4, 15),
+            9..=48 => (8, 30),
+            _ => (15, 50),
+        };
+        enis * (ips - 1) + 2
+    }
+
+    /// The node's allocatable CPU in millicores: capacity less the
+    /// `reservedSystemCPUs` of deploy/README.md's kubelet configuration.
+    pub fn allocatable_cpu_millis(&self) -> u32 {
+        self.vcpus
+            .saturating_sub(RESERVED_SYSTEM_CPUS.min(self.vcpus / 2))
+            * 1000
+    }
+
+    /// The node's allocatable memory in MiB: `MemTotal` less EKS's
+    /// kube-reserved memory and the eviction threshold.
+    pub fn allocatable_memory_mib(&self) -> f64 {
+        let capacity = self.mem_gib * 1024.0 * NODE_CAPACITY_FRACTION;
+        let kube = KUBE_RESERVED_MIB_BASE + KUBE_RESERVED_MIB_PER_POD * f64::from(self.max_pods());
+        (capacity - kube - EVICTION_HARD_MIB).max(0.0)
+    }
+
+    /// vCPUs a Guaranteed pod (integer CPUs) can request on a node of this
+    /// type next to the DaemonSets: what allocatable leaves after their
+    /// requests, rounded down to whole CPUs.
+    pub fn pod_cpus(&self) -> u32 {
+        (self
+            .allocatable_cpu_millis()
+            .saturating_sub(DAEMONSET_CPU_MILLIS)
+            / 1000)
+            .max(1)
+    }
+
+    /// GiB of memory a pod can request on a node of this type next to the
+    /// DaemonSets (whole GiB).
     pub fn pod_memory_gib(&self) -> u64 {
-        (self.mem_gib * POD_MEMORY_FRACTION).floor() as u64
+        ((self.allocatable_memory_mib() - f64::from(DAEMONSET_MEMORY_MIB)).max(0.0) / 1024.0)
+            .floor() as u64
     }
 
     /// Bytes of a pod on this node available to weights and KV cache.
     pub fn pod_budget_bytes(&self) -> f64 {
         (self.pod_memory_gib() as f64 * GIB - POD_OVERHEAD_BYTES).max(0.0)
     }
+}
+
+/// The node model every pod size of `epserve plan` and the Helm chart's test
+/// rest on, as JSON (`epserve plan --node-model`): per instance type its
+/// capacity, allocatable and what one Guaranteed pod can request next to the
+/// DaemonSets.
+pub fn node_model_json() -> serde_json::Value {
+    let instances: Vec<serde_json::Value> = Instance::all()
+        .iter()
+        .map(|i| {
+            serde_json::json!({
+                "name": i.name,
+                "vcpus": i.vcpus,
+                "memory_gib": i.mem_gib,
+                "max_pods": i.max_pods(),
+                "allocatable_cpu_millis": i.allocatable_cpu_millis(),
+                "allocatable_memory_mib": i.allocatable_memory_mib().floor(),
+                "pod_cpus": i.pod_cpus(),
+                "pod_memory_gib": i.pod_memory_gib(),
+            })
+        })
+        .collect();
+    serde_json::json!({
+        "assumptions": {
+            "reserved_system_cpus": RESERVED_SYSTEM_CPUS,
+            "memtotal_fraction": NODE_CAPACITY_FRACTION,
+            "kube_reserved_memory_mib": format!("{KUBE_RESERVED_MIB_BASE} + {KUBE_RESERVED_MIB_PER_POD} x max_pods"),
+            "eviction_hard_mib": EVICTION_HARD_MIB,
+            "daemonset_cpu_millis": DAEMONSET_CPU_MILLIS,
+            "daemonset_memory_mib": DAEMONSET_MEMORY_MIB,
+        },
+        "instances": instances,
+    })
 }

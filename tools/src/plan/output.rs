@@ -83,6 +83,16 @@ pub fn render_report(
         inst.pod_cpus(),
         inst.pod_memory_gib()
     );
+    if inst.sockets() > 1 {
+        let _ = writeln!(
+            s,
+            "NUMA        {} sockets per node: one expert-worker pod per socket ({} CPUs, {} GiB each; kubelet topologyManagerPolicy restricted keeps each on its NUMA node), {} pods per node",
+            inst.sockets(),
+            inst.pod_cpus() / inst.sockets(),
+            inst.pod_memory_gib() / u64::from(inst.sockets()),
+            inst.sockets()
+        );
+    }
     let _ = writeln!(s);
     let l = plan.layout;
     let _ = writeln!(
@@ -199,8 +209,11 @@ pub fn helm_values(
     let cpus = inst.pod_cpus();
     let mem = inst.pod_memory_gib();
     let kv_gib = (plan.kv_pool_bytes / GIB).ceil().max(1.0) as u64;
-    let folder = args
+    let model = args
         .model
+        .as_deref()
+        .unwrap_or(std::path::Path::new("model"));
+    let folder = model
         .file_name()
         .map(|f| f.to_string_lossy().into_owned())
         .unwrap_or_else(|| "model".into());
@@ -210,9 +223,9 @@ pub fn helm_values(
     let _ = writeln!(
         s,
         "#   epserve plan --model {} --instance {} --target-output-tps {}",
-        args.model.display(),
+        model.display(),
         inst.name,
-        args.target_output_tps
+        args.target_output_tps.unwrap_or(0.0)
     );
     let _ = writeln!(
         s,
@@ -289,24 +302,52 @@ pub fn helm_values(
     let _ = writeln!(s, "    cpu: {cpus}");
     let _ = writeln!(s, "    memory: {mem}Gi");
     let _ = writeln!(s, "expertWorkers:");
-    let _ = writeln!(s, "  # -- Expert-workers, one per node.");
-    let _ = writeln!(s, "  replicas: {}", l.expert_workers);
-    let _ = writeln!(
-        s,
-        "  # -- One worker per node: each streams its experts from its own memory."
-    );
-    let _ = writeln!(s, "  antiAffinity: hard");
+    let sockets = u64::from(inst.sockets());
+    if sockets > 1 {
+        // One worker pod per socket: with the static CPU manager and
+        // topologyManagerPolicy restricted, a pod of one socket's CPUs gets
+        // them (and its memory) from one NUMA node.
+        let _ = writeln!(
+            s,
+            "  # -- {} nodes x {sockets} sockets: one expert-worker pod per socket (NUMA node).",
+            l.expert_workers
+        );
+        let _ = writeln!(s, "  replicas: {}", l.expert_workers * sockets);
+        let _ = writeln!(
+            s,
+            "  # -- {sockets} per node (one per socket), so no hard anti-affinity."
+        );
+        let _ = writeln!(s, "  antiAffinity: soft");
+    } else {
+        let _ = writeln!(s, "  # -- Expert-workers, one per node.");
+        let _ = writeln!(s, "  replicas: {}", l.expert_workers);
+        let _ = writeln!(
+            s,
+            "  # -- One worker per node: each streams its experts from its own memory."
+        );
+        let _ = writeln!(s, "  antiAffinity: hard");
+    }
     if a.expert_dtype == super::ExpertDtype::Int8 {
         let _ = writeln!(s, "  # -- The plan assumed int8 (W8A8) experts.");
         let _ = writeln!(s, "  expertDtype: int8");
     }
-    let _ = writeln!(
-        s,
-        "  # -- The whole node but what the kubelet keeps (Guaranteed QoS, exclusive cores)."
-    );
-    let _ = writeln!(s, "  resources:");
-    let _ = writeln!(s, "    cpu: {cpus}");
-    let _ = writeln!(s, "    memory: {mem}Gi");
+    if sockets > 1 {
+        let _ = writeln!(
+            s,
+            "  # -- One socket of the node but what the kubelet and the DaemonSets keep."
+        );
+        let _ = writeln!(s, "  resources:");
+        let _ = writeln!(s, "    cpu: {}", u64::from(cpus) / sockets);
+        let _ = writeln!(s, "    memory: {}Gi", mem / sockets);
+    } else {
+        let _ = writeln!(
+            s,
+            "  # -- The whole node but what the kubelet and the DaemonSets keep (Guaranteed QoS, exclusive cores)."
+        );
+        let _ = writeln!(s, "  resources:");
+        let _ = writeln!(s, "    cpu: {cpus}");
+        let _ = writeln!(s, "    memory: {mem}Gi");
+    }
     let _ = writeln!(s, "attentionWorkers:");
     let _ = writeln!(
         s,

@@ -155,7 +155,15 @@ fn instance_table() {
     assert_eq!((c8g.vcpus, c8g.mem_gib, c8g.net_gbps), (64, 128.0, 30.0));
     // 64 of Graviton4's 96 cores: 64/96 of 12 × DDR5-5600 × 8 B = 358.4 GB/s.
     close(c8g.peak_bandwidth(), 358.4e9, 1e-12);
-    assert_eq!((c8g.pod_cpus(), c8g.pod_memory_gib()), (62, 115));
+    // 64 vCPU less reservedSystemCPUs 0-1 less the DaemonSets' 250m, in whole
+    // CPUs; 128 GiB × 0.97 less 255 + 11 × 737 MiB kube-reserved, 100 MiB
+    // eviction and the DaemonSets' 256 MiB.
+    assert_eq!(c8g.max_pods(), 737);
+    assert_eq!(c8g.allocatable_cpu_millis(), 62_000);
+    assert_eq!((c8g.pod_cpus(), c8g.pod_memory_gib()), (61, 115));
+    let c7g4 = Instance::lookup("c7g.4xlarge").expect("known");
+    assert_eq!(c7g4.max_pods(), 234);
+    assert_eq!((c7g4.pod_cpus(), c7g4.pod_memory_gib()), (13, 27));
     let c7g = Instance::lookup("c7g.16xlarge").expect("known");
     close(c7g.peak_bandwidth(), 307.2e9, 1e-12);
     let r8g = Instance::lookup("r8g.48xlarge").expect("known");
@@ -313,9 +321,9 @@ fn helm_values_carry_the_layout() {
     let a = assumptions(ExpertDtype::Bf16, KvDtype::F32);
     let plan = make_plan(&m, &inst, &a, 500.0, 64).expect("plans");
     let args = PlanArgs {
-        model: PathBuf::from("/models/Qwen3-30B-A3B"),
+        model: Some(PathBuf::from("/models/Qwen3-30B-A3B")),
         instance: "c8g.16xlarge".into(),
-        target_output_tps: 500.0,
+        target_output_tps: Some(500.0),
         expert_dtype: ExpertDtype::Bf16,
         kv_dtype: KvDtype::F32,
         batch: 64,
@@ -324,6 +332,7 @@ fn helm_values_carry_the_layout() {
         mem_bw_efficiency: 0.8,
         dispatch_dtype: WireDtype::Bf16,
         helm_values: None,
+        node_model: false,
     };
     let v = helm_values(&m, &inst, &a, &plan, &args);
     assert!(v.contains("  path: \"Qwen3-30B-A3B\"\n"), "{v}");
@@ -336,5 +345,45 @@ fn helm_values_carry_the_layout() {
         )),
         "{v}"
     );
-    assert!(v.contains("    cpu: 62\n    memory: 115Gi\n"), "{v}");
+    assert!(v.contains("    cpu: 61\n    memory: 115Gi\n"), "{v}");
+}
+
+#[test]
+fn two_socket_nodes_get_one_expert_worker_per_socket() {
+    let m = shape_of(QWEN3_30B_A3B);
+    let inst = Instance::lookup("c8g.48xlarge").expect("known");
+    assert_eq!(inst.sockets(), 2);
+    assert_eq!(
+        Instance::lookup("c8g.24xlarge").expect("known").sockets(),
+        1
+    );
+    let a = assumptions(ExpertDtype::Bf16, KvDtype::F32);
+    let plan = make_plan(&m, &inst, &a, 500.0, 64).expect("plan");
+    let args = PlanArgs {
+        model: Some(PathBuf::from("/models/Qwen3-30B-A3B")),
+        instance: "c8g.48xlarge".into(),
+        target_output_tps: Some(500.0),
+        expert_dtype: ExpertDtype::Bf16,
+        kv_dtype: KvDtype::F32,
+        batch: 64,
+        context_len: 1024,
+        rtt_us: 100.0,
+        mem_bw_efficiency: 0.8,
+        dispatch_dtype: WireDtype::Bf16,
+        helm_values: None,
+        node_model: false,
+    };
+    let v = helm_values(&m, &inst, &a, &plan, &args);
+    let per_socket = inst.pod_cpus() / 2;
+    assert!(
+        v.contains(&format!("  replicas: {}\n", plan.layout.expert_workers * 2)),
+        "{v}"
+    );
+    assert!(v.contains(&format!("    cpu: {per_socket}\n")), "{v}");
+    assert!(v.contains("  antiAffinity: soft\n"), "{v}");
+    let report = render_report(&m, &inst, &a, &plan, 500.0, 64);
+    assert!(
+        report.contains("NUMA        2 sockets per node"),
+        "{report}"
+    );
 }

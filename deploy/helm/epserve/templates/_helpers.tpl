@@ -258,12 +258,16 @@ limits:
 {{/*
 Node affinity (arch via nodeSelector elsewhere; instance families here), zone affinity
 towards the coordinator, and anti-affinity between pods of the same component.
-include with (dict "ctx" $ "component" "expert-worker" "families" list "antiAffinity" "soft")
+include with (dict "ctx" $ "component" "expert-worker" "families" list "sizes" list "antiAffinity" "soft")
+Empty families / sizes fall back to scheduling.instanceFamilies / instanceSizes, except
+that with "own" true (etcd) empty families mean no instance-type constraint at all (any
+node of the architecture, e.g. a small system node group).
 */}}
 {{- define "epserve.affinity" -}}
 {{- $ctx := .ctx }}
 {{- $s := $ctx.Values.scheduling }}
-{{- $families := .families | default $s.instanceFamilies }}
+{{- $families := .families | default (ternary list $s.instanceFamilies (.own | default false)) }}
+{{- $sizes := .sizes | default $s.instanceSizes }}
 {{- $terms := list }}
 {{- if and $families (ne $s.nodeAffinity "none") }}
 {{- if $s.instanceFamilyLabel }}
@@ -271,7 +275,7 @@ include with (dict "ctx" $ "component" "expert-worker" "families" list "antiAffi
 {{- else }}
 {{- $types := list }}
 {{- range $f := $families }}
-{{- range $z := $s.instanceSizes }}
+{{- range $z := $sizes }}
 {{- $types = append $types (printf "%s.%s" $f $z) }}
 {{- end }}
 {{- end }}
