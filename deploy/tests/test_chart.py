@@ -495,7 +495,7 @@ def test_coordinator_flags_ports_and_draining(scenario):
     assert one(c, "--host") == "0.0.0.0"
     assert one(c, "--cluster") == (values.get("clusterName") or RELEASE)
     # The coordinator waits for every expert-worker before the first placement.
-    assert int(one(c, "--expert-workers")) == values["expertWorkers"]["replicas"]
+    assert int(one(c, "--min-expert-workers")) == values["coordinator"]["minExpertWorkers"]
     # The API and admin Services are separate and target the right ports.
     api = find(objs, "Service", fullname("coordinator"))
     admin = find(objs, "Service", fullname("coordinator") + "-admin")
@@ -1572,6 +1572,13 @@ def test_values_schema_rejects_typos(values, message):
     with pytest.raises(helm.HelmError) as e:
         render(values)
     assert "schema" in str(e.value) and message in str(e.value), str(e.value)
+
+
+def test_scaling_workers_does_not_restart_the_coordinator():
+    base = load_values(CHART / "values.yaml")
+    before = find(render(base), "Deployment", fullname("coordinator"))
+    after = find(render(deep_merge(base, {"expertWorkers": {"replicas": 7}})), "Deployment", fullname("coordinator"))
+    assert before["spec"]["template"] == after["spec"]["template"]
 
 
 def test_update_strategies_fit_whole_node_pods():

@@ -12,6 +12,8 @@
 //! - E: the coordinator killed (kill -9); `up` starts it again with the same
 //!   arguments (same ports).
 //! - F: etcd killed (kill -9); `up` starts it again (same data dir, ports).
+//! - G: scale-out and scale-in (issue 20): 2 expert-workers, a third one
+//!   started under load gets experts, then SIGTERM drains it away again.
 //!
 //! Each test first records the greedy tokens (temperature 0, `ignore_eos`)
 //! of a fixed prompt set on the undisturbed cluster, one request at a time;
@@ -462,9 +464,14 @@ fn log_path(scenario: &str) -> std::path::PathBuf {
 /// `EPSERVE_CHAOS_ECHO=1`, which also copies `up`'s stdout to stderr) and
 /// records the undisturbed run.
 async fn setup(scenario: &str) -> Ctx {
+    setup_with(scenario, WORKERS).await
+}
+
+/// [`setup`] with `n` expert-workers.
+async fn setup_with(scenario: &str, n: usize) -> Ctx {
     let model = fixture_dir(FIXTURE).join("f32");
     let model = model.to_str().expect("utf-8 fixture path");
-    let workers = WORKERS.to_string();
+    let workers = n.to_string();
     let args: Vec<String> = [
         "--model",
         model,
@@ -514,7 +521,7 @@ async fn setup(scenario: &str) -> Ctx {
     let state = ClusterState::new(Arc::new(store), &cluster);
     let mut workers = state.workers("expert").await.expect("workers");
     workers.sort_by(|a, b| a.id.cmp(&b.id));
-    assert_eq!(workers.len(), WORKERS, "{workers:?}");
+    assert_eq!(workers.len(), n, "{workers:?}");
     let prompts = Arc::new(prompts());
     let baseline = baseline(&up.url, &prompts).await;
     Ctx {
@@ -900,6 +907,124 @@ fn c_etcd_unreachable_for_10_s() {
                 "not every worker registered {:.0} s after etcd returned",
                 settle.as_secs_f64()
             ),
+        );
+        rep.finish(&ctx.up);
+    });
+}
+
+/// A free loopback port (bound, then released).
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .map(|a| a.port())
+        .expect("a free port")
+}
+
+/// `args` of an expert-worker with its `--id` and `--listen` replaced.
+fn as_new_worker(args: &[String], id: &str, listen: &str) -> Vec<String> {
+    let mut out = args.to_vec();
+    for (flag, value) in [("--id", id), ("--listen", listen)] {
+        let i = out
+            .iter()
+            .position(|a| a == flag)
+            .unwrap_or_else(|| panic!("{flag} in {args:?}"));
+        out[i + 1] = value.to_string();
+    }
+    out
+}
+
+/// G: live scale-out and scale-in (issue 20): 2 expert-workers, a third one
+/// started under load (it registers holding nothing and gets experts moved
+/// to it), then SIGTERM to it (`kubectl scale` down: it drains its experts
+/// back to the two, then exits). 0 failed requests, tokens identical.
+#[test]
+fn g_scale_out_and_in_under_load() {
+    run(|| async {
+        let ctx = setup_with("G", 2).await;
+        let limit = Duration::from_secs(40);
+        let load = Load::start(
+            &ctx.up.url,
+            &ctx.prompts,
+            WARM + limit + limit + AFTER + AFTER,
+        );
+        tokio::time::sleep(WARM).await;
+        let id = "expert-new";
+        let args = as_new_worker(
+            &cmdline(ctx.workers[0].pid),
+            id,
+            &format!("127.0.0.1:{}", free_port()),
+        );
+        let fault = Instant::now();
+        let mut joined = Proc(
+            Command::new(env!("CARGO_BIN_EXE_epserve-it"))
+                .args(&args)
+                .stdout(Stdio::null())
+                .stderr(Stdio::null())
+                .spawn()
+                .expect("start a third worker"),
+        );
+        let new_pid = joined.0.id();
+        // Scale-out: it holds experts in every MoE layer of the placement in force.
+        let holds = |p: &Placement| {
+            p.workers.iter().position(|w| w == id).is_some_and(|i| {
+                p.layers
+                    .iter()
+                    .all(|l| l.experts.iter().any(|r| r.contains(&(i as u32))))
+            })
+        };
+        let out = poll_until!(limit, {
+            placement(&ctx.state).await.is_some_and(|p| holds(&p))
+        });
+        let three = placement(&ctx.state).await;
+        tokio::time::sleep(AFTER).await;
+        // Scale-in: SIGTERM, drain, exit.
+        signal(new_pid, libc::SIGTERM);
+        let term = Instant::now();
+        let exited = poll_until!(limit, matches!(joined.0.try_wait(), Ok(Some(_))));
+        let after_in = placement(&ctx.state).await;
+        tokio::time::sleep(AFTER).await;
+        let records = load.finish().await;
+        let mut rep = Report::new("G", records, &ctx.baseline, fault);
+        rep.note(format!("2 workers; {id} started under load"));
+        match out {
+            Some(t) => {
+                let s = format!("placed on it at {}", rep.at(t));
+                rep.note(s);
+            }
+            None => rep.note("not placed on within 40 s"),
+        }
+        if let Some(p) = &three {
+            rep.note(format!("experts per worker then: {:?}", p.counts()));
+        }
+        match exited {
+            Some(t) => {
+                let s = format!(
+                    "SIGTERM → drained and exited in {:.2} s",
+                    (t - term).as_secs_f64()
+                );
+                rep.note(s);
+            }
+            None => rep.note("still running 40 s after SIGTERM"),
+        }
+        let empty = after_in.as_ref().map(|p| {
+            !holds(p) && {
+                let i = p.workers.iter().position(|w| w == id);
+                i.is_none_or(|i| {
+                    p.layers
+                        .iter()
+                        .all(|l| l.experts.iter().all(|r| !r.contains(&(i as u32))))
+                })
+            }
+        });
+        rep.check_lossless();
+        rep.check(out.is_some(), "the new worker got no experts within 40 s");
+        rep.check(
+            exited.is_some(),
+            "the new worker did not exit within 40 s of SIGTERM",
+        );
+        rep.check(
+            empty == Some(true),
+            format!("after scale-in the placement still names {id}: {after_in:?}"),
         );
         rep.finish(&ctx.up);
     });

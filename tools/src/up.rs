@@ -882,7 +882,7 @@ pub fn run(args: &UpArgs) -> Result<()> {
         etcd.clone(),
         "--cluster".to_string(),
         cluster.clone(),
-        "--expert-workers".to_string(),
+        "--min-expert-workers".to_string(),
         args.expert_workers.to_string(),
         "--attention-workers".to_string(),
         args.attention_workers.to_string(),

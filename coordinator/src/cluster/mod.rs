@@ -43,8 +43,15 @@ pub struct CoordinatorArgs {
     /// Cluster name: keys live under `/epserve/<cluster>/`.
     #[arg(long, default_value = "default", env = "EPSERVE_CLUSTER")]
     pub cluster: String,
-    /// Expert-workers to wait for before writing the initial placement.
-    #[arg(long, default_value_t = 1)]
+    /// Expert-workers to wait for before writing the initial placement (a
+    /// minimum to start, not the worker set: workers that register later get
+    /// experts moved to them, and a worker that gets SIGTERM drains its
+    /// experts to the others first). `--expert-workers` is the old name.
+    #[arg(
+        long = "min-expert-workers",
+        alias = "expert-workers",
+        default_value_t = 1
+    )]
     pub expert_workers: usize,
     /// How long to wait for them, seconds.
     #[arg(long, default_value_t = 120)]

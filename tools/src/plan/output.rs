@@ -276,6 +276,15 @@ pub fn helm_values(
     );
     let _ = writeln!(s, "  instanceSizes: [{}]", yaml_str(inst.size));
     let _ = writeln!(s, "coordinator:");
+    let _ = writeln!(
+        s,
+        "  # -- Wait for every planned expert-worker before the first placement (their memory holds the experts)."
+    );
+    let _ = writeln!(
+        s,
+        "  minExpertWorkers: {}",
+        l.expert_workers * u64::from(inst.sockets())
+    );
     let _ = writeln!(s, "  # -- The operating batch of the plan.");
     let _ = writeln!(s, "  maxNumSeqs: {}", args.batch);
     let _ = writeln!(

@@ -61,7 +61,9 @@ server and its client identity) and the CA its peers must be signed by.
 - --host=0.0.0.0
 - --port={{ $c.port }}
 - --admin-port={{ $c.adminPort }}
-- --expert-workers={{ .Values.expertWorkers.replicas }}
+{{- /* A minimum to start, not the worker set: scaling expertWorkers.replicas must not
+change (and so restart) the coordinator; workers that register later get experts. */}}
+- --min-expert-workers={{ $c.minExpertWorkers }}
 {{- if gt (int .Values.attentionWorkers.replicas) 0 }}
 - --attention-workers={{ .Values.attentionWorkers.replicas }}
 {{- end }}
