@@ -68,6 +68,11 @@ pub struct PlanArgs {
     /// (same-AZ VPC with a small gRPC message; a cluster placement group gets lower).
     #[arg(long, default_value_t = 100.0)]
     pub rtt_us: f64,
+    /// Most one TCP flow carries, Gbps (the coordinator reaches each worker
+    /// over one HTTP/2 connection): EC2 caps a flow at 5 Gbps, 10 Gbps inside
+    /// a cluster placement group.
+    #[arg(long, default_value_t = 5.0)]
+    pub flow_gbps: f64,
     /// Activations on the coordinator-worker wire, as the coordinator's
     /// `--dispatch-dtype`: workers return one combined vector per token
     /// (bf16, or f32 with the f32 wire).
@@ -187,6 +192,9 @@ pub fn run(args: &PlanArgs) -> Result<()> {
     if !(args.rtt_us >= 0.0 && args.rtt_us.is_finite()) {
         bail!("--rtt-us must be zero or positive (got {})", args.rtt_us);
     }
+    if !(args.flow_gbps > 0.0 && args.flow_gbps.is_finite()) {
+        bail!("--flow-gbps must be positive (got {})", args.flow_gbps);
+    }
     if args.context_len == 0 {
         bail!("--context-len must be at least 1");
     }
@@ -195,6 +203,7 @@ pub fn run(args: &PlanArgs) -> Result<()> {
         kv_dtype: args.kv_dtype,
         context_len: args.context_len as u64,
         rtt_s: args.rtt_us * 1e-6,
+        flow_bps: args.flow_gbps * 1e9,
         mem_bw_efficiency: args.mem_bw_efficiency,
         wire_dtype: args.dispatch_dtype,
     };

@@ -187,10 +187,11 @@ pub fn render_report(
     let _ = writeln!(
         s,
         "assumptions: uniform routing, balanced placement, no overlap of stages, {:.0} us per round trip, \
-         {} activations on the wire (one combined vector per token back from each worker), \
-         bandwidth shared by vCPU share of the socket, {} GFLOP/s bf16 per vCPU sustained, context {} tokens.",
+         {} activations on the wire (one combined vector per token back from each worker), {:.0} Gbps per TCP flow \
+         (one per worker), bandwidth shared by vCPU share of the socket, {} GFLOP/s bf16 per vCPU sustained, context {} tokens.",
         a.rtt_s * 1e6,
         a.wire_dtype.name(),
+        a.flow_bps / 1e9,
         inst.generation.gflops_bf16_per_vcpu,
         a.context_len
     );

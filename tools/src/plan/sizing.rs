@@ -23,6 +23,10 @@ pub struct Assumptions {
     pub kv_dtype: KvDtype,
     pub context_len: u64,
     pub rtt_s: f64,
+    /// Most one TCP flow carries, bits/s: the coordinator talks to each
+    /// worker over one HTTP/2 connection, and EC2 caps a single flow (5 Gbps
+    /// outside a cluster placement group, 10 Gbps inside).
+    pub flow_bps: f64,
     pub mem_bw_efficiency: f64,
     pub wire_dtype: WireDtype,
 }
@@ -142,7 +146,12 @@ pub fn estimate(
         out += shard_bytes;
         back += shard_bytes / shards as f64;
     }
-    let network_s = out.max(back) / (inst.net_gbps * 1e9 / 8.0);
+    // The NIC carries every flow; each worker's own flow is capped too (a
+    // worker gets 1/w of the expert traffic, a shard 1/shards of its part).
+    let nic_s = out.max(back) / (inst.net_gbps * 1e9 / 8.0);
+    let flows = if shards > 0 { w.max(shards as f64) } else { w };
+    let flow_s = out.max(back) / flows / (a.flow_bps / 8.0);
+    let network_s = nic_s.max(flow_s);
     let round_trips = m.moe_layers + if shards > 0 { m.layers } else { 0 };
     let latency_s = round_trips as f64 * a.rtt_s;
 
