@@ -29,6 +29,7 @@ use epserve_core::config::ModelConfig;
 mod hardware;
 mod model;
 mod output;
+pub mod simulate;
 mod sizing;
 
 pub use hardware::{GRAVITON3, GRAVITON4, Generation, Instance};
@@ -50,7 +51,7 @@ pub struct PlanArgs {
     #[arg(long, default_value = "c8g.16xlarge")]
     pub instance: String,
     /// Aggregate decode throughput to reach, in output tokens per second.
-    #[arg(long, required_unless_present = "node_model")]
+    #[arg(long, required_unless_present_any = ["node_model", "simulate"])]
     pub target_output_tps: Option<f64>,
     /// How the expert-workers store expert weights (int8: W8A8, one f32 scale per output row).
     #[arg(long, value_enum, default_value_t = ExpertDtype::Bf16)]
@@ -91,6 +92,29 @@ pub struct PlanArgs {
     /// test checks every pod against it).
     #[arg(long, conflicts_with_all = ["model", "target_output_tps", "helm_values"])]
     pub node_model: bool,
+    /// Simulate decode steps of a given cluster instead of planning one:
+    /// skewed routing (--zipf), replicated hot experts (--redundant), the
+    /// slowest worker of each layer; prints TPOT and tokens/s by batch.
+    #[arg(long, requires = "nodes", conflicts_with_all = ["target_output_tps", "helm_values"])]
+    pub simulate: bool,
+    /// Nodes of the simulated cluster (coordinator + attention-workers + expert-workers).
+    #[arg(long)]
+    pub nodes: Option<u64>,
+    /// Attention-workers of the simulated cluster (0: attention in the coordinator).
+    #[arg(long, default_value_t = 0)]
+    pub attention_workers: u64,
+    /// Zipf exponent of expert popularity in each layer (0 = uniform routing).
+    #[arg(long, default_value_t = 1.0)]
+    pub zipf: f64,
+    /// Redundant expert slots per MoE layer in the simulated placement.
+    #[arg(long, default_value_t = 0)]
+    pub redundant: u64,
+    /// Simulated steps per batch size.
+    #[arg(long, default_value_t = 20)]
+    pub sim_steps: usize,
+    /// Seed of the simulated routing.
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
 }
 
 /// Storage of expert weights on the expert-workers.
@@ -176,8 +200,8 @@ pub fn run(args: &PlanArgs) -> Result<()> {
         );
         return Ok(());
     }
-    let (Some(model), Some(target_output_tps)) = (&args.model, args.target_output_tps) else {
-        bail!("--model and --target-output-tps are required (or --node-model)");
+    let Some(model) = &args.model else {
+        bail!("--model is required (or --node-model)");
     };
     let cfg = ModelConfig::from_dir(model)?;
     let raw = read_raw(model)?;
@@ -208,6 +232,26 @@ pub fn run(args: &PlanArgs) -> Result<()> {
         wire_dtype: args.dispatch_dtype,
     };
     let batch = args.batch as u64;
+    if args.simulate {
+        if !(args.zipf >= 0.0 && args.zipf.is_finite()) {
+            bail!("--zipf must be zero or positive (got {})", args.zipf);
+        }
+        let spec = simulate::SimSpec {
+            nodes: args.nodes.unwrap_or(0),
+            attention_workers: args.attention_workers,
+            zipf: args.zipf,
+            redundant: args.redundant,
+            steps: args.sim_steps,
+            seed: args.seed,
+            batches: vec![1, 8, 32, batch.max(1)],
+        };
+        let rows = simulate::simulate(&shape, &inst, &a, &spec)?;
+        print!("{}", simulate::render(&shape, &inst, &spec, &rows));
+        return Ok(());
+    }
+    let Some(target_output_tps) = args.target_output_tps else {
+        bail!("--target-output-tps is required (or --simulate / --node-model)");
+    };
     let plan = make_plan(&shape, &inst, &a, target_output_tps, batch)?;
     print!(
         "{}",

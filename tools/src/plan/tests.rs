@@ -336,6 +336,13 @@ fn helm_values_carry_the_layout() {
         dispatch_dtype: WireDtype::Bf16,
         helm_values: None,
         node_model: false,
+        simulate: false,
+        nodes: None,
+        attention_workers: 0,
+        zipf: 1.0,
+        redundant: 0,
+        sim_steps: 20,
+        seed: 0,
     };
     let v = helm_values(&m, &inst, &a, &plan, &args);
     assert!(v.contains("  path: \"Qwen3-30B-A3B\"\n"), "{v}");
@@ -376,6 +383,13 @@ fn two_socket_nodes_get_one_expert_worker_per_socket() {
         dispatch_dtype: WireDtype::Bf16,
         helm_values: None,
         node_model: false,
+        simulate: false,
+        nodes: None,
+        attention_workers: 0,
+        zipf: 1.0,
+        redundant: 0,
+        sim_steps: 20,
+        seed: 0,
     };
     let v = helm_values(&m, &inst, &a, &plan, &args);
     let per_socket = inst.pod_cpus() / 2;
@@ -390,4 +404,64 @@ fn two_socket_nodes_get_one_expert_worker_per_socket() {
         report.contains("NUMA        2 sockets per node"),
         "{report}"
     );
+}
+
+#[test]
+fn the_simulator_matches_the_uniform_plan_without_skew_and_sees_imbalance() {
+    let m = shape_of(QWEN3_30B_A3B);
+    let inst = Instance::lookup("c8g.16xlarge").expect("known");
+    let a = assumptions(ExpertDtype::Bf16, KvDtype::F32);
+    let spec = |zipf: f64, redundant: u64| simulate::SimSpec {
+        nodes: 5,
+        attention_workers: 0,
+        zipf,
+        redundant,
+        steps: 30,
+        seed: 7,
+        batches: vec![64],
+    };
+    let flat = simulate::simulate(&m, &inst, &a, &spec(0.0, 0)).expect("sim");
+    // Uniform routing: the slowest of 4 workers is a little slower than the
+    // planner's average worker, never faster.
+    assert!(flat[0].step_s >= flat[0].uniform_step_s * 0.97, "{flat:?}");
+    assert!(flat[0].step_s <= flat[0].uniform_step_s * 1.3, "{flat:?}");
+    // Skew unbalances the workers (it also touches fewer distinct experts,
+    // so a bandwidth-bound step can even get cheaper); replicas of the hot
+    // experts balance them again.
+    let skew = simulate::simulate(&m, &inst, &a, &spec(1.2, 0)).expect("sim");
+    assert!(
+        skew[0].balancedness < flat[0].balancedness - 0.05,
+        "{skew:?} vs {flat:?}"
+    );
+    let replicated = simulate::simulate(&m, &inst, &a, &spec(1.2, 16)).expect("sim");
+    assert!(
+        replicated[0].balancedness > skew[0].balancedness,
+        "{replicated:?} vs {skew:?}"
+    );
+    let err = simulate::simulate(
+        &m,
+        &Instance::lookup("c8g.4xlarge").expect("known"),
+        &a,
+        &simulate::SimSpec {
+            nodes: 2,
+            ..spec(1.0, 0)
+        },
+    )
+    .expect_err("one 32 GiB worker cannot hold 57 GiB of experts");
+    assert!(err.to_string().contains("slots per worker"), "{err}");
+}
+
+#[test]
+fn placement_packs_replicas_of_hot_experts_on_distinct_workers() {
+    let load = [8.0, 4.0, 2.0, 1.0, 1.0, 1.0, 1.0, 1.0];
+    let p = simulate::place(&load, 4, 3, 4);
+    let replicas: usize = p.iter().map(Vec::len).sum();
+    assert_eq!(replicas, 12);
+    assert!(p[0].len() >= 3, "{p:?}");
+    for reps in &p {
+        let mut r = reps.clone();
+        r.dedup();
+        assert_eq!(r.len(), reps.len(), "{p:?}");
+        assert!(!reps.is_empty());
+    }
 }
