@@ -26,6 +26,7 @@ use anyhow::{Context, Result, bail};
 use clap::{Args, ValueEnum};
 use epserve_core::config::ModelConfig;
 
+pub mod calibrate;
 mod hardware;
 mod model;
 mod output;
@@ -115,6 +116,11 @@ pub struct PlanArgs {
     /// Seed of the simulated routing.
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
+    /// Measured rates instead of the assumed ones: the JSON of `epserve bench
+    /// moe --json` run on the target instance type (bandwidth, the decode
+    /// kernels' share of it, bf16 / int8 expert compute per vCPU).
+    #[arg(long, value_name = "FILE")]
+    pub calibration: Option<PathBuf>,
 }
 
 /// Storage of expert weights on the expert-workers.
@@ -206,7 +212,7 @@ pub fn run(args: &PlanArgs) -> Result<()> {
     let cfg = ModelConfig::from_dir(model)?;
     let raw = read_raw(model)?;
     let shape = ModelShape::from_config(&cfg, &raw);
-    let inst = Instance::lookup(&args.instance)?;
+    let mut inst = Instance::lookup(&args.instance)?;
     if !(args.mem_bw_efficiency > 0.0 && args.mem_bw_efficiency <= 1.0) {
         bail!(
             "--mem-bw-efficiency must be in (0, 1] (got {})",
@@ -222,7 +228,7 @@ pub fn run(args: &PlanArgs) -> Result<()> {
     if args.context_len == 0 {
         bail!("--context-len must be at least 1");
     }
-    let a = Assumptions {
+    let mut a = Assumptions {
         expert_dtype: args.expert_dtype,
         kv_dtype: args.kv_dtype,
         context_len: args.context_len as u64,
@@ -231,6 +237,11 @@ pub fn run(args: &PlanArgs) -> Result<()> {
         mem_bw_efficiency: args.mem_bw_efficiency,
         wire_dtype: args.dispatch_dtype,
     };
+    if let Some(path) = &args.calibration {
+        let c = calibrate::Calibration::read(path)?;
+        c.apply(&mut inst, &mut a);
+        println!("{}", c.describe());
+    }
     let batch = args.batch as u64;
     if args.simulate {
         if !(args.zipf >= 0.0 && args.zipf.is_finite()) {

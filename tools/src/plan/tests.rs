@@ -343,6 +343,7 @@ fn helm_values_carry_the_layout() {
         redundant: 0,
         sim_steps: 20,
         seed: 0,
+        calibration: None,
     };
     let v = helm_values(&m, &inst, &a, &plan, &args);
     assert!(v.contains("  path: \"Qwen3-30B-A3B\"\n"), "{v}");
@@ -390,6 +391,7 @@ fn two_socket_nodes_get_one_expert_worker_per_socket() {
         redundant: 0,
         sim_steps: 20,
         seed: 0,
+        calibration: None,
     };
     let v = helm_values(&m, &inst, &a, &plan, &args);
     let per_socket = inst.pod_cpus() / 2;
@@ -464,4 +466,35 @@ fn placement_packs_replicas_of_hot_experts_on_distinct_workers() {
         assert_eq!(r.len(), reps.len(), "{p:?}");
         assert!(!reps.is_empty());
     }
+}
+
+#[test]
+fn calibration_replaces_the_assumed_rates() {
+    let json = r#"{"kernel": "neon-bf16", "shapes": [], "targets": [],
+      "machine": [{"threads": 1, "bandwidth_gbps": 20.0, "fma_peak_gflops": 1.0, "fma_peak_with": "x"},
+                  {"threads": 64, "bandwidth_gbps": 256.0, "fma_peak_gflops": 1.0, "fma_peak_with": "x"}],
+      "rows": [
+        {"shape": "q", "tokens": 1, "dtype": "bf16", "threads": 64, "bandwidth_pct": 80.0, "gflops": 5.0},
+        {"shape": "q", "tokens": 16, "dtype": "bf16", "threads": 64, "bandwidth_pct": 90.0, "gflops": 50.0},
+        {"shape": "q", "tokens": 256, "dtype": "bf16", "threads": 64, "bandwidth_pct": 10.0, "gflops": 3200.0},
+        {"shape": "q", "tokens": 256, "dtype": "int8", "threads": 64, "bandwidth_pct": 10.0, "gflops": 6400.0},
+        {"shape": "q", "tokens": 256, "dtype": "bf16", "threads": 1, "bandwidth_pct": 10.0, "gflops": 90.0}]}"#;
+    let c = calibrate::Calibration::parse(json, "bench.json").expect("parse");
+    assert_eq!(c.threads, 64);
+    close(c.decode_share.expect("decode rows"), 0.85, 1e-12);
+    close(c.bf16_gflops_per_thread.expect("bf16"), 50.0, 1e-12);
+    close(c.int8_gops_per_thread.expect("int8"), 100.0, 1e-12);
+    let mut inst = Instance::lookup("c8g.16xlarge").expect("known");
+    let mut a = assumptions(ExpertDtype::Bf16, KvDtype::F32);
+    c.apply(&mut inst, &mut a);
+    // 4 GB/s per vCPU × 64 vCPUs.
+    close(inst.peak_bandwidth(), 256e9, 1e-9);
+    close(a.mem_bw_efficiency, 0.85, 1e-12);
+    close(inst.generation.gflops_bf16_per_vcpu, 50.0, 1e-12);
+    assert!(
+        c.describe().contains("measured 256.0 GB/s"),
+        "{}",
+        c.describe()
+    );
+    assert!(calibrate::Calibration::parse("{}", "x").is_err());
 }
