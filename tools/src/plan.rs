@@ -121,6 +121,11 @@ pub struct PlanArgs {
     /// kernels' share of it, bf16 / int8 expert compute per vCPU).
     #[arg(long, value_name = "FILE")]
     pub calibration: Option<PathBuf>,
+    /// The coordinator's /metrics text saved from a cluster run (`curl
+    /// .../metrics > FILE`): the measured per-layer dispatch overhead (mean
+    /// dispatch time less the workers' compute) replaces --rtt-us.
+    #[arg(long, value_name = "FILE")]
+    pub dispatch_metrics: Option<PathBuf>,
 }
 
 /// Storage of expert weights on the expert-workers.
@@ -241,6 +246,22 @@ pub fn run(args: &PlanArgs) -> Result<()> {
         let c = calibrate::Calibration::read(path)?;
         c.apply(&mut inst, &mut a);
         println!("{}", c.describe());
+    }
+    if let Some(path) = &args.dispatch_metrics {
+        let text = std::fs::read_to_string(path)
+            .with_context(|| format!("{}: reading the metrics", path.display()))?;
+        let Some(s) = calibrate::dispatch_overhead_s(&text) else {
+            bail!(
+                "{}: no epserve_dispatch_seconds in it (scrape a coordinator that served requests)",
+                path.display()
+            );
+        };
+        a.rtt_s = s;
+        println!(
+            "calibrated  per-layer dispatch overhead {:.0} us (measured in {}; replaces --rtt-us)",
+            s * 1e6,
+            path.display()
+        );
     }
     let batch = args.batch as u64;
     if args.simulate {

@@ -44,6 +44,35 @@ struct BenchMoe {
     rows: Vec<Row>,
 }
 
+/// Per-layer dispatch overhead measured by a cluster run: from the
+/// coordinator's `/metrics` text, the mean `epserve_dispatch_seconds` (one
+/// MoE layer's dispatch and combine, all workers) less the mean
+/// `epserve_expert_worker_compute_seconds` (the workers' own compute), in
+/// seconds. None when the scrape has no dispatches.
+pub fn dispatch_overhead_s(metrics: &str) -> Option<f64> {
+    let mean = |name: &str| {
+        let (mut sum, mut count) = (0.0, 0.0);
+        for line in metrics.lines() {
+            let Some((key, value)) = line.rsplit_once(' ') else {
+                continue;
+            };
+            let Ok(v) = value.trim().parse::<f64>() else {
+                continue;
+            };
+            let base = key.split('{').next().unwrap_or(key);
+            if base == format!("{name}_sum") {
+                sum += v;
+            } else if base == format!("{name}_count") {
+                count += v;
+            }
+        }
+        (count > 0.0).then(|| sum / count)
+    };
+    let dispatch = mean("epserve_dispatch_seconds")?;
+    let compute = mean("epserve_expert_worker_compute_seconds").unwrap_or(0.0);
+    Some((dispatch - compute).max(0.0))
+}
+
 /// Rates measured by `epserve bench moe` on one machine.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Calibration {

@@ -344,6 +344,7 @@ fn helm_values_carry_the_layout() {
         sim_steps: 20,
         seed: 0,
         calibration: None,
+        dispatch_metrics: None,
     };
     let v = helm_values(&m, &inst, &a, &plan, &args);
     assert!(v.contains("  path: \"Qwen3-30B-A3B\"\n"), "{v}");
@@ -392,6 +393,7 @@ fn two_socket_nodes_get_one_expert_worker_per_socket() {
         sim_steps: 20,
         seed: 0,
         calibration: None,
+        dispatch_metrics: None,
     };
     let v = helm_values(&m, &inst, &a, &plan, &args);
     let per_socket = inst.pod_cpus() / 2;
@@ -497,4 +499,24 @@ fn calibration_replaces_the_assumed_rates() {
         c.describe()
     );
     assert!(calibrate::Calibration::parse("{}", "x").is_err());
+}
+
+#[test]
+fn dispatch_overhead_from_a_metrics_scrape() {
+    let text = "# TYPE epserve_dispatch_seconds summary
+epserve_dispatch_seconds{layer=\"0\",quantile=\"0.5\"} 0.001
+epserve_dispatch_seconds_sum{layer=\"0\"} 0.3
+epserve_dispatch_seconds_count{layer=\"0\"} 100
+epserve_dispatch_seconds_sum{layer=\"1\"} 0.5
+epserve_dispatch_seconds_count{layer=\"1\"} 100
+epserve_expert_worker_compute_seconds_sum{worker=\"a\"} 0.2
+epserve_expert_worker_compute_seconds_count{worker=\"a\"} 200
+";
+    // 0.8 s / 200 dispatches = 4 ms, less 1 ms of worker compute.
+    close(
+        calibrate::dispatch_overhead_s(text).expect("some"),
+        3e-3,
+        1e-12,
+    );
+    assert!(calibrate::dispatch_overhead_s("epserve_requests_total 3").is_none());
 }
