@@ -48,7 +48,8 @@ pub struct PlanArgs {
     #[arg(long, env = "EPSERVE_MODEL", required_unless_present = "node_model")]
     pub model: Option<PathBuf>,
     /// EC2 instance type of every node, e.g. c8g.16xlarge, r8g.24xlarge, c7g.16xlarge
-    /// (families c7g m7g r7g c8g m8g r8g).
+    /// (families c7g m7g r7g c8g m8g r8g), or `local`: this machine running a
+    /// loopback cluster (`epserve up`; needs --calibration).
     #[arg(long, default_value = "c8g.16xlarge")]
     pub instance: String,
     /// Aggregate decode throughput to reach, in output tokens per second.
@@ -218,6 +219,11 @@ pub fn run(args: &PlanArgs) -> Result<()> {
     let raw = read_raw(model)?;
     let shape = ModelShape::from_config(&cfg, &raw);
     let mut inst = Instance::lookup(&args.instance)?;
+    if !inst.managed && args.calibration.is_none() {
+        bail!(
+            "--instance local needs --calibration (epserve bench moe --json on this machine): its bandwidth and compute are not in the tables"
+        );
+    }
     if !(args.mem_bw_efficiency > 0.0 && args.mem_bw_efficiency <= 1.0) {
         bail!(
             "--mem-bw-efficiency must be in (0, 1] (got {})",

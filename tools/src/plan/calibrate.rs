@@ -137,11 +137,16 @@ impl Calibration {
 
     /// Puts the measured rates into the instance and the assumptions.
     pub fn apply(&self, inst: &mut Instance, a: &mut Assumptions) {
+        let managed = inst.managed;
         let g = &mut inst.generation;
         let per_vcpu = self.bandwidth_gbps / self.threads as f64;
-        // Bandwidth scales with the pod's vCPUs up to the socket's peak.
-        g.peak_gbs_per_socket =
-            (per_vcpu * f64::from(g.cores_per_socket)).min(g.peak_gbs_per_socket);
+        // Bandwidth scales with the pod's vCPUs up to the socket's peak (this
+        // machine, `--instance local`: what was measured is the peak).
+        g.peak_gbs_per_socket = if managed {
+            (per_vcpu * f64::from(g.cores_per_socket)).min(g.peak_gbs_per_socket)
+        } else {
+            per_vcpu * f64::from(g.cores_per_socket)
+        };
         if let Some(x) = self.bf16_gflops_per_thread {
             g.gflops_bf16_per_vcpu = x;
         }

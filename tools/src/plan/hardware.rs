@@ -120,6 +120,9 @@ pub struct Instance {
     pub vcpus: u32,
     pub mem_gib: f64,
     pub net_gbps: f64,
+    /// An EKS node (kubelet reservations and DaemonSets apply); false for
+    /// `--instance local`, this machine running `epserve up`.
+    pub managed: bool,
 }
 
 impl Instance {
@@ -141,14 +144,49 @@ impl Instance {
                     vcpus,
                     mem_gib: f64::from(vcpus) * gib_per_vcpu,
                     net_gbps,
+                    managed: true,
                 });
             }
         }
         out
     }
 
-    /// Looks an instance type up by name (`c8g.16xlarge`).
+    /// This machine as one node of a loopback cluster (`epserve up`): its
+    /// vCPUs and memory, no kubelet; bandwidth and compute must come from
+    /// `--calibration` (the Graviton figures stay as placeholders until then),
+    /// the network is loopback (memory copies: taken as 100 Gbps).
+    pub fn local() -> Result<Instance> {
+        let vcpus = std::thread::available_parallelism().map_or(1, |n| n.get()) as u32;
+        let meminfo = std::fs::read_to_string("/proc/meminfo").unwrap_or_default();
+        let kib = meminfo
+            .lines()
+            .find_map(|l| l.strip_prefix("MemTotal:"))
+            .and_then(|v| v.split_whitespace().next()?.parse::<f64>().ok())
+            .unwrap_or(0.0);
+        if kib <= 0.0 {
+            bail!("--instance local: cannot read MemTotal from /proc/meminfo");
+        }
+        Ok(Instance {
+            name: "local".into(),
+            family: "local",
+            size: "local",
+            generation: Generation {
+                name: "this machine",
+                cores_per_socket: vcpus,
+                ..GRAVITON4
+            },
+            vcpus,
+            mem_gib: kib / (1024.0 * 1024.0),
+            net_gbps: 100.0,
+            managed: false,
+        })
+    }
+
+    /// Looks an instance type up by name (`c8g.16xlarge`, or `local`).
     pub fn lookup(name: &str) -> Result<Instance> {
+        if name == "local" {
+            return Self::local();
+        }
         let all = Self::all();
         if let Some(i) = all.iter().find(|i| i.name == name) {
             return Ok(i.clone());
@@ -208,6 +246,9 @@ impl Instance {
     /// type next to the DaemonSets: what allocatable leaves after their
     /// requests, rounded down to whole CPUs.
     pub fn pod_cpus(&self) -> u32 {
+        if !self.managed {
+            return self.vcpus;
+        }
         (self
             .allocatable_cpu_millis()
             .saturating_sub(DAEMONSET_CPU_MILLIS)
@@ -218,6 +259,9 @@ impl Instance {
     /// GiB of memory a pod can request on a node of this type next to the
     /// DaemonSets (whole GiB).
     pub fn pod_memory_gib(&self) -> u64 {
+        if !self.managed {
+            return (self.mem_gib * 0.9).floor() as u64;
+        }
         ((self.allocatable_memory_mib() - f64::from(DAEMONSET_MEMORY_MIB)).max(0.0) / 1024.0)
             .floor() as u64
     }
