@@ -2,7 +2,8 @@
 
 Usage: python3 tests/openai_client_test.py BASE_URL MODEL
 Checks a streaming chat completion (with usage), a non-streaming completion,
-the model list, and that a bad request raises the client's typed error.
+n = 2 (greedy, and sampled with a seed while streaming), logit_bias, the model
+list, and that a bad request raises the client's typed error.
 Exits non-zero on the first failure.
 """
 
@@ -52,6 +53,35 @@ def main() -> None:
     assert comp.usage.completion_tokens == 8, comp.usage
     assert comp.choices[0].finish_reason == "length"
 
+    # n = 2: two choices of one prompt; greedy ones equal the n = 1 answer.
+    two = client.completions.create(model=model, prompt="Once upon a time", max_tokens=8, temperature=0, n=2,
+                                    extra_body={"ignore_eos": True})
+    assert [c.index for c in two.choices] == [0, 1], two.choices
+    assert two.choices[0].text == two.choices[1].text == comp.choices[0].text, two.choices
+    assert two.usage.prompt_tokens == comp.usage.prompt_tokens, two.usage
+    assert two.usage.completion_tokens == 16, two.usage
+    # Sampled and streamed: each chunk names its choice; seeded, so repeatable.
+    def sampled_chat():
+        texts = {}
+        for chunk in client.chat.completions.create(
+                model=model, messages=[{"role": "user", "content": "Say something."}], max_tokens=12,
+                temperature=1.0, seed=7, n=2, stream=True):
+            for c in chunk.choices:
+                texts[c.index] = texts.get(c.index, "") + (c.delta.content or "")
+        return texts
+    first = sampled_chat()
+    assert sorted(first) == [0, 1], first
+    assert sampled_chat() == first
+    # logit_bias: +100 on one token makes greedy decoding repeat it.
+    biased = client.completions.create(model=model, prompt="Once upon a time", max_tokens=3, temperature=0,
+                                       logit_bias={"42": 100}, logprobs=0)
+    toks = biased.choices[0].logprobs.tokens
+    assert len(toks) == 3 and len(set(toks)) == 1, toks
+    try:
+        client.completions.create(model=model, prompt="x", max_tokens=1, logit_bias={"99999999": 1})
+        raise AssertionError("out-of-vocabulary logit_bias accepted")
+    except openai.BadRequestError as e:
+        assert "logit_bias" in str(e), e
     try:
         client.completions.create(model="no-such-model", prompt="x", max_tokens=1)
         raise AssertionError("unknown model accepted")
@@ -62,7 +92,7 @@ def main() -> None:
         raise AssertionError("oversized request accepted")
     except openai.BadRequestError:
         pass
-    print("openai client: streaming chat, completion, models, errors OK")
+    print("openai client: streaming chat, completion, n = 2, logit_bias, models, errors OK")
 
 
 if __name__ == "__main__":

@@ -395,7 +395,51 @@ fn cases() -> Vec<Case> {
             400,
             Some("presence_penalty"),
         ),
-        ("n = 2", c, j(r#"{"prompt": "hi", "n": 2}"#), 400, Some("n")),
+        (
+            "n = 17",
+            c,
+            j(r#"{"prompt": "hi", "n": 17}"#),
+            400,
+            Some("n"),
+        ),
+        (
+            "best_of != n",
+            c,
+            j(r#"{"prompt": "hi", "n": 2, "best_of": 3}"#),
+            400,
+            Some("best_of"),
+        ),
+        (
+            "logit_bias out of vocabulary",
+            c,
+            j(r#"{"prompt": "hi", "logit_bias": {"4294967296": 1}}"#),
+            400,
+            Some("logit_bias"),
+        ),
+        (
+            "logit_bias 1e300",
+            c,
+            j(r#"{"prompt": "hi", "logit_bias": {"1": 1e300}}"#),
+            400,
+            Some("logit_bias"),
+        ),
+        (
+            "allowed_token_ids negative",
+            c,
+            j(r#"{"prompt": "hi", "allowed_token_ids": [-1]}"#),
+            400,
+            Some("allowed_token_ids"),
+        ),
+        (
+            "bad_words huge",
+            c,
+            j(&format!(
+                r#"{{"prompt": "hi", "bad_words": ["{}"]}}"#,
+                "x".repeat(5000)
+            )),
+            400,
+            Some("bad_words"),
+        ),
         (
             "n negative",
             c,
@@ -874,6 +918,9 @@ mod parser_props {
         "frequency_penalty",
         "presence_penalty",
         "user",
+        "logit_bias",
+        "allowed_token_ids",
+        "bad_words",
     ];
 
     fn body() -> impl Strategy<Value = Value> {

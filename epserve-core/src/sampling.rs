@@ -1,13 +1,22 @@
-//! Turning logits into the next token: repetition penalty, temperature,
-//! top-k, top-p, min-p (in that order, as vLLM and transformers apply them),
-//! then greedy argmax or a draw from a seeded RNG.
+//! Turning logits into the next token, in vLLM's order: `allowed_token_ids`
+//! (everything else masked), `bad_words`, `logit_bias`, then the penalties
+//! (repetition, frequency, presence), then greedy argmax, or temperature,
+//! top-k, top-p, min-p and a draw from a seeded RNG. Returned logprobs are the
+//! raw model's (vLLM's default `raw_logprobs`): the caller computes them from
+//! the logits before any of this.
+//!
+//! A temperature below [`SAMPLING_EPS`] (vLLM's `_SAMPLING_EPS`) is greedy:
+//! dividing logits by ~0 would give infinities and NaN probabilities.
 
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
 use crate::error::{Error, Result};
 
-/// Per-request sampling settings. `temperature == 0` means greedy.
+/// Temperatures below this are greedy decoding (vLLM's `_SAMPLING_EPS`).
+pub const SAMPLING_EPS: f32 = 1e-5;
+
+/// Per-request sampling settings. `temperature < SAMPLING_EPS` means greedy.
 #[derive(Debug, Clone, PartialEq)]
 pub struct SamplingParams {
     pub temperature: f32,
@@ -23,6 +32,13 @@ pub struct SamplingParams {
     pub frequency_penalty: f32,
     pub presence_penalty: f32,
     pub seed: Option<u64>,
+    /// OpenAI's `logit_bias`: (token id, bias) added to the logits.
+    pub logit_bias: Vec<(u32, f32)>,
+    /// vLLM's `allowed_token_ids`: when set, every other token is masked.
+    pub allowed_token_ids: Option<Vec<u32>>,
+    /// vLLM's `bad_words`, as token sequences: a sequence's last token is
+    /// masked when the generated tokens end with the rest of it.
+    pub bad_words: Vec<Vec<u32>>,
 }
 
 impl Default for SamplingParams {
@@ -36,6 +52,9 @@ impl Default for SamplingParams {
             frequency_penalty: 0.0,
             presence_penalty: 0.0,
             seed: None,
+            logit_bias: Vec::new(),
+            allowed_token_ids: None,
+            bad_words: Vec::new(),
         }
     }
 }
@@ -70,12 +89,35 @@ impl SamplingParams {
                 return bad(format!("{name} must be in [-2, 2], got {v}"));
             }
         }
+        for &(t, b) in &self.logit_bias {
+            if !(-100.0..=100.0).contains(&b) {
+                return bad(format!(
+                    "logit_bias must be in [-100, 100], got {b} for token {t}"
+                ));
+            }
+        }
+        if self
+            .allowed_token_ids
+            .as_ref()
+            .is_some_and(|v| v.is_empty())
+        {
+            return bad("allowed_token_ids must not be empty".into());
+        }
         Ok(())
     }
 
-    /// Whether this is plain greedy decoding.
+    /// Whether this is greedy decoding (a temperature below [`SAMPLING_EPS`]).
     pub fn is_greedy(&self) -> bool {
-        self.temperature == 0.0
+        self.temperature < SAMPLING_EPS
+    }
+
+    /// The same settings for choice `index` of a request with `n` > 1: its
+    /// own RNG stream, `seed + index` when seeded (as vLLM), so choices differ
+    /// and each is reproducible (choice 0 is what `n = 1` samples).
+    pub fn for_choice(&self, index: usize) -> SamplingParams {
+        let mut p = self.clone();
+        p.seed = self.seed.map(|s| s.wrapping_add(index as u64));
+        p
     }
 }
 
@@ -84,6 +126,8 @@ pub struct Sampler {
     params: SamplingParams,
     rng: StdRng,
     scratch: Vec<(u32, f32)>,
+    /// `allowed_token_ids` as a mask over the vocabulary (built on first use).
+    allowed: Option<Vec<bool>>,
 }
 
 /// Index of the largest value; the first one on ties (as `torch.argmax`).
@@ -137,6 +181,41 @@ pub fn apply_frequency_presence(
     }
 }
 
+/// vLLM's `allowed_token_ids`: every token whose `allowed` entry is false (or
+/// missing) gets `-inf`.
+pub fn apply_allowed(logits: &mut [f32], allowed: &[bool]) {
+    for (i, l) in logits.iter_mut().enumerate() {
+        if !allowed.get(i).copied().unwrap_or(false) {
+            *l = f32::NEG_INFINITY;
+        }
+    }
+}
+
+/// vLLM's `bad_words`: for each banned token sequence whose all-but-last
+/// tokens are what was generated last (nothing, for a one-token word), its
+/// last token gets `-inf`. Only generated tokens count, as in vLLM.
+pub fn apply_bad_words(logits: &mut [f32], bad_words: &[Vec<u32>], generated: &[u32]) {
+    for w in bad_words {
+        let Some((&last, prefix)) = w.split_last() else {
+            continue;
+        };
+        if generated.ends_with(prefix)
+            && let Some(l) = logits.get_mut(last as usize)
+        {
+            *l = f32::NEG_INFINITY;
+        }
+    }
+}
+
+/// OpenAI's `logit_bias`: each bias is added to its token's logit.
+pub fn apply_logit_bias(logits: &mut [f32], bias: &[(u32, f32)]) {
+    for &(t, b) in bias {
+        if let Some(l) = logits.get_mut(t as usize) {
+            *l += b;
+        }
+    }
+}
+
 /// `log_softmax` of raw logits (for returned logprobs).
 pub fn log_softmax(logits: &[f32]) -> Vec<f32> {
     let m = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
@@ -155,6 +234,7 @@ impl Sampler {
             params,
             rng,
             scratch: Vec::new(),
+            allowed: None,
         }
     }
 
@@ -167,6 +247,21 @@ impl Sampler {
     /// (for the penalties). `logits` is modified.
     pub fn sample(&mut self, logits: &mut [f32], prompt: &[u32], generated: &[u32]) -> u32 {
         let p = &self.params;
+        // vLLM's order: allowed tokens, bad words, logit bias, penalties.
+        if let Some(ids) = &p.allowed_token_ids {
+            let mask = self.allowed.get_or_insert_with(|| {
+                let mut m = vec![false; logits.len()];
+                for &t in ids {
+                    if let Some(x) = m.get_mut(t as usize) {
+                        *x = true;
+                    }
+                }
+                m
+            });
+            apply_allowed(logits, mask);
+        }
+        apply_bad_words(logits, &p.bad_words, generated);
+        apply_logit_bias(logits, &p.logit_bias);
         if p.repetition_penalty != 1.0 {
             let mut seen = Vec::with_capacity(prompt.len() + generated.len());
             seen.extend_from_slice(prompt);
@@ -302,7 +397,153 @@ mod tests {
     }
 
     #[test]
+    fn a_tiny_positive_temperature_is_greedy() {
+        let logits = vec![0.5, 2.0, 1.999, -1.0];
+        for t in [1e-39f32, f32::MIN_POSITIVE, 1e-7, 9.9e-6] {
+            let p = params(|p| p.temperature = t);
+            assert!(p.validate().is_ok());
+            assert!(p.is_greedy(), "{t}");
+            let mut s = Sampler::new(p);
+            for _ in 0..20 {
+                assert_eq!(s.sample(&mut logits.clone(), &[], &[]), 1, "{t}");
+            }
+        }
+        // Just above the threshold it samples, from finite probabilities.
+        let p = params(|p| p.temperature = 2e-5);
+        assert!(!p.is_greedy());
+        let mut s = Sampler::new(p);
+        assert_eq!(s.sample(&mut logits.clone(), &[], &[]), 1);
+    }
+
+    #[test]
+    fn allowed_token_ids_mask_everything_else() {
+        let mut l = vec![1.0, 2.0, 3.0, 4.0];
+        let mut mask = vec![false; 4];
+        mask[0] = true;
+        mask[2] = true;
+        apply_allowed(&mut l, &mask);
+        assert_eq!(l, vec![1.0, f32::NEG_INFINITY, 3.0, f32::NEG_INFINITY]);
+        // A mask shorter than the logits masks the rest too.
+        let mut l = vec![1.0, 2.0];
+        apply_allowed(&mut l, &[true]);
+        assert_eq!(l, vec![1.0, f32::NEG_INFINITY]);
+
+        let logits = vec![5.0, 0.0, 1.0, 4.0, 0.5];
+        let mut s = Sampler::new(SamplingParams {
+            allowed_token_ids: Some(vec![2, 4]),
+            ..Default::default()
+        });
+        assert_eq!(s.sample(&mut logits.clone(), &[], &[]), 2);
+        let mut s = Sampler::new(params(|p| p.allowed_token_ids = Some(vec![1, 4])));
+        for _ in 0..50 {
+            let t = s.sample(&mut logits.clone(), &[], &[]);
+            assert!(t == 1 || t == 4, "{t}");
+        }
+    }
+
+    #[test]
+    fn bad_words_mask_the_last_token_after_their_prefix() {
+        let words = vec![vec![3], vec![1, 2], vec![7, 8, 9]];
+        let base = vec![0.0f32; 10];
+        let banned = |generated: &[u32]| {
+            let mut l = base.clone();
+            apply_bad_words(&mut l, &words, generated);
+            (0..10u32)
+                .filter(|&i| l[i as usize] == f32::NEG_INFINITY)
+                .collect::<Vec<_>>()
+        };
+        // One-token words always; longer ones only after their prefix.
+        assert_eq!(banned(&[]), vec![3]);
+        assert_eq!(banned(&[5, 1]), vec![2, 3]);
+        assert_eq!(banned(&[1, 5]), vec![3]);
+        assert_eq!(banned(&[7, 8]), vec![3, 9]);
+        assert_eq!(banned(&[8]), vec![3]);
+        // Out-of-vocabulary ids and empty words are ignored, not a panic.
+        let mut l = vec![0.0; 2];
+        apply_bad_words(&mut l, &[vec![], vec![5]], &[]);
+        assert_eq!(l, vec![0.0; 2]);
+        // Greedy skips the banned token for the next best.
+        let mut s = Sampler::new(SamplingParams {
+            bad_words: vec![vec![1, 2]],
+            ..Default::default()
+        });
+        let logits = vec![0.0, 0.0, 3.0, 2.0];
+        assert_eq!(
+            s.sample(&mut logits.clone(), &[1], &[]),
+            2,
+            "prompt tokens do not count"
+        );
+        assert_eq!(s.sample(&mut logits.clone(), &[], &[1]), 3);
+    }
+
+    #[test]
+    fn logit_bias_adds_before_the_penalties() {
+        let mut l = vec![1.0, 2.0, 3.0];
+        apply_logit_bias(&mut l, &[(0, 10.0), (2, -100.0), (99, 1.0)]);
+        assert_eq!(l, vec![11.0, 2.0, -97.0]);
+        // Greedy: a -100 bias removes the best token, +100 forces one.
+        let logits = vec![1.0, 5.0, 2.0];
+        let mut s = Sampler::new(SamplingParams {
+            logit_bias: vec![(1, -100.0)],
+            ..Default::default()
+        });
+        assert_eq!(s.sample(&mut logits.clone(), &[], &[]), 2);
+        let mut s = Sampler::new(params(|p| p.logit_bias = vec![(0, 100.0)]));
+        for _ in 0..20 {
+            assert_eq!(s.sample(&mut logits.clone(), &[], &[]), 0);
+        }
+        // Bias, then the repetition penalty: (1 + 1) / 2 = 1, not 1 / 2 + 1.
+        let mut s = Sampler::new(SamplingParams {
+            logit_bias: vec![(0, 1.0)],
+            repetition_penalty: 2.0,
+            ..Default::default()
+        });
+        let mut l = vec![1.0, 1.2];
+        assert_eq!(s.sample(&mut l, &[0], &[]), 1);
+        assert_eq!(l[0], 1.0);
+        // Masks and bias together: a masked token stays masked.
+        let mut s = Sampler::new(SamplingParams {
+            allowed_token_ids: Some(vec![2]),
+            logit_bias: vec![(1, 100.0)],
+            ..Default::default()
+        });
+        assert_eq!(s.sample(&mut logits.clone(), &[], &[]), 2);
+    }
+
+    #[test]
+    fn choices_get_their_own_seeds() {
+        let p = params(|p| p.seed = Some(41));
+        assert_eq!(p.for_choice(0), p);
+        assert_eq!(p.for_choice(3).seed, Some(44));
+        assert_eq!(params(|p| p.seed = None).for_choice(2).seed, None);
+        assert_eq!(
+            params(|p| p.seed = Some(u64::MAX)).for_choice(1).seed,
+            Some(0)
+        );
+    }
+
+    #[test]
     fn validation() {
+        assert!(
+            params(|p| p.logit_bias = vec![(1, 100.5)])
+                .validate()
+                .is_err()
+        );
+        assert!(
+            params(|p| p.logit_bias = vec![(1, f32::NAN)])
+                .validate()
+                .is_err()
+        );
+        assert!(
+            params(|p| p.logit_bias = vec![(1, -100.0)])
+                .validate()
+                .is_ok()
+        );
+        assert!(
+            params(|p| p.allowed_token_ids = Some(vec![]))
+                .validate()
+                .is_err()
+        );
         assert!(params(|p| p.top_p = 0.0).validate().is_err());
         assert!(params(|p| p.temperature = -1.0).validate().is_err());
         assert!(params(|p| p.min_p = 1.5).validate().is_err());

@@ -167,10 +167,58 @@ async fn errors_are_openai_shaped_and_good_requests_still_work() {
             "maximum context length is 64",
         ),
         (
-            json!({"model": "tiny", "prompt": "x", "n": 2}).to_string(),
+            json!({"model": "tiny", "prompt": "x", "n": 17}).to_string(),
             Some(key),
             400,
-            "n = 1",
+            "n must be between 1 and 16",
+        ),
+        (
+            json!({"model": "tiny", "prompt": "x", "n": 0}).to_string(),
+            Some(key),
+            400,
+            "n must be",
+        ),
+        (
+            json!({"model": "tiny", "prompt": "x", "n": 2, "best_of": 3}).to_string(),
+            Some(key),
+            400,
+            "best_of must equal n",
+        ),
+        (
+            json!({"model": "tiny", "prompt": "x", "logit_bias": {"99999": 1}}).to_string(),
+            Some(key),
+            400,
+            "logit_bias key '99999'",
+        ),
+        (
+            json!({"model": "tiny", "prompt": "x", "logit_bias": {"abc": 1}}).to_string(),
+            Some(key),
+            400,
+            "logit_bias",
+        ),
+        (
+            json!({"model": "tiny", "prompt": "x", "logit_bias": {"1": 101}}).to_string(),
+            Some(key),
+            400,
+            "logit_bias must be in [-100, 100]",
+        ),
+        (
+            json!({"model": "tiny", "prompt": "x", "allowed_token_ids": []}).to_string(),
+            Some(key),
+            400,
+            "allowed_token_ids must not be empty",
+        ),
+        (
+            json!({"model": "tiny", "prompt": "x", "allowed_token_ids": [1, 99999]}).to_string(),
+            Some(key),
+            400,
+            "allowed_token_ids: token id 99999",
+        ),
+        (
+            json!({"model": "tiny", "prompt": "x", "bad_words": ["  "]}).to_string(),
+            Some(key),
+            400,
+            "bad word 0 is empty",
         ),
         (
             json!({"model": "tiny", "prompt": "x", "temperature": "hot"}).to_string(),
@@ -215,6 +263,12 @@ async fn errors_are_openai_shaped_and_good_requests_still_work() {
         let v: Value = serde_json::from_str(&text).unwrap_or_else(|_| panic!("not JSON: {text}"));
         let msg = v["error"]["message"].as_str().unwrap_or_default();
         assert!(msg.contains(needle), "'{needle}' not in {msg}");
+        // Errors about the sampling parameters name them.
+        for p in ["best_of", "logit_bias", "allowed_token_ids", "bad_words"] {
+            if needle.starts_with(p) || needle.contains(&format!("{p} ")) {
+                assert_eq!(v["error"]["param"], p, "{text}");
+            }
+        }
         assert!(v["error"]["type"].is_string());
         // The server keeps serving.
         let (st, _, text) = post(&url, &ok_body, Some(key)).await;
@@ -357,4 +411,161 @@ async fn cancellation_frees_blocks_and_overload_says_retry_after() {
         }
     }
     assert!(ok >= 1 && refused >= 1, "ok {ok}, refused {refused}");
+}
+
+/// Completion choices of a non-streaming response, and its usage.
+async fn choices(s: &Server, body: Value) -> (Vec<String>, Value) {
+    let (st, _, text) = post(&s.url("/v1/completions"), &body.to_string(), None).await;
+    assert_eq!(st, 200, "{text}");
+    let v: Value = serde_json::from_str(&text).expect("json");
+    let cs = v["choices"].as_array().expect("choices");
+    for (i, c) in cs.iter().enumerate() {
+        assert_eq!(c["index"], i);
+    }
+    let texts = cs
+        .iter()
+        .map(|c| c["text"].as_str().expect("text").to_string())
+        .collect();
+    (texts, v["usage"].clone())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn n_choices_and_logit_bias_allowed_tokens_bad_words() {
+    let s = Server::start("qwen3_moe_a", &[]);
+    let prompt = json!([
+        5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22
+    ]);
+    let body = |extra: Value| {
+        let mut b = json!({"model": "tiny", "prompt": prompt, "max_tokens": 10,
+                           "temperature": 0, "ignore_eos": true});
+        for (k, v) in extra.as_object().expect("object") {
+            b[k] = v.clone();
+        }
+        b
+    };
+    // Greedy: n = 2 gives two copies of the n = 1 answer; usage counts the
+    // prompt once and both completions.
+    let (one, _) = choices(&s, body(json!({}))).await;
+    let (two, usage) = choices(&s, body(json!({"n": 2, "best_of": 2}))).await;
+    assert_eq!(two, vec![one[0].clone(), one[0].clone()]);
+    assert_eq!(usage["prompt_tokens"], 18);
+    assert_eq!(usage["completion_tokens"], 20);
+    assert_eq!(usage["total_tokens"], 38);
+
+    // Sampled with a seed: the choices differ, the request is reproducible,
+    // and choice 0 is the n = 1 request with that seed.
+    let sampled = |n: usize| body(json!({"n": n, "temperature": 1.0, "seed": 1234}));
+    let (a, _) = choices(&s, sampled(4)).await;
+    let (b, _) = choices(&s, sampled(4)).await;
+    assert_eq!(a, b);
+    assert!(
+        a[1..].iter().any(|x| *x != a[0]),
+        "all choices equal: {a:?}"
+    );
+    assert_eq!(choices(&s, sampled(1)).await.0[0], a[0]);
+
+    // Streaming chat n = 2: chunks carry their choice's index; each choice
+    // reassembles to the non-streaming answer; one usage chunk, one [DONE].
+    let chat = |stream: bool| {
+        json!({"model": "tiny", "messages": [{"role": "user", "content": "hello there"}],
+               "max_tokens": 12, "temperature": 0, "n": 2, "stream": stream,
+               "stream_options": {"include_usage": true}})
+        .to_string()
+    };
+    let (st, _, text) = post(&s.url("/v1/chat/completions"), &chat(false), None).await;
+    assert_eq!(st, 200, "{text}");
+    let full: Value = serde_json::from_str(&text).expect("json");
+    let events = sse(&s.url("/v1/chat/completions"), &chat(true)).await;
+    assert_eq!(events.last().map(String::as_str), Some("[DONE]"));
+    assert_eq!(events.iter().filter(|e| *e == "[DONE]").count(), 1);
+    let mut streamed = [String::new(), String::new()];
+    let (mut roles, mut finishes, mut usages) = ([0, 0], [0, 0], Vec::new());
+    for e in &events[..events.len() - 1] {
+        let c: Value = serde_json::from_str(e).expect("chunk json");
+        if !c["usage"].is_null() {
+            usages.push(c["usage"].clone());
+        }
+        for ch in c["choices"].as_array().expect("choices") {
+            let i = ch["index"].as_u64().expect("index") as usize;
+            if let Some(t) = ch["delta"]["content"].as_str() {
+                streamed[i].push_str(t);
+            }
+            if ch["delta"]["role"] == "assistant" {
+                roles[i] += 1;
+            }
+            if ch["finish_reason"].is_string() {
+                finishes[i] += 1;
+            }
+        }
+    }
+    assert_eq!((roles, finishes), ([1, 1], [1, 1]));
+    for i in 0..2 {
+        assert_eq!(
+            Some(streamed[i].as_str()),
+            full["choices"][i]["message"]["content"].as_str()
+        );
+    }
+    assert_eq!(usages.len(), 1);
+    assert_eq!(usages[0], full["usage"]);
+
+    // logit_bias, allowed_token_ids and bad_words steer greedy decoding;
+    // returned logprobs stay the raw model's.
+    let tok = epserve_core::loader::tokenizer::Tokenizer::from_dir(
+        &common::fixtures().join("qwen3_moe_a/bf16"),
+    )
+    .expect("tokenizer");
+    let first_tokens = |extra: Value| {
+        let b = body(extra);
+        let url = s.url("/v1/completions");
+        async move {
+            let mut b = b;
+            b["logprobs"] = json!(1);
+            b["max_tokens"] = json!(3);
+            let (st, _, text) = post(&url, &b.to_string(), None).await;
+            assert_eq!(st, 200, "{text}");
+            let v: Value = serde_json::from_str(&text).expect("json");
+            v["choices"][0]["logprobs"].clone()
+        }
+    };
+    let plain = first_tokens(json!({})).await;
+    let t0 = plain["tokens"][0].as_str().expect("token").to_string();
+    // Every id that prints as the first token.
+    let ids: Vec<u32> = (0..tok.vocab_size() as u32)
+        .filter(|&i| tok.decode(&[i], false).is_ok_and(|t| t == t0))
+        .collect();
+    assert!(!ids.is_empty(), "{t0:?}");
+    let bias: serde_json::Map<String, Value> =
+        ids.iter().map(|i| (i.to_string(), json!(-100))).collect();
+    let biased = first_tokens(json!({"logit_bias": bias})).await;
+    assert_ne!(biased["tokens"][0], t0);
+    // The raw model's logprob of the chosen token: below the unbiased best.
+    assert!(
+        biased["token_logprobs"][0].as_f64().expect("lp")
+            <= plain["token_logprobs"][0].as_f64().expect("lp")
+    );
+    let forced = first_tokens(json!({"logit_bias": {"42": 100}})).await;
+    let t42 = tok.decode(&[42], false).expect("decode");
+    assert_eq!(forced["tokens"], json!([t42, t42, t42]));
+    let allowed = first_tokens(json!({"allowed_token_ids": [42, 43]})).await;
+    for t in allowed["tokens"].as_array().expect("tokens") {
+        let t = t.as_str().expect("token");
+        assert!(
+            t == t42 || t == tok.decode(&[43], false).expect("decode"),
+            "{t}"
+        );
+    }
+    // bad_words: banned as tokenized without and with a leading space (the
+    // latter when it has the same length), as vLLM does.
+    let word = t0.trim();
+    let plain_ids = tok.encode(word, false).expect("encode");
+    let spaced_ids = tok.encode(&format!(" {word}"), false).expect("encode");
+    let one_token_banned = plain_ids.len() == 1
+        && (ids.contains(&plain_ids[0]) || (spaced_ids.len() == 1 && ids.contains(&spaced_ids[0])));
+    if one_token_banned {
+        let banned = first_tokens(json!({"bad_words": [word]})).await;
+        assert_ne!(banned["tokens"][0], t0);
+    }
+    // Tiny temperature: greedy, not NaN-driven.
+    let (tiny, _) = choices(&s, body(json!({"temperature": 1e-39}))).await;
+    assert_eq!(tiny, one);
 }

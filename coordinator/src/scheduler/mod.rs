@@ -12,6 +12,16 @@
 //! cached full KV blocks matching its tokens ([`KvPool::match_prefix`]) and
 //! starts computing after them; finished and preempted sequences leave their
 //! full blocks cached in the pool's LRU for the next request with that prefix.
+//!
+//! A request with `n` > 1 is admitted as one sequence (choice 0). When its
+//! prompt is computed, the other `n - 1` choices sample their first token from
+//! the same logits and fork its block table ([`KvPool::fork`]: full blocks
+//! shared by reference count, the partial last block copied), with or without
+//! prefix caching, so the prompt is computed once. A choice that finds no free
+//! batch slot or block for the copy (or runs with remote attention, whose
+//! shards keep KV per sequence) waits like a preempted sequence, holding no
+//! blocks, and recomputes its tokens (from the prefix cache where it is on).
+//! A preempted choice does the same.
 
 mod micro;
 mod seq;
@@ -68,6 +78,8 @@ pub struct SchedulerStats {
     pub prefix_cache_hits: AtomicU64,
     /// Sequences preempted for lack of KV blocks.
     pub preemptions: AtomicU64,
+    /// Tokens run through the forward pass (prefill chunks and decodes).
+    pub computed_tokens: AtomicU64,
     /// KV blocks no sequence holds (truly free plus cached-free), after the
     /// last step.
     pub free_blocks: AtomicUsize,
@@ -84,6 +96,9 @@ pub struct Request {
     pub ignore_eos: bool,
     /// `Some(n)`: return the chosen token's logprob and the n most likely.
     pub logprobs: Option<usize>,
+    /// Completions of this prompt (OpenAI's `n`, at least 1): the prompt is
+    /// computed once and its KV blocks shared by every choice.
+    pub n: usize,
 }
 
 /// Log-probabilities of one generated token.
@@ -100,12 +115,16 @@ pub struct TokenLogprob {
 pub enum Event {
     /// One generated token and the text it released (possibly empty).
     Token {
+        /// The choice (0..n) it belongs to.
+        index: usize,
         token_id: u32,
         text: String,
         logprob: Option<TokenLogprob>,
     },
-    /// The request ended normally.
+    /// One choice of the request ended normally (the request is done when
+    /// all `n` have).
     Finished {
+        index: usize,
         reason: FinishReason,
         prompt_tokens: usize,
         completion_tokens: usize,
@@ -307,7 +326,9 @@ impl Scheduler {
             if s.tx.is_closed() {
                 model.release(pool, &mut s.cache);
                 removed_waiting += 1;
-                m::request_finished("cancelled");
+                if s.index == 0 {
+                    m::request_finished("cancelled");
+                }
                 false
             } else {
                 true
@@ -318,7 +339,10 @@ impl Scheduler {
         self.running.retain_mut(|s| {
             if s.tx.is_closed() {
                 model.release(pool, &mut s.cache);
-                m::request_finished("cancelled");
+                // A request with n > 1 is counted once, by choice 0.
+                if s.index == 0 {
+                    m::request_finished("cancelled");
+                }
                 false
             } else {
                 true
@@ -489,6 +513,9 @@ impl Scheduler {
         drop(inputs);
         let elapsed = started.elapsed();
         m::step(n_seqs, n_tokens, elapsed.as_secs_f64());
+        self.stats
+            .computed_tokens
+            .fetch_add(n_tokens as u64, Ordering::Relaxed);
         let out = match result {
             Ok(o) => {
                 m::micro_step(micro_batches, o.waited.as_secs_f64());
@@ -562,6 +589,12 @@ impl Scheduler {
         let vocab = self.engine.model.config.vocab_size;
         let mut row = 0;
         let mut finished = Vec::new();
+        let mut forked = Vec::new();
+        let mut unforked = Vec::new();
+        // Remote attention shards keep KV per sequence: nothing to share there.
+        let can_fork = self.engine.model.remote_attention().is_none();
+        let max_running = self.config.max_num_seqs;
+        let n_running = self.running.len();
         for (idx, s) in self.running.iter_mut().enumerate() {
             if s.step_take == 0 {
                 continue;
@@ -591,6 +624,32 @@ impl Scheduler {
                 continue;
             };
             row += 1;
+            // n > 1: the prompt is computed; every other choice samples its
+            // first token from these logits and shares the prompt's blocks.
+            for index in 1..=std::mem::take(&mut s.pending_forks) {
+                let mut c = s.child(index);
+                c.num_computed = c.tokens.len();
+                let cache = if can_fork && n_running + forked.len() < max_running {
+                    self.pool.fork(&s.cache)
+                } else {
+                    None
+                };
+                let has_cache = cache.is_some();
+                match cache {
+                    Some(cache) => c.cache = cache,
+                    // No slot or no block for it now: it waits, holding no
+                    // blocks, and recomputes the prompt (from the prefix
+                    // cache where it is on) like a preempted sequence.
+                    None => c.num_computed = 0,
+                }
+                if c.on_logits(&self.engine, logits, self.config.max_model_len) {
+                    self.engine.model.release(&mut self.pool, &mut c.cache);
+                } else if has_cache {
+                    forked.push(c);
+                } else {
+                    unforked.push(c);
+                }
+            }
             if s.on_logits(&self.engine, logits, self.config.max_model_len) {
                 finished.push(idx);
             }
@@ -598,6 +657,12 @@ impl Scheduler {
         for idx in finished.into_iter().rev() {
             let mut s = self.running.remove(idx);
             self.engine.model.release(&mut self.pool, &mut s.cache);
+        }
+        self.running.extend(forked);
+        self.waiting_count
+            .fetch_add(unforked.len(), Ordering::Relaxed);
+        for c in unforked.into_iter().rev() {
+            self.waiting.push_front(c);
         }
     }
 }
@@ -673,6 +738,7 @@ mod tests {
             stop_token_ids: vec![],
             ignore_eos: true,
             logprobs: None,
+            n: 1,
         }
     }
 
@@ -823,6 +889,7 @@ mod tests {
             stop_token_ids: vec![],
             ignore_eos: true,
             logprobs: None,
+            n: 1,
         }
     }
 
@@ -929,6 +996,98 @@ mod tests {
             16
         );
         assert_all_blocks_free(&cached, 12);
+    }
+
+    /// Each choice's tokens, until all `n` finish.
+    fn collect_n(mut rx: UnboundedReceiver<Event>, n: usize) -> Vec<Vec<u32>> {
+        let mut out = vec![Vec::new(); n];
+        let mut done = 0;
+        while done < n {
+            match rx.blocking_recv() {
+                Some(Event::Token {
+                    index, token_id, ..
+                }) => out[index].push(token_id),
+                Some(Event::Finished {
+                    index,
+                    completion_tokens,
+                    ..
+                }) => {
+                    assert_eq!(out[index].len(), completion_tokens);
+                    done += 1;
+                }
+                Some(Event::Error(e)) | Some(Event::Unavailable(e)) => panic!("failed: {e}"),
+                None => panic!("stream ended without finishing"),
+            }
+        }
+        out
+    }
+
+    fn computed(h: &SchedulerHandle) -> u64 {
+        h.stats().computed_tokens.load(Ordering::Relaxed)
+    }
+
+    #[test]
+    fn n_choices_compute_the_prompt_once_with_and_without_the_cache() {
+        let prompt = tokens(5, 37);
+        let plain = local_scheduler(false, 64, 4);
+        let want = run_one(&plain, greedy(prompt.clone(), 6));
+        assert_eq!(computed(&plain), 37 + 5);
+        for cache in [false, true] {
+            let h = local_scheduler(cache, 64, 4);
+            let mut req = greedy(prompt.clone(), 6);
+            req.n = 4;
+            let got = collect_n(h.submit(req).expect("submit"), 4);
+            assert_eq!(got, vec![want.clone(); 4], "cache {cache}");
+            // The prompt once, then 5 decodes per choice (each choice's first
+            // token comes from the prompt's logits): 57 instead of 4 · 42.
+            assert_eq!(computed(&h), 37 + 4 * 5, "cache {cache}");
+            assert_all_blocks_free(&h, 64);
+        }
+    }
+
+    #[test]
+    fn seeded_choices_differ_and_each_is_the_n_1_request_with_seed_plus_index() {
+        let h = local_scheduler(true, 64, 4);
+        let sampled = |seed: u64, n: usize| {
+            let mut req = greedy(tokens(6, 9), 12);
+            req.sampling.temperature = 1.0;
+            req.sampling.seed = Some(seed);
+            req.n = n;
+            req
+        };
+        let got = collect_n(h.submit(sampled(11, 3)).expect("submit"), 3);
+        assert_ne!(got[0], got[1]);
+        assert_ne!(got[1], got[2]);
+        assert_eq!(collect_n(h.submit(sampled(11, 3)).expect("submit"), 3), got);
+        for (i, g) in got.iter().enumerate() {
+            assert_eq!(&run_one(&h, sampled(11 + i as u64, 1)), g, "choice {i}");
+        }
+        assert_all_blocks_free(&h, 64);
+    }
+
+    #[test]
+    fn n_choices_under_preemption_and_few_batch_slots_match_greedy() {
+        let prompt = tokens(7, 27);
+        let plain = local_scheduler(false, 64, 1);
+        let want = run_one(&plain, greedy(prompt.clone(), 16));
+        // 16 blocks of 4: four choices of 27 + 16 tokens sharing 6 prompt
+        // blocks need 6 + 4 · 5 = 26: some are preempted. With 2 batch slots
+        // two choices start without blocks and recompute.
+        for (cache, max_seqs) in [(false, 4), (true, 4), (false, 2), (true, 2)] {
+            let h = local_scheduler(cache, 16, max_seqs);
+            let mut req = greedy(prompt.clone(), 16);
+            req.n = 4;
+            let got = collect_n(h.submit(req).expect("submit"), 4);
+            assert_eq!(
+                got,
+                vec![want.clone(); 4],
+                "cache {cache}, {max_seqs} slots"
+            );
+            if max_seqs == 4 {
+                assert!(h.stats().preemptions.load(Ordering::Relaxed) > 0);
+            }
+            assert_all_blocks_free(&h, 16);
+        }
     }
 
     #[test]

@@ -15,6 +15,11 @@ use crate::metrics as m;
 
 pub(super) struct Seq {
     pub id: u64,
+    /// Which of the request's `n` choices this is.
+    pub index: usize,
+    /// Choices still to be forked from this one once its prompt is computed
+    /// (`n - 1` for choice 0 until then, else 0).
+    pub pending_forks: usize,
     pub req: Request,
     /// Prompt then generated tokens.
     pub tokens: Vec<u32>,
@@ -38,6 +43,8 @@ impl Seq {
     pub fn new(id: u64, req: Request, tx: UnboundedSender<Event>) -> Self {
         Seq {
             id,
+            index: 0,
+            pending_forks: req.n.saturating_sub(1),
             tokens: req.prompt_token_ids.clone(),
             num_computed: 0,
             step_take: 0,
@@ -49,6 +56,31 @@ impl Seq {
             first_token: None,
             preemptions: 0,
             degraded: None,
+            req,
+        }
+    }
+
+    /// Choice `index` of the same request, before its first token: the
+    /// prompt, its own sampler (`seed + index`), no KV yet (the caller forks
+    /// the prompt's blocks or lets it recompute them).
+    pub fn child(&self, index: usize) -> Self {
+        let mut req = self.req.clone();
+        req.sampling = self.req.sampling.for_choice(index);
+        Seq {
+            id: self.id,
+            index,
+            pending_forks: 0,
+            tokens: req.prompt_token_ids.clone(),
+            num_computed: 0,
+            step_take: 0,
+            cache: SeqCache::new(),
+            sampler: Sampler::new(req.sampling.clone()),
+            text: TextStream::new(&req.prompt_token_ids, &req.stop),
+            tx: self.tx.clone(),
+            arrived: self.arrived,
+            first_token: None,
+            preemptions: 0,
+            degraded: self.degraded.clone(),
             req,
         }
     }
@@ -81,7 +113,9 @@ impl Seq {
         let now = Instant::now();
         if self.first_token.is_none() {
             self.first_token = Some(now);
-            m::ttft(now.duration_since(self.arrived).as_secs_f64());
+            if self.index == 0 {
+                m::ttft(now.duration_since(self.arrived).as_secs_f64());
+            }
         }
         let n_gen = self.generated().len();
         let is_eos = !self.req.ignore_eos && engine.eos_ids().contains(&tok);
@@ -112,6 +146,7 @@ impl Seq {
             }
         }
         let _ = self.tx.send(Event::Token {
+            index: self.index,
             token_id: tok,
             text,
             logprob,
@@ -119,6 +154,7 @@ impl Seq {
         match reason {
             Some(reason) => {
                 let _ = self.tx.send(Event::Finished {
+                    index: self.index,
                     reason,
                     prompt_tokens: n_prompt,
                     completion_tokens: n_gen,
@@ -126,6 +162,11 @@ impl Seq {
                 });
                 if self.degraded.is_some() {
                     metrics::counter!("epserve_degraded_requests_total").increment(1);
+                }
+                if self.index > 0 {
+                    // The request (its prompt, latency) is counted by choice 0.
+                    metrics::counter!("epserve_generation_tokens_total").increment(n_gen as u64);
+                    return true;
                 }
                 let e2e = now.duration_since(self.arrived).as_secs_f64();
                 let ttft = self

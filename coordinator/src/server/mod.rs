@@ -347,6 +347,7 @@ async fn run(
     kind: response::Kind,
 ) -> Result<Response, ApiError> {
     let n_prompt = parsed.request.prompt_token_ids.len();
+    let n = parsed.request.n;
     let rx = ready
         .scheduler
         .submit(parsed.request)
@@ -363,6 +364,7 @@ async fn run(
         model,
         kind,
         n_prompt,
+        n,
         created: unix_now(),
         id: response::new_id(kind),
     };

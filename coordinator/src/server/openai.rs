@@ -52,6 +52,12 @@ pub struct SamplingFields {
     pub stream: Option<bool>,
     pub stream_options: Option<StreamOptions>,
     pub user: Option<String>,
+    /// OpenAI's: token id (as a string) → bias in [-100, 100].
+    pub logit_bias: Option<std::collections::HashMap<String, f64>>,
+    /// vLLM's: only these tokens can be sampled.
+    pub allowed_token_ids: Option<Vec<i64>>,
+    /// vLLM's: words whose token sequences may not be generated.
+    pub bad_words: Option<Vec<String>>,
 }
 
 /// `POST /v1/completions`.
@@ -169,6 +175,13 @@ pub struct Limits {
 /// Most `stop_token_ids` per request.
 pub const MAX_STOP_TOKEN_IDS: usize = 256;
 
+/// Most completions per request (`n`).
+pub const MAX_N: usize = 16;
+
+/// Most `bad_words` per request, and the longest one in bytes.
+pub const MAX_BAD_WORDS: usize = 256;
+pub const MAX_BAD_WORD_BYTES: usize = 1024;
+
 impl Limits {
     /// Refuses prompt text over the byte cap before any tokenizer runs.
     fn check_prompt_bytes(&self, param: &str, n: usize) -> Result<(), ApiError> {
@@ -185,26 +198,159 @@ impl Limits {
     }
 }
 
+/// `n` (1 to [`MAX_N`]) and `best_of`, which, as in vLLM V1, may only equal `n`.
+fn choices(f: &SamplingFields) -> Result<usize, ApiError> {
+    let n = match f.n {
+        None => 1,
+        Some(n) if n < 1 || n > MAX_N as i64 => {
+            return Err(ApiError::bad_param(
+                "n",
+                format!("n must be between 1 and {MAX_N}, got {n}"),
+            ));
+        }
+        Some(n) => n as usize,
+    };
+    if let Some(b) = f.best_of
+        && b != n as i64
+    {
+        return Err(ApiError::bad_param(
+            "best_of",
+            format!(
+                "best_of must equal n ({n}), got {b}: choosing the best of more samples is not supported (as in vLLM V1)"
+            ),
+        ));
+    }
+    Ok(n)
+}
+
+/// `logit_bias` keys as token ids below `vocab`.
+fn logit_bias(f: &SamplingFields, vocab: usize) -> Result<Vec<(u32, f32)>, ApiError> {
+    let Some(m) = &f.logit_bias else {
+        return Ok(Vec::new());
+    };
+    let mut out = Vec::with_capacity(m.len());
+    for (k, &b) in m {
+        let t = k
+            .trim()
+            .parse::<u32>()
+            .ok()
+            .filter(|&t| (t as usize) < vocab)
+            .ok_or_else(|| {
+                ApiError::bad_param(
+                    "logit_bias",
+                    format!("logit_bias key '{k}' is not a token id in the vocabulary of {vocab}"),
+                )
+            })?;
+        if !(-100.0..=100.0).contains(&b) {
+            return Err(ApiError::bad_param(
+                "logit_bias",
+                format!("logit_bias must be in [-100, 100], got {b} for token {t}"),
+            ));
+        }
+        out.push((t, b as f32));
+    }
+    // Reproducible order (the map's is not).
+    out.sort_by_key(|&(t, _)| t);
+    Ok(out)
+}
+
+fn allowed_token_ids(f: &SamplingFields, vocab: usize) -> Result<Option<Vec<u32>>, ApiError> {
+    let Some(v) = &f.allowed_token_ids else {
+        return Ok(None);
+    };
+    if v.is_empty() {
+        return Err(ApiError::bad_param(
+            "allowed_token_ids",
+            "allowed_token_ids must not be empty",
+        ));
+    }
+    v.iter()
+        .map(|&t| {
+            u32::try_from(t)
+                .ok()
+                .filter(|&t| (t as usize) < vocab)
+                .ok_or_else(|| {
+                    ApiError::bad_param(
+                        "allowed_token_ids",
+                        format!(
+                            "allowed_token_ids: token id {t} is out of range for a vocabulary of {vocab}"
+                        ),
+                    )
+                })
+        })
+        .collect::<Result<Vec<u32>, _>>()
+        .map(Some)
+}
+
+/// `bad_words` as token sequences, as vLLM tokenizes them: each word (leading
+/// spaces stripped) without and with a leading space, the latter kept when it
+/// is a different sequence of the same length (a word at the start of the
+/// text and one after a space).
+fn bad_words(engine: &Engine, f: &SamplingFields, vocab: usize) -> Result<Vec<Vec<u32>>, ApiError> {
+    let Some(words) = &f.bad_words else {
+        return Ok(Vec::new());
+    };
+    if words.len() > MAX_BAD_WORDS {
+        return Err(ApiError::bad_param(
+            "bad_words",
+            format!(
+                "at most {MAX_BAD_WORDS} bad words may be given, got {}",
+                words.len()
+            ),
+        ));
+    }
+    let mut out: Vec<Vec<u32>> = Vec::new();
+    for (i, w) in words.iter().enumerate() {
+        if w.len() > MAX_BAD_WORD_BYTES {
+            return Err(ApiError::bad_param(
+                "bad_words",
+                format!(
+                    "bad word {i} is {} bytes, over the limit of {MAX_BAD_WORD_BYTES} bytes",
+                    w.len()
+                ),
+            ));
+        }
+        let word = w.trim_start();
+        if word.is_empty() {
+            return Err(ApiError::bad_param(
+                "bad_words",
+                format!("bad word {i} is empty"),
+            ));
+        }
+        let encode = |s: &str| {
+            engine
+                .tokenizer
+                .encode(s, false)
+                .map_err(|e| ApiError::internal(e.to_string()))
+        };
+        let plain = encode(word)?;
+        let spaced = encode(&format!(" {word}"))?;
+        for ids in [&plain, &spaced] {
+            if let Some(bad) = ids.iter().find(|&&t| t as usize >= vocab) {
+                return Err(ApiError::bad_param(
+                    "bad_words",
+                    format!(
+                        "bad word {i} has token id {bad}, out of range for a vocabulary of {vocab}"
+                    ),
+                ));
+            }
+        }
+        if plain.is_empty() {
+            continue;
+        }
+        let keep_spaced = spaced.len() == plain.len() && spaced.first() != plain.first();
+        out.push(plain);
+        if keep_spaced {
+            out.push(spaced);
+        }
+    }
+    Ok(out)
+}
+
 fn sampling(
     engine: &Engine,
     f: &SamplingFields,
 ) -> Result<epserve_core::sampling::SamplingParams, ApiError> {
-    if let Some(n) = f.n
-        && n != 1
-    {
-        return Err(ApiError::bad_param(
-            "n",
-            format!("only n = 1 is supported, got {n}"),
-        ));
-    }
-    if let Some(b) = f.best_of
-        && b != 1
-    {
-        return Err(ApiError::bad_param(
-            "best_of",
-            format!("only best_of = 1 is supported, got {b}"),
-        ));
-    }
     // vLLM's defaults: the model's generation_config, else OpenAI's (temperature 1).
     let g = &engine.generation;
     let mut p = epserve_core::sampling::SamplingParams {
@@ -243,6 +389,10 @@ fn sampling(
         p.presence_penalty = v;
     }
     p.seed = f.seed.map(|s| s as u64);
+    let vocab = engine.model.config.vocab_size;
+    p.logit_bias = logit_bias(f, vocab)?;
+    p.allowed_token_ids = allowed_token_ids(f, vocab)?;
+    p.bad_words = bad_words(engine, f, vocab)?;
     p.validate().map_err(|e| {
         let msg = e.to_string().replace("invalid input: ", "");
         // The message starts with the field's name ("top_p must be ...").
@@ -368,6 +518,7 @@ fn finish(
             stop_token_ids: stop_token_ids(f, vocab)?,
             ignore_eos: f.ignore_eos.unwrap_or(false),
             logprobs,
+            n: choices(f)?,
         },
         stream: f.stream.unwrap_or(false),
         include_usage: f

@@ -28,6 +28,8 @@ pub struct Ctx {
     pub model: String,
     pub kind: Kind,
     pub n_prompt: usize,
+    /// Choices the request asked for (`n`).
+    pub n: usize,
     pub created: u64,
     pub id: String,
 }
@@ -101,6 +103,7 @@ impl Logprobs {
 
 fn choice(
     ctx: &Ctx,
+    index: usize,
     text: &str,
     logprobs: Option<Value>,
     finish: Option<&str>,
@@ -108,7 +111,7 @@ fn choice(
 ) -> Value {
     match ctx.kind {
         Kind::Completion => {
-            json!({"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish})
+            json!({"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish})
         }
         Kind::Chat => {
             let mut delta = serde_json::Map::new();
@@ -118,7 +121,7 @@ fn choice(
             if !text.is_empty() || (first && finish.is_none()) {
                 delta.insert("content".into(), json!(text));
             }
-            json!({"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish})
+            json!({"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish})
         }
     }
 }
@@ -140,7 +143,10 @@ struct StreamState {
     rx: UnboundedReceiver<Event>,
     pending: VecDeque<String>,
     done: bool,
-    first: bool,
+    /// Per choice: nothing sent for it yet.
+    first: Vec<bool>,
+    /// Choices finished so far, and their completion tokens.
+    finished: usize,
     include_usage: bool,
     n_gen: usize,
 }
@@ -149,11 +155,12 @@ struct StreamState {
 /// receiver, which cancels the request.
 pub fn stream(ctx: Ctx, rx: UnboundedReceiver<Event>, include_usage: bool) -> Response {
     let st = StreamState {
+        first: vec![true; ctx.n.max(1)],
         ctx,
         rx,
         pending: VecDeque::new(),
         done: false,
-        first: true,
+        finished: 0,
         include_usage,
         n_gen: 0,
     };
@@ -166,41 +173,56 @@ pub fn stream(ctx: Ctx, rx: UnboundedReceiver<Event>, include_usage: bool) -> Re
                 return None;
             }
             match st.rx.recv().await {
-                Some(Event::Token { text, logprob, .. }) => {
-                    st.n_gen += 1;
+                Some(Event::Token {
+                    index,
+                    text,
+                    logprob,
+                    ..
+                }) => {
+                    let Some(first) = st.first.get_mut(index) else {
+                        continue;
+                    };
+                    let was_first = std::mem::replace(first, false);
                     let lp = logprob.map(|lp| {
                         let mut l = Logprobs::default();
                         l.push(&st.ctx.engine, &lp, 0);
                         l.to_json(st.ctx.kind)
                     });
-                    if text.is_empty() && lp.is_none() && !st.first {
+                    if text.is_empty() && lp.is_none() && !was_first {
                         continue;
                     }
-                    let c = choice(&st.ctx, &text, lp, None, st.first);
-                    st.first = false;
+                    let c = choice(&st.ctx, index, &text, lp, None, was_first);
                     st.pending
                         .push_back(chunk(&st.ctx, vec![c], None).to_string());
                 }
                 Some(Event::Finished {
+                    index,
                     reason,
-                    prompt_tokens,
                     completion_tokens,
                     degraded,
+                    ..
                 }) => {
-                    let c = choice(&st.ctx, "", None, Some(reason.as_str()), st.first);
+                    let was_first = st
+                        .first
+                        .get_mut(index)
+                        .map(|f| std::mem::replace(f, false))
+                        .unwrap_or(false);
+                    let c = choice(&st.ctx, index, "", None, Some(reason.as_str()), was_first);
                     let mut last = chunk(&st.ctx, vec![c], None);
                     if let Some(why) = degraded {
                         last["degraded"] = degraded_json(&why);
                     }
                     st.pending.push_back(last.to_string());
+                    st.n_gen += completion_tokens;
+                    st.finished += 1;
+                    if st.finished < st.ctx.n {
+                        continue;
+                    }
+                    // Usage counts the prompt once and every choice's tokens.
                     if st.include_usage {
                         st.pending.push_back(
-                            chunk(
-                                &st.ctx,
-                                vec![],
-                                Some(usage(prompt_tokens, completion_tokens)),
-                            )
-                            .to_string(),
+                            chunk(&st.ctx, vec![], Some(usage(st.ctx.n_prompt, st.n_gen)))
+                                .to_string(),
                         );
                     }
                     st.pending.push_back("[DONE]".into());
@@ -231,25 +253,51 @@ pub fn stream(ctx: Ctx, rx: UnboundedReceiver<Event>, include_usage: bool) -> Re
 
 /// Waits for the whole completion and returns one JSON body.
 pub async fn collect(ctx: Ctx, mut rx: UnboundedReceiver<Event>) -> Result<Response, ApiError> {
-    let mut text = String::new();
-    let mut lps: Option<Logprobs> = None;
-    let (finish, n_gen, degraded): (FinishReason, usize, Option<String>) = loop {
+    /// One choice as it accumulates.
+    #[derive(Default)]
+    struct Acc {
+        text: String,
+        lps: Option<Logprobs>,
+        finish: Option<FinishReason>,
+    }
+    let mut acc: Vec<Acc> = (0..ctx.n.max(1)).map(|_| Acc::default()).collect();
+    let (mut n_gen, mut finished, mut degraded) = (0usize, 0usize, None::<String>);
+    while finished < acc.len() {
         match rx.recv().await {
             Some(Event::Token {
-                text: t, logprob, ..
+                index,
+                text: t,
+                logprob,
+                ..
             }) => {
+                let Some(a) = acc.get_mut(index) else {
+                    continue;
+                };
                 if let Some(lp) = logprob {
-                    lps.get_or_insert_with(Logprobs::default)
-                        .push(&ctx.engine, &lp, text.len());
+                    a.lps.get_or_insert_with(Logprobs::default).push(
+                        &ctx.engine,
+                        &lp,
+                        a.text.len(),
+                    );
                 }
-                text.push_str(&t);
+                a.text.push_str(&t);
             }
             Some(Event::Finished {
+                index,
                 reason,
                 completion_tokens,
-                degraded,
+                degraded: d,
                 ..
-            }) => break (reason, completion_tokens, degraded),
+            }) => {
+                if let Some(a) = acc.get_mut(index)
+                    && a.finish.is_none()
+                {
+                    a.finish = Some(reason);
+                    n_gen += completion_tokens;
+                    finished += 1;
+                    degraded = degraded.or(d);
+                }
+            }
             // The scheduler counted these requests already.
             Some(Event::Error(msg)) => return Err(ApiError::internal(msg).counted()),
             Some(Event::Unavailable(msg)) => {
@@ -261,22 +309,31 @@ pub async fn collect(ctx: Ctx, mut rx: UnboundedReceiver<Event>) -> Result<Respo
                 ));
             }
         }
-    };
-    let lp = lps.map(|l| l.to_json(ctx.kind));
-    let choice = match ctx.kind {
-        Kind::Completion => {
-            json!({"index": 0, "text": text, "logprobs": lp, "finish_reason": finish.as_str()})
-        }
-        Kind::Chat => json!({"index": 0, "message": {"role": "assistant", "content": text},
-                             "logprobs": lp, "finish_reason": finish.as_str()}),
-    };
+    }
+    let choices: Vec<Value> = acc
+        .into_iter()
+        .enumerate()
+        .map(|(index, a)| {
+            let lp = a.lps.map(|l| l.to_json(ctx.kind));
+            let finish = a.finish.map(|f| f.as_str());
+            match ctx.kind {
+                Kind::Completion => {
+                    json!({"index": index, "text": a.text, "logprobs": lp, "finish_reason": finish})
+                }
+                Kind::Chat => {
+                    json!({"index": index, "message": {"role": "assistant", "content": a.text},
+                           "logprobs": lp, "finish_reason": finish})
+                }
+            }
+        })
+        .collect();
     let object = match ctx.kind {
         Kind::Completion => "text_completion",
         Kind::Chat => "chat.completion",
     };
     let mut body = json!({
         "id": ctx.id, "object": object, "created": ctx.created, "model": ctx.model,
-        "choices": [choice], "usage": usage(ctx.n_prompt, n_gen),
+        "choices": choices, "usage": usage(ctx.n_prompt, n_gen),
     });
     if let Some(why) = degraded {
         body["degraded"] = degraded_json(&why);

@@ -112,6 +112,14 @@ impl KvData {
             KvData::Bf16(v) => KvRows::Bf16(v),
         }
     }
+    /// Copies `rows` rows of `width` elements from row `from` to row `to`.
+    fn copy_rows(&mut self, from: usize, to: usize, rows: usize, width: usize) {
+        let (src, n) = (from * width, rows * width);
+        match self {
+            KvData::F32(v) => v.copy_within(src..src + n, to * width),
+            KvData::Bf16(v) => v.copy_within(src..src + n, to * width),
+        }
+    }
     /// Writes `src` at element `off` (bf16 rounded to nearest even).
     pub fn write(&mut self, off: usize, src: &[f32]) {
         match self {
@@ -481,6 +489,40 @@ impl KvPool {
         }
     }
 
+    /// A copy of `seq` for another sample of the same prompt (`n` > 1) that
+    /// shares its keys/values: its full blocks are shared (reference-counted;
+    /// a full block is never written again), a partial last block is copied
+    /// into a fresh block, and blocks reserved past its length are not taken.
+    /// Works with or without prefix caching. `None` (nothing taken) when no
+    /// block is free for the copy.
+    pub fn fork(&mut self, seq: &SeqCache) -> Option<SeqCache> {
+        let bs = self.block_size;
+        let full = (seq.len / bs).min(seq.blocks.len());
+        let partial = seq.len - full * bs;
+        let mut child = SeqCache::new();
+        if partial > 0 {
+            let src = *seq.blocks.get(full)?;
+            let dst = self.take_block()?;
+            for l in &mut self.layers {
+                let (kw, vw) = (l.k_width, l.v_width);
+                l.k.copy_rows(src as usize * bs, dst as usize * bs, partial, kw);
+                l.v.copy_rows(src as usize * bs, dst as usize * bs, partial, vw);
+            }
+            child.blocks.extend_from_slice(&seq.blocks[..full]);
+            child.blocks.push(dst);
+        } else {
+            child.blocks.extend_from_slice(&seq.blocks[..full]);
+        }
+        for &b in &seq.blocks[..full] {
+            self.refs[b as usize] += 1;
+        }
+        child.len = seq.len;
+        child.hashes = seq.hashes.clone();
+        child.tail = seq.tail.clone();
+        child.no_cache = seq.no_cache;
+        Some(child)
+    }
+
     /// Returns all of a sequence's blocks to the pool and empties it. Its
     /// last blocks are released first, so the LRU evicts a chain's tail
     /// before its head.
@@ -528,6 +570,79 @@ mod tests {
         assert_eq!(p.free_blocks(), 3);
         p.reserve(&mut b, 5).expect("fits after release");
         assert_eq!(p.row(&b, 5), b.blocks()[1] as usize * 4 + 1);
+    }
+
+    #[test]
+    fn a_fork_shares_full_blocks_and_copies_the_partial_one() {
+        for caching in [false, true] {
+            let mut p = KvPool::new(&[(2, 2)], 4, 4, KvDtype::F32);
+            if caching {
+                p.enable_prefix_caching("test-model");
+            }
+            let toks: Vec<u32> = (0..6).collect();
+            let mut a = SeqCache::new();
+            p.reserve(&mut a, 6).expect("fits");
+            for pos in 0..6 {
+                let r = p.row(&a, pos);
+                p.layer_mut(0).k.write(r * 2, &[pos as f32, 1.0]);
+                p.layer_mut(0).v.write(r * 2, &[-(pos as f32), 2.0]);
+            }
+            p.advance(&mut a, &toks);
+            let mut b = p.fork(&a).expect("a free block for the copy");
+            assert_eq!(b.len(), 6);
+            assert_ne!(b.id(), a.id());
+            assert_eq!(b.blocks()[0], a.blocks()[0], "full block shared");
+            assert_ne!(b.blocks()[1], a.blocks()[1], "partial block copied");
+            assert_eq!(p.free_blocks(), 1);
+            let rows = |p: &KvPool, s: &SeqCache| -> Vec<f32> {
+                let KvRows::F32(k) = p.layer(0).k.rows() else {
+                    unreachable!()
+                };
+                let KvRows::F32(v) = p.layer(0).v.rows() else {
+                    unreachable!()
+                };
+                (0..6)
+                    .flat_map(|pos| {
+                        let r = p.row(s, pos);
+                        [k[r * 2], k[r * 2 + 1], v[r * 2], v[r * 2 + 1]]
+                    })
+                    .collect()
+            };
+            assert_eq!(rows(&p, &a), rows(&p, &b));
+            // Each grows on its own: writes past the shared prefix do not meet.
+            p.reserve(&mut a, 7).expect("fits");
+            p.reserve(&mut b, 7).expect("fits");
+            let (ra, rb) = (p.row(&a, 6), p.row(&b, 6));
+            assert_ne!(ra, rb);
+            p.advance(&mut a, &[6]);
+            p.advance(&mut b, &[9]);
+            if caching {
+                assert_eq!(b.hashes.len(), 1);
+                assert_eq!(b.tail, vec![4, 5, 9]);
+            }
+            // No free block for a copy: nothing is taken.
+            let mut c = p.fork(&a).expect("the last block");
+            assert_eq!(p.free_blocks(), 0);
+            assert!(p.fork(&a).is_none());
+            assert_eq!(p.free_blocks(), 0);
+            p.release(&mut a);
+            p.release(&mut c);
+            assert_eq!(p.free_blocks(), 2);
+            p.release(&mut b);
+            assert_eq!(p.free_blocks(), 4, "caching {caching}");
+        }
+        // A fork of a sequence ending on a block boundary copies nothing.
+        let mut p = KvPool::new(&[(2, 2)], 4, 3, KvDtype::F32);
+        let mut a = SeqCache::new();
+        p.reserve(&mut a, 8).expect("fits");
+        p.advance(&mut a, &[0; 8]);
+        let mut b = p.fork(&a).expect("nothing to copy");
+        assert_eq!(b.blocks(), a.blocks());
+        assert_eq!(p.free_blocks(), 1);
+        p.release(&mut a);
+        assert_eq!(p.free_blocks(), 1);
+        p.release(&mut b);
+        assert_eq!(p.free_blocks(), 3);
     }
 
     /// A caching pool of `n` blocks of 4 positions.
