@@ -52,6 +52,8 @@ pub struct SamplingFields {
     pub stream: Option<bool>,
     pub stream_options: Option<StreamOptions>,
     pub user: Option<String>,
+    /// vLLM's per-request prefix cache salt.
+    pub cache_salt: Option<String>,
 }
 
 /// `POST /v1/completions`.
@@ -168,6 +170,28 @@ pub struct Limits {
 
 /// Most `stop_token_ids` per request.
 pub const MAX_STOP_TOKEN_IDS: usize = 256;
+
+/// Longest `cache_salt`, in bytes.
+pub const MAX_CACHE_SALT_BYTES: usize = 1024;
+
+/// `cache_salt`: a non-empty string of at most [`MAX_CACHE_SALT_BYTES`].
+fn cache_salt(f: &SamplingFields) -> Result<Option<String>, ApiError> {
+    match &f.cache_salt {
+        None => Ok(None),
+        Some(s) if s.is_empty() => Err(ApiError::bad_param(
+            "cache_salt",
+            "cache_salt must be a non-empty string",
+        )),
+        Some(s) if s.len() > MAX_CACHE_SALT_BYTES => Err(ApiError::bad_param(
+            "cache_salt",
+            format!(
+                "cache_salt is {} bytes, over the limit of {MAX_CACHE_SALT_BYTES}",
+                s.len()
+            ),
+        )),
+        Some(s) => Ok(Some(s.clone())),
+    }
+}
 
 impl Limits {
     /// Refuses prompt text over the byte cap before any tokenizer runs.
@@ -368,6 +392,7 @@ fn finish(
             stop_token_ids: stop_token_ids(f, vocab)?,
             ignore_eos: f.ignore_eos.unwrap_or(false),
             logprobs,
+            cache_salt: cache_salt(f)?,
         },
         stream: f.stream.unwrap_or(false),
         include_usage: f
