@@ -615,7 +615,10 @@ fn sharegpt_and_prefix_datasets_against_the_mock() {
         assert_eq!(bodies.len(), 6);
         for b in bodies.iter() {
             let p = b["prompt"].as_str().expect("prompt");
-            assert!(prompts.iter().any(|q| q == p), "not a first human turn: {p}");
+            assert!(
+                prompts.iter().any(|q| q == p),
+                "not a first human turn: {p}"
+            );
             // The gpt reply's token count (at least 4, as vLLM's filter).
             assert!(b["max_tokens"].as_u64().is_some_and(|n| n >= 4), "{b}");
             // Replies may end early: no ignore_eos unless asked.
@@ -645,7 +648,10 @@ fn sharegpt_and_prefix_datasets_against_the_mock() {
     assert!(again.status.success());
     {
         let bodies = seen.bodies.lock().expect("lock");
-        let mut a: Vec<String> = bodies[6..].iter().map(|b| b["prompt"].to_string()).collect();
+        let mut a: Vec<String> = bodies[6..]
+            .iter()
+            .map(|b| b["prompt"].to_string())
+            .collect();
         let mut f = firsts.clone();
         a.sort();
         f.sort();
@@ -702,7 +708,10 @@ fn sharegpt_and_prefix_datasets_against_the_mock() {
         let partners = ps.iter().filter(|q| common(p, q) >= 40).count();
         assert_eq!(partners, 4, "{ps:?}");
     }
-    assert!(new.iter().all(|b| b["max_tokens"] == 3 && b["ignore_eos"] == true));
+    assert!(
+        new.iter()
+            .all(|b| b["max_tokens"] == 3 && b["ignore_eos"] == true)
+    );
 }
 
 /// Both datasets against a real server on a fixture (briefly): every request

@@ -569,11 +569,19 @@ mod tests {
         assert_eq!(reqs[1].request_id, "r-1");
         reqs.sort_by(|x, y| x.prompt.cmp(&y.prompt));
         assert_eq!(
-            (reqs[0].prompt.as_str(), reqs[0].prompt_len, reqs[0].expected_output_len),
+            (
+                reqs[0].prompt.as_str(),
+                reqs[0].prompt_len,
+                reqs[0].expected_output_len
+            ),
             ("bcdefg", 6, 9)
         );
         assert_eq!(
-            (reqs[1].prompt.as_str(), reqs[1].prompt_len, reqs[1].expected_output_len),
+            (
+                reqs[1].prompt.as_str(),
+                reqs[1].prompt_len,
+                reqs[1].expected_output_len
+            ),
             ("qrstu", 5, 4)
         );
         // A fixed output length; fewer prompts than asked is not an error.
@@ -605,8 +613,14 @@ mod tests {
             output_len: None,
         };
         let a = sample_sharegpt(&Letters, &text, &p(0), "").expect("sample");
-        assert_eq!(a, sample_sharegpt(&Letters, &text, &p(0), "").expect("sample"));
-        assert_ne!(a, sample_sharegpt(&Letters, &text, &p(1), "").expect("sample"));
+        assert_eq!(
+            a,
+            sample_sharegpt(&Letters, &text, &p(0), "").expect("sample")
+        );
+        assert_ne!(
+            a,
+            sample_sharegpt(&Letters, &text, &p(1), "").expect("sample")
+        );
     }
 
     #[test]
@@ -630,7 +644,10 @@ mod tests {
         }
         assert_eq!(groups.len(), 3);
         assert!(groups.values().all(|&n| n == 4), "{groups:?}");
-        assert_eq!(reqs, sample_prefix_repetition(&Letters, &p, "x").expect("sample"));
+        assert_eq!(
+            reqs,
+            sample_prefix_repetition(&Letters, &p, "x").expect("sample")
+        );
         assert!(
             sample_prefix_repetition(
                 &Letters,

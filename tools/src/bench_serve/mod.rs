@@ -464,9 +464,7 @@ async fn run_async(args: &BenchServeArgs) -> Result<()> {
                 prefix_len: args.prefix_repetition_prefix_len,
                 suffix_len: args.prefix_repetition_suffix_len,
                 num_prefixes: args.prefix_repetition_num_prefixes,
-                output_len: args
-                    .output_len
-                    .unwrap_or(args.prefix_repetition_output_len),
+                output_len: args.output_len.unwrap_or(args.prefix_repetition_output_len),
                 seed: args.seed,
             };
             dataset::sample_prefix_repetition(&tokenizer, &params, &id_prefix)?
