@@ -90,7 +90,17 @@ impl AttentionWorker {
                     c.seq_id
                 ));
             }
+            if c.blocks.len() > MAX_POSITIONS {
+                return bad(format!(
+                    "sequence {} has a block table of {} blocks, beyond the limit of {MAX_POSITIONS}",
+                    c.seq_id,
+                    c.blocks.len()
+                ));
+            }
             rows += c.len as usize;
+        }
+        if r.kv_block_size == 0 && !r.seqs.is_empty() {
+            return bad("kv_block_size must be positive".into());
         }
         if rows != hidden.rows as usize {
             return bad(format!(
@@ -106,6 +116,8 @@ impl AttentionWorker {
                 id: c.seq_id,
                 past: c.past as usize,
                 len: c.len as usize,
+                blocks: c.blocks.clone(),
+                block_size: r.kv_block_size as usize,
             })
             .collect();
         Ok((x, chunks))
@@ -242,10 +254,12 @@ mod tests {
                 seq_id: 7,
                 past: 0,
                 len: 3,
+                blocks: vec![2],
             }],
             hidden: Some(wire::encode(&x, 3, h, Dtype::F32)),
             release_first: vec![],
             output_dtype: Dtype::F32 as i32,
+            kv_block_size: 4,
         }
     }
 
@@ -302,11 +316,13 @@ mod tests {
                             seq_id: 7,
                             past: 0,
                             len: 1,
+                            blocks: vec![2],
                         },
                         WireChunk {
                             seq_id: 7,
                             past: 1,
                             len: 2,
+                            blocks: vec![2],
                         },
                     ];
                 }),
@@ -316,6 +332,14 @@ mod tests {
                 Box::new(|r| {
                     r.seqs[0].past = u32::MAX;
                 }),
+            ),
+            (
+                "kv_block_size must be positive",
+                Box::new(|r| r.kv_block_size = 0),
+            ),
+            (
+                "block table of",
+                Box::new(|r| r.seqs[0].blocks = vec![0; MAX_POSITIONS + 1]),
             ),
             (
                 "chunks hold 4 tokens",

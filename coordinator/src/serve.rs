@@ -121,7 +121,7 @@ pub struct ServeArgs {
     pub max_stop_string_bytes: usize,
     /// Turns automatic prefix caching off (on by default, as vLLM): full KV
     /// blocks are content-hashed and reused by later requests whose prompt
-    /// starts with the same tokens. Off by itself with attention-workers.
+    /// starts with the same tokens (with attention-workers too).
     #[arg(long, overrides_with = "enable_prefix_caching")]
     pub no_enable_prefix_caching: bool,
     /// Prefix caching on (the default; vLLM's flag, accepted for scripts).

@@ -13,6 +13,8 @@ use std::time::Duration;
 
 use serde_json::{Value, json};
 
+mod common;
+
 /// Delay before the first chunk.
 const TTFT: Duration = Duration::from_millis(40);
 /// Delay between chunks.
@@ -554,4 +556,227 @@ fn no_connection_reuse_opens_a_connection_per_request() {
     };
     assert_eq!(run(&[]), 1, "one request at a time reuses one connection");
     assert_eq!(run(&["--no-connection-reuse"]), 3);
+}
+
+fn sharegpt_fixture() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/sharegpt_sample.json")
+}
+
+/// The first human turn of every conversation of the ShareGPT sample.
+fn sharegpt_prompts() -> Vec<String> {
+    let v: Value = serde_json::from_str(
+        &std::fs::read_to_string(sharegpt_fixture()).expect("sharegpt sample"),
+    )
+    .expect("json");
+    v.as_array()
+        .expect("a list")
+        .iter()
+        .filter_map(|c| {
+            c["conversations"]
+                .as_array()?
+                .iter()
+                .find(|t| t["from"] == "human")?["value"]
+                .as_str()
+                .map(str::to_string)
+        })
+        .collect()
+}
+
+#[test]
+fn sharegpt_and_prefix_datasets_against_the_mock() {
+    let (url, seen) = mock_server();
+    let tok = fixture_tokenizer();
+    let sample = sharegpt_fixture();
+    let out = bench(&[
+        "--base-url",
+        &url,
+        "--model",
+        "m",
+        "--tokenizer",
+        tok.to_str().expect("utf-8 path"),
+        "--dataset-name",
+        "sharegpt",
+        "--dataset-path",
+        sample.to_str().expect("utf-8 path"),
+        "--num-prompts",
+        "6",
+        "--seed",
+        "3",
+    ]);
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "stdout:\n{stdout}\nstderr:\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let prompts = sharegpt_prompts();
+    let firsts: Vec<String> = {
+        let bodies = seen.bodies.lock().expect("lock");
+        assert_eq!(bodies.len(), 6);
+        for b in bodies.iter() {
+            let p = b["prompt"].as_str().expect("prompt");
+            assert!(
+                prompts.iter().any(|q| q == p),
+                "not a first human turn: {p}"
+            );
+            // The gpt reply's token count (at least 4, as vLLM's filter).
+            assert!(b["max_tokens"].as_u64().is_some_and(|n| n >= 4), "{b}");
+            // Replies may end early: no ignore_eos unless asked.
+            assert!(b.get("ignore_eos").is_none(), "{b}");
+        }
+        bodies.iter().map(|b| b["prompt"].to_string()).collect()
+    };
+    // The seed picks the same prompts again.
+    let again = bench(&[
+        "--base-url",
+        &url,
+        "--model",
+        "m",
+        "--tokenizer",
+        tok.to_str().expect("utf-8 path"),
+        "--dataset-name",
+        "sharegpt",
+        "--dataset-path",
+        sample.to_str().expect("utf-8 path"),
+        "--num-prompts",
+        "6",
+        "--seed",
+        "3",
+        "--sharegpt-output-len",
+        "5",
+    ]);
+    assert!(again.status.success());
+    {
+        let bodies = seen.bodies.lock().expect("lock");
+        let mut a: Vec<String> = bodies[6..]
+            .iter()
+            .map(|b| b["prompt"].to_string())
+            .collect();
+        let mut f = firsts.clone();
+        a.sort();
+        f.sort();
+        assert_eq!(a, f);
+        assert!(bodies[6..].iter().all(|b| b["max_tokens"] == 5));
+    }
+    // A missing file is a one-line error.
+    let missing = bench(&[
+        "--base-url",
+        &url,
+        "--model",
+        "m",
+        "--tokenizer",
+        tok.to_str().expect("utf-8 path"),
+        "--dataset-name",
+        "sharegpt",
+    ]);
+    assert!(!missing.status.success());
+    assert!(String::from_utf8_lossy(&missing.stderr).contains("--dataset-path"));
+
+    // prefix: 8 prompts over 2 shared prefixes, vLLM's flag names and ours.
+    let out = bench(&[
+        "--base-url",
+        &url,
+        "--model",
+        "m",
+        "--tokenizer",
+        tok.to_str().expect("utf-8 path"),
+        "--dataset-name",
+        "prefix",
+        "--prefix-len",
+        "48",
+        "--suffix-len",
+        "8",
+        "--prefix-repetition-num-prefixes",
+        "2",
+        "--output-len",
+        "3",
+        "--num-prompts",
+        "8",
+    ]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let bodies = seen.bodies.lock().expect("lock");
+    let new = &bodies[12..];
+    assert_eq!(new.len(), 8);
+    let ps: Vec<&str> = new.iter().filter_map(|b| b["prompt"].as_str()).collect();
+    let common = |a: &str, b: &str| a.bytes().zip(b.bytes()).take_while(|(x, y)| x == y).count();
+    for p in &ps {
+        // Each shares a long prefix with 3 others (its group of 4).
+        let partners = ps.iter().filter(|q| common(p, q) >= 40).count();
+        assert_eq!(partners, 4, "{ps:?}");
+    }
+    assert!(
+        new.iter()
+            .all(|b| b["max_tokens"] == 3 && b["ignore_eos"] == true)
+    );
+}
+
+/// Both datasets against a real server on a fixture (briefly): every request
+/// succeeds, and the prefix dataset hits the prefix cache.
+#[test]
+fn datasets_against_a_fixture_server() {
+    let server = common::Server::start("qwen3_moe_a", &["--block-size", "8"]);
+    let tok = fixture_tokenizer();
+    let sample = sharegpt_fixture();
+    let dir = tempfile::tempdir().expect("tempdir");
+    let result = dir.path().join("r.json");
+    let run = |extra: &[&str]| {
+        let mut a = vec![
+            "--base-url",
+            server.base.as_str(),
+            "--model",
+            "tiny",
+            "--tokenizer",
+            tok.to_str().expect("utf-8 path"),
+            "--temperature",
+            "0",
+            "--save-result",
+            result.to_str().expect("utf-8 path"),
+        ];
+        a.extend_from_slice(extra);
+        let out = bench(&a);
+        assert!(
+            out.status.success(),
+            "stdout:\n{}\nstderr:\n{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+        read_json(&result)
+    };
+    let r = run(&[
+        "--dataset-name",
+        "sharegpt",
+        "--dataset-path",
+        sample.to_str().expect("utf-8 path"),
+        "--num-prompts",
+        "4",
+        "--sharegpt-output-len",
+        "4",
+    ]);
+    assert_eq!(r["completed"], 4, "{r}");
+    let r = run(&[
+        "--dataset-name",
+        "prefix",
+        "--prefix-len",
+        "64",
+        "--suffix-len",
+        "8",
+        "--num-prefixes",
+        "1",
+        "--output-len",
+        "2",
+        "--num-prompts",
+        "4",
+        "--max-concurrency",
+        "1",
+    ]);
+    assert_eq!(r["completed"], 4, "{r}");
+    let hits = tokio::runtime::Runtime::new()
+        .expect("runtime")
+        .block_on(common::metric(&server, "epserve_prefix_cache_hits_total"));
+    // 3 of the 4 requests find the 64-token prefix (8 blocks) cached.
+    assert!(hits >= 3.0 * 56.0, "hits {hits}");
 }

@@ -569,3 +569,53 @@ async fn n_choices_and_logit_bias_allowed_tokens_bad_words() {
     let (tiny, _) = choices(&s, body(json!({"temperature": 1e-39}))).await;
     assert_eq!(tiny, one);
 }
+
+/// Prefix caching over HTTP with vLLM's `cache_salt`: a repeated prompt hits
+/// the cache and gives the same text; a salted one shares only with its own
+/// salt; an empty or over-long salt is a 400 naming the field.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cache_salt_separates_prefix_cache_hits() {
+    let s = Server::start("qwen3_moe_a", &["--block-size", "4"]);
+    let prompt: Vec<u32> = (0..30).map(|i| (i * 7 + 3) % 200).collect();
+    let body = |salt: Option<&str>| {
+        let mut v = json!({"model": "tiny", "prompt": prompt, "max_tokens": 6,
+            "temperature": 0, "ignore_eos": true});
+        if let Some(salt) = salt {
+            v["cache_salt"] = json!(salt);
+        }
+        v.to_string()
+    };
+    let hits = || metric(&s, "epserve_prefix_cache_hits_total");
+    let first = completion_text(&s, &body(None)).await;
+    let h0 = hits().await;
+    assert_eq!(completion_text(&s, &body(None)).await, first);
+    let h1 = hits().await;
+    assert!(h1 >= h0 + 28.0, "hits {h0} -> {h1}");
+    // A new salt misses, and the text is the same.
+    assert_eq!(completion_text(&s, &body(Some("user-a"))).await, first);
+    assert_eq!(hits().await, h1, "a salted request hit unsalted blocks");
+    assert_eq!(completion_text(&s, &body(Some("user-b"))).await, first);
+    assert_eq!(hits().await, h1, "two salts shared blocks");
+    assert_eq!(completion_text(&s, &body(Some("user-a"))).await, first);
+    assert!(hits().await >= h1 + 28.0, "the same salt shares");
+    // Chat requests take it too.
+    let chat = json!({"model": "tiny", "messages": [{"role": "user", "content": "hi"}],
+        "max_tokens": 2, "cache_salt": "user-a"})
+    .to_string();
+    let (status, _, text) = post(&s.url("/v1/chat/completions"), &chat, None).await;
+    assert_eq!(status, 200, "{text}");
+    let long = "x".repeat(1025);
+    for (salt, want) in [
+        (json!(""), "non-empty"),
+        (json!(long), "over the limit"),
+        (json!(7), "cache_salt"),
+    ] {
+        let mut v: Value = serde_json::from_str(&body(None)).expect("json");
+        v["cache_salt"] = salt;
+        let (status, _, text) = post(&s.url("/v1/completions"), &v.to_string(), None).await;
+        assert_eq!(status, 400, "{text}");
+        let e: Value = serde_json::from_str(&text).expect("json");
+        assert_eq!(e["error"]["param"], "cache_salt", "{text}");
+        assert!(text.contains(want), "{text}");
+    }
+}

@@ -519,6 +519,11 @@ async fn attention_workers_match_transformers_and_the_single_process_engine() {
         value("epserve_num_preemptions_total") > 0.0,
         "the small shard caches should have forced a preemption"
     );
+    // Prefix caching is on with attention-workers: the repeated prompts hit.
+    assert!(
+        value("epserve_prefix_cache_hits_total") > 0.0,
+        "the repeated prompts should have hit the prefix cache"
+    );
     for w in ["attention-0", "attention-1"] {
         assert!(
             value(&format!(
@@ -628,6 +633,104 @@ async fn attention_workers_serve_olmoe_and_latent_attention() {
         }
         drop(up);
     }
+}
+
+/// Prefix caching through 2 attention-workers (their KV caches follow the
+/// coordinator's block ids): requests sharing a prefix reuse its blocks on
+/// every shard, outputs equal the single-process engine's (no cache) and
+/// repeat exactly, the hit metric counts the shared blocks, and a different
+/// `cache_salt` shares nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn prefix_caching_through_attention_workers() {
+    if !etcd_available() {
+        return;
+    }
+    let fixture = "qwen3_moe_b";
+    let g = golden(fixture);
+    let dir = fixture_dir(fixture).join("f32");
+    let engine = epserve_core::engine::Engine::load(&dir).expect("engine");
+    let up = start_up_with(
+        fixture,
+        2,
+        "f32",
+        &["--attention-workers", "2", "--", "--block-size", "8"],
+    );
+    // A 37-token prefix (4 full blocks of 8) and two different endings.
+    let prefix = g
+        .cases
+        .iter()
+        .max_by_key(|c| c.prompt_token_ids.len())
+        .expect("cases")
+        .prompt_token_ids
+        .clone();
+    let a = [prefix.clone(), vec![11, 12, 13]].concat();
+    let b = [prefix.clone(), vec![21, 22]].concat();
+    let want = |p: &[u32]| {
+        engine
+            .generate(&epserve_core::engine::GenerateRequest {
+                prompt_token_ids: p.to_vec(),
+                max_tokens: 12,
+                sampling: epserve_core::sampling::SamplingParams::default(),
+                stop: vec![],
+                ignore_eos: true,
+            })
+            .expect("single process")
+            .text
+    };
+    let hits = || async {
+        let m = reqwest::get(format!("{}/metrics", up.url))
+            .await
+            .expect("metrics")
+            .text()
+            .await
+            .expect("text");
+        counter_sum(&m, "epserve_prefix_cache_hits_total")
+    };
+    let run = |p: &[u32], salt: Option<&str>| {
+        let mut body = json!({"model": "tiny", "prompt": p, "max_tokens": 12, "temperature": 0, "ignore_eos": true});
+        if let Some(s) = salt {
+            body["cache_salt"] = json!(s);
+        }
+        let url = up.url.clone();
+        async move {
+            complete(&url, body).await["choices"][0]["text"]
+                .as_str()
+                .expect("text")
+                .to_string()
+        }
+    };
+    let (want_a, want_b) = (want(&a), want(&b));
+    assert_eq!(run(&a, None).await, want_a);
+    let h0 = hits().await;
+    // b shares a's 4 full prefix blocks (32 tokens) on both shards.
+    assert_eq!(run(&b, None).await, want_b);
+    let h1 = hits().await;
+    assert!(h1 >= h0 + 32, "hits {h0} -> {h1}");
+    // a again: its prefix and its own blocks are cached; same text.
+    assert_eq!(run(&a, None).await, want_a);
+    assert!(hits().await >= h1 + 32);
+    // Another salt shares nothing, and gives the same text.
+    let h2 = hits().await;
+    assert_eq!(run(&a, Some("tenant-1")).await, want_a);
+    assert_eq!(hits().await, h2, "a salted request hit unsalted blocks");
+    assert_eq!(run(&b, Some("tenant-1")).await, want_b);
+    assert!(hits().await >= h2 + 32, "the same salt shares");
+    // Concurrent requests sharing the prefix: still exact.
+    let futs: Vec<_> = (0..4)
+        .map(|i| {
+            let p = if i % 2 == 0 { a.clone() } else { b.clone() };
+            let url = up.url.clone();
+            tokio::spawn(async move {
+                complete(&url, json!({"model": "tiny", "prompt": p, "max_tokens": 12, "temperature": 0, "ignore_eos": true})).await
+            })
+        })
+        .collect();
+    for (i, f) in futs.into_iter().enumerate() {
+        let v = f.await.expect("join");
+        let w = if i % 2 == 0 { &want_a } else { &want_b };
+        assert_eq!(v["choices"][0]["text"].as_str(), Some(w.as_str()));
+    }
+    drop(up);
 }
 
 /// An attention-worker that restarts on another port (same id, a new

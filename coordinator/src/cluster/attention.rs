@@ -460,6 +460,12 @@ impl RemoteAttention {
                 seq_id: c.id,
                 past: c.past as u32,
                 len: c.len as u32,
+                // The shard keeps the table for the step's later layers.
+                blocks: if layer == 0 {
+                    c.blocks.clone()
+                } else {
+                    Vec::new()
+                },
             })
             .collect();
         let shards = self.shard_list()?;
@@ -470,6 +476,7 @@ impl RemoteAttention {
                 hidden: Some(tensor.clone()),
                 release_first: release.clone(),
                 output_dtype: self.dtype as i32,
+                kv_block_size: chunks.first().map_or(0, |c| c.block_size) as u32,
             };
             counter!("epserve_attention_bytes_sent_total", "worker" => s.id.clone())
                 .increment(tensor.data.len() as u64);

@@ -63,7 +63,7 @@ pub struct SchedulerConfig {
     /// Into how many micro-batches a step is split (`--micro-batches`).
     pub micro_batches: MicroBatches,
     /// Automatic prefix caching (`--no-enable-prefix-caching` turns it off;
-    /// off by itself when attention runs on attention-workers).
+    /// works with attention-workers too).
     pub enable_prefix_caching: bool,
     /// Per-expert token counters (`--expert-load-metrics`; layers x experts series).
     pub expert_load_metrics: bool,
@@ -99,6 +99,9 @@ pub struct Request {
     /// Completions of this prompt (OpenAI's `n`, at least 1): the prompt is
     /// computed once and its KV blocks shared by every choice.
     pub n: usize,
+    /// vLLM's `cache_salt`: only requests with the same salt share cached
+    /// KV blocks (mixed into the first block's hash).
+    pub cache_salt: Option<String>,
 }
 
 /// Log-probabilities of one generated token.
@@ -215,24 +218,22 @@ pub fn start(engine: Arc<Engine>, config: SchedulerConfig) -> std::io::Result<Sc
         .model
         .new_pool(config.block_size, config.num_blocks, config.kv_dtype);
     if config.enable_prefix_caching {
-        if engine.model.remote_attention().is_some() {
-            // The attention-workers keep their KV per sequence id, not in
-            // shared blocks: nothing could be reused there.
-            tracing::info!(
-                "prefix caching disabled: attention runs on attention-workers, whose KV caches are per sequence"
-            );
-        } else {
-            let c = &engine.model.config;
-            pool.enable_prefix_caching(&format!(
-                "{}|{:?}|{}|{}|{}",
-                engine.dir.display(),
-                c.arch,
-                c.num_hidden_layers,
-                c.hidden_size,
-                c.vocab_size
-            ));
-            tracing::info!(block_size = pool.block_size(), "prefix caching enabled");
-        }
+        // With attention-workers too: they store the keys/values of this
+        // pool's block ids, so a block shared here is shared on every shard.
+        let c = &engine.model.config;
+        pool.enable_prefix_caching(&format!(
+            "{}|{:?}|{}|{}|{}",
+            engine.dir.display(),
+            c.arch,
+            c.num_hidden_layers,
+            c.hidden_size,
+            c.vocab_size
+        ));
+        tracing::info!(
+            block_size = pool.block_size(),
+            remote_attention = engine.model.remote_attention().is_some(),
+            "prefix caching enabled"
+        );
     }
     let stats = Arc::new(SchedulerStats::default());
     stats
@@ -537,6 +538,12 @@ impl Scheduler {
                     e,
                     epserve_core::Error::Dispatch(_) | epserve_core::Error::Attention(_)
                 );
+                if matches!(e, epserve_core::Error::Attention(_)) && self.pool.prefix_caching() {
+                    // A shard may have restarted and lost the keys/values of
+                    // cached blocks: nothing cached is offered again.
+                    self.pool.clear_prefix_cache();
+                    tracing::warn!("attention failed: prefix cache cleared");
+                }
                 for mut s in std::mem::take(&mut self.running) {
                     self.engine.model.release(&mut self.pool, &mut s.cache);
                     if retryable {
@@ -739,6 +746,7 @@ mod tests {
             ignore_eos: true,
             logprobs: None,
             n: 1,
+            cache_salt: None,
         }
     }
 
@@ -890,6 +898,7 @@ mod tests {
             ignore_eos: true,
             logprobs: None,
             n: 1,
+            cache_salt: None,
         }
     }
 
@@ -1116,6 +1125,87 @@ mod tests {
         assert!(st.preemptions.load(Ordering::Relaxed) > 0, "no preemption");
         // Each of the four found at least the 6 shared blocks at admission.
         assert!(st.prefix_cache_hits.load(Ordering::Relaxed) >= 4 * 24);
+        assert_all_blocks_free(&cached, 16);
+    }
+
+    /// The qwen3_moe_a fixture with attention split over 2 in-process shards
+    /// (blocks of 2 positions, the scheduler's of 4), as attention-workers
+    /// split it: the shards follow the scheduler's block table.
+    fn sharded_scheduler(cache: bool, num_blocks: usize, max_num_seqs: usize) -> SchedulerHandle {
+        use epserve_core::experts::{LoadOptions, LocalDispatcher, load_executor};
+        use epserve_core::model::attn_shard::LocalShards;
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("../tests/fixtures/qwen3_moe_a/f32");
+        let load = || -> epserve_core::Result<Engine> {
+            let cfg = ModelConfig::from_dir(&dir)?;
+            let ws = WeightStore::open(&dir)?;
+            let experts = load_executor(&cfg, &ws, &LoadOptions::default())?;
+            let shards = LocalShards::load(&dir, 2, 1 << 22, 2)?;
+            let model = Model::from_store_with(
+                cfg,
+                &ws,
+                Arc::new(LocalDispatcher::new(experts)),
+                Some(Arc::new(shards)),
+            )?;
+            Ok(Engine::from_parts(
+                model,
+                Tokenizer::from_dir(&dir)?,
+                GenerationConfig::from_dir(&dir)?,
+                &dir,
+            ))
+        };
+        start(
+            Arc::new(load().expect("sharded engine")),
+            SchedulerConfig {
+                max_num_seqs,
+                max_num_batched_tokens: 32,
+                max_model_len: 128,
+                block_size: 4,
+                num_blocks,
+                max_waiting: 16,
+                kv_dtype: Default::default(),
+                micro_batches: MicroBatches::Fixed(1),
+                enable_prefix_caching: cache,
+                expert_load_metrics: false,
+            },
+        )
+        .expect("scheduler")
+    }
+
+    #[test]
+    fn attention_shards_share_cached_prefixes_through_preemption_and_salts() {
+        let prefix = tokens(3, 24);
+        let prompts: Vec<Vec<u32>> = (0..4)
+            .map(|i| [prefix.clone(), vec![20 + i, 40 + i, 60 + i]].concat())
+            .collect();
+        let plain = sharded_scheduler(false, 64, 1);
+        let want: Vec<Vec<u32>> = prompts
+            .iter()
+            .map(|p| run_one(&plain, greedy(p.clone(), 16)))
+            .collect();
+        // As in the preemption test above: 16 blocks for 26 blocks' worth.
+        let cached = sharded_scheduler(true, 16, 4);
+        assert_eq!(run_one(&cached, greedy(prompts[0].clone(), 16)), want[0]);
+        let rxs: Vec<_> = prompts
+            .iter()
+            .map(|p| cached.submit(greedy(p.clone(), 16)).expect("submit"))
+            .collect();
+        let got: Vec<Vec<u32>> = rxs.into_iter().map(collect).collect();
+        assert_eq!(got, want);
+        let st = cached.stats();
+        assert!(st.preemptions.load(Ordering::Relaxed) > 0, "no preemption");
+        assert!(st.prefix_cache_hits.load(Ordering::Relaxed) >= 4 * 24);
+        // A salted request shares nothing with unsalted ones; the same salt
+        // shares with itself. Outputs never change.
+        let salted = |p: &[u32]| Request {
+            cache_salt: Some("tenant".into()),
+            ..greedy(p.to_vec(), 16)
+        };
+        let before = st.prefix_cache_hits.load(Ordering::Relaxed);
+        assert_eq!(run_one(&cached, salted(&prompts[1])), want[1]);
+        assert_eq!(st.prefix_cache_hits.load(Ordering::Relaxed), before);
+        assert_eq!(run_one(&cached, salted(&prompts[2])), want[2]);
+        assert_eq!(st.prefix_cache_hits.load(Ordering::Relaxed), before + 24);
         assert_all_blocks_free(&cached, 16);
     }
 }

@@ -41,6 +41,10 @@ pub(super) struct Seq {
 
 impl Seq {
     pub fn new(id: u64, req: Request, tx: UnboundedSender<Event>) -> Self {
+        let mut cache = SeqCache::new();
+        if let Some(salt) = &req.cache_salt {
+            cache.set_salt(salt);
+        }
         Seq {
             id,
             index: 0,
@@ -48,7 +52,7 @@ impl Seq {
             tokens: req.prompt_token_ids.clone(),
             num_computed: 0,
             step_take: 0,
-            cache: SeqCache::new(),
+            cache,
             sampler: Sampler::new(req.sampling.clone()),
             text: TextStream::new(&req.prompt_token_ids, &req.stop),
             tx,

@@ -58,6 +58,8 @@ pub struct SamplingFields {
     pub allowed_token_ids: Option<Vec<i64>>,
     /// vLLM's: words whose token sequences may not be generated.
     pub bad_words: Option<Vec<String>>,
+    /// vLLM's per-request prefix cache salt.
+    pub cache_salt: Option<String>,
 }
 
 /// `POST /v1/completions`.
@@ -181,6 +183,27 @@ pub const MAX_N: usize = 16;
 /// Most `bad_words` per request, and the longest one in bytes.
 pub const MAX_BAD_WORDS: usize = 256;
 pub const MAX_BAD_WORD_BYTES: usize = 1024;
+/// Longest `cache_salt`, in bytes.
+pub const MAX_CACHE_SALT_BYTES: usize = 1024;
+
+/// `cache_salt`: a non-empty string of at most [`MAX_CACHE_SALT_BYTES`].
+fn cache_salt(f: &SamplingFields) -> Result<Option<String>, ApiError> {
+    match &f.cache_salt {
+        None => Ok(None),
+        Some(s) if s.is_empty() => Err(ApiError::bad_param(
+            "cache_salt",
+            "cache_salt must be a non-empty string",
+        )),
+        Some(s) if s.len() > MAX_CACHE_SALT_BYTES => Err(ApiError::bad_param(
+            "cache_salt",
+            format!(
+                "cache_salt is {} bytes, over the limit of {MAX_CACHE_SALT_BYTES}",
+                s.len()
+            ),
+        )),
+        Some(s) => Ok(Some(s.clone())),
+    }
+}
 
 impl Limits {
     /// Refuses prompt text over the byte cap before any tokenizer runs.
@@ -519,6 +542,7 @@ fn finish(
             ignore_eos: f.ignore_eos.unwrap_or(false),
             logprobs,
             n: choices(f)?,
+            cache_salt: cache_salt(f)?,
         },
         stream: f.stream.unwrap_or(false),
         include_usage: f

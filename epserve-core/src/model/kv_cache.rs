@@ -187,6 +187,9 @@ pub struct SeqCache {
     tail: Vec<u32>,
     /// Set by [`KvPool::uncache`]: its keys/values are not to be reused.
     no_cache: bool,
+    /// Mixed into the first block's hash ([`SeqCache::set_salt`]): sequences
+    /// with different salts never share blocks.
+    salt: Option<u64>,
 }
 
 /// Source of [`SeqCache`] ids.
@@ -208,7 +211,27 @@ impl SeqCache {
             hashes: Vec::new(),
             tail: Vec::new(),
             no_cache: false,
+            salt: None,
         }
+    }
+    /// A view of blocks someone else allocated (an attention shard following
+    /// the coordinator's block table): `blocks` in this pool's block size,
+    /// `len` positions held. Not for [`KvPool::reserve`] / `release`.
+    pub fn with_blocks(blocks: Vec<u32>, len: usize) -> Self {
+        SeqCache {
+            blocks,
+            len,
+            ..Self::new()
+        }
+    }
+    /// Sets the per-request cache salt (vLLM's `cache_salt`): it is mixed
+    /// into the hash of the first block, so only sequences with the same salt
+    /// share cached blocks. Call before the first [`KvPool::match_prefix`].
+    pub fn set_salt(&mut self, salt: &str) {
+        let mut h = std::collections::hash_map::DefaultHasher::new();
+        "epserve-cache-salt".hash(&mut h);
+        salt.hash(&mut h);
+        self.salt = Some(h.finish());
     }
     /// The sequence's id, unique in this process (remote attention shards
     /// keep their KV under it).
@@ -288,6 +311,32 @@ impl KvPool {
         self.lru.len()
     }
 
+    /// The first parent of `seq`'s hash chain: the pool's seed, salted.
+    fn chain_seed(seed: u64, seq: &SeqCache) -> u64 {
+        match seq.salt {
+            Some(salt) => {
+                let mut h = std::collections::hash_map::DefaultHasher::new();
+                seed.hash(&mut h);
+                salt.hash(&mut h);
+                h.finish()
+            }
+            None => seed,
+        }
+    }
+
+    /// Forgets every registered block (a worker holding the keys/values may
+    /// have lost them): cached-free blocks become truly free, held ones are
+    /// freed when released. Nothing is shared afterwards until computed again.
+    pub fn clear_prefix_cache(&mut self) {
+        self.cached.clear();
+        for h in &mut self.block_hash {
+            *h = None;
+        }
+        while let Some((_, b)) = self.lru.pop_first() {
+            self.free.push(b);
+        }
+    }
+
     fn chain_hash(parent: u64, tokens: &[u32]) -> u64 {
         let mut h = std::collections::hash_map::DefaultHasher::new();
         parent.hash(&mut h);
@@ -341,7 +390,7 @@ impl KvPool {
             return 0;
         }
         let bs = self.block_size;
-        let mut parent = seed;
+        let mut parent = Self::chain_seed(seed, seq);
         for chunk in tokens[..tokens.len().saturating_sub(1)].chunks_exact(bs) {
             let h = Self::chain_hash(parent, chunk);
             let b = match self.cached.get(&h) {
@@ -378,9 +427,10 @@ impl KvPool {
             return;
         }
         seq.tail.extend_from_slice(tokens);
+        let first = Self::chain_seed(seed, seq);
         while seq.tail.len() >= bs {
             let i = seq.hashes.len();
-            let parent = seq.hashes.last().copied().unwrap_or(seed);
+            let parent = seq.hashes.last().copied().unwrap_or(first);
             let h = Self::chain_hash(parent, &seq.tail[..bs]);
             if let Some(&b) = seq.blocks.get(i)
                 && self.block_hash[b as usize].is_none()
@@ -757,6 +807,60 @@ mod tests {
             p.release(s);
         }
         assert_eq!(p.free_blocks(), 4);
+    }
+
+    #[test]
+    fn salted_sequences_share_only_with_the_same_salt() {
+        let mut p = caching_pool(16);
+        let toks: Vec<u32> = (0..9).collect();
+        let salted = |p: &mut KvPool, salt: Option<&str>| {
+            let mut s = SeqCache::new();
+            if let Some(salt) = salt {
+                s.set_salt(salt);
+            }
+            let hit = p.match_prefix(&mut s, &toks);
+            p.reserve(&mut s, toks.len()).expect("fits");
+            p.advance(&mut s, &toks[hit..]);
+            (s, hit)
+        };
+        let (mut a, hit) = salted(&mut p, Some("alice"));
+        assert_eq!(hit, 0);
+        // Unsalted and differently salted sequences miss; the same salt hits.
+        let (mut b, hit) = salted(&mut p, None);
+        assert_eq!(hit, 0);
+        let (mut c, hit) = salted(&mut p, Some("bob"));
+        assert_eq!(hit, 0);
+        let (mut d, hit) = salted(&mut p, Some("alice"));
+        assert_eq!(hit, 8);
+        assert_eq!(&d.blocks()[..2], &a.blocks()[..2]);
+        assert_ne!(a.hashes[1], b.hashes[1], "the salt changes the whole chain");
+        assert_ne!(a.hashes[0], c.hashes[0]);
+        for s in [&mut a, &mut b, &mut c, &mut d] {
+            p.release(s);
+        }
+        assert_eq!(p.free_blocks(), 16);
+    }
+
+    #[test]
+    fn clearing_the_prefix_cache_forgets_every_block() {
+        let mut p = caching_pool(8);
+        let toks: Vec<u32> = (0..9).collect();
+        let mut a = written(&mut p, &toks, &[9]);
+        let mut b = written(&mut p, &(20..29).collect::<Vec<u32>>(), &[9]);
+        p.release(&mut a);
+        assert_eq!(p.cached_free_blocks(), 2);
+        p.clear_prefix_cache();
+        assert_eq!(p.cached_free_blocks(), 0);
+        assert_eq!(p.free_blocks(), 5);
+        let mut c = SeqCache::new();
+        assert_eq!(p.match_prefix(&mut c, &toks), 0);
+        p.release(&mut b);
+        assert_eq!((p.free_blocks(), p.cached_free_blocks()), (8, 0));
+        // Caching goes on for what is computed afterwards.
+        let mut d = written(&mut p, &toks, &[9]);
+        p.release(&mut d);
+        assert_eq!(p.match_prefix(&mut c, &toks), 8);
+        p.release(&mut c);
     }
 
     #[test]

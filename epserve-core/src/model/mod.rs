@@ -483,6 +483,12 @@ impl Model {
                 id: c.id(),
                 past: sp.past,
                 len: sp.len,
+                blocks: if self.attention.is_some() {
+                    c.blocks().to_vec()
+                } else {
+                    Vec::new()
+                },
+                block_size: pool.block_size(),
             })
             .collect();
         let groups = split_micro_batches(&spans, micro_batches);
@@ -620,10 +626,23 @@ impl Model {
                 let backend = self.attention.as_ref().ok_or_else(|| {
                     Error::Dispatch("remote attention layer without a backend".into())
                 })?;
-                let pending =
-                    backend
-                        .clone()
-                        .submit(li, Arc::from(normed.as_slice()), m.chunks.to_vec())?;
+                // Block tables go with layer 0; the shards keep them for
+                // the step's later layers.
+                let chunks = m
+                    .chunks
+                    .iter()
+                    .map(|c| SeqChunk {
+                        blocks: if li == 0 {
+                            c.blocks.clone()
+                        } else {
+                            Vec::new()
+                        },
+                        ..*c
+                    })
+                    .collect();
+                let pending = backend
+                    .clone()
+                    .submit(li, Arc::from(normed.as_slice()), chunks)?;
                 let waited = std::time::Instant::now();
                 let mut a = pending.wait()?;
                 step.waited += waited.elapsed();

@@ -30,6 +30,24 @@ impl Backend {
 pub enum DatasetName {
     /// Random token ids decoded with the tokenizer (vLLM's RandomDataset).
     Random,
+    /// Conversations from a ShareGPT JSON file (--dataset-path): the first
+    /// human turn as the prompt, the gpt reply's token count as max_tokens.
+    Sharegpt,
+    /// Shared random prefixes, each with random suffixes (vLLM's
+    /// `prefix_repetition`): measures prefix caching.
+    #[value(alias = "prefix_repetition", alias = "prefix-repetition")]
+    Prefix,
+}
+
+impl DatasetName {
+    /// The name vLLM uses.
+    pub fn name(self) -> &'static str {
+        match self {
+            DatasetName::Random => "random",
+            DatasetName::Sharegpt => "sharegpt",
+            DatasetName::Prefix => "prefix_repetition",
+        }
+    }
 }
 
 /// `epserve bench serve`: a twin of `vllm bench serve` for any
@@ -72,6 +90,26 @@ pub struct BenchServeArgs {
     /// Number of prompts to send.
     #[arg(long, default_value_t = 1000)]
     pub num_prompts: usize,
+    /// The dataset file (sharegpt: vLLM's ShareGPT JSON, e.g.
+    /// ShareGPT_V3_unfiltered_cleaned_split.json, or the sample made by
+    /// scripts/make_sharegpt_sample.py).
+    #[arg(long, value_name = "FILE")]
+    pub dataset_path: Option<PathBuf>,
+    /// sharegpt: max_tokens of every request instead of the reply's length.
+    #[arg(long)]
+    pub sharegpt_output_len: Option<usize>,
+    /// prefix: tokens of each shared prefix.
+    #[arg(long, alias = "prefix-len", default_value_t = 256)]
+    pub prefix_repetition_prefix_len: usize,
+    /// prefix: tokens of the random suffix after the prefix.
+    #[arg(long, alias = "suffix-len", default_value_t = 256)]
+    pub prefix_repetition_suffix_len: usize,
+    /// prefix: how many different prefixes the requests share.
+    #[arg(long, alias = "num-prefixes", default_value_t = 10)]
+    pub prefix_repetition_num_prefixes: usize,
+    /// prefix: output tokens per request (--output-len wins over it).
+    #[arg(long, default_value_t = 128)]
+    pub prefix_repetition_output_len: usize,
     /// Input tokens per request (random dataset), special tokens included.
     #[arg(long, default_value_t = 1024)]
     pub random_input_len: usize,
@@ -108,7 +146,8 @@ pub struct BenchServeArgs {
     /// At most this many requests in flight.
     #[arg(long)]
     pub max_concurrency: Option<usize>,
-    /// Send `ignore_eos: true`. The random dataset always does, as vLLM's does.
+    /// Send `ignore_eos: true`. The random and prefix datasets always do (as
+    /// vLLM's random dataset does); sharegpt only with this flag.
     #[arg(long)]
     pub ignore_eos: bool,
     /// Comma-separated metrics to report: ttft, tpot, itl, e2el,

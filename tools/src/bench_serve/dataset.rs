@@ -250,6 +250,175 @@ pub fn sample_random(
     Ok(requests)
 }
 
+/// Parameters of the ShareGPT dataset.
+#[derive(Debug, Clone)]
+pub struct ShareGptParams {
+    pub num_requests: usize,
+    pub seed: u64,
+    /// `max_tokens` for every request instead of the reply's token count
+    /// (`--sharegpt-output-len`).
+    pub output_len: Option<usize>,
+}
+
+/// The first human turn of a ShareGPT conversation and the gpt reply after
+/// it (None: the conversation has no such pair).
+fn sharegpt_pair(conv: &serde_json::Value) -> Option<(&str, &str)> {
+    let turns = conv.get("conversations")?.as_array()?;
+    fn from(t: &serde_json::Value) -> Option<&str> {
+        t.get("from").and_then(|f| f.as_str())
+    }
+    fn value(t: &serde_json::Value) -> Option<&str> {
+        t.get("value").and_then(|v| v.as_str())
+    }
+    let h = turns.iter().position(|t| from(t) == Some("human"))?;
+    let prompt = value(&turns[h])?;
+    let reply = turns[h + 1..]
+        .iter()
+        .find(|t| from(t) == Some("gpt"))
+        .and_then(value)?;
+    Some((prompt, reply))
+}
+
+/// Samples vLLM's ShareGPT format (a JSON list of `{"conversations":
+/// [{"from": "human" | "gpt", "value": ...}, ...]}`) as vLLM's
+/// ShareGPTDataset does: conversations shuffled with the seed; each gives its
+/// first human turn as the prompt and the token count of the gpt reply after
+/// it as `max_tokens` (or `output_len`); pairs with a prompt or reply under 4
+/// tokens, a prompt over 1024 or both over 2048 are skipped; the first
+/// `num_requests` kept are used.
+pub fn sample_sharegpt(
+    tok: &dyn PromptTokenizer,
+    text: &str,
+    p: &ShareGptParams,
+    id_prefix: &str,
+) -> Result<Vec<SampleRequest>> {
+    let data: serde_json::Value =
+        serde_json::from_str(text).context("the ShareGPT file is not valid JSON")?;
+    let Some(list) = data.as_array() else {
+        bail!("the ShareGPT file must hold a JSON list of conversations");
+    };
+    let mut pairs: Vec<(&str, &str)> = list.iter().filter_map(sharegpt_pair).collect();
+    if pairs.is_empty() {
+        bail!("the ShareGPT file has no conversation with a human turn followed by a gpt reply");
+    }
+    // Fisher-Yates with the seed.
+    let mut rng = StdRng::seed_from_u64(p.seed);
+    for i in (1..pairs.len()).rev() {
+        let j = rng.random_range(0..=i);
+        pairs.swap(i, j);
+    }
+    let mut requests = Vec::with_capacity(p.num_requests);
+    for (prompt, reply) in pairs {
+        if requests.len() >= p.num_requests {
+            break;
+        }
+        let prompt_len = tok.encode(prompt)?.len();
+        let output_len = match p.output_len {
+            Some(n) => n,
+            None => tok.encode(reply)?.len(),
+        };
+        // vLLM's is_valid_sequence (min 4, prompt <= 1024, total <= 2048;
+        // the output minimum is waived for a fixed output length).
+        if prompt_len < 4
+            || (p.output_len.is_none() && output_len < 4)
+            || output_len == 0
+            || prompt_len > 1024
+            || prompt_len + output_len > 2048
+        {
+            continue;
+        }
+        requests.push(SampleRequest {
+            prompt: prompt.to_string(),
+            prompt_len,
+            expected_output_len: output_len,
+            request_id: format!("{id_prefix}{}", requests.len()),
+        });
+    }
+    if requests.is_empty() {
+        bail!("no ShareGPT conversation fits (prompt 4..=1024 tokens, reply >= 4, both <= 2048)");
+    }
+    if requests.len() < p.num_requests {
+        eprintln!(
+            "WARNING: the ShareGPT file gives {} usable prompts, fewer than --num-prompts {}; \
+             sending those",
+            requests.len(),
+            p.num_requests
+        );
+    }
+    Ok(requests)
+}
+
+/// Parameters of the shared-prefix dataset (vLLM's prefix_repetition).
+#[derive(Debug, Clone, Copy)]
+pub struct PrefixParams {
+    pub num_requests: usize,
+    pub prefix_len: usize,
+    pub suffix_len: usize,
+    pub num_prefixes: usize,
+    pub output_len: usize,
+    pub seed: u64,
+}
+
+/// Samples shared-prefix prompts as vLLM's PrefixRepetitionRandomDataset:
+/// `num_prefixes` random prefixes of `prefix_len` tokens, each followed in
+/// its share of the requests by a fresh random suffix of `suffix_len` tokens
+/// (texts that re-encode to those lengths), the requests shuffled with the
+/// seed. Prefix caching computes each prefix once.
+pub fn sample_prefix_repetition(
+    tok: &dyn PromptTokenizer,
+    p: &PrefixParams,
+    id_prefix: &str,
+) -> Result<Vec<SampleRequest>> {
+    if p.num_prefixes == 0 || p.suffix_len + p.prefix_len == 0 || p.output_len == 0 {
+        bail!(
+            "--prefix-repetition-num-prefixes, --prefix-repetition-output-len and one of the prefix or suffix lengths must be positive"
+        );
+    }
+    let vocab = tok.vocab_size();
+    let special = tok.special_ids();
+    let allowed: Vec<u32> = (0..vocab as u32)
+        .filter(|id| !special.contains(id))
+        .collect();
+    if allowed.is_empty() {
+        bail!("the tokenizer has no non-special tokens to build prompts from");
+    }
+    let mut rng = StdRng::seed_from_u64(p.seed);
+    let random_text = |n: usize, rng: &mut StdRng| -> Result<(String, usize)> {
+        if n == 0 {
+            return Ok((String::new(), 0));
+        }
+        let ids: Vec<u32> = (0..n)
+            .map(|_| allowed[rng.random_range(0..allowed.len())])
+            .collect();
+        let (text, ids, _) = decode_to_target_len(tok, ids, n, 10, rng)?;
+        Ok((text, ids.len()))
+    };
+    let mut requests = Vec::with_capacity(p.num_requests);
+    let prefixes = (0..p.num_prefixes)
+        .map(|_| random_text(p.prefix_len, &mut rng))
+        .collect::<Result<Vec<_>>>()?;
+    for i in 0..p.num_requests {
+        let (prefix, _) = &prefixes[i % p.num_prefixes];
+        let (suffix, _) = random_text(p.suffix_len, &mut rng)?;
+        let prompt = format!("{prefix}{suffix}");
+        let prompt_len = tok.encode(&prompt)?.len();
+        requests.push(SampleRequest {
+            prompt,
+            prompt_len,
+            expected_output_len: p.output_len,
+            request_id: String::new(),
+        });
+    }
+    for i in (1..requests.len()).rev() {
+        let j = rng.random_range(0..=i);
+        requests.swap(i, j);
+    }
+    for (i, r) in requests.iter_mut().enumerate() {
+        r.request_id = format!("{id_prefix}{i}");
+    }
+    Ok(requests)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -369,5 +538,126 @@ mod tests {
             assert!(r.prompt_len.abs_diff(64 - special) <= 4, "{}", r.prompt_len);
         }
         assert!(HfTokenizer::from_path(Path::new("/nonexistent")).is_err());
+    }
+
+    #[test]
+    fn sharegpt_takes_the_first_human_turn_and_the_reply_length() {
+        let text = serde_json::json!([
+            {"id": "a", "conversations": [
+                {"from": "human", "value": "bcdefg"},
+                {"from": "gpt", "value": "hijklmnop"},
+                {"from": "human", "value": "zzzz"},
+                {"from": "gpt", "value": "yyyy"}]},
+            {"id": "b", "conversations": [
+                {"from": "system", "value": "sys"},
+                {"from": "human", "value": "qrstu"},
+                {"from": "gpt", "value": "vwxy"}]},
+            // Too short a prompt, no reply, no conversations: skipped.
+            {"id": "c", "conversations": [
+                {"from": "human", "value": "bc"}, {"from": "gpt", "value": "defgh"}]},
+            {"id": "d", "conversations": [{"from": "human", "value": "bcdefgh"}]},
+            {"id": "e"}
+        ])
+        .to_string();
+        let p = ShareGptParams {
+            num_requests: 10,
+            seed: 0,
+            output_len: None,
+        };
+        let mut reqs = sample_sharegpt(&Letters, &text, &p, "r-").expect("sample");
+        assert_eq!(reqs.len(), 2);
+        assert_eq!(reqs[1].request_id, "r-1");
+        reqs.sort_by(|x, y| x.prompt.cmp(&y.prompt));
+        assert_eq!(
+            (
+                reqs[0].prompt.as_str(),
+                reqs[0].prompt_len,
+                reqs[0].expected_output_len
+            ),
+            ("bcdefg", 6, 9)
+        );
+        assert_eq!(
+            (
+                reqs[1].prompt.as_str(),
+                reqs[1].prompt_len,
+                reqs[1].expected_output_len
+            ),
+            ("qrstu", 5, 4)
+        );
+        // A fixed output length; fewer prompts than asked is not an error.
+        let one = ShareGptParams {
+            num_requests: 1,
+            output_len: Some(3),
+            ..p
+        };
+        let r = sample_sharegpt(&Letters, &text, &one, "").expect("sample");
+        assert_eq!((r.len(), r[0].expected_output_len), (1, 3));
+        assert!(sample_sharegpt(&Letters, "{}", &p, "").is_err());
+        assert!(sample_sharegpt(&Letters, "[{\"id\": 1}]", &p, "").is_err());
+        assert!(sample_sharegpt(&Letters, "not json", &p, "").is_err());
+    }
+
+    #[test]
+    fn sharegpt_order_follows_the_seed() {
+        let convs: Vec<serde_json::Value> = (0..20u8)
+            .map(|i| {
+                let word: String = (0..6).map(|k| char::from(b'b' + (i + k) % 24)).collect();
+                serde_json::json!({"conversations": [
+                    {"from": "human", "value": word}, {"from": "gpt", "value": "bcdefgh"}]})
+            })
+            .collect();
+        let text = serde_json::Value::Array(convs).to_string();
+        let p = |seed| ShareGptParams {
+            num_requests: 5,
+            seed,
+            output_len: None,
+        };
+        let a = sample_sharegpt(&Letters, &text, &p(0), "").expect("sample");
+        assert_eq!(
+            a,
+            sample_sharegpt(&Letters, &text, &p(0), "").expect("sample")
+        );
+        assert_ne!(
+            a,
+            sample_sharegpt(&Letters, &text, &p(1), "").expect("sample")
+        );
+    }
+
+    #[test]
+    fn prefix_repetition_shares_each_prefix() {
+        let p = PrefixParams {
+            num_requests: 12,
+            prefix_len: 10,
+            suffix_len: 4,
+            num_prefixes: 3,
+            output_len: 5,
+            seed: 7,
+        };
+        let reqs = sample_prefix_repetition(&Letters, &p, "x").expect("sample");
+        assert_eq!(reqs.len(), 12);
+        let mut groups: std::collections::BTreeMap<&str, usize> = Default::default();
+        for r in &reqs {
+            assert_eq!(r.prompt_len, 14);
+            assert_eq!(r.expected_output_len, 5);
+            assert!(!r.prompt.contains('a'), "special id 0 used");
+            *groups.entry(&r.prompt[..10]).or_default() += 1;
+        }
+        assert_eq!(groups.len(), 3);
+        assert!(groups.values().all(|&n| n == 4), "{groups:?}");
+        assert_eq!(
+            reqs,
+            sample_prefix_repetition(&Letters, &p, "x").expect("sample")
+        );
+        assert!(
+            sample_prefix_repetition(
+                &Letters,
+                &PrefixParams {
+                    num_prefixes: 0,
+                    ..p
+                },
+                ""
+            )
+            .is_err()
+        );
     }
 }

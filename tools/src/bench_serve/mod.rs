@@ -25,7 +25,7 @@ use indicatif::{ProgressBar, ProgressStyle};
 use serde_json::{Map, Value, json};
 use tokio::sync::Semaphore;
 
-pub use args::{Backend, BenchServeArgs};
+pub use args::{Backend, BenchServeArgs, DatasetName};
 use client::{Endpoint, RequestInput};
 use dataset::{HfTokenizer, RandomParams, SampleRequest};
 use metrics::{Goodput, RequestOutput};
@@ -420,25 +420,59 @@ async fn run_async(args: &BenchServeArgs) -> Result<()> {
         (Some(t), _) => t.clone(),
         (None, m) if m.join("tokenizer.json").is_file() => m.to_path_buf(),
         _ => bail!(
-            "the random dataset needs the model's tokenizer: pass --tokenizer DIR (a Hugging Face folder with tokenizer.json)"
+            "the dataset needs the model's tokenizer: pass --tokenizer DIR (a Hugging Face folder with tokenizer.json)"
         ),
     };
     let tokenizer = HfTokenizer::from_path(&tokenizer_dir)?;
 
-    let params = RandomParams {
-        num_requests: args.num_prompts,
-        input_len: args.input_len.unwrap_or(args.random_input_len),
-        output_len: args.output_len.unwrap_or(args.random_output_len),
-        range_ratio: args.random_range_ratio,
-        prefix_len: args.random_prefix_len,
-        seed: args.seed,
-        token_pool: args.random_token_pool,
-    };
     let id_prefix = args
         .request_id_prefix
         .clone()
         .unwrap_or_else(|| format!("bench-{:08x}-", rand::random::<u32>()));
-    let requests = dataset::sample_random(&tokenizer, &params, &id_prefix)?;
+    let requests = match args.dataset_name {
+        DatasetName::Random => {
+            let params = RandomParams {
+                num_requests: args.num_prompts,
+                input_len: args.input_len.unwrap_or(args.random_input_len),
+                output_len: args.output_len.unwrap_or(args.random_output_len),
+                range_ratio: args.random_range_ratio,
+                prefix_len: args.random_prefix_len,
+                seed: args.seed,
+                token_pool: args.random_token_pool,
+            };
+            dataset::sample_random(&tokenizer, &params, &id_prefix)?
+        }
+        DatasetName::Sharegpt => {
+            let Some(path) = &args.dataset_path else {
+                bail!(
+                    "--dataset-name sharegpt needs --dataset-path FILE (vLLM's ShareGPT JSON; scripts/make_sharegpt_sample.py writes a small one)"
+                );
+            };
+            let text = std::fs::read_to_string(path)
+                .with_context(|| format!("reading --dataset-path {}", path.display()))?;
+            let params = dataset::ShareGptParams {
+                num_requests: args.num_prompts,
+                seed: args.seed,
+                output_len: args.sharegpt_output_len,
+            };
+            dataset::sample_sharegpt(&tokenizer, &text, &params, &id_prefix)
+                .with_context(|| format!("--dataset-path {}", path.display()))?
+        }
+        DatasetName::Prefix => {
+            let params = dataset::PrefixParams {
+                num_requests: args.num_prompts,
+                prefix_len: args.prefix_repetition_prefix_len,
+                suffix_len: args.prefix_repetition_suffix_len,
+                num_prefixes: args.prefix_repetition_num_prefixes,
+                output_len: args.output_len.unwrap_or(args.prefix_repetition_output_len),
+                seed: args.seed,
+            };
+            dataset::sample_prefix_repetition(&tokenizer, &params, &id_prefix)?
+        }
+    };
+    if requests.is_empty() {
+        bail!("the dataset gave no requests (--num-prompts 0?)");
+    }
 
     let mut extra = extra_body(args)?;
     if !extra.contains_key("temperature") {
@@ -454,12 +488,18 @@ async fn run_async(args: &BenchServeArgs) -> Result<()> {
         backend,
         model: model_name,
         logprobs: args.logprobs,
-        // The random dataset runs every request to its length, as vLLM's does.
-        ignore_eos: true,
+        // Synthetic prompts run every request to its length, as vLLM's
+        // do; ShareGPT replies may end early unless --ignore-eos.
+        ignore_eos: args.ignore_eos || args.dataset_name != DatasetName::Sharegpt,
         extra_body: extra,
         headers,
     });
-    let requests = align_prompts(&endpoint, &base, requests).await;
+    // ShareGPT prompts are real text, sent as they are (as vLLM does).
+    let requests = if args.dataset_name == DatasetName::Sharegpt {
+        requests
+    } else {
+        align_prompts(&endpoint, &base, requests).await
+    };
     let inputs: Vec<RequestInput> = requests
         .into_iter()
         .map(|r| RequestInput {
