@@ -721,7 +721,7 @@ def main():
     ppl_m = model_ppl(saved, held_enc)
     size = sum(os.path.getsize(os.path.join(args.out, f)) for f in os.listdir(args.out))
     stats = {
-        "corpus": f"pydoc_data/topics.py of Python {sys.version.split()[0]}",
+        "corpus": f"pydoc_data/topics.py{' + stdlib docstrings' if args.docstrings else ''} of Python {sys.version.split()[0]}",
         "corpus_sha256": digest,
         "train_answers": len(train_ex),
         "held_out_answers": len(held_ex),
