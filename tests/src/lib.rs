@@ -61,9 +61,25 @@ pub struct GoldenCase {
 
 /// Reads `tests/fixtures/<name>/golden.json`.
 pub fn golden(name: &str) -> Golden {
-    let path = fixture_dir(name).join("golden.json");
-    let text = std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+    read_golden(&fixture_dir(name).join("golden.json"))
+}
+
+/// Reads a golden file.
+pub fn read_golden(path: &std::path::Path) -> Golden {
+    let text = std::fs::read_to_string(path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
     serde_json::from_str(&text).unwrap_or_else(|e| panic!("{}: {e}", path.display()))
+}
+
+/// The bundled demo model (`models/demo`: trained, bf16 only, see
+/// `scripts/make_demo_model.py`).
+pub fn demo_dir() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../models/demo")
+}
+
+/// transformers' reference outputs for the demo model
+/// (`tests/fixtures/demo_golden.json`, computed from the committed bf16 weights).
+pub fn demo_golden() -> Golden {
+    read_golden(&fixtures_dir().join("demo_golden.json"))
 }
 
 /// POSTs `body` to `{url}/v1/completions` and returns the JSON answer;
