@@ -13,6 +13,7 @@ use serde_json::{Value, json};
 use tokio::sync::mpsc::UnboundedReceiver;
 
 use super::error::ApiError;
+use super::tools::{self, HermesParser, Pieces, ToolParse};
 use crate::scheduler::{Event, TokenLogprob};
 
 /// Which endpoint's format.
@@ -30,6 +31,8 @@ pub struct Ctx {
     pub n_prompt: usize,
     pub created: u64,
     pub id: String,
+    /// Parse `<tool_call>` blocks into `tool_calls` (chat with tools).
+    pub tools: Option<ToolParse>,
 }
 
 /// A fresh response id.
@@ -123,6 +126,32 @@ fn choice(
     }
 }
 
+/// A chat chunk's choice when tool calls are parsed: content and/or
+/// `tool_calls` deltas (each call whole: index, id, name and the complete
+/// arguments string). `None` when there is nothing to send.
+fn tool_choice_delta(
+    pieces: &Pieces,
+    logprobs: Option<Value>,
+    finish: Option<&str>,
+    first: bool,
+) -> Option<Value> {
+    let mut delta = serde_json::Map::new();
+    if first {
+        delta.insert("role".into(), json!("assistant"));
+    }
+    if !pieces.content.is_empty() || (first && finish.is_none() && pieces.calls.is_empty()) {
+        delta.insert("content".into(), json!(pieces.content));
+    }
+    if !pieces.calls.is_empty() {
+        let calls: Vec<Value> = pieces.calls.iter().map(|c| c.to_json(true)).collect();
+        delta.insert("tool_calls".into(), json!(calls));
+    }
+    if delta.is_empty() && logprobs.is_none() && finish.is_none() {
+        return None;
+    }
+    Some(json!({"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}))
+}
+
 fn chunk(ctx: &Ctx, choices: Vec<Value>, usage: Option<Value>) -> Value {
     let object = match ctx.kind {
         Kind::Completion => "text_completion",
@@ -143,12 +172,18 @@ struct StreamState {
     first: bool,
     include_usage: bool,
     n_gen: usize,
+    parser: Option<HermesParser>,
 }
 
 /// An SSE response fed by the scheduler. Dropping it (client gone) drops the
 /// receiver, which cancels the request.
 pub fn stream(ctx: Ctx, rx: UnboundedReceiver<Event>, include_usage: bool) -> Response {
+    let parser = match ctx.kind {
+        Kind::Chat => ctx.tools.map(HermesParser::new),
+        Kind::Completion => None,
+    };
     let st = StreamState {
+        parser,
         ctx,
         rx,
         pending: VecDeque::new(),
@@ -173,6 +208,15 @@ pub fn stream(ctx: Ctx, rx: UnboundedReceiver<Event>, include_usage: bool) -> Re
                         l.push(&st.ctx.engine, &lp, 0);
                         l.to_json(st.ctx.kind)
                     });
+                    if let Some(p) = st.parser.as_mut() {
+                        let pieces = p.push(&text);
+                        if let Some(c) = tool_choice_delta(&pieces, lp, None, st.first) {
+                            st.first = false;
+                            st.pending
+                                .push_back(chunk(&st.ctx, vec![c], None).to_string());
+                        }
+                        continue;
+                    }
                     if text.is_empty() && lp.is_none() && !st.first {
                         continue;
                     }
@@ -187,7 +231,19 @@ pub fn stream(ctx: Ctx, rx: UnboundedReceiver<Event>, include_usage: bool) -> Re
                     completion_tokens,
                     degraded,
                 }) => {
-                    let c = choice(&st.ctx, "", None, Some(reason.as_str()), st.first);
+                    let mut reason = reason.as_str();
+                    if let Some(p) = st.parser.as_mut() {
+                        let pieces = p.finish();
+                        if let Some(c) = tool_choice_delta(&pieces, None, None, st.first) {
+                            st.first = false;
+                            st.pending
+                                .push_back(chunk(&st.ctx, vec![c], None).to_string());
+                        }
+                        if p.called() {
+                            reason = "tool_calls";
+                        }
+                    }
+                    let c = choice(&st.ctx, "", None, Some(reason), st.first);
                     let mut last = chunk(&st.ctx, vec![c], None);
                     if let Some(why) = degraded {
                         last["degraded"] = degraded_json(&why);
@@ -267,8 +323,20 @@ pub async fn collect(ctx: Ctx, mut rx: UnboundedReceiver<Event>) -> Result<Respo
         Kind::Completion => {
             json!({"index": 0, "text": text, "logprobs": lp, "finish_reason": finish.as_str()})
         }
-        Kind::Chat => json!({"index": 0, "message": {"role": "assistant", "content": text},
-                             "logprobs": lp, "finish_reason": finish.as_str()}),
+        Kind::Chat => {
+            let mut message = json!({"role": "assistant", "content": text});
+            let mut reason = finish.as_str();
+            if let Some(mode) = ctx.tools {
+                let (content, calls) = tools::parse_output(&text, mode);
+                message["content"] = json!(content);
+                if !calls.is_empty() {
+                    let calls: Vec<Value> = calls.iter().map(|c| c.to_json(false)).collect();
+                    message["tool_calls"] = json!(calls);
+                    reason = "tool_calls";
+                }
+            }
+            json!({"index": 0, "message": message, "logprobs": lp, "finish_reason": reason})
+        }
     };
     let object = match ctx.kind {
         Kind::Completion => "text_completion",
