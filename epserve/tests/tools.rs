@@ -9,8 +9,8 @@ use common::{Server, fixtures, post, tool_model};
 use serde_json::{Value, json};
 
 fn golden_case(name: &str) -> Value {
-    let text = std::fs::read_to_string(fixtures().join("tool_template/golden.json"))
-        .expect("tool golden");
+    let text =
+        std::fs::read_to_string(fixtures().join("tool_template/golden.json")).expect("tool golden");
     let g: Value = serde_json::from_str(&text).expect("json");
     g["cases"]
         .as_array()
@@ -59,7 +59,10 @@ async fn tools_render_validate_and_answer() {
         assert_eq!(msg["role"], "assistant");
         // The random-weight model does not call tools by itself: plain content.
         assert!(msg.get("tool_calls").is_none(), "{v}");
-        assert!(msg["content"].is_string() || msg["content"].is_null(), "{v}");
+        assert!(
+            msg["content"].is_string() || msg["content"].is_null(),
+            "{v}"
+        );
     }
 
     // Streaming with tools reassembles into the non-streamed answer.
@@ -86,7 +89,10 @@ async fn tools_render_validate_and_answer() {
     }
     let msg = &whole["choices"][0]["message"];
     assert_eq!(content, msg["content"].as_str().unwrap_or(""));
-    assert_eq!(finish.as_deref(), whole["choices"][0]["finish_reason"].as_str());
+    assert_eq!(
+        finish.as_deref(),
+        whole["choices"][0]["finish_reason"].as_str()
+    );
 
     // tool_choice "none": tools rendered, output not parsed.
     let mut b = body.clone();
@@ -98,15 +104,28 @@ async fn tools_render_validate_and_answer() {
     // Invalid requests: 400 naming the field.
     let user = json!([{"role": "user", "content": "hi"}]);
     let bad = [
-        (json!({"tools": [{"type": "function", "function": {"name": ""}}]}), "tools[0].function.name"),
-        (json!({"tools": [{"type": "function", "function": {"name": "a"}},
-                          {"type": "function", "function": {"name": "a"}}]}), "tools[1].function.name"),
-        (json!({"tools": [{"type": "function", "function": {"name": "a", "parameters": []}}]}),
-         "tools[0].function.parameters"),
-        (json!({"tools": case["tools"], "tool_choice": {"type": "function", "function": {"name": "mul"}}}),
-         "tool_choice"),
+        (
+            json!({"tools": [{"type": "function", "function": {"name": ""}}]}),
+            "tools[0].function.name",
+        ),
+        (
+            json!({"tools": [{"type": "function", "function": {"name": "a"}},
+                          {"type": "function", "function": {"name": "a"}}]}),
+            "tools[1].function.name",
+        ),
+        (
+            json!({"tools": [{"type": "function", "function": {"name": "a", "parameters": []}}]}),
+            "tools[0].function.parameters",
+        ),
+        (
+            json!({"tools": case["tools"], "tool_choice": {"type": "function", "function": {"name": "mul"}}}),
+            "tool_choice",
+        ),
         (json!({"tool_choice": "required"}), "tool_choice"),
-        (json!({"tools": case["tools"], "tool_choice": "maybe"}), "tool_choice"),
+        (
+            json!({"tools": case["tools"], "tool_choice": "maybe"}),
+            "tool_choice",
+        ),
         (json!({"tools": "add"}), "tools"),
         (json!({"parallel_tool_calls": "yes"}), "parallel_tool_calls"),
     ];
@@ -119,7 +138,8 @@ async fn tools_render_validate_and_answer() {
         assert_400(st, &v, param);
     }
     // History: arguments must be JSON; only assistants carry tool_calls.
-    let call = json!([{"id": "c1", "type": "function", "function": {"name": "add", "arguments": "{a:1"}}]);
+    let call =
+        json!([{"id": "c1", "type": "function", "function": {"name": "add", "arguments": "{a:1"}}]);
     let b = json!({"model": "tiny", "max_tokens": 2, "messages": [
         {"role": "user", "content": "x"}, {"role": "assistant", "content": null, "tool_calls": call}]});
     let (st, v) = chat(&s, &b).await;

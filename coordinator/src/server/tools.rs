@@ -484,7 +484,10 @@ mod tests {
     }
 
     fn param_of(e: ApiError) -> String {
-        e.body()["error"]["param"].as_str().unwrap_or("").to_string()
+        e.body()["error"]["param"]
+            .as_str()
+            .unwrap_or("")
+            .to_string()
     }
 
     #[test]
@@ -494,11 +497,18 @@ mod tests {
         assert!(r.parallel);
         assert_eq!(r.specs.len(), 2);
         assert!(r.specs[1].parameters.is_none());
-        let r = req(add(), Some(json!({"type": "function", "function": {"name": "now"}})))
-            .expect("ok")
-            .expect("some");
+        let r = req(
+            add(),
+            Some(json!({"type": "function", "function": {"name": "now"}})),
+        )
+        .expect("ok")
+        .expect("some");
         assert_eq!(r.choice, Choice::Named("now".into()));
-        assert!(parse_request(None, None, Some(false)).expect("ok").is_none());
+        assert!(
+            parse_request(None, None, Some(false))
+                .expect("ok")
+                .is_none()
+        );
         assert!(
             parse_request(None, Some(&json!("none")), None)
                 .expect("ok")
@@ -650,17 +660,28 @@ mod tests {
 
     #[test]
     fn grammars() {
-        let r = req(add(), Some(json!("required"))).expect("ok").expect("some");
+        let r = req(add(), Some(json!("required")))
+            .expect("ok")
+            .expect("some");
         let g = grammar(&r).expect("grammar");
-        assert!(g.starts_with("start: call (\"\\n\" call)*\ncall: call_0 | call_1\n"), "{g}");
+        assert!(
+            g.starts_with("start: call (\"\\n\" call)*\ncall: call_0 | call_1\n"),
+            "{g}"
+        );
         assert!(g.contains(r#"call_0: "<tool_call>\n" %json {"type":"object","properties":{"name":{"const":"add"},"arguments":{"type":"object","properties":{"a":{"type":"integer"}}}}"#), "{g}");
-        assert!(g.contains(r#"{"name":{"const":"now"},"arguments":{"type":"object"}}"#), "{g}");
+        assert!(
+            g.contains(r#"{"name":{"const":"now"},"arguments":{"type":"object"}}"#),
+            "{g}"
+        );
         let mut r1 = r.clone();
         r1.parallel = false;
         assert!(grammar(&r1).expect("g").starts_with("start: call\n"));
-        let r = req(add(), Some(json!({"type": "function", "function": {"name": "now"}})))
-            .expect("ok")
-            .expect("some");
+        let r = req(
+            add(),
+            Some(json!({"type": "function", "function": {"name": "now"}})),
+        )
+        .expect("ok")
+        .expect("some");
         let g = grammar(&r).expect("grammar");
         assert!(g.starts_with("start: call\ncall: call_0\n"), "{g}");
         assert!(!g.contains("\"add\""), "{g}");

@@ -386,8 +386,8 @@ mod tests {
     #[test]
     fn tool_template_matches_transformers() {
         let (_dir, tok) = tool_tokenizer();
-        let text = std::fs::read_to_string(fixtures().join("tool_template/golden.json"))
-            .expect("golden");
+        let text =
+            std::fs::read_to_string(fixtures().join("tool_template/golden.json")).expect("golden");
         let golden: Value = serde_json::from_str(&text).expect("json");
         let cases = golden["cases"].as_array().expect("cases");
         assert!(cases.len() >= 4);
@@ -395,7 +395,12 @@ mod tests {
             let msgs = case["template_messages"].as_array().expect("messages");
             let tools = case["tools"].as_array().map(|v| v.as_slice());
             let got = tok.render_chat(msgs, tools, true).expect("render");
-            assert_eq!(got, case["rendered"].as_str().expect("rendered"), "{}", case["name"]);
+            assert_eq!(
+                got,
+                case["rendered"].as_str().expect("rendered"),
+                "{}",
+                case["name"]
+            );
             let ids = tok.encode(&got, false).expect("encode");
             assert_eq!(Some(ids.len() as u64), case["prompt_tokens"].as_u64());
         }
@@ -403,9 +408,10 @@ mod tests {
 
     #[test]
     fn python_json_format() {
-        let v: Value =
-            serde_json::from_str(r#"{"b": [1, 2.5, {"x": null}], "a": "é\"<>&\n", "e": {}, "f": []}"#)
-                .expect("json");
+        let v: Value = serde_json::from_str(
+            r#"{"b": [1, 2.5, {"x": null}], "a": "é\"<>&\n", "e": {}, "f": []}"#,
+        )
+        .expect("json");
         assert_eq!(
             python_json(&v),
             r#"{"b": [1, 2.5, {"x": null}], "a": "é\"<>&\n", "e": {}, "f": []}"#
