@@ -3,13 +3,108 @@
 Usage: python3 tests/openai_client_test.py BASE_URL MODEL
 Checks a streaming chat completion (with usage), a non-streaming completion,
 n = 2 (greedy, and sampled with a seed while streaming), logit_bias, the model
-list, and that a bad request raises the client's typed error.
+list, that a bad request raises the client's typed error, and tool calling (the
+server must run a model with a tool-capable chat template).
 Exits non-zero on the first failure.
 """
 
+import json
 import sys
 
 import openai
+
+# A tool small enough for the fixture's 512-token context (its tiny vocabulary
+# spends about a token per character).
+ADD = {"type": "function", "function": {
+    "name": "add", "description": "Add.",
+    "parameters": {"type": "object", "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 99}},
+                   "required": ["a"]}}}
+NOW = {"type": "function", "function": {"name": "now", "parameters": {"type": "object", "properties": {}}}}
+# Forced calls (tool_choice "required" / named) need structured output.
+FORCED_CALLS = False
+
+
+def stream_reassembled(stream):
+    """(content, tool calls by index as [id, name, arguments], finish_reason)."""
+    content, calls, finish = "", {}, None
+    for chunk in stream:
+        for c in chunk.choices:
+            if c.delta.content:
+                content += c.delta.content
+            for tc in c.delta.tool_calls or []:
+                cur = calls.setdefault(tc.index, ["", "", ""])
+                if tc.id:
+                    cur[0] = tc.id
+                if tc.function and tc.function.name:
+                    cur[1] += tc.function.name
+                if tc.function and tc.function.arguments:
+                    cur[2] += tc.function.arguments
+            if c.finish_reason:
+                finish = c.finish_reason
+    return content, [calls[i] for i in sorted(calls)], finish
+
+
+def check_tools(client, model):
+    """A chat template with tools: requests, response and stream shapes; forced
+    calls parse into tool_calls whose arguments are JSON for the schema."""
+    msgs = [{"role": "user", "content": "1+2?"}]
+    r = client.chat.completions.create(model=model, messages=msgs, tools=[ADD], max_tokens=12, temperature=0)
+    m = r.choices[0].message
+    # The random-weight fixture does not call tools by itself.
+    assert m.tool_calls in (None, []), m
+    assert r.choices[0].finish_reason in ("stop", "length"), r.choices[0]
+    content, calls, finish = stream_reassembled(client.chat.completions.create(
+        model=model, messages=msgs, tools=[ADD], max_tokens=12, temperature=0, stream=True))
+    assert (content or None, calls, finish) == (m.content or None, [], r.choices[0].finish_reason)
+
+    # A history with a call and its result.
+    history = msgs + [
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "call_1", "type": "function", "function": {"name": "add", "arguments": "{\"a\": 3}"}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "3"},
+    ]
+    r = client.chat.completions.create(model=model, messages=history, tools=[ADD], max_tokens=4, temperature=0)
+    assert r.usage.prompt_tokens > 0
+
+    try:
+        client.chat.completions.create(model=model, messages=msgs, tools=[ADD], max_tokens=4,
+                                       tool_choice={"type": "function", "function": {"name": "mul"}})
+        raise AssertionError("unknown tool in tool_choice accepted")
+    except openai.BadRequestError as e:
+        assert e.body and e.body.get("param") == "tool_choice", e.body
+
+    if not FORCED_CALLS:
+        try:
+            client.chat.completions.create(model=model, messages=msgs, tools=[ADD], tool_choice="required",
+                                           max_tokens=4)
+            raise AssertionError("tool_choice required accepted without structured output")
+        except openai.BadRequestError:
+            pass
+        return
+
+    for choice, names in (({"type": "function", "function": {"name": "add"}}, {"add"}), ("required", {"add", "now"})):
+        for temperature in (0, 1):
+            r = client.chat.completions.create(model=model, messages=msgs, tools=[ADD, NOW], tool_choice=choice,
+                                               max_tokens=96, temperature=temperature, seed=7)
+            c = r.choices[0]
+            assert c.finish_reason == "tool_calls", c
+            assert c.message.tool_calls, c.message
+            for tc in c.message.tool_calls:
+                assert tc.type == "function" and tc.id.startswith("call_"), tc
+                assert tc.function.name in names, tc
+                args = json.loads(tc.function.arguments)
+                assert isinstance(args, dict), args
+                if tc.function.name == "add":
+                    assert isinstance(args["a"], int) and 0 <= args["a"] <= 99, args
+            content, calls, finish = stream_reassembled(client.chat.completions.create(
+                model=model, messages=msgs, tools=[ADD, NOW], tool_choice=choice, max_tokens=96,
+                temperature=temperature, seed=7, stream=True))
+            assert finish == "tool_calls", finish
+            assert content == (c.message.content or ""), (content, c.message.content)
+            got = [(n, json.loads(a)) for _, n, a in calls]
+            want = [(tc.function.name, json.loads(tc.function.arguments)) for tc in c.message.tool_calls]
+            assert got == want, (got, want)
+            assert all(i.startswith("call_") for i, _, _ in calls), calls
 
 
 def main() -> None:
@@ -92,7 +187,8 @@ def main() -> None:
         raise AssertionError("oversized request accepted")
     except openai.BadRequestError:
         pass
-    print("openai client: streaming chat, completion, n = 2, logit_bias, models, errors OK")
+    check_tools(client, model)
+    print("openai client: streaming chat, completion, n = 2, logit_bias, models, errors, tools OK")
 
 
 if __name__ == "__main__":

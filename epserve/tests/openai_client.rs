@@ -21,7 +21,9 @@ fn openai_python_client() {
         eprintln!("skipping: python3 has no `openai` package (pip install openai)");
         return;
     }
-    let s = common::Server::start("qwen3_moe_a", &[]);
+    // The fixture with a tool-capable chat template (the script checks tools).
+    let model = common::tool_model();
+    let s = common::Server::start(model.path().to_str().expect("utf-8 path"), &[]);
     let script = common::fixtures().join("../openai_client_test.py");
     let out = Command::new("python3")
         .arg(&script)

@@ -7,6 +7,7 @@ pub mod error;
 pub mod openai;
 mod response;
 pub mod tls;
+pub mod tools;
 
 use std::sync::{Arc, OnceLock};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
@@ -367,6 +368,7 @@ async fn run(
         n,
         created: unix_now(),
         id: response::new_id(kind),
+        tools: parsed.tools,
     };
     if parsed.stream {
         Ok(response::stream(ctx, rx, parsed.include_usage))

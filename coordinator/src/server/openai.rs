@@ -3,11 +3,11 @@
 //! unchecked gets past this file).
 
 use epserve_core::engine::Engine;
-use epserve_core::loader::tokenizer::ChatMessage;
 use serde::Deserialize;
 use serde::de::DeserializeOwned;
 
 use super::error::ApiError;
+use super::tools::{self, Choice, ToolParse};
 use crate::scheduler::Request;
 
 /// `prompt`: text or token ids, alone or as a one-element batch.
@@ -94,6 +94,27 @@ pub struct ContentPart {
 pub struct Message {
     pub role: String,
     pub content: Option<Content>,
+    /// An assistant message's tool calls (its `content` is then often null).
+    pub tool_calls: Option<Vec<MessageToolCall>>,
+    /// A `tool` message's answer to this call.
+    pub tool_call_id: Option<String>,
+    pub name: Option<String>,
+}
+
+/// A tool call in the chat history, as the API returned it.
+#[derive(Debug, Deserialize)]
+pub struct MessageToolCall {
+    pub id: Option<String>,
+    #[serde(rename = "type")]
+    pub kind: Option<String>,
+    pub function: MessageFunction,
+}
+
+#[derive(Debug, Deserialize)]
+pub struct MessageFunction {
+    pub name: String,
+    /// JSON text.
+    pub arguments: String,
 }
 
 /// `POST /v1/chat/completions`.
@@ -106,6 +127,11 @@ pub struct ChatBody {
     pub logprobs: Option<bool>,
     pub top_logprobs: Option<i64>,
     pub add_generation_prompt: Option<bool>,
+    /// `[{"type": "function", "function": {name, description, parameters}}]`
+    /// (validated in [`tools::parse_request`], kept as JSON for the template).
+    pub tools: Option<serde_json::Value>,
+    pub tool_choice: Option<serde_json::Value>,
+    pub parallel_tool_calls: Option<bool>,
     #[serde(skip)]
     pub sampling: SamplingFields,
 }
@@ -161,6 +187,9 @@ pub struct Parsed {
     pub request: Request,
     pub stream: bool,
     pub include_usage: bool,
+    /// Chat with tools (tool_choice not "none"): parse `<tool_call>` blocks
+    /// out of the output.
+    pub tools: Option<ToolParse>,
 }
 
 /// Limits the parser enforces.
@@ -550,6 +579,7 @@ fn finish(
             .as_ref()
             .and_then(|o| o.include_usage)
             .unwrap_or(false),
+        tools: None,
     })
 }
 
@@ -632,7 +662,15 @@ pub fn parse_chat(engine: &Engine, limits: Limits, b: &ChatBody) -> Result<Parse
             "messages must not be empty",
         ));
     }
-    let mut chat = Vec::with_capacity(msgs.len());
+    let tool_req = tools::parse_request(
+        b.tools.as_ref(),
+        b.tool_choice.as_ref(),
+        b.parallel_tool_calls,
+    )?;
+    // The messages as the template sees them (vLLM's form: content null ->
+    // "", tool-call arguments parsed from their JSON text).
+    let mut chat: Vec<serde_json::Value> = Vec::with_capacity(msgs.len());
+    let mut has_tool_calls = false;
     let mut total = 0usize;
     for (i, m) in msgs.iter().enumerate() {
         let content = match &m.content {
@@ -655,16 +693,97 @@ pub fn parse_chat(engine: &Engine, limits: Limits, b: &ChatBody) -> Result<Parse
         total = total
             .saturating_add(content.len())
             .saturating_add(m.role.len());
+        let mut msg = serde_json::Map::new();
+        msg.insert("role".into(), m.role.clone().into());
+        msg.insert("content".into(), content.into());
+        if let Some(name) = &m.name {
+            msg.insert("name".into(), name.clone().into());
+        }
+        if let Some(calls) = &m.tool_calls {
+            if m.role != "assistant" {
+                return Err(ApiError::bad_param(
+                    &format!("messages[{i}].tool_calls"),
+                    "only assistant messages may have tool_calls",
+                ));
+            }
+            let mut list = Vec::with_capacity(calls.len());
+            for (j, c) in calls.iter().enumerate() {
+                let p = format!("messages[{i}].tool_calls[{j}]");
+                if c.kind.as_deref().is_some_and(|k| k != "function") {
+                    return Err(ApiError::bad_param(
+                        &format!("{p}.type"),
+                        format!("{p}.type must be \"function\""),
+                    ));
+                }
+                let args: serde_json::Value =
+                    serde_json::from_str(&c.function.arguments).map_err(|e| {
+                        ApiError::bad_param(
+                            &format!("{p}.function.arguments"),
+                            format!("{p}.function.arguments is not valid JSON: {e}"),
+                        )
+                    })?;
+                total = total
+                    .saturating_add(c.function.arguments.len())
+                    .saturating_add(c.function.name.len());
+                let mut call = serde_json::Map::new();
+                if let Some(id) = &c.id {
+                    call.insert("id".into(), id.clone().into());
+                }
+                call.insert("type".into(), "function".into());
+                call.insert(
+                    "function".into(),
+                    serde_json::json!({"name": c.function.name, "arguments": args}),
+                );
+                list.push(serde_json::Value::Object(call));
+            }
+            has_tool_calls |= !list.is_empty();
+            msg.insert("tool_calls".into(), list.into());
+        }
+        if let Some(id) = &m.tool_call_id {
+            msg.insert("tool_call_id".into(), id.clone().into());
+        }
         limits.check_prompt_bytes("messages", total)?;
-        chat.push(ChatMessage {
-            role: m.role.clone(),
-            content,
-        });
+        chat.push(serde_json::Value::Object(msg));
     }
-    let text = engine
-        .tokenizer
-        .apply_chat_template(&chat, b.add_generation_prompt.unwrap_or(true))
-        .map_err(|e| ApiError::bad_param("messages", e.to_string()))?;
+    let add_gen = b.add_generation_prompt.unwrap_or(true);
+    let template_tools = tool_req.as_ref().map(|t| t.template_tools.as_slice());
+    let render = |msgs: &[serde_json::Value], tools: Option<&[serde_json::Value]>| {
+        engine
+            .tokenizer
+            .render_chat(msgs, tools, add_gen)
+            .map_err(|e| ApiError::bad_param("messages", e.to_string()))
+    };
+    let text = render(&chat, template_tools)?;
+    // A template that renders the same prompt without the tools (or without
+    // the history's tool calls) does not support them: refuse rather than
+    // silently drop them (vLLM renders them and hopes).
+    if let Some(t) = &tool_req
+        && t.choice != Choice::None
+        && render(&chat, None).ok().as_deref() == Some(text.as_str())
+    {
+        return Err(ApiError::bad_param(
+            "tools",
+            "the model's chat template does not support tools (it renders the same prompt with and without them); use a chat template with tool support, or tool_choice \"none\"",
+        ));
+    }
+    if has_tool_calls {
+        let stripped: Vec<serde_json::Value> = chat
+            .iter()
+            .map(|m| {
+                let mut m = m.clone();
+                if let Some(o) = m.as_object_mut() {
+                    o.remove("tool_calls");
+                }
+                m
+            })
+            .collect();
+        if render(&stripped, template_tools).ok().as_deref() == Some(text.as_str()) {
+            return Err(ApiError::bad_param(
+                "messages",
+                "the model's chat template does not render the tool_calls of assistant messages; use a chat template with tool support",
+            ));
+        }
+    }
     limits.check_prompt_bytes("messages", text.len())?;
     let prompt_ids = engine
         .tokenizer
@@ -688,7 +807,7 @@ pub fn parse_chat(engine: &Engine, limits: Limits, b: &ChatBody) -> Result<Parse
         (Some(m), _) => (Some(m), "max_completion_tokens"),
         (None, m) => (m, "max_tokens"),
     };
-    finish(
+    let mut parsed = finish(
         engine,
         limits,
         prompt_ids,
@@ -697,5 +816,17 @@ pub fn parse_chat(engine: &Engine, limits: Limits, b: &ChatBody) -> Result<Parse
         logprobs,
         "top_logprobs",
         &b.sampling,
-    )
+    )?;
+    if let Some(t) = &tool_req {
+        parsed.tools = t.parse_mode();
+        if tools::grammar(t).is_some() {
+            // Until the structured-output constraint is on the request,
+            // a forced call cannot be enforced: refuse, never ignore.
+            return Err(ApiError::bad_param(
+                "tool_choice",
+                "tool_choice \"required\" and named functions are not supported yet (they need structured output); use \"auto\"",
+            ));
+        }
+    }
+    Ok(parsed)
 }

@@ -13,6 +13,7 @@ use serde_json::{Value, json};
 use tokio::sync::mpsc::UnboundedReceiver;
 
 use super::error::ApiError;
+use super::tools::{self, HermesParser, Pieces, ToolParse};
 use crate::scheduler::{Event, TokenLogprob};
 
 /// Which endpoint's format.
@@ -32,6 +33,8 @@ pub struct Ctx {
     pub n: usize,
     pub created: u64,
     pub id: String,
+    /// Parse `<tool_call>` blocks into `tool_calls` (chat with tools).
+    pub tools: Option<ToolParse>,
 }
 
 /// A fresh response id.
@@ -126,6 +129,32 @@ fn choice(
     }
 }
 
+/// A streamed chat choice from what the tool-call parser released: content
+/// and/or complete tool calls. None when there is nothing to send.
+fn tool_choice_delta(
+    index: usize,
+    pieces: &Pieces,
+    logprobs: Option<Value>,
+    finish: Option<&str>,
+    first: bool,
+) -> Option<Value> {
+    let mut delta = serde_json::Map::new();
+    if first {
+        delta.insert("role".into(), json!("assistant"));
+    }
+    if !pieces.content.is_empty() || (first && finish.is_none() && pieces.calls.is_empty()) {
+        delta.insert("content".into(), json!(pieces.content));
+    }
+    if !pieces.calls.is_empty() {
+        let calls: Vec<Value> = pieces.calls.iter().map(|c| c.to_json(true)).collect();
+        delta.insert("tool_calls".into(), json!(calls));
+    }
+    if delta.is_empty() && logprobs.is_none() && finish.is_none() {
+        return None;
+    }
+    Some(json!({"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}))
+}
+
 fn chunk(ctx: &Ctx, choices: Vec<Value>, usage: Option<Value>) -> Value {
     let object = match ctx.kind {
         Kind::Completion => "text_completion",
@@ -149,12 +178,21 @@ struct StreamState {
     finished: usize,
     include_usage: bool,
     n_gen: usize,
+    /// Per choice: the tool-call parser (chat with tools).
+    parsers: Vec<Option<HermesParser>>,
 }
 
 /// An SSE response fed by the scheduler. Dropping it (client gone) drops the
 /// receiver, which cancels the request.
 pub fn stream(ctx: Ctx, rx: UnboundedReceiver<Event>, include_usage: bool) -> Response {
+    let parsers = (0..ctx.n.max(1))
+        .map(|_| match ctx.kind {
+            Kind::Chat => ctx.tools.map(HermesParser::new),
+            Kind::Completion => None,
+        })
+        .collect();
     let st = StreamState {
+        parsers,
         first: vec![true; ctx.n.max(1)],
         ctx,
         rx,
@@ -179,15 +217,27 @@ pub fn stream(ctx: Ctx, rx: UnboundedReceiver<Event>, include_usage: bool) -> Re
                     logprob,
                     ..
                 }) => {
-                    let Some(first) = st.first.get_mut(index) else {
-                        continue;
-                    };
-                    let was_first = std::mem::replace(first, false);
                     let lp = logprob.map(|lp| {
                         let mut l = Logprobs::default();
                         l.push(&st.ctx.engine, &lp, 0);
                         l.to_json(st.ctx.kind)
                     });
+                    if let Some(Some(p)) = st.parsers.get_mut(index) {
+                        let first = st.first.get(index).copied().unwrap_or(false);
+                        let pieces = p.push(&text);
+                        if let Some(c) = tool_choice_delta(index, &pieces, lp, None, first) {
+                            if let Some(f) = st.first.get_mut(index) {
+                                *f = false;
+                            }
+                            st.pending
+                                .push_back(chunk(&st.ctx, vec![c], None).to_string());
+                        }
+                        continue;
+                    }
+                    let Some(first) = st.first.get_mut(index) else {
+                        continue;
+                    };
+                    let was_first = std::mem::replace(first, false);
                     if text.is_empty() && lp.is_none() && !was_first {
                         continue;
                     }
@@ -202,12 +252,27 @@ pub fn stream(ctx: Ctx, rx: UnboundedReceiver<Event>, include_usage: bool) -> Re
                     degraded,
                     ..
                 }) => {
+                    let mut reason = reason.as_str();
+                    if let Some(Some(p)) = st.parsers.get_mut(index) {
+                        let first = st.first.get(index).copied().unwrap_or(false);
+                        let pieces = p.finish();
+                        if let Some(c) = tool_choice_delta(index, &pieces, None, None, first) {
+                            if let Some(f) = st.first.get_mut(index) {
+                                *f = false;
+                            }
+                            st.pending
+                                .push_back(chunk(&st.ctx, vec![c], None).to_string());
+                        }
+                        if p.called() {
+                            reason = "tool_calls";
+                        }
+                    }
                     let was_first = st
                         .first
                         .get_mut(index)
                         .map(|f| std::mem::replace(f, false))
                         .unwrap_or(false);
-                    let c = choice(&st.ctx, index, "", None, Some(reason.as_str()), was_first);
+                    let c = choice(&st.ctx, index, "", None, Some(reason), was_first);
                     let mut last = chunk(&st.ctx, vec![c], None);
                     if let Some(why) = degraded {
                         last["degraded"] = degraded_json(&why);
@@ -321,8 +386,19 @@ pub async fn collect(ctx: Ctx, mut rx: UnboundedReceiver<Event>) -> Result<Respo
                     json!({"index": index, "text": a.text, "logprobs": lp, "finish_reason": finish})
                 }
                 Kind::Chat => {
-                    json!({"index": index, "message": {"role": "assistant", "content": a.text},
-                           "logprobs": lp, "finish_reason": finish})
+                    let mut message = json!({"role": "assistant", "content": a.text});
+                    let mut reason = finish;
+                    if let Some(mode) = ctx.tools {
+                        let (content, calls) = tools::parse_output(&a.text, mode);
+                        message["content"] = json!(content);
+                        if !calls.is_empty() {
+                            let calls: Vec<Value> =
+                                calls.iter().map(|c| c.to_json(false)).collect();
+                            message["tool_calls"] = json!(calls);
+                            reason = Some("tool_calls");
+                        }
+                    }
+                    json!({"index": index, "message": message, "logprobs": lp, "finish_reason": reason})
                 }
             }
         })

@@ -158,6 +158,24 @@ impl Tokenizer {
         messages: &[ChatMessage],
         add_generation_prompt: bool,
     ) -> Result<String> {
+        let msgs: Vec<Value> = messages
+            .iter()
+            .map(|m| serde_json::json!({"role": m.role, "content": m.content}))
+            .collect();
+        self.render_chat(&msgs, None, add_generation_prompt)
+    }
+
+    /// Renders the chat template the way transformers' `apply_chat_template`
+    /// does: `messages` as given (OpenAI-shaped maps: `role`, `content`, and
+    /// `tool_calls` / `tool_call_id` / `name` where present) and `tools` as
+    /// `[{"type": "function", "function": {...}}]`, or none. Maps keep their
+    /// key order, and `tojson` writes Python's `json.dumps` format.
+    pub fn render_chat(
+        &self,
+        messages: &[Value],
+        tools: Option<&[Value]>,
+        add_generation_prompt: bool,
+    ) -> Result<String> {
         let (tpath, source) = self
             .chat_template
             .as_ref()
@@ -183,14 +201,233 @@ impl Tokenizer {
             },
         );
         env.add_function("strftime_now", |_fmt: String| -> String { String::new() });
+        env.add_filter("tojson", tojson_filter);
         env.add_template("chat", source).map_err(terr)?;
         let tmpl = env.get_template("chat").map_err(terr)?;
         tmpl.render(minijinja::context! {
-            messages => messages,
+            messages => minijinja::Value::from_serialize(messages),
+            tools => tools.map(minijinja::Value::from_serialize),
             add_generation_prompt => add_generation_prompt,
             bos_token => self.bos_token.clone().unwrap_or_default(),
             eos_token => self.eos_token.clone().unwrap_or_default(),
         })
         .map_err(terr)
+    }
+}
+
+/// transformers' `tojson` filter: `json.dumps(x, ensure_ascii=False,
+/// indent=None, separators=None, sort_keys=False)` with those keyword
+/// arguments (minijinja's own escapes HTML characters and writes compact
+/// separators, which would change the prompt).
+fn tojson_filter(
+    value: minijinja::Value,
+    kwargs: minijinja::value::Kwargs,
+) -> std::result::Result<minijinja::Value, minijinja::Error> {
+    let bad = |m: String| minijinja::Error::new(minijinja::ErrorKind::InvalidOperation, m);
+    let indent: Option<minijinja::Value> = kwargs.get("indent")?;
+    let indent = match indent {
+        None => None,
+        Some(v) if v.is_none() => None,
+        Some(v) => match usize::try_from(v.clone()) {
+            Ok(n) => Some(" ".repeat(n)),
+            Err(_) => match v.as_str() {
+                Some(s) => Some(s.to_string()),
+                None => return Err(bad(format!("tojson: invalid indent {v}"))),
+            },
+        },
+    };
+    let separators: Option<Vec<String>> = kwargs.get("separators")?;
+    let sort_keys: Option<bool> = kwargs.get("sort_keys")?;
+    let ensure_ascii: Option<bool> = kwargs.get("ensure_ascii")?;
+    kwargs.assert_all_used()?;
+    let v = serde_json::to_value(&value).map_err(|e| bad(format!("tojson: {e}")))?;
+    let (item, key) = match separators.as_deref() {
+        Some([a, b]) => (a.clone(), b.clone()),
+        Some(_) => return Err(bad("tojson: separators must be two strings".into())),
+        // Python's defaults: no spaces after ',' when indenting.
+        None if indent.is_some() => (",".into(), ": ".into()),
+        None => (", ".into(), ": ".into()),
+    };
+    let opts = PyJson {
+        indent,
+        item,
+        key,
+        sort_keys: sort_keys.unwrap_or(false),
+        ensure_ascii: ensure_ascii.unwrap_or(false),
+    };
+    let mut out = String::new();
+    opts.write(&v, 0, &mut out);
+    Ok(minijinja::Value::from_safe_string(out))
+}
+
+/// Python's `json.dumps` output format.
+struct PyJson {
+    indent: Option<String>,
+    item: String,
+    key: String,
+    sort_keys: bool,
+    ensure_ascii: bool,
+}
+
+impl PyJson {
+    fn newline(&self, depth: usize, out: &mut String) {
+        if let Some(ind) = &self.indent {
+            out.push('\n');
+            for _ in 0..depth {
+                out.push_str(ind);
+            }
+        }
+    }
+
+    fn string(&self, s: &str, out: &mut String) {
+        let quoted = serde_json::to_string(s).unwrap_or_default();
+        if !self.ensure_ascii {
+            out.push_str(&quoted);
+            return;
+        }
+        for c in quoted.chars() {
+            if c.is_ascii() {
+                out.push(c);
+            } else {
+                let mut buf = [0u16; 2];
+                for u in c.encode_utf16(&mut buf) {
+                    out.push_str(&format!("\\u{u:04x}"));
+                }
+            }
+        }
+    }
+
+    fn write(&self, v: &Value, depth: usize, out: &mut String) {
+        match v {
+            Value::Null => out.push_str("null"),
+            Value::Bool(b) => out.push_str(if *b { "true" } else { "false" }),
+            Value::Number(n) => out.push_str(&n.to_string()),
+            Value::String(s) => self.string(s, out),
+            Value::Array(a) if a.is_empty() => out.push_str("[]"),
+            Value::Array(a) => {
+                out.push('[');
+                for (i, x) in a.iter().enumerate() {
+                    if i > 0 {
+                        out.push_str(&self.item);
+                    }
+                    self.newline(depth + 1, out);
+                    self.write(x, depth + 1, out);
+                }
+                self.newline(depth, out);
+                out.push(']');
+            }
+            Value::Object(m) if m.is_empty() => out.push_str("{}"),
+            Value::Object(m) => {
+                let mut entries: Vec<(&String, &Value)> = m.iter().collect();
+                if self.sort_keys {
+                    entries.sort_by(|a, b| a.0.cmp(b.0));
+                }
+                out.push('{');
+                for (i, (k, x)) in entries.into_iter().enumerate() {
+                    if i > 0 {
+                        out.push_str(&self.item);
+                    }
+                    self.newline(depth + 1, out);
+                    self.string(k, out);
+                    out.push_str(&self.key);
+                    self.write(x, depth + 1, out);
+                }
+                self.newline(depth, out);
+                out.push('}');
+            }
+        }
+    }
+}
+
+/// `json.dumps(v, ensure_ascii=False)`: the format Hermes-style templates
+/// and vLLM's tool parsers write JSON in (`", "` and `": "` separators, keys
+/// in order, non-ASCII as is).
+pub fn python_json(v: &Value) -> String {
+    let opts = PyJson {
+        indent: None,
+        item: ", ".into(),
+        key: ": ".into(),
+        sort_keys: false,
+        ensure_ascii: false,
+    };
+    let mut out = String::new();
+    opts.write(v, 0, &mut out);
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn fixtures() -> PathBuf {
+        PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures")
+    }
+
+    /// The qwen3 fixture's tokenizer with `tests/fixtures/tool_template`'s
+    /// Hermes-style tool template.
+    fn tool_tokenizer() -> (tempfile::TempDir, Tokenizer) {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let src = fixtures().join("qwen3_moe_a/f32");
+        for f in ["tokenizer.json", "tokenizer_config.json"] {
+            std::fs::copy(src.join(f), dir.path().join(f)).expect("copy");
+        }
+        std::fs::copy(
+            fixtures().join("tool_template/chat_template.jinja"),
+            dir.path().join("chat_template.jinja"),
+        )
+        .expect("copy template");
+        let tok = Tokenizer::from_dir(dir.path()).expect("tokenizer");
+        (dir, tok)
+    }
+
+    /// Tools, tool calls and tool results render exactly as transformers'
+    /// apply_chat_template renders them (golden from
+    /// tests/fixtures/tool_template/make_golden.py).
+    #[test]
+    fn tool_template_matches_transformers() {
+        let (_dir, tok) = tool_tokenizer();
+        let text =
+            std::fs::read_to_string(fixtures().join("tool_template/golden.json")).expect("golden");
+        let golden: Value = serde_json::from_str(&text).expect("json");
+        let cases = golden["cases"].as_array().expect("cases");
+        assert!(cases.len() >= 4);
+        for case in cases {
+            let msgs = case["template_messages"].as_array().expect("messages");
+            let tools = case["tools"].as_array().map(|v| v.as_slice());
+            let got = tok.render_chat(msgs, tools, true).expect("render");
+            assert_eq!(
+                got,
+                case["rendered"].as_str().expect("rendered"),
+                "{}",
+                case["name"]
+            );
+            let ids = tok.encode(&got, false).expect("encode");
+            assert_eq!(Some(ids.len() as u64), case["prompt_tokens"].as_u64());
+        }
+    }
+
+    #[test]
+    fn python_json_format() {
+        let v: Value = serde_json::from_str(
+            r#"{"b": [1, 2.5, {"x": null}], "a": "é\"<>&\n", "e": {}, "f": []}"#,
+        )
+        .expect("json");
+        assert_eq!(
+            python_json(&v),
+            r#"{"b": [1, 2.5, {"x": null}], "a": "é\"<>&\n", "e": {}, "f": []}"#
+        );
+        // The tojson filter's keyword arguments, as Python's json.dumps.
+        let mut env = minijinja::Environment::new();
+        env.add_filter("tojson", tojson_filter);
+        let out = env
+            .render_str(
+                "{{ v | tojson }}|{{ v | tojson(indent=2) }}|{{ v | tojson(sort_keys=true, separators=(',', ':')) }}|{{ 'é' | tojson(ensure_ascii=true) }}",
+                minijinja::context! { v => minijinja::Value::from_serialize(serde_json::json!({"z": 1, "a": [true]})) },
+            )
+            .expect("render");
+        assert_eq!(
+            out,
+            "{\"z\": 1, \"a\": [true]}|{\n  \"z\": 1,\n  \"a\": [\n    true\n  ]\n}|{\"a\":[true],\"z\":1}|\"\\u00e9\""
+        );
     }
 }

@@ -135,3 +135,23 @@ pub fn golden(fixture: &str) -> serde_json::Value {
         std::fs::read_to_string(fixtures().join(fixture).join("golden.json")).expect("golden");
     serde_json::from_str(&text).expect("golden json")
 }
+
+/// The qwen3 fixture (bf16) with `tests/fixtures/tool_template`'s
+/// Hermes-style tool-calling chat template, in a temporary folder laid out as
+/// [`Server::start`] expects: pass the folder's path as the fixture.
+pub fn tool_model() -> tempfile::TempDir {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let dst = dir.path().join("bf16");
+    std::fs::create_dir(&dst).expect("mkdir");
+    let src = fixtures().join("qwen3_moe_a/bf16");
+    for e in std::fs::read_dir(&src).expect("fixture") {
+        let e = e.expect("entry");
+        std::fs::copy(e.path(), dst.join(e.file_name())).expect("copy");
+    }
+    std::fs::copy(
+        fixtures().join("tool_template/chat_template.jinja"),
+        dst.join("chat_template.jinja"),
+    )
+    .expect("template");
+    dir
+}
