@@ -27,7 +27,7 @@ async fn bad(s: &Server, path: &str, body: Value) -> (String, String) {
 
 fn chat(extra: Value) -> Value {
     let mut b = json!({"model": "tiny", "messages": [{"role": "user", "content": "Answer."}],
-                       "max_tokens": 200, "temperature": 1.0});
+                       "max_tokens": 400, "temperature": 1.0});
     for (k, v) in extra.as_object().expect("object") {
         b[k] = v.clone();
     }
@@ -35,7 +35,7 @@ fn chat(extra: Value) -> Value {
 }
 
 fn completion(extra: Value) -> Value {
-    let mut b = json!({"model": "tiny", "prompt": "Once upon a time", "max_tokens": 64,
+    let mut b = json!({"model": "tiny", "prompt": "Once upon a time", "max_tokens": 300,
                        "temperature": 1.0});
     for (k, v) in extra.as_object().expect("object") {
         b[k] = v.clone();
