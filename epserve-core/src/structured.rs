@@ -43,8 +43,9 @@ use serde_json::Value;
 ///   JSON Schema subset: types, `properties`, `required`,
 ///   `additionalProperties`, `items`, `enum`, `const`, `anyOf`/`oneOf`,
 ///   `$ref` to `#/...`, string `pattern`/`format`/length, numeric bounds,
-///   array lengths). Unless the schema has its own `"x-guidance"` options,
-///   whitespace between JSON tokens is limited to [`JSON_WHITESPACE`], so a
+///   array lengths). Unless the schema has its own `"x-guidance"` options
+///   (llguidance's, e.g. `{"whitespace_flexible": true}`), the JSON is
+///   compact, without whitespace between tokens ([`JSON_DEFAULTS`]), so a
 ///   model cannot spend its whole budget on blanks.
 /// - `JsonObject`: any JSON object (`response_format: {"type": "json_object"}`).
 /// - `Regex(rx)`: text matching the regular expression (Rust `regex` syntax).
@@ -64,10 +65,10 @@ pub enum Constraint {
     Lark(String),
 }
 
-/// Whitespace allowed between JSON tokens unless a schema's `"x-guidance"`
-/// says otherwise: up to 32 blanks or newlines (enough for pretty-printed
-/// JSON nested a dozen levels deep).
-pub const JSON_WHITESPACE: &str = r"[\x20\x0A\x0D\x09]{1,32}";
+/// llguidance's JSON options used when a schema has no `"x-guidance"` of its
+/// own: compact JSON (vLLM's `disable_any_whitespace`). Flexible whitespace
+/// lets a weak model emit blanks until `max_tokens` runs out.
+pub const JSON_DEFAULTS: &str = r#"{"whitespace_flexible": false}"#;
 
 /// Grammars kept compiled, most recently used last.
 const CACHE_ENTRIES: usize = 64;
@@ -81,7 +82,7 @@ pub fn with_json_defaults(schema: &Value) -> Value {
     {
         m.insert(
             "x-guidance".into(),
-            serde_json::json!({ "whitespace_pattern": JSON_WHITESPACE }),
+            serde_json::json!({ "whitespace_flexible": false }),
         );
     }
     s
