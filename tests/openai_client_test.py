@@ -10,6 +10,7 @@ Exits non-zero on the first failure.
 
 import json
 import sys
+from concurrent.futures import ThreadPoolExecutor
 
 import openai
 
@@ -20,8 +21,8 @@ ADD = {"type": "function", "function": {
     "parameters": {"type": "object", "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 99}},
                    "required": ["a"]}}}
 NOW = {"type": "function", "function": {"name": "now", "parameters": {"type": "object", "properties": {}}}}
-# Forced calls (tool_choice "required" / named) need structured output.
-FORCED_CALLS = False
+# Forced calls (tool_choice "required" / named) are enforced with structured output.
+FORCED_CALLS = True
 
 
 def stream_reassembled(stream):
@@ -105,6 +106,87 @@ def check_tools(client, model):
             want = [(tc.function.name, json.loads(tc.function.arguments)) for tc in c.message.tool_calls]
             assert got == want, (got, want)
             assert all(i.startswith("call_") for i, _, _ in calls), calls
+# A bounded schema: every conforming output fits the max_tokens below.
+PERSON = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 8},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+        "kind": {"enum": ["cat", "dog", "fish"]},
+        "tags": {"type": "array", "items": {"type": "boolean"}, "maxItems": 3},
+    },
+    "required": ["name", "age", "kind", "tags"],
+    "additionalProperties": False,
+}
+
+
+def validate(value, schema, path="$"):
+    """A small JSON Schema check for the keywords PERSON uses."""
+    if "enum" in schema:
+        assert value in schema["enum"], (path, value)
+    t = schema.get("type")
+    if t == "object":
+        assert isinstance(value, dict), (path, value)
+        for k in schema.get("required", []):
+            assert k in value, (path, "missing", k)
+        props = schema.get("properties", {})
+        for k, v in value.items():
+            if k in props:
+                validate(v, props[k], f"{path}.{k}")
+            else:
+                assert schema.get("additionalProperties", True) is not False, (path, "extra", k)
+    elif t == "string":
+        assert isinstance(value, str), (path, value)
+        assert len(value) <= schema.get("maxLength", len(value)), (path, value)
+    elif t == "integer":
+        assert isinstance(value, int) and not isinstance(value, bool), (path, value)
+        assert schema.get("minimum", value) <= value <= schema.get("maximum", value), (path, value)
+    elif t == "boolean":
+        assert isinstance(value, bool), (path, value)
+    elif t == "array":
+        assert isinstance(value, list), (path, value)
+        assert len(value) <= schema.get("maxItems", len(value)), (path, value)
+        for i, v in enumerate(value):
+            validate(v, schema["items"], f"{path}[{i}]")
+
+
+def structured(client, model) -> None:
+    """response_format json_schema: 100 sampled answers (temperature 1) all
+    parse and validate; guided_choice and an invalid schema."""
+
+    def one(i):
+        r = client.chat.completions.create(
+            model=model,
+            messages=[{"role": "user", "content": f"Describe pet number {i} as JSON."}],
+            max_tokens=400,
+            temperature=1.0,
+            seed=i,
+            response_format={
+                "type": "json_schema",
+                "json_schema": {"name": "person", "schema": PERSON, "strict": True},
+            },
+        )
+        c = r.choices[0]
+        assert c.finish_reason == "stop", (c.finish_reason, c.message.content)
+        validate(json.loads(c.message.content), PERSON)
+        return r.usage.completion_tokens
+
+    with ThreadPoolExecutor(max_workers=16) as pool:
+        tokens = list(pool.map(one, range(100)))
+
+    comp = client.completions.create(model=model, prompt="Pick one:", max_tokens=16, temperature=1.0,
+                                     extra_body={"guided_choice": ["red", "green", "blue"]})
+    assert comp.choices[0].text in ("red", "green", "blue"), comp.choices[0].text
+    try:
+        client.chat.completions.create(
+            model=model, messages=[{"role": "user", "content": "x"}], max_tokens=4,
+            response_format={"type": "json_schema",
+                             "json_schema": {"name": "bad", "schema": {"type": "no-such-type"}}})
+        raise AssertionError("invalid schema accepted")
+    except openai.BadRequestError as e:
+        assert e.param == "response_format.json_schema.schema", (e.param, e.body)
+    print(f"openai client: structured output OK (100 json_schema answers, {sum(tokens)} tokens, "
+          f"longest {max(tokens)})")
 
 
 def main() -> None:
@@ -187,8 +269,9 @@ def main() -> None:
         raise AssertionError("oversized request accepted")
     except openai.BadRequestError:
         pass
+    print("openai client: streaming chat, completion, n = 2, logit_bias, models, errors OK")
+    structured(client, model)
     check_tools(client, model)
-    print("openai client: streaming chat, completion, n = 2, logit_bias, models, errors, tools OK")
 
 
 if __name__ == "__main__":

@@ -11,6 +11,7 @@ use crate::loader::tokenizer::{ChatMessage, Tokenizer};
 use crate::model::kv_cache::{KvCacheDtype, KvDtype};
 use crate::model::{LogitsMode, Model, SeqInput};
 use crate::sampling::{Sampler, SamplingParams};
+use crate::structured::{CompiledConstraint, Constraint, StructuredOutput};
 
 /// A model folder loaded for generation.
 pub struct Engine {
@@ -22,6 +23,8 @@ pub struct Engine {
     /// (default: the model's declared dtype, `--kv-cache-dtype auto`).
     pub kv_dtype: KvDtype,
     eos_ids: Vec<u32>,
+    /// Structured output, set up on first use ([`Engine::structured`]).
+    structured: std::sync::OnceLock<std::result::Result<StructuredOutput, String>>,
 }
 
 /// Why generation ended.
@@ -134,7 +137,40 @@ impl Engine {
             dir: dir.to_path_buf(),
             kv_dtype,
             eos_ids,
+            structured: std::sync::OnceLock::new(),
         }
+    }
+
+    /// The grammar compiler for this model's tokenizer (built on first use:
+    /// the token trie and llguidance's tables; logged with the time taken).
+    pub fn structured(&self) -> Result<&StructuredOutput> {
+        let r = self.structured.get_or_init(|| {
+            let t = std::time::Instant::now();
+            let r = StructuredOutput::new(
+                self.tokenizer.hf(),
+                self.model.config.vocab_size,
+                &self.eos_ids,
+            );
+            match &r {
+                Ok(_) => tracing::info!(
+                    seconds = t.elapsed().as_secs_f64(),
+                    "structured output ready"
+                ),
+                Err(e) => tracing::warn!(error = %e, "structured output unavailable"),
+            }
+            r
+        });
+        r.as_ref().map_err(|e| {
+            Error::InvalidInput(format!(
+                "structured output is unavailable for this model: {e}"
+            ))
+        })
+    }
+
+    /// Compiles a [`Constraint`] for this model (see [`StructuredOutput::compile`]);
+    /// an invalid one is [`Error::InvalidInput`] naming the problem.
+    pub fn compile_constraint(&self, c: Constraint) -> Result<CompiledConstraint> {
+        self.structured()?.compile(c).map_err(Error::InvalidInput)
     }
 
     /// End-of-sequence token ids.

@@ -32,6 +32,7 @@ pub mod moe;
 pub mod placement;
 pub mod profile;
 pub mod sampling;
+pub mod structured;
 pub mod tensor;
 
 pub use error::{Error, Result};

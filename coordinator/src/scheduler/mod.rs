@@ -102,6 +102,9 @@ pub struct Request {
     /// vLLM's `cache_salt`: only requests with the same salt share cached
     /// KV blocks (mixed into the first block's hash).
     pub cache_salt: Option<String>,
+    /// Structured output: the grammar the generated text must match
+    /// (compiled with [`Engine::compile_constraint`]).
+    pub constraint: Option<epserve_core::structured::CompiledConstraint>,
 }
 
 /// Log-probabilities of one generated token.
@@ -747,6 +750,7 @@ mod tests {
             logprobs: None,
             n: 1,
             cache_salt: None,
+            constraint: None,
         }
     }
 
@@ -899,6 +903,7 @@ mod tests {
             logprobs: None,
             n: 1,
             cache_salt: None,
+            constraint: None,
         }
     }
 
@@ -1097,6 +1102,76 @@ mod tests {
             }
             assert_all_blocks_free(&h, 16);
         }
+    }
+
+    #[test]
+    fn constrained_sequences_conform_and_survive_preemption() {
+        use epserve_core::structured::Constraint;
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("../tests/fixtures/qwen3_moe_a/f32");
+        let engine = Arc::new(Engine::load(&dir).expect("fixture engine"));
+        let sched = |num_blocks| {
+            start(
+                engine.clone(),
+                SchedulerConfig {
+                    max_num_seqs: 4,
+                    max_num_batched_tokens: 32,
+                    max_model_len: 128,
+                    block_size: 4,
+                    num_blocks,
+                    max_waiting: 16,
+                    kv_dtype: Default::default(),
+                    micro_batches: MicroBatches::Fixed(1),
+                    enable_prefix_caching: false,
+                    expert_load_metrics: false,
+                },
+            )
+            .expect("scheduler")
+        };
+        let rx = "[a-z]{4}-[0-9]{4}-[a-z]{4}";
+        let c = engine
+            .compile_constraint(Constraint::Regex(rx.into()))
+            .expect("compile");
+        let req = |p: Vec<u32>| Request {
+            constraint: Some(c.clone()),
+            ..greedy(p, 16)
+        };
+        let prompts: Vec<Vec<u32>> = (0..4).map(|i| tokens(20 + i, 27)).collect();
+        let roomy = sched(256);
+        let want: Vec<Vec<u32>> = prompts
+            .iter()
+            .map(|p| run_one(&roomy, req(p.clone())))
+            .collect();
+        for (p, w) in prompts.iter().zip(&want) {
+            let text = engine.tokenizer.decode(w, true).expect("decode");
+            let b = text.as_bytes();
+            assert_eq!(b.len(), 14, "{text:?}");
+            assert!(
+                b[..4].iter().all(u8::is_ascii_lowercase) && b[4] == b'-',
+                "{text:?}"
+            );
+            assert!(
+                b[5..9].iter().all(u8::is_ascii_digit) && b[9] == b'-',
+                "{text:?}"
+            );
+            assert!(b[10..].iter().all(u8::is_ascii_lowercase), "{text:?}");
+            // The mask changed what greedy decoding picks.
+            assert_ne!(&run_one(&roomy, greedy(p.clone(), w.len())), w);
+        }
+        // 12 blocks of 4 for four sequences of 27 + up to 14 tokens: some are
+        // preempted and recomputed; their matchers must not consume twice.
+        let tight = sched(12);
+        let rxs: Vec<_> = prompts
+            .iter()
+            .map(|p| tight.submit(req(p.clone())).expect("submit"))
+            .collect();
+        let got: Vec<Vec<u32>> = rxs.into_iter().map(collect).collect();
+        assert_eq!(got, want);
+        assert!(
+            tight.stats().preemptions.load(Ordering::Relaxed) > 0,
+            "no preemption"
+        );
+        assert_all_blocks_free(&tight, 12);
     }
 
     #[test]

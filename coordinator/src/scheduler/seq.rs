@@ -8,6 +8,7 @@ use epserve_core::engine::{Engine, FinishReason};
 use epserve_core::model::kv_cache::SeqCache;
 use epserve_core::moe::top_k_indices;
 use epserve_core::sampling::{Sampler, log_softmax};
+use epserve_core::structured::Guide;
 use tokio::sync::mpsc::UnboundedSender;
 
 use super::{Event, Request, TokenLogprob};
@@ -37,6 +38,10 @@ pub(super) struct Seq {
     /// Why some of its tokens were computed in degraded mode (a lost expert
     /// rerouted), if they were.
     pub degraded: Option<String>,
+    /// The grammar's matcher when the output is constrained (structured
+    /// output): it has consumed exactly the generated tokens, so a
+    /// preempted sequence resumes where it was.
+    pub guide: Option<Guide>,
 }
 
 impl Seq {
@@ -60,6 +65,7 @@ impl Seq {
             first_token: None,
             preemptions: 0,
             degraded: None,
+            guide: req.constraint.as_ref().map(|c| c.start()),
             req,
         }
     }
@@ -71,6 +77,8 @@ impl Seq {
         let mut req = self.req.clone();
         req.sampling = self.req.sampling.for_choice(index);
         Seq {
+            // Each choice has its own matcher.
+            guide: req.constraint.as_ref().map(|c| c.start()),
             id: self.id,
             index,
             pending_forks: 0,
@@ -98,6 +106,11 @@ impl Seq {
     pub fn on_logits(&mut self, engine: &Engine, logits: &[f32], max_model_len: usize) -> bool {
         let n_prompt = self.req.prompt_token_ids.len();
         let mut work = logits.to_vec();
+        if let Some(g) = self.guide.as_mut()
+            && let Err(e) = g.apply(&mut work)
+        {
+            return self.fail(format!("structured output failed: {e}"));
+        }
         let tok = self.sampler.sample(
             &mut work,
             &self.req.prompt_token_ids,
@@ -122,8 +135,22 @@ impl Seq {
             }
         }
         let n_gen = self.generated().len();
-        let is_eos = !self.req.ignore_eos && engine.eos_ids().contains(&tok);
+        let mut is_eos = !self.req.ignore_eos && engine.eos_ids().contains(&tok);
         let is_stop_token = self.req.stop_token_ids.contains(&tok);
+        // The grammar allowed this token: an end-of-sequence token where it
+        // accepts (that ends the output even with ignore_eos: nothing may
+        // follow), else a token it consumes; complete, it ends the output.
+        let mut grammar_done = false;
+        if let Some(g) = self.guide.as_mut() {
+            if engine.eos_ids().contains(&tok) {
+                is_eos = true;
+            } else {
+                match g.commit(tok) {
+                    Ok(done) => grammar_done = done,
+                    Err(e) => return self.fail(format!("structured output failed: {e}")),
+                }
+            }
+        }
         let delta = match self.text.push(&engine.tokenizer, tok) {
             Ok(d) => d,
             Err(e) => {
@@ -133,7 +160,7 @@ impl Seq {
             }
         };
         let mut reason = None;
-        if is_eos || is_stop_token || delta.stopped {
+        if is_eos || is_stop_token || delta.stopped || grammar_done {
             reason = Some(FinishReason::Stop);
         } else if n_gen >= self.req.max_tokens || self.tokens.len() >= max_model_len {
             reason = Some(FinishReason::Length);
@@ -155,6 +182,12 @@ impl Seq {
             text,
             logprob,
         });
+        if reason.is_none()
+            && let Some(g) = self.guide.as_mut()
+        {
+            // The next mask is computed while the next step's forward pass runs.
+            g.prefetch();
+        }
         match reason {
             Some(reason) => {
                 let _ = self.tx.send(Event::Finished {
@@ -178,9 +211,27 @@ impl Seq {
                     .map(|f| f.duration_since(self.arrived).as_secs_f64())
                     .unwrap_or(e2e);
                 m::request_done(e2e, ttft, n_prompt, n_gen);
+                if let Some(g) = &self.guide {
+                    let st = g.stats();
+                    tracing::debug!(
+                        id = self.id,
+                        masks = st.masks,
+                        compute_us = st.compute.as_micros() as u64,
+                        waited_us = st.waited.as_micros() as u64,
+                        "structured output masks"
+                    );
+                }
                 true
             }
             None => false,
         }
+    }
+
+    /// Ends the request with an internal error.
+    fn fail(&mut self, msg: String) -> bool {
+        tracing::error!(id = self.id, error = %msg, "request failed");
+        let _ = self.tx.send(Event::Error(msg));
+        m::request_finished("error");
+        true
     }
 }

@@ -3,6 +3,7 @@
 //! unchecked gets past this file).
 
 use epserve_core::engine::Engine;
+use epserve_core::structured::{CompiledConstraint, Constraint};
 use serde::Deserialize;
 use serde::de::DeserializeOwned;
 
@@ -60,6 +61,44 @@ pub struct SamplingFields {
     pub bad_words: Option<Vec<String>>,
     /// vLLM's per-request prefix cache salt.
     pub cache_salt: Option<String>,
+    // Structured output ([`constraint`]): OpenAI's, vLLM's and vLLM's older fields.
+    pub response_format: Option<ResponseFormat>,
+    pub structured_outputs: Option<StructuredOutputs>,
+    pub guided_json: Option<serde_json::Value>,
+    pub guided_regex: Option<String>,
+    pub guided_choice: Option<Vec<String>>,
+    pub guided_grammar: Option<String>,
+}
+
+/// `response_format`: `{"type": "text" | "json_object" | "json_schema", "json_schema": {...}}`.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ResponseFormat {
+    #[serde(rename = "type")]
+    pub kind: String,
+    pub json_schema: Option<JsonSchemaFormat>,
+}
+
+/// `response_format.json_schema`. `strict` is accepted; the schema is always
+/// enforced (as vLLM does).
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct JsonSchemaFormat {
+    pub name: Option<String>,
+    pub description: Option<String>,
+    pub schema: Option<serde_json::Value>,
+    pub strict: Option<bool>,
+}
+
+/// vLLM's `structured_outputs`: one of its fields.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct StructuredOutputs {
+    pub json: Option<serde_json::Value>,
+    pub regex: Option<String>,
+    pub choice: Option<Vec<String>>,
+    pub grammar: Option<String>,
+    pub json_object: Option<bool>,
 }
 
 /// `POST /v1/completions`.
@@ -454,6 +493,127 @@ fn sampling(
     Ok(p)
 }
 
+/// A JSON schema given as an object, a boolean or a string holding one.
+fn schema_value(param: &str, v: &serde_json::Value) -> Result<serde_json::Value, ApiError> {
+    let v = match v {
+        serde_json::Value::String(s) => serde_json::from_str(s)
+            .map_err(|e| ApiError::bad_param(param, format!("'{param}' is not valid JSON: {e}")))?,
+        v => v.clone(),
+    };
+    if !(v.is_object() || v.is_boolean()) {
+        return Err(ApiError::bad_param(
+            param,
+            format!("'{param}' must be a JSON schema (an object)"),
+        ));
+    }
+    Ok(v)
+}
+
+/// The structured-output constraint a request asks for, compiled for the
+/// model (`None`: free text). At most one may be given; an invalid schema,
+/// regex or grammar is a 400 naming its field.
+fn constraint(engine: &Engine, f: &SamplingFields) -> Result<Option<CompiledConstraint>, ApiError> {
+    let mut found: Vec<(String, Constraint)> = Vec::new();
+    if let Some(rf) = &f.response_format {
+        match rf.kind.as_str() {
+            "text" => {}
+            "json_object" => found.push(("response_format".into(), Constraint::JsonObject)),
+            "json_schema" => {
+                let param = "response_format.json_schema.schema";
+                let schema = rf
+                    .json_schema
+                    .as_ref()
+                    .and_then(|j| j.schema.as_ref())
+                    .ok_or_else(|| {
+                        ApiError::bad_param(
+                            param,
+                            "response_format of type 'json_schema' needs json_schema.schema",
+                        )
+                    })?;
+                found.push((
+                    param.into(),
+                    Constraint::JsonSchema(schema_value(param, schema)?),
+                ));
+            }
+            other => {
+                return Err(ApiError::bad_param(
+                    "response_format.type",
+                    format!(
+                        "response_format type '{other}' is not supported (text, json_object or json_schema)"
+                    ),
+                ));
+            }
+        }
+    }
+    if let Some(so) = &f.structured_outputs {
+        if let Some(j) = &so.json {
+            let param = "structured_outputs.json";
+            found.push((
+                param.into(),
+                Constraint::JsonSchema(schema_value(param, j)?),
+            ));
+        }
+        if let Some(r) = &so.regex {
+            found.push((
+                "structured_outputs.regex".into(),
+                Constraint::Regex(r.clone()),
+            ));
+        }
+        if let Some(c) = &so.choice {
+            found.push((
+                "structured_outputs.choice".into(),
+                Constraint::Choice(c.clone()),
+            ));
+        }
+        if let Some(g) = &so.grammar {
+            found.push((
+                "structured_outputs.grammar".into(),
+                Constraint::Lark(g.clone()),
+            ));
+        }
+        if so.json_object == Some(true) {
+            found.push((
+                "structured_outputs.json_object".into(),
+                Constraint::JsonObject,
+            ));
+        }
+    }
+    if let Some(j) = &f.guided_json {
+        found.push((
+            "guided_json".into(),
+            Constraint::JsonSchema(schema_value("guided_json", j)?),
+        ));
+    }
+    if let Some(r) = &f.guided_regex {
+        found.push(("guided_regex".into(), Constraint::Regex(r.clone())));
+    }
+    if let Some(c) = &f.guided_choice {
+        found.push(("guided_choice".into(), Constraint::Choice(c.clone())));
+    }
+    if let Some(g) = &f.guided_grammar {
+        found.push(("guided_grammar".into(), Constraint::Lark(g.clone())));
+    }
+    let mut found = found.into_iter();
+    let Some((param, c)) = found.next() else {
+        return Ok(None);
+    };
+    if let Some((second, _)) = found.next() {
+        return Err(ApiError::bad_param(
+            &second,
+            format!(
+                "only one structured output constraint may be given: got '{param}' and '{second}'"
+            ),
+        ));
+    }
+    engine.compile_constraint(c).map(Some).map_err(|e| {
+        let msg = match e {
+            epserve_core::Error::InvalidInput(m) => m,
+            e => e.to_string(),
+        };
+        ApiError::bad_param(&param, format!("'{param}': {msg}"))
+    })
+}
+
 fn stops(limits: &Limits, f: &SamplingFields) -> Result<Vec<String>, ApiError> {
     let v = match &f.stop {
         None => vec![],
@@ -572,6 +732,7 @@ fn finish(
             logprobs,
             n: choices(f)?,
             cache_salt: cache_salt(f)?,
+            constraint: constraint(engine, f)?,
         },
         stream: f.stream.unwrap_or(false),
         include_usage: f
@@ -819,13 +980,19 @@ pub fn parse_chat(engine: &Engine, limits: Limits, b: &ChatBody) -> Result<Parse
     )?;
     if let Some(t) = &tool_req {
         parsed.tools = t.parse_mode();
-        if tools::grammar(t).is_some() {
-            // Until the structured-output constraint is on the request,
-            // a forced call cannot be enforced: refuse, never ignore.
-            return Err(ApiError::bad_param(
-                "tool_choice",
-                "tool_choice \"required\" and named functions are not supported yet (they need structured output); use \"auto\"",
-            ));
+        if let Some(g) = tools::grammar(t) {
+            // A forced call: the output must be the tool-call block(s).
+            if parsed.request.constraint.is_some() {
+                return Err(ApiError::bad_param(
+                    "tool_choice",
+                    "tool_choice \"required\" or a named function cannot be combined with response_format / structured outputs",
+                ));
+            }
+            parsed.request.constraint = Some(
+                engine
+                    .compile_constraint(Constraint::Lark(g))
+                    .map_err(|e| ApiError::bad_param("tools", e.to_string()))?,
+            );
         }
     }
     Ok(parsed)

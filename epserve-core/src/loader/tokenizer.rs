@@ -142,6 +142,11 @@ impl Tokenizer {
         self.inner.token_to_id(token)
     }
 
+    /// The `tokenizers` tokenizer itself.
+    pub fn hf(&self) -> &tokenizers::Tokenizer {
+        &self.inner
+    }
+
     /// Vocabulary size including added tokens.
     pub fn vocab_size(&self) -> usize {
         self.inner.get_vocab_size(true)
