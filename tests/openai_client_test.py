@@ -6,7 +6,9 @@ the model list, and that a bad request raises the client's typed error.
 Exits non-zero on the first failure.
 """
 
+import json
 import sys
+import urllib.request
 
 import openai
 
@@ -62,7 +64,25 @@ def main() -> None:
         raise AssertionError("oversized request accepted")
     except openai.BadRequestError:
         pass
-    print("openai client: streaming chat, completion, models, errors OK")
+    # A field the server does not implement is a 400 naming it, never dropped.
+    try:
+        client.chat.completions.create(model=model, messages=[{"role": "user", "content": "x"}],
+                                       max_tokens=1, extra_body={"frobnicate": 1})
+        raise AssertionError("unknown field accepted")
+    except openai.BadRequestError as e:
+        assert e.body and e.body.get("param") == "frobnicate", e.body
+    # vLLM's /tokenize and /detokenize.
+    def post(path: str, body: dict) -> dict:
+        req = urllib.request.Request(base + path, data=json.dumps(body).encode(),
+                                     headers={"content-type": "application/json"})
+        with urllib.request.urlopen(req, timeout=60) as r:
+            return json.loads(r.read())
+
+    tok = post("/tokenize", {"model": model, "prompt": "Hello world"})
+    assert tok["count"] == len(tok["tokens"]) > 0, tok
+    detok = post("/detokenize", {"model": model, "tokens": tok["tokens"]})
+    assert detok["prompt"].endswith("Hello world"), detok
+    print("openai client: streaming chat, completion, models, errors, unknown fields, tokenize OK")
 
 
 if __name__ == "__main__":
