@@ -622,7 +622,7 @@ pub fn parse_completion(
 /// Validates a chat request (renders the chat template).
 pub fn parse_chat(engine: &Engine, limits: Limits, b: &ChatBody) -> Result<Parsed, ApiError> {
     let text = render_chat(engine, limits, b)?;
-    chat_from_text(engine, limits, b, &text)
+    chat_from_text(engine, limits, b, text)
 }
 
 /// Checks the messages of a chat request and renders them through the chat
@@ -679,7 +679,7 @@ fn chat_from_text(
     engine: &Engine,
     limits: Limits,
     b: &ChatBody,
-    text: &str,
+    text: String,
 ) -> Result<Parsed, ApiError> {
     let prompt_ids = engine
         .tokenizer

@@ -263,11 +263,10 @@ fn show_lines(
             shown.store(true, Ordering::Relaxed);
             last_log = Instant::now();
             last_decile = decile;
-            let pct = if total > 0 {
-                format!(" ({}%)", done * 100 / total)
-            } else {
-                String::new()
-            };
+            let pct = (done * 100)
+                .checked_div(total)
+                .map(|p| format!(" ({p}%)"))
+                .unwrap_or_default();
             tracing::info!(
                 target: "epserve_load",
                 "{what}: {}{pct}, {:.0} s",
