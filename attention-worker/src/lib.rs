@@ -115,6 +115,12 @@ pub fn run(args: &AttentionWorkerArgs, status: Status) -> Result<()> {
         .map_err(anyhow::Error::msg)
         .context("--kv-cache-memory")?;
     let cfg = ModelConfig::from_dir(&w.model)?;
+    let progress = epserve_core::loader::progress::Reporter::start(format!(
+        "attention-worker shard {} of {}: loading {}",
+        args.shard,
+        args.of,
+        w.model.display()
+    ));
     let ws = WeightStore::open(&w.model)?;
     let shard = HeadShard {
         index: args.shard,
@@ -124,6 +130,7 @@ pub fn run(args: &AttentionWorkerArgs, status: Status) -> Result<()> {
     let mut loaded = AttentionShard::load(&cfg, &ws, shard, kv_bytes, args.block_size, kv_dtype)?;
     loaded.set_dense_dtype(args.dense_dtype);
     drop(ws);
+    progress.finish();
     let id = w.id_or(|| format!("attention-{}-of-{}", args.shard, args.of));
     let advertise = w.advertise(args.listen);
     let stats = loaded.stats();

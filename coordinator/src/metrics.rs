@@ -45,9 +45,79 @@ pub fn init() -> PrometheusHandle {
             if metrics::set_global_recorder(recorder).is_err() {
                 tracing::warn!("a metrics recorder was already installed");
             }
+            describe_all();
             handle
         })
         .clone()
+}
+
+/// What a metric is (its Prometheus TYPE).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Kind {
+    Counter,
+    Gauge,
+    Histogram,
+}
+
+/// Every `epserve_*` metric the coordinator / single-process server records:
+/// name, type, labels, HELP text. `/metrics` prints HELP and TYPE for each
+/// (a metric recorded but missing here would have TYPE only: add it here).
+/// README's metrics table compares them with vLLM's.
+#[rustfmt::skip]
+pub const METRICS: &[(&str, Kind, &[&str], &str)] = &[
+    ("epserve_requests_total", Kind::Counter, &["status"], "Requests by final status: ok, error, cancelled, rejected (5xx before running), invalid (4xx)."),
+    ("epserve_e2e_request_latency_seconds", Kind::Histogram, &[], "End-to-end latency of requests that finished normally, in seconds."),
+    ("epserve_time_to_first_token_seconds", Kind::Histogram, &[], "Time from arrival to the first generated token, in seconds."),
+    ("epserve_time_per_output_token_seconds", Kind::Histogram, &[], "Mean time per output token after the first, per request, in seconds."),
+    ("epserve_prompt_tokens_total", Kind::Counter, &[], "Prompt tokens of requests that finished normally."),
+    ("epserve_generation_tokens_total", Kind::Counter, &[], "Generated tokens of requests that finished normally."),
+    ("epserve_num_requests_running", Kind::Gauge, &[], "Requests in the running batch."),
+    ("epserve_num_requests_waiting", Kind::Gauge, &[], "Requests waiting to be admitted."),
+    ("epserve_kv_cache_usage_ratio", Kind::Gauge, &[], "Fraction of KV cache blocks in use (0 to 1)."),
+    ("epserve_prefix_cache_queries_total", Kind::Counter, &[], "Prompt tokens looked up in the prefix cache at admission."),
+    ("epserve_prefix_cache_hits_total", Kind::Counter, &[], "Prompt tokens found in the prefix cache at admission (their prefill skipped)."),
+    ("epserve_num_preemptions_total", Kind::Counter, &[], "Sequences preempted for lack of KV blocks."),
+    ("epserve_batch_size_seqs", Kind::Histogram, &[], "Sequences per scheduler step."),
+    ("epserve_batch_size_tokens", Kind::Histogram, &[], "Tokens (prefill chunks and decodes) per scheduler step."),
+    ("epserve_step_seconds", Kind::Histogram, &[], "Duration of one scheduler step (one forward pass), in seconds."),
+    ("epserve_step_micro_batches", Kind::Histogram, &[], "Micro-batches per scheduler step."),
+    ("epserve_step_wait_seconds", Kind::Histogram, &[], "Time per step the scheduler thread waited for remote experts and attention, in seconds."),
+    ("epserve_expert_tokens_total", Kind::Counter, &["layer", "expert"], "Tokens routed to each expert of each MoE layer."),
+    ("epserve_degraded_requests_total", Kind::Counter, &[], "Requests that finished with some tokens computed without a lost expert (rerouted)."),
+    ("epserve_http_connections", Kind::Gauge, &[], "Open client connections of the OpenAI port."),
+    ("epserve_http_connections_refused_total", Kind::Counter, &[], "Client connections refused because every connection slot was busy."),
+    ("epserve_http_shed_total", Kind::Counter, &[], "Requests answered 503 at once because --max-concurrent-requests were in flight."),
+    ("epserve_http_body_timeouts_total", Kind::Counter, &[], "Requests answered 408 because the body did not arrive within --request-body-timeout-secs."),
+    ("epserve_dispatch_seconds", Kind::Histogram, &["layer"], "Time to dispatch one MoE layer's tokens to the expert-workers and combine the answers, in seconds."),
+    ("epserve_dispatch_bytes_sent_total", Kind::Counter, &["worker"], "Bytes of activations sent to each expert-worker."),
+    ("epserve_dispatch_bytes_received_total", Kind::Counter, &["worker"], "Bytes of expert outputs received from each expert-worker."),
+    ("epserve_dispatch_failovers_total", Kind::Counter, &[], "Dispatches retried on another replica after a worker failed."),
+    ("epserve_expert_worker_up", Kind::Gauge, &["worker"], "1 while an expert-worker answers, 0 after it failed."),
+    ("epserve_expert_worker_failures_total", Kind::Counter, &["worker"], "Failed calls to each expert-worker."),
+    ("epserve_expert_worker_queue_seconds", Kind::Histogram, &["worker"], "Time a dispatch waited in an expert-worker's queue, in seconds (as the worker reports it)."),
+    ("epserve_expert_worker_compute_seconds", Kind::Histogram, &["worker"], "Expert compute time of one dispatch on an expert-worker, in seconds (as the worker reports it)."),
+    ("epserve_expert_loss_tokens_total", Kind::Counter, &["action"], "Token rows that hit an expert with no live replica: rerouted or failed."),
+    ("epserve_attention_seconds", Kind::Histogram, &["layer"], "Time of one attention layer on the attention-workers, round trip, in seconds."),
+    ("epserve_attention_bytes_sent_total", Kind::Counter, &["worker"], "Bytes sent to each attention-worker."),
+    ("epserve_attention_bytes_received_total", Kind::Counter, &["worker"], "Bytes received from each attention-worker."),
+    ("epserve_attention_retries_total", Kind::Counter, &[], "Attention calls retried."),
+    ("epserve_attention_worker_compute_seconds", Kind::Histogram, &["worker"], "Attention compute time on an attention-worker, in seconds (as the worker reports it)."),
+    ("epserve_eplb_balancedness", Kind::Gauge, &["layer"], "Expert-parallel load balance of a layer over the last window: mean over max worker load (1 = even)."),
+    ("epserve_eplb_worker_tokens", Kind::Gauge, &["layer", "worker"], "Tokens a worker computed for a layer over the last window."),
+    ("epserve_eplb_expert_tokens", Kind::Gauge, &["layer", "expert"], "Tokens routed to an expert over the last window."),
+    ("epserve_eplb_replica_tokens", Kind::Gauge, &["layer", "expert", "worker"], "Tokens a replica of an expert computed over the last window."),
+];
+
+/// Gives every metric of [`METRICS`] its HELP text (and TYPE, which the
+/// exporter prints once a metric has a value).
+fn describe_all() {
+    for &(name, kind, _, help) in METRICS {
+        match kind {
+            Kind::Counter => metrics::describe_counter!(name, help),
+            Kind::Gauge => metrics::describe_gauge!(name, help),
+            Kind::Histogram => metrics::describe_histogram!(name, help),
+        }
+    }
 }
 
 /// Prometheus text exposition of everything recorded.

@@ -24,9 +24,15 @@ pub struct ServeArgs {
     /// Port to listen on (0 picks a free one; the URL is printed).
     #[arg(long, default_value_t = 8000, env = "EPSERVE_PORT")]
     pub port: u16,
-    /// Name(s) clients use in `model` (repeatable). Default: the folder's name.
-    #[arg(long)]
+    /// Name(s) clients use in `model`, as vLLM: `--served-model-name a b`
+    /// (or the flag repeated); responses report the first. Default: the
+    /// folder's name, and the --model string itself.
+    #[arg(long, num_args = 1..)]
     pub served_model_name: Vec<String>,
+    /// A Jinja chat template file used instead of the tokenizer's (checked
+    /// at startup: unreadable or not compiling is an error).
+    #[arg(long, value_name = "FILE")]
+    pub chat_template: Option<PathBuf>,
     /// Require `Authorization: Bearer KEY` on /v1 routes.
     #[arg(long, env = "EPSERVE_API_KEY", hide_env_values = true)]
     pub api_key: Option<String>,
@@ -252,6 +258,30 @@ fn default_name(model: &Path) -> String {
         .unwrap_or_else(|| model.display().to_string())
 }
 
+/// The names clients may use in `model` (the first is reported): the
+/// `--served-model-name` values, else the folder's name and the `--model`
+/// string as given (vLLM serves the latter), without repeats.
+pub fn served_names(args: &ServeArgs) -> Result<Vec<String>> {
+    let mut names: Vec<String> = Vec::new();
+    let candidates = if args.served_model_name.is_empty() {
+        vec![
+            default_name(&args.model),
+            args.model.to_string_lossy().into_owned(),
+        ]
+    } else {
+        args.served_model_name.clone()
+    };
+    for n in candidates {
+        if n.trim().is_empty() {
+            bail!("--served-model-name: a name must not be empty");
+        }
+        if !names.contains(&n) {
+            names.push(n);
+        }
+    }
+    Ok(names)
+}
+
 /// Runs the single-process server (blocking); `status` gets the
 /// operator-facing "serving" line.
 pub fn run(args: &ServeArgs, status: Status) -> Result<()> {
@@ -300,10 +330,15 @@ where
             args.model.display()
         );
     }
-    let names = if args.served_model_name.is_empty() {
-        vec![default_name(&args.model)]
-    } else {
-        args.served_model_name.clone()
+    let names = served_names(args)?;
+    // Refuse a chat template that cannot be read or does not compile now,
+    // not after minutes of loading.
+    let chat_template = match &args.chat_template {
+        Some(p) => Some(
+            epserve_core::loader::tokenizer::ChatTemplate::from_file(p)
+                .with_context(|| format!("--chat-template {}", p.display()))?,
+        ),
+        None => None,
     };
     let http = args.http_options()?;
     if let Some(t) = &http.tls {
@@ -343,7 +378,17 @@ where
         let args2 = args.clone();
         let loading = tokio::task::spawn_blocking(move || -> Result<()> {
             let started = std::time::Instant::now();
-            let engine = Arc::new(load()?);
+            let progress = epserve_core::loader::progress::Reporter::start(format!(
+                "loading model {}",
+                args2.model.display()
+            ));
+            let mut engine = load()?;
+            progress.finish();
+            if let Some(t) = chat_template {
+                tracing::info!(file = %t.path().display(), "chat template from --chat-template");
+                engine.tokenizer.set_chat_template(t);
+            }
+            let engine = Arc::new(engine);
             let cfg = scheduler_config(&args2, &engine)?;
             tracing::info!(
                 blocks = cfg.num_blocks,
@@ -443,6 +488,43 @@ mod tests {
         );
         let bad = Serve::try_parse_from(["serve", "--model", "m", "--http-idle-timeout-secs", "0"]);
         assert!(bad.is_ok_and(|b| b.a.http_options().is_err()));
+    }
+
+    #[test]
+    fn served_names_take_vllms_form_and_default_to_the_folder_and_the_model_string() {
+        let names = |args: &[&str]| {
+            Serve::try_parse_from([&["serve"], args].concat())
+                .map_err(|e| e.to_string())
+                .and_then(|s| super::served_names(&s.a).map_err(|e| e.to_string()))
+        };
+        assert_eq!(
+            names(&["--model", "/models/Qwen3-30B-A3B"]),
+            Ok(vec![
+                "Qwen3-30B-A3B".to_string(),
+                "/models/Qwen3-30B-A3B".to_string()
+            ])
+        );
+        // A bare folder name is both: listed once.
+        assert_eq!(names(&["--model", "tiny"]), Ok(vec!["tiny".to_string()]));
+        let ab = Ok(vec!["a".to_string(), "b".to_string()]);
+        assert_eq!(
+            names(&["--served-model-name", "a", "b", "--model", "m"]),
+            ab
+        );
+        assert_eq!(
+            names(&[
+                "--model",
+                "m",
+                "--served-model-name",
+                "a",
+                "--served-model-name",
+                "b"
+            ]),
+            ab
+        );
+        assert!(names(&["--model", "m", "--served-model-name", " "]).is_err());
+        let t = Serve::try_parse_from(["serve", "--model", "m", "--chat-template", "t.jinja"]);
+        assert!(t.is_ok_and(|t| t.a.chat_template.is_some()));
     }
 
     #[test]

@@ -650,6 +650,136 @@ fn cases() -> Vec<Case> {
             400,
             Some("messages"),
         ),
+        // Fields nobody implements are a 400 naming them, never dropped.
+        (
+            "unknown field",
+            c,
+            j(r#"{"prompt": "hi", "frobnicate": 1}"#),
+            400,
+            Some("frobnicate"),
+        ),
+        (
+            "chat unknown field",
+            ch,
+            j(r#"{"messages": [{"role": "user", "content": "hi"}], "web_search_options": {}}"#),
+            400,
+            Some("web_search_options"),
+        ),
+        (
+            "chat field of the other endpoint",
+            ch,
+            j(r#"{"messages": [{"role": "user", "content": "hi"}], "suffix": "x"}"#),
+            400,
+            Some("suffix"),
+        ),
+        (
+            "stream_options key not implemented",
+            c,
+            j(
+                r#"{"prompt": "hi", "stream": true, "stream_options": {"continuous_usage_stats": true}}"#,
+            ),
+            400,
+            Some("stream_options.continuous_usage_stats"),
+        ),
+        (
+            "chat store true",
+            ch,
+            j(r#"{"messages": [{"role": "user", "content": "hi"}], "store": true}"#),
+            400,
+            Some("store"),
+        ),
+        (
+            "chat service_tier priority",
+            ch,
+            j(r#"{"messages": [{"role": "user", "content": "hi"}], "service_tier": "priority"}"#),
+            400,
+            Some("service_tier"),
+        ),
+        (
+            "tokenize nothing",
+            "/tokenize",
+            j("{}"),
+            400,
+            Some("prompt"),
+        ),
+        (
+            "tokenize prompt a number",
+            "/tokenize",
+            j(r#"{"prompt": 5}"#),
+            400,
+            Some("prompt"),
+        ),
+        (
+            "tokenize prompt and messages",
+            "/tokenize",
+            j(r#"{"prompt": "a", "messages": [{"role": "user", "content": "hi"}]}"#),
+            400,
+            Some("messages"),
+        ),
+        (
+            "tokenize unknown field",
+            "/tokenize",
+            j(r#"{"prompt": "a", "continue_final_message": true}"#),
+            400,
+            Some("continue_final_message"),
+        ),
+        (
+            "tokenize over the byte cap",
+            "/tokenize",
+            j(&json!({"prompt": "a ".repeat(40_000)}).to_string()),
+            400,
+            Some("prompt"),
+        ),
+        (
+            "tokenize chat over the byte cap",
+            "/tokenize",
+            j(&big_chat),
+            400,
+            Some("messages"),
+        ),
+        (
+            "tokenize unknown model",
+            "/tokenize",
+            j(r#"{"model": "nope", "prompt": "a"}"#),
+            404,
+            Some("model"),
+        ),
+        ("tokenize array body", "/tokenize", j("[]"), 400, None),
+        (
+            "detokenize tokens missing",
+            "/detokenize",
+            j("{}"),
+            400,
+            Some("tokens"),
+        ),
+        (
+            "detokenize negative id",
+            "/detokenize",
+            j(r#"{"tokens": [-1]}"#),
+            400,
+            Some("tokens"),
+        ),
+        (
+            "detokenize id out of vocab",
+            "/detokenize",
+            j(r#"{"tokens": [999999999]}"#),
+            400,
+            Some("tokens"),
+        ),
+        (
+            "detokenize tokens a string",
+            "/detokenize",
+            j(r#"{"tokens": "12"}"#),
+            400,
+            Some("tokens"),
+        ),
+        (
+            "detokenize over the context",
+            "/detokenize",
+            j(&json!({"tokens": vec![1; 5000]}).to_string()),
+            400,
+            Some("tokens"),
+        ),
     ]
 }
 
@@ -1192,4 +1322,156 @@ async fn half_sent_requests_are_closed() {
         t0.elapsed()
     );
     assert_eq!(closed, 400);
+}
+
+async fn post_json(addr: SocketAddr, path: &str, body: Value) -> (u16, Value) {
+    let (st, text) = raw(
+        addr,
+        &post(path, body.to_string().as_bytes()),
+        Duration::from_secs(30),
+    )
+    .await;
+    let v = serde_json::from_str(&text).unwrap_or_else(|e| panic!("{path}: {e}: {text}"));
+    (st, v)
+}
+
+/// `/tokenize` and `/detokenize` answer vLLM's shapes, every served name is
+/// listed and accepted (responses report the first), and every `epserve_*`
+/// family on `/metrics` has HELP and TYPE lines.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tokenize_names_and_metrics_help() {
+    // The recorder first, so the requests below are recorded.
+    epserve_coordinator::metrics::init();
+    let cfg = ServerConfig {
+        served_model_names: vec!["tiny".into(), "/models/tiny".into()],
+        ..config()
+    };
+    let s = start(cfg, opts(), true).await;
+    let addr = s.addr;
+    good(addr).await;
+
+    let (st, t) = post_json(addr, "/tokenize", json!({"prompt": "Hello world"})).await;
+    assert_eq!(st, 200, "{t}");
+    let tokens = t["tokens"].as_array().expect("tokens").clone();
+    assert!(!tokens.is_empty());
+    assert_eq!(t["count"], tokens.len());
+    assert_eq!(t["max_model_len"], 256);
+    assert!(t["token_strs"].is_null());
+    let (st, d) = post_json(
+        addr,
+        "/detokenize",
+        json!({"model": "/models/tiny", "tokens": tokens}),
+    )
+    .await;
+    assert_eq!(st, 200, "{d}");
+    assert!(
+        d["prompt"]
+            .as_str()
+            .is_some_and(|p| p.ends_with("Hello world")),
+        "{d}"
+    );
+    let (st, t2) = post_json(
+        addr,
+        "/tokenize",
+        json!({"prompt": "Hello world", "add_special_tokens": false, "return_token_strs": true}),
+    )
+    .await;
+    assert_eq!(st, 200, "{t2}");
+    assert_eq!(
+        t2["token_strs"].as_array().map(Vec::len),
+        t2["tokens"].as_array().map(Vec::len)
+    );
+    // Chat: the template rendered with the generation prompt, as the chat
+    // endpoint renders it (same count as its usage.prompt_tokens).
+    let msgs = json!([{"role": "user", "content": "Hi there"}]);
+    let (st, tc) = post_json(addr, "/tokenize", json!({"messages": msgs})).await;
+    assert_eq!(st, 200, "{tc}");
+    let (st, chat) = post_json(
+        addr,
+        "/v1/chat/completions",
+        json!({"model": "/models/tiny", "messages": msgs, "max_tokens": 1}),
+    )
+    .await;
+    assert_eq!(st, 200, "{chat}");
+    assert_eq!(chat["usage"]["prompt_tokens"], tc["count"]);
+    assert_eq!(chat["model"], "tiny", "responses report the first name");
+
+    let (st, models) = raw(
+        addr,
+        b"GET /v1/models HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n",
+        Duration::from_secs(10),
+    )
+    .await;
+    assert_eq!(st, 200);
+    let models: Value = serde_json::from_str(&models).expect("json");
+    let ids: Vec<&str> = models["data"]
+        .as_array()
+        .expect("data")
+        .iter()
+        .filter_map(|m| m["id"].as_str())
+        .collect();
+    assert_eq!(ids, ["tiny", "/models/tiny"]);
+
+    let (st, text) = raw(
+        addr,
+        b"GET /metrics HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n",
+        Duration::from_secs(10),
+    )
+    .await;
+    assert_eq!(st, 200);
+    let mut families = std::collections::BTreeSet::new();
+    for line in text.lines().filter(|l| l.starts_with("epserve_")) {
+        let name = line.split(['{', ' ']).next().unwrap_or("");
+        let family = ["_bucket", "_sum", "_count"]
+            .iter()
+            .find_map(|s| name.strip_suffix(s))
+            .filter(|f| text.contains(&format!("# TYPE {f} ")))
+            .unwrap_or(name);
+        families.insert(family.to_string());
+    }
+    assert!(families.len() >= 8, "{families:?}");
+    for f in &families {
+        assert!(
+            text.contains(&format!("# HELP {f} ")),
+            "{f} has no HELP line"
+        );
+        assert!(
+            text.contains(&format!("# TYPE {f} ")),
+            "{f} has no TYPE line"
+        );
+        assert!(
+            epserve_coordinator::metrics::METRICS
+                .iter()
+                .any(|m| m.0 == f.as_str()),
+            "{f} is missing from metrics::METRICS (README's table)"
+        );
+    }
+    // Label names as the table lists them (plus the exporter's le / quantile).
+    for line in text.lines().filter(|l| l.starts_with("epserve_")) {
+        let Some((name, rest)) = line.split_once('{') else {
+            continue;
+        };
+        let table = epserve_coordinator::metrics::METRICS;
+        let Some(m) = table.iter().find(|m| name == m.0).or_else(|| {
+            table.iter().find(|m| {
+                ["_bucket", "_sum", "_count"]
+                    .iter()
+                    .any(|s| name.strip_suffix(s) == Some(m.0))
+            })
+        }) else {
+            continue;
+        };
+        let labels = rest.split('}').next().unwrap_or("");
+        for l in labels
+            .split(',')
+            .filter_map(|kv| kv.split_once('='))
+            .map(|kv| kv.0)
+        {
+            assert!(
+                m.2.contains(&l) || l == "le" || l == "quantile",
+                "{line}: label '{l}' not in the table's {:?}",
+                m.2
+            );
+        }
+    }
 }

@@ -17,7 +17,8 @@ pub fn main() {
     tracing_subscriber::fmt()
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_env("EPSERVE_LOG")
-                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn")),
+                // Warnings, and the load progress lines (bars on a terminal).
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn,epserve_load=info")),
         )
         .with_span_events(tracing_subscriber::fmt::format::FmtSpan::CLOSE)
         .with_writer(std::io::stderr)

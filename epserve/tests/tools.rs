@@ -9,8 +9,8 @@ use common::{Server, fixtures, post, tool_model};
 use serde_json::{Value, json};
 
 fn golden_case(name: &str) -> Value {
-    let text =
-        std::fs::read_to_string(fixtures().join("tool_template/golden.json")).expect("tool golden");
+    let text = std::fs::read_to_string(fixtures().join("tool_template/render_golden.json"))
+        .expect("tool golden");
     let g: Value = serde_json::from_str(&text).expect("json");
     g["cases"]
         .as_array()

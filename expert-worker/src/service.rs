@@ -246,8 +246,21 @@ impl ExpertWorker {
         let me = self.clone();
         let held2 = held.clone();
         let started = Instant::now();
+        let what = format!(
+            "expert-worker '{}': loading {} experts (placement v{}) from {} of mapped weights",
+            self.id,
+            held.len(),
+            p.version,
+            epserve_core::loader::progress::human_bytes(self.ws.mapped_bytes())
+        );
         let executor = tokio::task::spawn_blocking(move || {
-            load_executor_filtered(&me.cfg, &me.ws, &me.opts, |l, e| held2.contains(&(l, e)))
+            let progress = epserve_core::loader::progress::Reporter::start(what);
+            let r =
+                load_executor_filtered(&me.cfg, &me.ws, &me.opts, |l, e| held2.contains(&(l, e)));
+            if r.is_ok() {
+                progress.finish();
+            }
+            r
         })
         .await??;
         tracing::info!(

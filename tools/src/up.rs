@@ -81,9 +81,11 @@ pub struct UpArgs {
     /// Activation dtype on the wire (bf16, f32 or int8; see `coordinator`).
     #[arg(long, default_value = "bf16", value_parser = ["bf16", "f32", "int8"])]
     pub dispatch_dtype: String,
-    /// Served model name.
-    #[arg(long)]
-    pub served_model_name: Option<String>,
+    /// Served model name(s), passed on to the coordinator (vLLM's form:
+    /// `--served-model-name a b`). Default: the coordinator's (the folder's
+    /// name and the --model string).
+    #[arg(long, num_args = 1..)]
+    pub served_model_name: Vec<String>,
     /// TTL of the workers' etcd leases, seconds, passed on to every worker as
     /// its `--lease-ttl-secs` (unset: the workers' default).
     #[arg(long, value_parser = clap::value_parser!(i64).range(1..))]
@@ -861,13 +863,6 @@ pub fn run(args: &UpArgs) -> Result<()> {
         p.spawn(&tx)?;
         kids.list.push(p);
     }
-    let served = args.served_model_name.clone().unwrap_or_else(|| {
-        args.model
-            .file_name()
-            .and_then(|n| n.to_str())
-            .unwrap_or("model")
-            .to_string()
-    });
     // A restarted coordinator must come back on the same port: resolve 0 here.
     let port = if args.port == 0 {
         free_port()?
@@ -890,14 +885,16 @@ pub fn run(args: &UpArgs) -> Result<()> {
         args.host.clone(),
         "--port".to_string(),
         port.to_string(),
-        "--served-model-name".to_string(),
-        served,
         "--dispatch-dtype".to_string(),
         args.dispatch_dtype.clone(),
         "--admin-port".to_string(),
         admin_port.to_string(),
     ]));
     a.extend(etcd_security.iter().cloned());
+    if !args.served_model_name.is_empty() {
+        a.push("--served-model-name".into());
+        a.extend(args.served_model_name.iter().map(Into::into));
+    }
     a.extend(tls_for("coordinator")?);
     a.extend(os_args(&args.coordinator_args));
     if args.secure || args.tls.any() {

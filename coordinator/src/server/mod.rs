@@ -106,11 +106,15 @@ impl AppState {
             .ok_or_else(|| ApiError::unavailable("the model is still loading", 5))
     }
 
+    /// The name responses report for a request's `model`: the first served
+    /// name whichever one the request used (as vLLM), or 404 for a name not
+    /// served.
     fn check_model(&self, model: Option<&str>) -> Result<String, ApiError> {
         let names = &self.config.served_model_names;
+        let first = names.first().cloned().unwrap_or_default();
         match model {
-            None => Ok(names[0].clone()),
-            Some(m) if names.iter().any(|n| n == m) => Ok(m.to_string()),
+            None => Ok(first),
+            Some(m) if names.iter().any(|n| n == m) => Ok(first),
             Some(m) => Err(ApiError::unknown_model(m, names)),
         }
     }
@@ -131,6 +135,8 @@ pub fn router(state: Arc<AppState>) -> Router {
         .route("/v1/completions", post(completions))
         .route("/v1/chat/completions", post(chat_completions))
         .route("/v1/models", get(models))
+        .route("/tokenize", post(tokenize))
+        .route("/detokenize", post(detokenize))
         // Run in reverse: check the key, read the body (bounded in size and
         // time), then take a concurrency permit. A body still arriving holds
         // a connection but no permit, so slow clients cannot starve the
@@ -339,6 +345,46 @@ async fn chat_completions(
     })
     .await?;
     run(ready, parsed, model, response::Kind::Chat).await
+}
+
+/// `POST /tokenize` (vLLM's shape): `{count, max_model_len, tokens, token_strs}`.
+async fn tokenize(
+    State(state): State<Arc<AppState>>,
+    body: Result<Bytes, BytesRejection>,
+) -> Result<Response, ApiError> {
+    let bytes = body_bytes(&state, body)?;
+    let ready = state.ready()?;
+    let (engine, lim, st) = (ready.engine.clone(), limits(ready, &state), state.clone());
+    let t = off_runtime(move || {
+        let t = openai::tokenize(&engine, lim, &bytes)?;
+        st.check_model(t.model.as_deref())?;
+        Ok(t)
+    })
+    .await?;
+    Ok(axum::Json(json!({
+        "count": t.tokens.len(),
+        "max_model_len": lim.max_model_len,
+        "tokens": t.tokens,
+        "token_strs": t.token_strs,
+    }))
+    .into_response())
+}
+
+/// `POST /detokenize` (vLLM's shape): `{tokens}` → `{prompt}`.
+async fn detokenize(
+    State(state): State<Arc<AppState>>,
+    body: Result<Bytes, BytesRejection>,
+) -> Result<Response, ApiError> {
+    let bytes = body_bytes(&state, body)?;
+    let ready = state.ready()?;
+    let (engine, lim, st) = (ready.engine.clone(), limits(ready, &state), state.clone());
+    let text = off_runtime(move || {
+        let (model, text) = openai::detokenize(&engine, lim, &bytes)?;
+        st.check_model(model.as_deref())?;
+        Ok(text)
+    })
+    .await?;
+    Ok(axum::Json(json!({ "prompt": text })).into_response())
 }
 
 async fn run(

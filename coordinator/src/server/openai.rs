@@ -178,18 +178,190 @@ pub struct ChatBody {
 /// A request body that also carries the shared sampling fields.
 pub trait WithSampling: DeserializeOwned {
     fn set_sampling(&mut self, s: SamplingFields);
+    /// The endpoint's tables of known top-level fields (see [`SHARED_FIELDS`]).
+    const KNOWN_FIELDS: &'static [&'static [&'static str]];
+    /// The endpoint, for error messages.
+    const ENDPOINT: &'static str;
 }
 
 impl WithSampling for CompletionBody {
     fn set_sampling(&mut self, s: SamplingFields) {
         self.sampling = s;
     }
+    const KNOWN_FIELDS: &'static [&'static [&'static str]] = &[SHARED_FIELDS, COMPLETION_FIELDS];
+    const ENDPOINT: &'static str = "/v1/completions";
 }
 
 impl WithSampling for ChatBody {
     fn set_sampling(&mut self, s: SamplingFields) {
         self.sampling = s;
     }
+    const KNOWN_FIELDS: &'static [&'static [&'static str]] = &[SHARED_FIELDS, CHAT_FIELDS];
+    const ENDPOINT: &'static str = "/v1/chat/completions";
+}
+
+// ---------------------------------------------------------------------------
+// Known request fields. A top-level field in none of an endpoint's tables is
+// answered 400 naming it (`param`), never silently dropped: a client that
+// asks for something (JSON output, tools, a bias) must learn that it did not
+// get it. ADDING A REQUEST FIELD: implement it, then add its name to the
+// table of each endpoint that honours it (SHARED_FIELDS: both endpoints),
+// in your own section below, one name per line. Fields that are only
+// accepted with some values (`store`, `service_tier`, `echo`, `n`, ...) are
+// listed here and their values checked where they are parsed.
+// ---------------------------------------------------------------------------
+
+/// Fields both `/v1/completions` and `/v1/chat/completions` know.
+pub const SHARED_FIELDS: &[&str] = &[
+    "model",
+    "max_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "seed",
+    "stop",
+    "stop_token_ids",
+    "ignore_eos",
+    // n up to --max-n-choices; best_of only equal to n (400 otherwise, in `sampling`).
+    "n",
+    "best_of",
+    "repetition_penalty",
+    "frequency_penalty",
+    "presence_penalty",
+    "stream",
+    // include_usage is honoured; other keys inside are 400 (check_values).
+    "stream_options",
+    // Accepted and ignored: an end-user id for the provider's abuse
+    // monitoring; it never changes the output.
+    "user",
+    // Same, OpenAI's newer name for `user`.
+    "safety_identifier",
+    // Structured output (at most one of these per request).
+    "response_format",
+    "structured_outputs",
+    "guided_json",
+    "guided_regex",
+    "guided_choice",
+    "guided_grammar",
+    "logit_bias",
+    "allowed_token_ids",
+    "bad_words",
+    // Prefix caching: a salt keeps this request's blocks apart.
+    "cache_salt",
+];
+
+/// Fields only `/v1/completions` knows.
+pub const COMPLETION_FIELDS: &[&str] = &[
+    "prompt", "logprobs",
+    // Both refused when set (echo: true, any suffix) in `parse_completion`.
+    "echo", "suffix",
+];
+
+/// Fields only `/v1/chat/completions` knows.
+pub const CHAT_FIELDS: &[&str] = &[
+    "messages",
+    "max_completion_tokens",
+    "logprobs",
+    "top_logprobs",
+    "add_generation_prompt",
+    // Accepted and ignored: tags OpenAI keeps with stored completions; they
+    // never change the output.
+    "metadata",
+    // Only `false` (nothing is stored here); `true` is a 400 (check_values).
+    "store",
+    // Only "auto" / "default" (there is one tier here); others are a 400.
+    "service_tier",
+    "tools",
+    "tool_choice",
+    "parallel_tool_calls",
+];
+
+/// Fields `POST /tokenize` knows (vLLM's TokenizeCompletionRequest and
+/// TokenizeChatRequest).
+pub const TOKENIZE_FIELDS: &[&str] = &[
+    "model",
+    "prompt",
+    "messages",
+    "add_special_tokens",
+    "add_generation_prompt",
+    "return_token_strs",
+    // Rendered into the chat template with `messages`, as for the chat endpoint.
+    "tools",
+];
+
+/// Fields `POST /detokenize` knows.
+pub const DETOKENIZE_FIELDS: &[&str] = &["model", "tokens"];
+
+/// 400 naming the first top-level field of `v` that is in none of `tables`.
+pub fn check_fields(
+    v: &serde_json::Value,
+    tables: &[&[&str]],
+    endpoint: &str,
+) -> Result<(), ApiError> {
+    let Some(obj) = v.as_object() else {
+        return Ok(());
+    };
+    let unknown: Vec<&str> = obj
+        .keys()
+        .map(String::as_str)
+        .filter(|k| !tables.iter().any(|t| t.contains(k)))
+        .collect();
+    let Some(first) = unknown.first() else {
+        return Ok(());
+    };
+    let shown: Vec<String> = unknown.iter().take(8).map(|k| format!("'{k}'")).collect();
+    let mut e = ApiError::bad_param(
+        first,
+        format!(
+            "Unrecognized request argument supplied: {} ({endpoint} does not implement {}; remove {})",
+            shown.join(", "),
+            if unknown.len() == 1 { "it" } else { "them" },
+            if unknown.len() == 1 { "it" } else { "them" },
+        ),
+    );
+    e.code = Some("unsupported_parameter");
+    Err(e)
+}
+
+/// Value checks of the fields accepted only with some values.
+fn check_values(v: &serde_json::Value) -> Result<(), ApiError> {
+    use serde_json::Value;
+    if let Some(o) = v.get("stream_options")
+        && let Some(o) = o.as_object()
+        && let Some(k) = o.keys().find(|k| k.as_str() != "include_usage")
+    {
+        let mut e = ApiError::bad_param(
+            &format!("stream_options.{k}"),
+            format!(
+                "Unrecognized request argument supplied: 'stream_options.{k}' (only include_usage is implemented)"
+            ),
+        );
+        e.code = Some("unsupported_parameter");
+        return Err(e);
+    }
+    match v.get("store") {
+        None | Some(Value::Null) | Some(Value::Bool(false)) => {}
+        Some(_) => {
+            return Err(ApiError::bad_param(
+                "store",
+                "store: this server does not store completions (only false is accepted)",
+            ));
+        }
+    }
+    match v.get("service_tier") {
+        None | Some(Value::Null) => {}
+        Some(Value::String(s)) if s == "auto" || s == "default" => {}
+        Some(other) => {
+            return Err(ApiError::bad_param(
+                "service_tier",
+                format!(
+                    "service_tier {other} is not supported: this server has one tier (\"auto\" or \"default\")"
+                ),
+            ));
+        }
+    }
+    Ok(())
 }
 
 /// Parses a request body: the endpoint's own fields and the sampling fields,
@@ -203,6 +375,8 @@ pub fn parse_body<T: WithSampling>(bytes: &[u8]) -> Result<T, ApiError> {
             "the request body must be a JSON object",
         ));
     }
+    check_fields(&v, T::KNOWN_FIELDS, T::ENDPOINT)?;
+    check_values(&v)?;
     let mut body: T = from_value(&v)?;
     body.set_sampling(from_value(&v)?);
     Ok(body)
@@ -813,6 +987,22 @@ pub fn parse_completion(
 
 /// Validates a chat request (renders the chat template).
 pub fn parse_chat(engine: &Engine, limits: Limits, b: &ChatBody) -> Result<Parsed, ApiError> {
+    let (text, tool_req) = render_chat_tools(engine, limits, b)?;
+    chat_from_text(engine, limits, b, text, tool_req)
+}
+
+/// Checks the messages of a chat request and renders them through the chat
+/// template (the prompt text, under the prompt byte cap). Also `/tokenize`'s.
+pub fn render_chat(engine: &Engine, limits: Limits, b: &ChatBody) -> Result<String, ApiError> {
+    render_chat_tools(engine, limits, b).map(|(text, _)| text)
+}
+
+/// [`render_chat`], also returning the request's validated tools.
+fn render_chat_tools(
+    engine: &Engine,
+    limits: Limits,
+    b: &ChatBody,
+) -> Result<(String, Option<tools::ToolRequest>), ApiError> {
     let msgs = b
         .messages
         .as_ref()
@@ -946,6 +1136,16 @@ pub fn parse_chat(engine: &Engine, limits: Limits, b: &ChatBody) -> Result<Parse
         }
     }
     limits.check_prompt_bytes("messages", text.len())?;
+    Ok((text, tool_req))
+}
+
+fn chat_from_text(
+    engine: &Engine,
+    limits: Limits,
+    b: &ChatBody,
+    text: String,
+    tool_req: Option<tools::ToolRequest>,
+) -> Result<Parsed, ApiError> {
     let prompt_ids = engine
         .tokenizer
         .encode(&text, false)
@@ -996,4 +1196,139 @@ pub fn parse_chat(engine: &Engine, limits: Limits, b: &ChatBody) -> Result<Parse
         }
     }
     Ok(parsed)
+}
+
+/// `POST /tokenize` (vLLM's TokenizeCompletionRequest / TokenizeChatRequest).
+#[derive(Debug, Deserialize)]
+pub struct TokenizeBody {
+    pub model: Option<String>,
+    pub prompt: Option<String>,
+    pub add_special_tokens: Option<bool>,
+    pub return_token_strs: Option<bool>,
+}
+
+/// `POST /detokenize`.
+#[derive(Debug, Deserialize)]
+pub struct DetokenizeBody {
+    pub model: Option<String>,
+    pub tokens: Option<Vec<i64>>,
+}
+
+/// A JSON object body (400 otherwise) whose top-level fields are all in `tables`.
+pub fn parse_object(
+    bytes: &[u8],
+    tables: &[&[&str]],
+    endpoint: &str,
+) -> Result<serde_json::Value, ApiError> {
+    let v: serde_json::Value = serde_json::from_slice(bytes)
+        .map_err(|e| ApiError::bad_request(format!("malformed JSON body: {e}")))?;
+    if !v.is_object() {
+        return Err(ApiError::bad_request(
+            "the request body must be a JSON object",
+        ));
+    }
+    check_fields(&v, tables, endpoint)?;
+    Ok(v)
+}
+
+/// What `/tokenize` answers.
+#[derive(Debug, Clone)]
+pub struct Tokenized {
+    pub model: Option<String>,
+    pub tokens: Vec<u32>,
+    pub token_strs: Option<Vec<String>>,
+}
+
+/// Tokenizes a `/tokenize` body: `prompt` (special tokens added unless
+/// `add_special_tokens: false`, as vLLM) or `messages` rendered through the
+/// chat template (`add_generation_prompt` default true, special tokens not
+/// added by default, as vLLM), under the prompt byte cap.
+pub fn tokenize(engine: &Engine, limits: Limits, bytes: &[u8]) -> Result<Tokenized, ApiError> {
+    let v = parse_object(bytes, &[TOKENIZE_FIELDS], "/tokenize")?;
+    let b: TokenizeBody = from_value(&v)?;
+    let tok_err = |e: epserve_core::Error| ApiError::internal(e.to_string());
+    let tokens = match (&b.prompt, v.get("messages")) {
+        (Some(_), Some(_)) => {
+            return Err(ApiError::bad_param(
+                "messages",
+                "give either 'prompt' or 'messages', not both",
+            ));
+        }
+        (Some(p), None) => {
+            limits.check_prompt_bytes("prompt", p.len())?;
+            engine
+                .tokenizer
+                .encode(p, b.add_special_tokens.unwrap_or(true))
+                .map_err(tok_err)?
+        }
+        (None, Some(_)) => {
+            let chat: ChatBody = from_value(&v)?;
+            let text = render_chat(engine, limits, &chat)?;
+            engine
+                .tokenizer
+                .encode(&text, b.add_special_tokens.unwrap_or(false))
+                .map_err(tok_err)?
+        }
+        (None, None) => {
+            return Err(ApiError::bad_param(
+                "prompt",
+                "missing field 'prompt' (or 'messages')",
+            ));
+        }
+    };
+    let token_strs = (b.return_token_strs == Some(true)).then(|| {
+        tokens
+            .iter()
+            .map(|&t| engine.tokenizer.id_to_token(t).unwrap_or_default())
+            .collect()
+    });
+    Ok(Tokenized {
+        model: b.model,
+        tokens,
+        token_strs,
+    })
+}
+
+/// Decodes a `/detokenize` body's `tokens` (special tokens kept, as vLLM).
+/// Returns the body's `model` and the text.
+pub fn detokenize(
+    engine: &Engine,
+    limits: Limits,
+    bytes: &[u8],
+) -> Result<(Option<String>, String), ApiError> {
+    let v = parse_object(bytes, &[DETOKENIZE_FIELDS], "/detokenize")?;
+    let b: DetokenizeBody = from_value(&v)?;
+    let raw = b
+        .tokens
+        .ok_or_else(|| ApiError::bad_param("tokens", "missing field 'tokens'"))?;
+    if raw.len() > limits.max_model_len {
+        return Err(ApiError::bad_param(
+            "tokens",
+            format!(
+                "{} tokens, more than the context length of {}",
+                raw.len(),
+                limits.max_model_len
+            ),
+        ));
+    }
+    let vocab = engine.model.config.vocab_size;
+    let ids = raw
+        .iter()
+        .map(|&t| {
+            u32::try_from(t)
+                .ok()
+                .filter(|&u| (u as usize) < vocab)
+                .ok_or_else(|| {
+                    ApiError::bad_param(
+                        "tokens",
+                        format!("token id {t} is out of range for a vocabulary of {vocab}"),
+                    )
+                })
+        })
+        .collect::<Result<Vec<u32>, ApiError>>()?;
+    let text = engine
+        .tokenizer
+        .decode(&ids, false)
+        .map_err(|e| ApiError::internal(e.to_string()))?;
+    Ok((b.model, text))
 }

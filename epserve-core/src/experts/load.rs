@@ -26,6 +26,14 @@ impl PackedExperts {
         keep: &(impl Fn(usize, usize) -> bool + Sync),
     ) -> Result<Self> {
         let mut layers = Vec::with_capacity(cfg.num_hidden_layers);
+        let planned = cfg
+            .layers
+            .iter()
+            .enumerate()
+            .filter(|(_, s)| s.ffn == FfnKind::Moe)
+            .map(|(i, _)| (0..cfg.num_experts).filter(|&e| keep(i, e)).count() as u64)
+            .sum();
+        crate::loader::progress::experts_planned(planned);
         for (i, spec) in cfg.layers.iter().enumerate() {
             if spec.ffn != FfnKind::Moe {
                 layers.push(None);
@@ -38,6 +46,7 @@ impl PackedExperts {
                     if !keep(i, e) {
                         return Ok(None);
                     }
+                    let _done = PackedOne;
                     let asked = opts.dtype_for(i, e);
                     if asked != ExpertDtype::Bf16
                         && let Some(p) = load_int8_expert(cfg, ws, &names, e)?
@@ -67,6 +76,16 @@ impl PackedExperts {
             None => ExpertPool::shared()?,
         };
         Self::new(layers, cfg.hidden_size, pool)
+    }
+}
+
+/// Counts one expert as packed when dropped (also on an error: the load
+/// stops then, and the count only feeds the progress display).
+struct PackedOne;
+
+impl Drop for PackedOne {
+    fn drop(&mut self) {
+        crate::loader::progress::expert_packed();
     }
 }
 

@@ -3,5 +3,6 @@
 
 pub mod generation;
 pub mod names;
+pub mod progress;
 pub mod tokenizer;
 pub mod weights;

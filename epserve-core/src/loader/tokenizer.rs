@@ -20,6 +20,75 @@ pub struct ChatMessage {
     pub content: String,
 }
 
+/// Largest chat template file accepted (real ones are a few KB).
+pub const MAX_CHAT_TEMPLATE_BYTES: u64 = 1 << 20;
+
+/// A chat template read from a file (`--chat-template`), checked to compile.
+#[derive(Debug, Clone)]
+pub struct ChatTemplate {
+    path: PathBuf,
+    source: String,
+}
+
+impl ChatTemplate {
+    /// Reads a Jinja file and compiles it (an error names the file and the
+    /// template's syntax error).
+    pub fn from_file(path: &Path) -> Result<Self> {
+        let size = std::fs::metadata(path)
+            .map_err(|e| Error::io(path, e))?
+            .len();
+        if size > MAX_CHAT_TEMPLATE_BYTES {
+            return Err(Error::Tokenizer {
+                path: path.to_path_buf(),
+                message: format!(
+                    "the chat template is {size} bytes, beyond the limit of {MAX_CHAT_TEMPLATE_BYTES}"
+                ),
+            });
+        }
+        let source = std::fs::read_to_string(path).map_err(|e| Error::io(path, e))?;
+        Self::from_source(path, source)
+    }
+
+    /// A template from its text; `path` names it in errors.
+    pub fn from_source(path: &Path, source: String) -> Result<Self> {
+        let mut env = environment();
+        env.add_template("chat", &source)
+            .map_err(|e| Error::Tokenizer {
+                path: path.to_path_buf(),
+                message: format!("chat template does not compile: {e:#}"),
+            })?;
+        Ok(ChatTemplate {
+            path: path.to_path_buf(),
+            source,
+        })
+    }
+
+    /// The file it came from.
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+}
+
+/// The Jinja environment chat templates render in, as transformers sets it up.
+fn environment<'a>() -> minijinja::Environment<'a> {
+    let mut env = minijinja::Environment::new();
+    env.set_trim_blocks(true);
+    env.set_lstrip_blocks(true);
+    env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
+    env.add_function(
+        "raise_exception",
+        |msg: String| -> std::result::Result<String, minijinja::Error> {
+            Err(minijinja::Error::new(
+                minijinja::ErrorKind::InvalidOperation,
+                msg,
+            ))
+        },
+    );
+    env.add_function("strftime_now", |_fmt: String| -> String { String::new() });
+    env.add_filter("tojson", tojson_filter);
+    env
+}
+
 /// Tokenizer plus chat template of a model folder.
 pub struct Tokenizer {
     inner: tokenizers::Tokenizer,
@@ -147,9 +216,19 @@ impl Tokenizer {
         &self.inner
     }
 
+    /// The token string of an id (`convert_ids_to_tokens`), if it exists.
+    pub fn id_to_token(&self, id: u32) -> Option<String> {
+        self.inner.id_to_token(id)
+    }
+
     /// Vocabulary size including added tokens.
     pub fn vocab_size(&self) -> usize {
         self.inner.get_vocab_size(true)
+    }
+
+    /// Replaces the model's chat template (`--chat-template`).
+    pub fn set_chat_template(&mut self, t: ChatTemplate) {
+        self.chat_template = Some((t.path, t.source));
     }
 
     /// Whether the model ships a chat template.
@@ -192,21 +271,7 @@ impl Tokenizer {
             path: tpath.clone(),
             message: format!("chat template: {e:#}"),
         };
-        let mut env = minijinja::Environment::new();
-        env.set_trim_blocks(true);
-        env.set_lstrip_blocks(true);
-        env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
-        env.add_function(
-            "raise_exception",
-            |msg: String| -> std::result::Result<String, minijinja::Error> {
-                Err(minijinja::Error::new(
-                    minijinja::ErrorKind::InvalidOperation,
-                    msg,
-                ))
-            },
-        );
-        env.add_function("strftime_now", |_fmt: String| -> String { String::new() });
-        env.add_filter("tojson", tojson_filter);
+        let mut env = environment();
         env.add_template("chat", source).map_err(terr)?;
         let tmpl = env.get_template("chat").map_err(terr)?;
         tmpl.render(minijinja::context! {
@@ -391,8 +456,8 @@ mod tests {
     #[test]
     fn tool_template_matches_transformers() {
         let (_dir, tok) = tool_tokenizer();
-        let text =
-            std::fs::read_to_string(fixtures().join("tool_template/golden.json")).expect("golden");
+        let text = std::fs::read_to_string(fixtures().join("tool_template/render_golden.json"))
+            .expect("golden");
         let golden: Value = serde_json::from_str(&text).expect("json");
         let cases = golden["cases"].as_array().expect("cases");
         assert!(cases.len() >= 4);
@@ -434,5 +499,44 @@ mod tests {
             out,
             "{\"z\": 1, \"a\": [true]}|{\n  \"z\": 1,\n  \"a\": [\n    true\n  ]\n}|{\"a\":[true],\"z\":1}|\"\\u00e9\""
         );
+    }
+
+    fn fixture() -> PathBuf {
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/qwen3_moe_a/f32")
+    }
+
+    #[test]
+    fn a_chat_template_file_replaces_the_models_and_bad_ones_are_refused() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let good = dir.path().join("t.jinja");
+        std::fs::write(
+            &good,
+            "{% for m in messages %}<{{ m.role }}>{{ m.content | upper }}\n{% endfor %}{% if add_generation_prompt %}<assistant>{% endif %}",
+        )
+        .expect("write");
+        let t = ChatTemplate::from_file(&good).expect("compiles");
+        let mut tok = Tokenizer::from_dir(&fixture()).expect("fixture tokenizer");
+        tok.set_chat_template(t);
+        let msgs = [ChatMessage {
+            role: "user".into(),
+            content: "hi".into(),
+        }];
+        assert_eq!(
+            tok.apply_chat_template(&msgs, true).ok().as_deref(),
+            Some("<user>HI\n<assistant>")
+        );
+
+        let bad = dir.path().join("bad.jinja");
+        std::fs::write(&bad, "{% for m in messages %}no end").expect("write");
+        let e = ChatTemplate::from_file(&bad)
+            .map(|_| ())
+            .map_err(|e| e.to_string());
+        assert!(
+            e.as_ref()
+                .is_err_and(|m| m.contains("bad.jinja") && m.contains("does not compile")),
+            "{e:?}"
+        );
+        let missing = ChatTemplate::from_file(&dir.path().join("none.jinja"));
+        assert!(missing.is_err_and(|e| e.to_string().contains("none.jinja")));
     }
 }

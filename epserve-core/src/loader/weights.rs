@@ -153,8 +153,14 @@ impl WeightStore {
                 },
             );
         }
+        super::progress::file_mapped(file_len as u64);
         self.files.push((path.to_path_buf(), shared));
         Ok(())
+    }
+
+    /// Bytes of all weight files mapped.
+    pub fn mapped_bytes(&self) -> u64 {
+        self.files.iter().map(|(_, m)| m.bytes().len() as u64).sum()
     }
 
     /// The model folder.

@@ -235,6 +235,7 @@ impl Model {
         };
         let mut layers = Vec::with_capacity(cfg.num_hidden_layers);
         let gemma = cfg.arch == Arch::Gemma4;
+        crate::loader::progress::layers_planned(cfg.num_hidden_layers as u64);
         for i in 0..cfg.num_hidden_layers {
             let lp = names::layer_prefix_for(&cfg, i);
             let attn = if attention.is_some() {
@@ -324,6 +325,7 @@ impl Model {
                 },
                 rope: Rope::new(&cfg.layers[i].rope),
             });
+            crate::loader::progress::layer_loaded();
         }
         let norm = ws.get_vec(&format!("{wp}.norm.weight"), h)?;
         Ok(Model {
