@@ -160,8 +160,11 @@ pub fn simulate(
         );
     }
     let slots = capacity.min(needed + (spec.redundant as usize).div_ceil(workers));
-    let bw = inst.peak_bandwidth() * a.mem_bw_efficiency;
-    let vcpus = f64::from(inst.pod_cpus());
+    // A loopback cluster (`--instance local`) runs its workers on one
+    // machine: each gets its share of the bandwidth and cores.
+    let share = if inst.managed { 1.0 } else { workers as f64 };
+    let bw = inst.peak_bandwidth() * a.mem_bw_efficiency / share;
+    let vcpus = f64::from(inst.pod_cpus()) / share;
     let ops = match a.expert_dtype {
         ExpertDtype::Bf16 => vcpus * inst.generation.gflops_bf16_per_vcpu * 1e9,
         ExpertDtype::Int8 => vcpus * inst.generation.gops_int8_per_vcpu * 1e9,

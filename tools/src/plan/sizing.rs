@@ -118,7 +118,15 @@ pub fn estimate(
         0.0
     } else {
         let s = shards as f64;
-        roof(attn_bytes / s, attn_flops / s, bw, flops_bf16)
+        // On one machine (`--instance local`) the shards share its bandwidth
+        // and cores; on nodes each has its own.
+        let share = if inst.managed { 1.0 } else { s };
+        roof(
+            attn_bytes / s,
+            attn_flops / s,
+            bw / share,
+            flops_bf16 / share,
+        )
     };
     let coordinator_s = roof(coord_bytes, coord_flops, bw, flops_bf16);
 
@@ -130,7 +138,16 @@ pub fn estimate(
     let expert_bytes = m.expert_bytes(a.expert_dtype) as f64;
     let per_worker_bytes = (touched / w).max(1.0) * expert_bytes;
     let per_worker_flops = b * m.top_k as f64 * 2.0 * m.expert_params() as f64 / w;
-    let experts_s = m.moe_layers as f64 * roof(per_worker_bytes, per_worker_flops, bw, expert_ops);
+    // A loopback cluster's workers run at the same time on one machine: each
+    // gets its share of the bandwidth and cores.
+    let share = if inst.managed { 1.0 } else { w };
+    let experts_s = m.moe_layers as f64
+        * roof(
+            per_worker_bytes,
+            per_worker_flops,
+            bw / share,
+            expert_ops / share,
+        );
 
     // Network through the coordinator's NIC (full duplex: the busier
     // direction): a token's hidden state goes once to each distinct worker

@@ -520,3 +520,47 @@ epserve_expert_worker_compute_seconds_count{worker=\"a\"} 200
     );
     assert!(calibrate::dispatch_overhead_s("epserve_requests_total 3").is_none());
 }
+
+#[test]
+fn a_loopback_clusters_workers_share_the_machine() {
+    // `--instance local`: every role runs on this machine, so two workers
+    // streaming their halves of the touched experts at once take as long as
+    // one worker streaming all of them; on separate nodes they take half.
+    // Four layers (as scripts/make_bench_model.py builds), so the experts fit
+    // in any test machine's memory.
+    let m =
+        shape_of(&QWEN3_30B_A3B.replace("\"num_hidden_layers\": 48", "\"num_hidden_layers\": 4"));
+    assert_eq!(m.moe_layers, 4);
+    let a = assumptions(ExpertDtype::Bf16, KvDtype::Bf16);
+    let one = Layout {
+        expert_workers: 1,
+        attention_workers: 0,
+    };
+    let two = Layout {
+        expert_workers: 2,
+        attention_workers: 0,
+    };
+    let local = Instance::local().expect("this machine");
+    let l1 = estimate(&m, &local, &a, one, 8);
+    let l2 = estimate(&m, &local, &a, two, 8);
+    close(l2.experts_s, l1.experts_s, 1e-9);
+    let node = Instance::lookup("c8g.16xlarge").expect("known");
+    let n1 = estimate(&m, &node, &a, one, 8);
+    let n2 = estimate(&m, &node, &a, two, 8);
+    close(n2.experts_s, n1.experts_s / 2.0, 1e-9);
+    // The simulator agrees with the uniform estimate on a loopback cluster too.
+    let spec = simulate::SimSpec {
+        nodes: 3,
+        attention_workers: 0,
+        zipf: 0.0,
+        redundant: 0,
+        steps: 200,
+        seed: 1,
+        batches: vec![64],
+    };
+    let rows = simulate::simulate(&m, &local, &a, &spec).expect("simulates");
+    let est = estimate(&m, &local, &a, two, 64);
+    // The slowest of two workers is a little above the mean.
+    assert!(rows[0].step_s >= est.step_s() * 0.99, "{rows:?} vs {est:?}");
+    assert!(rows[0].step_s <= est.step_s() * 1.2, "{rows:?} vs {est:?}");
+}
