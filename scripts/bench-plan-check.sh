@@ -19,7 +19,8 @@
 # Usage: scripts/bench-plan-check.sh [MODEL_DIR]   (default /work/peer/bench2:
 #   scripts/make_bench_model.py /work/peer/bench2 --layers 2)
 # Environment (optional): EPSERVE (default target/release/epserve), WORKERS=2,
-#   CONC="1 4 8", IN=32, OUT=96, PROMPTS_PER_CONC=3, PORT=18434,
+#   CONC="1 4 8", IN=32, OUT=96, PROMPTS_PER_CONC=3, PORT=18434, ZIPF=0 (the
+#   simulated routing skew: 0 = uniform, as a random-weight router routes),
 #   READY_TIMEOUT=600, EXTRA_FLAGS="" (coordinator flags), CAL=FILE (reuse a
 #   bench moe JSON), RESULT_DIR=/tmp/plan-check-<stamp>
 set -euo pipefail
@@ -35,6 +36,7 @@ PROMPTS_PER_CONC=${PROMPTS_PER_CONC:-3}
 PORT=${PORT:-18434}
 READY_TIMEOUT=${READY_TIMEOUT:-600}
 EXTRA_FLAGS=${EXTRA_FLAGS:-}
+ZIPF=${ZIPF:-0}
 RESULT_DIR=${RESULT_DIR:-/tmp/plan-check-$(date +%Y%m%d-%H%M%S)}
 URL=http://127.0.0.1:$PORT
 mkdir -p "$RESULT_DIR"
@@ -83,7 +85,7 @@ for c in $CONC; do
     stop
     "$EPSERVE" plan --model "$MODEL" --instance local --calibration "$CAL" \
         --dispatch-metrics "$RESULT_DIR/metrics-$c.txt" --simulate --nodes $((WORKERS + 1)) \
-        --batch "$c" --context-len $((IN + OUT / 2)) >"$RESULT_DIR/plan-$c.txt"
+        --zipf "$ZIPF" --batch "$c" --context-len $((IN + OUT / 2)) >"$RESULT_DIR/plan-$c.txt"
 done
 
 python3 - "$RESULT_DIR" "$CONC" <<'PY'
