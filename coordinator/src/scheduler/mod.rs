@@ -1174,13 +1174,19 @@ mod tests {
         assert_all_blocks_free(&tight, 12);
     }
 
-    #[test]
-    fn preemption_with_shared_blocks_keeps_outputs_and_frees_everything() {
+    /// Four prompts sharing a 24-token prefix through a 16-block cached
+    /// scheduler made by `make(cache, num_blocks, max_num_seqs)`: outputs as
+    /// without the cache, some preemption, each finds the shared blocks, and
+    /// every block is free afterwards. Returns the prompts, their outputs and
+    /// the cached scheduler.
+    fn shared_prefix_under_preemption(
+        make: fn(bool, usize, usize) -> SchedulerHandle,
+    ) -> (Vec<Vec<u32>>, Vec<Vec<u32>>, SchedulerHandle) {
         let prefix = tokens(3, 24);
         let prompts: Vec<Vec<u32>> = (0..4)
             .map(|i| [prefix.clone(), vec![20 + i, 40 + i, 60 + i]].concat())
             .collect();
-        let plain = local_scheduler(false, 64, 1);
+        let plain = make(false, 64, 1);
         let want: Vec<Vec<u32>> = prompts
             .iter()
             .map(|p| run_one(&plain, greedy(p.clone(), 16)))
@@ -1188,7 +1194,7 @@ mod tests {
         // 16 blocks: four sequences of 27 + 16 tokens sharing 6 blocks need
         // 6 + 4 · 5 = 26, so some are preempted (their blocks released to the
         // cache and attached again on readmission).
-        let cached = local_scheduler(true, 16, 4);
+        let cached = make(true, 16, 4);
         assert_eq!(run_one(&cached, greedy(prompts[0].clone(), 16)), want[0]);
         let rxs: Vec<_> = prompts
             .iter()
@@ -1201,6 +1207,12 @@ mod tests {
         // Each of the four found at least the 6 shared blocks at admission.
         assert!(st.prefix_cache_hits.load(Ordering::Relaxed) >= 4 * 24);
         assert_all_blocks_free(&cached, 16);
+        (prompts, want, cached)
+    }
+
+    #[test]
+    fn preemption_with_shared_blocks_keeps_outputs_and_frees_everything() {
+        shared_prefix_under_preemption(local_scheduler);
     }
 
     /// The qwen3_moe_a fixture with attention split over 2 in-process shards
@@ -1249,27 +1261,8 @@ mod tests {
 
     #[test]
     fn attention_shards_share_cached_prefixes_through_preemption_and_salts() {
-        let prefix = tokens(3, 24);
-        let prompts: Vec<Vec<u32>> = (0..4)
-            .map(|i| [prefix.clone(), vec![20 + i, 40 + i, 60 + i]].concat())
-            .collect();
-        let plain = sharded_scheduler(false, 64, 1);
-        let want: Vec<Vec<u32>> = prompts
-            .iter()
-            .map(|p| run_one(&plain, greedy(p.clone(), 16)))
-            .collect();
-        // As in the preemption test above: 16 blocks for 26 blocks' worth.
-        let cached = sharded_scheduler(true, 16, 4);
-        assert_eq!(run_one(&cached, greedy(prompts[0].clone(), 16)), want[0]);
-        let rxs: Vec<_> = prompts
-            .iter()
-            .map(|p| cached.submit(greedy(p.clone(), 16)).expect("submit"))
-            .collect();
-        let got: Vec<Vec<u32>> = rxs.into_iter().map(collect).collect();
-        assert_eq!(got, want);
+        let (prompts, want, cached) = shared_prefix_under_preemption(sharded_scheduler);
         let st = cached.stats();
-        assert!(st.preemptions.load(Ordering::Relaxed) > 0, "no preemption");
-        assert!(st.prefix_cache_hits.load(Ordering::Relaxed) >= 4 * 24);
         // A salted request shares nothing with unsalted ones; the same salt
         // shares with itself. Outputs never change.
         let salted = |p: &[u32]| Request {

@@ -223,7 +223,7 @@ pub const SHARED_FIELDS: &[&str] = &[
     "stop",
     "stop_token_ids",
     "ignore_eos",
-    // n up to --max-n-choices; best_of only equal to n (400 otherwise, in `sampling`).
+    // n from 1 to MAX_N; best_of only equal to n (400 otherwise, in `sampling`).
     "n",
     "best_of",
     "repetition_penalty",

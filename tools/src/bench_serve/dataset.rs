@@ -182,6 +182,18 @@ pub fn decode_to_target_len(
     }
 }
 
+/// The ids random prompts are drawn from: the vocabulary less its special tokens.
+fn prompt_token_ids(tok: &dyn PromptTokenizer) -> Result<Vec<u32>> {
+    let special = tok.special_ids();
+    let allowed: Vec<u32> = (0..tok.vocab_size() as u32)
+        .filter(|id| !special.contains(id))
+        .collect();
+    if allowed.is_empty() {
+        bail!("the tokenizer has no non-special tokens to build prompts from");
+    }
+    Ok(allowed)
+}
+
 /// Samples the random dataset. Request ids are `id_prefix` + index.
 pub fn sample_random(
     tok: &dyn PromptTokenizer,
@@ -190,14 +202,7 @@ pub fn sample_random(
 ) -> Result<Vec<SampleRequest>> {
     let num_special = tok.num_special_tokens_to_add();
     let ((in_lo, in_hi), (out_lo, out_hi)) = length_ranges(p, num_special)?;
-    let vocab = tok.vocab_size();
-    let special = tok.special_ids();
-    let allowed: Vec<u32> = (0..vocab as u32)
-        .filter(|id| !special.contains(id))
-        .collect();
-    if allowed.is_empty() {
-        bail!("the tokenizer has no non-special tokens to build prompts from");
-    }
+    let allowed = prompt_token_ids(tok)?;
     tracing::info!(
         "sampling input_len from [{in_lo}, {in_hi}] and output_len from [{out_lo}, {out_hi}]"
     );
@@ -212,7 +217,7 @@ pub fn sample_random(
         .map(|_| rng.random_range(out_lo..=out_hi))
         .collect();
     let offsets: Vec<usize> = (0..p.num_requests)
-        .map(|_| rng.random_range(0..vocab.max(1)))
+        .map(|_| rng.random_range(0..tok.vocab_size().max(1)))
         .collect();
     // Drawn after everything else so that without a pool the prompts are vLLM's.
     let allowed: Vec<u32> = if p.token_pool > 0 {
@@ -374,14 +379,7 @@ pub fn sample_prefix_repetition(
             "--prefix-repetition-num-prefixes, --prefix-repetition-output-len and one of the prefix or suffix lengths must be positive"
         );
     }
-    let vocab = tok.vocab_size();
-    let special = tok.special_ids();
-    let allowed: Vec<u32> = (0..vocab as u32)
-        .filter(|id| !special.contains(id))
-        .collect();
-    if allowed.is_empty() {
-        bail!("the tokenizer has no non-special tokens to build prompts from");
-    }
+    let allowed = prompt_token_ids(tok)?;
     let mut rng = StdRng::seed_from_u64(p.seed);
     let random_text = |n: usize, rng: &mut StdRng| -> Result<(String, usize)> {
         if n == 0 {
