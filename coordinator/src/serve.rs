@@ -66,6 +66,9 @@ pub struct ServeArgs {
     /// Expert precision: auto (bf16 when exact), bf16, int8 (W8A8).
     #[arg(long, default_value = "auto")]
     pub expert_dtype: epserve_core::experts::ExpertDtype,
+    /// Memory budget and tiers of the experts (`--expert-memory`).
+    #[command(flatten)]
+    pub expert_memory: epserve_cluster::runtime::ExpertMemoryArgs,
     /// Precision of the dense projections outside the experts (attention,
     /// dense MLPs, shared experts, LM head): bf16, or int8 (W8A8, quantized at load).
     #[arg(long, default_value = "bf16")]
@@ -290,6 +293,7 @@ pub fn run(args: &ServeArgs, status: Status) -> Result<()> {
     let opts = epserve_core::experts::LoadOptions {
         expert_dtype: args.expert_dtype,
         dense_dtype: args.dense_dtype,
+        tier: args.expert_memory.tier_options()?,
         ..Default::default()
     };
     serve_with(&rt, args, status, move || {

@@ -38,6 +38,9 @@ pub struct ExpertWorkerArgs {
     /// Expert precision: auto (bf16 when exact), bf16, int8 (W8A8).
     #[arg(long, default_value = "auto")]
     pub expert_dtype: ExpertDtype,
+    /// Memory budget and tiers of the experts this worker serves.
+    #[command(flatten)]
+    pub expert_memory: epserve_cluster::runtime::ExpertMemoryArgs,
     /// Memory offered for experts, bytes (reported in etcd for planning;
     /// rebalances that would exceed it are refused).
     #[arg(long, default_value_t = 0)]
@@ -74,6 +77,7 @@ pub fn run(args: &ExpertWorkerArgs, status: Status) -> Result<()> {
         expert_dtype: args.expert_dtype,
         threads: Some(cores.len()),
         pin_threads: w.cores.is_some(),
+        tier: args.expert_memory.tier_options()?,
         ..Default::default()
     };
     let rt = io_runtime()?;
@@ -590,6 +594,7 @@ mod tests {
             placement_version: 1,
             output_dtype: epserve_proto::pb::Dtype::F32 as i32,
             combine: false,
+            ..Default::default()
         };
         use epserve_proto::pb::expert_service_server::ExpertService;
         worker.dispatch(tonic::Request::new(r)).await?;

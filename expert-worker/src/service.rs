@@ -13,12 +13,14 @@ use anyhow::{Result, bail};
 use epserve_cluster::runtime::Status as StatusLines;
 use epserve_cluster::state::{Rebalance, desired_experts};
 use epserve_core::config::ModelConfig;
-use epserve_core::experts::{LoadOptions, load_executor_filtered};
+use epserve_core::experts::{LoadOptions, TieredExperts, load_executor_shared};
 use epserve_core::loader::weights::WeightStore;
 use epserve_core::moe::{ExpertExecutor, QuantizedRows, Rows, SKIP_SLOT, combine};
 use epserve_core::placement::Placement;
 use epserve_proto::pb::expert_service_server::ExpertService;
-use epserve_proto::pb::{DispatchRequest, DispatchResponse, Dtype, HealthRequest, HealthResponse};
+use epserve_proto::pb::{
+    DispatchRequest, DispatchResponse, Dtype, HealthRequest, HealthResponse, TierCounters,
+};
 use epserve_proto::wire;
 use tonic::server::NamedService;
 use tonic::{Request, Response, Status};
@@ -66,6 +68,10 @@ pub struct ExpertWorker {
     health_lock: tokio::sync::Mutex<()>,
     /// Set once a drain started (SIGTERM): health says NOT_SERVING.
     draining: AtomicBool,
+    /// With `--expert-memory`: the one tiered store every placement reuses
+    /// (a new placement changes its assignment in place, so the budget holds
+    /// across reloads).
+    tiers: std::sync::Mutex<Option<Arc<TieredExperts>>>,
 }
 
 impl ExpertWorker {
@@ -81,6 +87,7 @@ impl ExpertWorker {
             health: HealthReporter::new(),
             health_lock: tokio::sync::Mutex::new(()),
             draining: AtomicBool::new(false),
+            tiers: std::sync::Mutex::new(None),
         }
     }
 
@@ -170,6 +177,25 @@ impl ExpertWorker {
                 "expert {id} does not exist (layer {layer} has {n} experts)"
             ));
         }
+        if !r.prefetch_experts.is_empty() {
+            let pl = r.prefetch_layer as usize;
+            if !self.cfg.moe_layers().contains(&pl) {
+                return bad(format!(
+                    "prefetch layer {pl} is not an MoE layer of the model"
+                ));
+            }
+            if r.prefetch_experts.len() > n {
+                return bad(format!(
+                    "{} prefetch experts for a layer of {n}",
+                    r.prefetch_experts.len()
+                ));
+            }
+            if let Some(id) = r.prefetch_experts.iter().find(|&&i| i as usize >= n) {
+                return bad(format!(
+                    "prefetch expert {id} does not exist (layer {pl} has {n} experts)"
+                ));
+            }
+        }
         if let Some(s) = r.topk_weights.iter().position(|w| !w.is_finite()) {
             return bad(format!("weight of slot {s} is {}", r.topk_weights[s]));
         }
@@ -202,6 +228,11 @@ impl ExpertWorker {
     /// The `(layer, expert)` pairs loaded now.
     pub fn held(&self) -> std::collections::BTreeSet<(usize, usize)> {
         self.current().map(|l| l.held.clone()).unwrap_or_default()
+    }
+
+    /// The expert tiers, with `--expert-memory`.
+    pub fn tiers(&self) -> Option<Arc<TieredExperts>> {
+        self.tiers.lock().ok().and_then(|g| g.clone())
     }
 
     fn current(&self) -> Option<Arc<Loaded>> {
@@ -255,8 +286,21 @@ impl ExpertWorker {
         );
         let executor = tokio::task::spawn_blocking(move || {
             let progress = epserve_core::loader::progress::Reporter::start(what);
-            let r =
-                load_executor_filtered(&me.cfg, &me.ws, &me.opts, |l, e| held2.contains(&(l, e)));
+            let keep = |l: usize, e: usize| held2.contains(&(l, e));
+            let r = match me.tiers() {
+                // Tiered: the same store, assigned the new experts.
+                Some(t) => t
+                    .assign(&keep)
+                    .map(|()| t.clone() as Arc<dyn ExpertExecutor>),
+                None => load_executor_shared(&me.cfg, &me.ws, &me.opts, keep).map(|(ex, t)| {
+                    if let Some(t) = t
+                        && let Ok(mut g) = me.tiers.lock()
+                    {
+                        *g = Some(t);
+                    }
+                    ex
+                }),
+            };
             if r.is_ok() {
                 progress.finish();
             }
@@ -331,6 +375,7 @@ impl ExpertService for ExpertWorker {
         }
         let out_dtype = Dtype::try_from(r.output_dtype).unwrap_or(Dtype::F32);
         let parent = tracing::Span::current();
+        let tiers = self.tiers();
         let res = tokio::task::spawn_blocking(move || {
             let _span = tracing::debug_span!(parent: &parent, "execute").entered();
             let queued = arrived.elapsed();
@@ -343,6 +388,11 @@ impl ExpertService for ExpertWorker {
                     scales: &q.scales,
                 }),
             };
+            if !r.prefetch_experts.is_empty() {
+                loaded
+                    .executor
+                    .prefetch(r.prefetch_layer as usize, &r.prefetch_experts);
+            }
             loaded
                 .executor
                 .execute_rows(layer, rows_in, &r.topk_ids, &r.topk_weights, k, &mut out)
@@ -368,6 +418,7 @@ impl ExpertService for ExpertWorker {
                 outputs: Some(outputs),
                 queue_us: queued.as_micros() as u64,
                 compute_us: t0.elapsed().as_micros() as u64,
+                tiers: tiers.map(|t| tier_counters(&t.snapshot())),
             })
         })
         .await
@@ -387,6 +438,24 @@ impl ExpertService for ExpertWorker {
             placement_version: cur.as_ref().map(|c| c.version).unwrap_or(0),
             experts_loaded: cur.as_ref().map(|c| c.held.len() as u32).unwrap_or(0),
         }))
+    }
+}
+
+/// The wire form of a tier snapshot.
+pub fn tier_counters(s: &epserve_core::experts::TierSnapshot) -> TierCounters {
+    TierCounters {
+        hits: s.hits,
+        misses: s.misses,
+        evictions: s.evictions,
+        bytes_paged_in: s.bytes_paged_in,
+        prefetched: s.prefetched,
+        prefetch_hits: s.prefetch_hits,
+        resident_bytes: s.resident_bytes,
+        cached_bytes: s.cached_bytes,
+        budget_bytes: s.budget_bytes,
+        resident_experts: s.resident_experts as u32,
+        cached_experts: s.cached_experts as u32,
+        held_experts: s.held_experts as u32,
     }
 }
 
@@ -425,6 +494,7 @@ mod tests {
             placement_version: 1,
             output_dtype: Dtype::F32 as i32,
             combine: false,
+            ..Default::default()
         }
     }
 

@@ -250,6 +250,117 @@ fn cpus_allowed(pid: u32) -> String {
         .to_string()
 }
 
+/// Value of the first sample of `name` whose labels contain `label`.
+fn gauge_with(metrics: &str, name: &str, label: &str) -> Vec<f64> {
+    metrics
+        .lines()
+        .filter(|l| l.starts_with(&format!("{name}{{")) && l.contains(label))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .collect()
+}
+
+/// Issue 21: `up --expert-memory` with a budget that holds a third of each
+/// worker's experts (bf16-exact packing of the f32 fixture, f32 wire): the
+/// greedy tokens are transformers' goldens all the same, the workers page
+/// experts in and evict them (tier counters in the coordinator's
+/// `/metrics`), the packed bytes each reports never exceed its budget, and
+/// the router lookahead's prefetch hints reach them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn expert_memory_budget_of_a_third_keeps_the_goldens() {
+    if !etcd_available() {
+        return;
+    }
+    let fixture = "qwen3_moe_b";
+    let g = golden(fixture);
+    let dir = fixture_dir(fixture).join("f32");
+    // The packed size of every expert, as the workers pack them.
+    let cfg = epserve_core::config::ModelConfig::from_dir(&dir).expect("config");
+    let ws = epserve_core::loader::weights::WeightStore::open(&dir).expect("weights");
+    let all = epserve_core::experts::PackedExperts::load_filtered(
+        &cfg,
+        &ws,
+        &epserve_core::experts::LoadOptions {
+            threads: Some(1),
+            ..Default::default()
+        },
+        &|_, _| true,
+    )
+    .expect("pack")
+    .resident_bytes();
+    let workers = 2;
+    let budget = all / workers / 3;
+    let budget_arg = budget.to_string();
+    let up = start_up_with(
+        fixture,
+        workers,
+        "f32",
+        &["--expert-memory", &budget_arg, "--", "--max-num-seqs", "4"],
+    );
+    let tok = epserve_core::loader::tokenizer::Tokenizer::from_dir(&dir).expect("tokenizer");
+    for case in &g.cases {
+        let v = complete(
+            &up.url,
+            json!({"model": "tiny", "prompt": case.prompt_token_ids, "max_tokens": case.greedy_token_ids.len(),
+                   "temperature": 0, "ignore_eos": true}),
+        )
+        .await;
+        let want = tok.decode(&case.greedy_token_ids, true).expect("decode");
+        assert_eq!(
+            v["choices"][0]["text"].as_str(),
+            Some(want.as_str()),
+            "case {}",
+            case.name
+        );
+    }
+    // Concurrent requests: calls whose cold experts do not fit run in groups.
+    let futs: Vec<_> = g
+        .cases
+        .iter()
+        .map(|c| {
+            let (url, ids) = (up.url.clone(), c.prompt_token_ids.clone());
+            tokio::spawn(async move {
+                complete(&url, json!({"model": "tiny", "prompt": ids, "max_tokens": 16, "temperature": 0, "ignore_eos": true})).await
+            })
+        })
+        .collect();
+    for (f, c) in futs.into_iter().zip(&g.cases) {
+        let v = f.await.expect("join");
+        let want = tok.decode(&c.greedy_token_ids[..16], true).expect("decode");
+        assert_eq!(
+            v["choices"][0]["text"].as_str(),
+            Some(want.as_str()),
+            "batched case {}",
+            c.name
+        );
+    }
+    let metrics = reqwest::get(format!("{}/metrics", up.url))
+        .await
+        .expect("metrics")
+        .text()
+        .await
+        .expect("text");
+    let misses = counter_sum(&metrics, "epserve_expert_tier_misses_total");
+    let evictions = counter_sum(&metrics, "epserve_expert_tier_evictions_total");
+    let hits = counter_sum(&metrics, "epserve_expert_tier_hits_total");
+    let paged = counter_sum(&metrics, "epserve_expert_tier_paged_in_bytes_total");
+    let prefetched = counter_sum(&metrics, "epserve_expert_tier_prefetched_total");
+    assert!(
+        misses > 0 && evictions > 0 && hits > 0 && paged > 0,
+        "misses {misses}, evictions {evictions}, hits {hits}, paged {paged}"
+    );
+    assert!(prefetched > 0, "the lookahead's hints were used: {prefetched}");
+    let budgets = gauge_with(&metrics, "epserve_expert_tier_budget_bytes", "worker=");
+    assert_eq!(budgets, vec![budget as f64; workers], "{metrics}");
+    let resident = gauge_with(&metrics, "epserve_expert_tier_bytes", "tier=\"resident\"");
+    let cached = gauge_with(&metrics, "epserve_expert_tier_bytes", "tier=\"cached\"");
+    assert_eq!(resident.len(), workers);
+    for (r, c) in resident.iter().zip(&cached) {
+        assert!(r + c <= budget as f64, "resident {r} + cached {c} > budget {budget}");
+    }
+    let cold = gauge_with(&metrics, "epserve_expert_tier_experts", "tier=\"cold\"");
+    assert!(cold.iter().sum::<f64>() > 0.0, "some experts are cold: {cold:?}");
+}
+
 /// `up --emulate-link 1ms` with pinned roles on `qwen3_moe_a` (2
 /// expert-workers, 1 attention-worker, f32 on the wire): every worker
 /// registers its link emulator's address, so the coordinator's calls cross

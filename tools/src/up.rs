@@ -63,6 +63,12 @@ pub struct UpArgs {
     /// heads); 0 runs attention in the coordinator.
     #[arg(long, default_value_t = 0)]
     pub attention_workers: usize,
+    /// Memory budget for packed experts of each expert-worker (`2GiB`,
+    /// `512MiB`, bytes), passed on as its `--expert-memory`: experts beyond
+    /// it stay cold in the checkpoint and are packed on first use into an
+    /// LRU cache. Default: every assigned expert packed at load.
+    #[arg(long, value_name = "SIZE", value_parser = epserve_core::config::parse_size)]
+    pub expert_memory: Option<usize>,
     /// KV cache of each attention-worker (`2GiB`, `512MiB`, bytes).
     #[arg(long, default_value = "1GiB")]
     pub attention_kv_cache_memory: String,
@@ -814,6 +820,9 @@ pub fn run(args: &UpArgs) -> Result<()> {
         ]));
         a.extend(etcd_security.iter().cloned());
         a.extend(lease_ttl_arg(args.lease_ttl_secs));
+        if let Some(m) = args.expert_memory {
+            a.extend(os_args(["--expert-memory".to_string(), m.to_string()]));
+        }
         a.extend(cores_arg(i));
         a.extend(link_for(&name, port)?);
         a.extend(tls_for(&name)?);

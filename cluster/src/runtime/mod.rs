@@ -21,6 +21,56 @@ use clap::Args;
 use crate::state::WORKER_TTL_SECS;
 use crate::store::{EtcdSecurity, EtcdStore, LeaseGuard};
 
+/// The expert memory budget (`epserve serve`, `epserve expert-worker`):
+/// with `--expert-memory`, the experts this process serves are held in
+/// tiers (resident, an LRU cache packed on first use, cold in the
+/// memory-mapped checkpoint) whose packed bytes never exceed it.
+#[derive(Debug, Clone, Default, Args)]
+pub struct ExpertMemoryArgs {
+    /// Most memory for packed experts (e.g. 8GiB, 512MiB, bytes). Without
+    /// it every expert served here is packed into RAM at load. With it,
+    /// experts beyond it stay in the checkpoint (page cache) and are packed
+    /// on first use into an LRU cache, evicting the least recently used.
+    #[arg(long, value_parser = parse_size_arg, value_name = "SIZE")]
+    pub expert_memory: Option<usize>,
+    /// Share of --expert-memory for the resident tier: the experts this
+    /// process used most (a decaying window of its calls), never evicted.
+    /// The rest is the LRU cache.
+    #[arg(long, default_value_t = 0.5, value_name = "0..1")]
+    pub expert_resident_fraction: f64,
+    /// mlock the resident tier (needs RLIMIT_MEMLOCK; a refusal is logged
+    /// once and the experts stay resident unlocked).
+    #[arg(long)]
+    pub expert_mlock: bool,
+    /// Do not pack predicted experts ahead of use (router lookahead).
+    #[arg(long)]
+    pub no_expert_prefetch: bool,
+}
+
+fn parse_size_arg(s: &str) -> std::result::Result<usize, String> {
+    epserve_core::config::parse_size(s)
+}
+
+impl ExpertMemoryArgs {
+    /// The tier options, or `None` without `--expert-memory`.
+    pub fn tier_options(&self) -> Result<Option<epserve_core::experts::TierOptions>> {
+        let Some(budget) = self.expert_memory else {
+            return Ok(None);
+        };
+        let f = self.expert_resident_fraction;
+        if !(0.0..=1.0).contains(&f) {
+            anyhow::bail!("--expert-resident-fraction must be in 0..=1, got {f}");
+        }
+        Ok(Some(epserve_core::experts::TierOptions {
+            budget,
+            resident_fraction: f,
+            mlock: self.expert_mlock,
+            prefetch: !self.no_expert_prefetch,
+            ..Default::default()
+        }))
+    }
+}
+
 /// How every role reaches a secured etcd (flattened next to each role's
 /// `--etcd`): TLS with `--etcd-ca` (and a client certificate for etcd's
 /// `--client-cert-auth`), user/password auth with `--etcd-user`. The

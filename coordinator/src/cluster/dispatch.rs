@@ -247,6 +247,12 @@ pub struct DispatchCore {
     /// Mutual TLS on the links to the workers (`--tls-*`): a worker must
     /// present a certificate from the CA naming its registered host.
     tls: Option<NodeTls>,
+    /// Set once a worker answered with tier counters (it has a cold tier):
+    /// the forward pass then sends router-lookahead prefetch hints.
+    tiered_workers: std::sync::atomic::AtomicBool,
+    /// The latest hint (`Dispatcher::prefetch`), sent with the next layer's
+    /// requests to the workers that hold its experts.
+    hint: Mutex<Option<(usize, Vec<u32>)>>,
 }
 
 #[derive(Debug)]
@@ -355,6 +361,8 @@ impl DispatchCore {
             dtype,
             timeout,
             tls: None,
+            tiered_workers: std::sync::atomic::AtomicBool::new(false),
+            hint: Mutex::new(None),
         }
     }
 
@@ -747,6 +755,7 @@ impl DispatchCore {
         batches: &[WorkerBatch],
     ) -> Vec<std::result::Result<DispatchResponse, (tonic::Code, String)>> {
         let version = route.placement.version;
+        let hint = self.hint.lock().ok().and_then(|mut g| g.take());
         let mut calls = Vec::with_capacity(batches.len());
         for b in batches {
             let conn = match route.addrs.get(&b.worker) {
@@ -769,6 +778,23 @@ impl DispatchCore {
                 placement_version: version,
                 output_dtype: wire::output_dtype(self.dtype) as i32,
                 combine: true,
+                prefetch_layer: hint.as_ref().map_or(0, |h| h.0 as u32),
+                prefetch_experts: hint
+                    .as_ref()
+                    .and_then(|(hl, ids)| {
+                        let lp = route.placement.layer(*hl)?;
+                        Some(
+                            ids.iter()
+                                .copied()
+                                .filter(|&e| {
+                                    lp.experts
+                                        .get(e as usize)
+                                        .is_some_and(|r| r.contains(&b.index))
+                                })
+                                .collect(),
+                        )
+                    })
+                    .unwrap_or_default(),
             };
             let sent = req.tokens.as_ref().map(wire::payload_bytes).unwrap_or(0);
             counter!("epserve_dispatch_bytes_sent_total", "worker" => b.worker.clone())
@@ -798,8 +824,15 @@ impl DispatchCore {
                 .instrument(span),
             );
         }
-        join_all(calls)
-            .await
+        let results = join_all(calls).await;
+        if results
+            .iter()
+            .any(|r| r.as_ref().is_ok_and(|r| r.tiers.is_some()))
+        {
+            self.tiered_workers
+                .store(true, std::sync::atomic::Ordering::Relaxed);
+        }
+        results
             .into_iter()
             .zip(batches)
             .map(|(res, b)| {
@@ -832,6 +865,9 @@ impl DispatchCore {
         histogram!("epserve_expert_worker_compute_seconds", "worker" => worker.clone())
             .record(resp.compute_us as f64 / 1e6);
         let compute = Duration::from_micros(resp.compute_us);
+        if let Some(t) = &resp.tiers {
+            record_tiers(worker, t);
+        }
         let t = resp
             .outputs
             .ok_or_else(|| format!("expert-worker {worker}: empty response"))?;
@@ -914,6 +950,33 @@ impl DispatchCore {
     }
 }
 
+/// Exports a worker's expert tier counters (`--expert-memory`) as
+/// `epserve_expert_tier_*{worker}`.
+fn record_tiers(worker: &str, t: &epserve_proto::pb::TierCounters) {
+    let w = worker.to_string();
+    counter!("epserve_expert_tier_hits_total", "worker" => w.clone()).absolute(t.hits);
+    counter!("epserve_expert_tier_misses_total", "worker" => w.clone()).absolute(t.misses);
+    counter!("epserve_expert_tier_evictions_total", "worker" => w.clone()).absolute(t.evictions);
+    counter!("epserve_expert_tier_paged_in_bytes_total", "worker" => w.clone())
+        .absolute(t.bytes_paged_in);
+    counter!("epserve_expert_tier_prefetched_total", "worker" => w.clone()).absolute(t.prefetched);
+    counter!("epserve_expert_tier_prefetch_hits_total", "worker" => w.clone())
+        .absolute(t.prefetch_hits);
+    for (tier, bytes, n) in [
+        ("resident", t.resident_bytes, t.resident_experts),
+        ("cached", t.cached_bytes, t.cached_experts),
+    ] {
+        gauge!("epserve_expert_tier_bytes", "worker" => w.clone(), "tier" => tier)
+            .set(bytes as f64);
+        gauge!("epserve_expert_tier_experts", "worker" => w.clone(), "tier" => tier).set(n as f64);
+    }
+    let cold = t
+        .held_experts
+        .saturating_sub(t.resident_experts + t.cached_experts);
+    gauge!("epserve_expert_tier_experts", "worker" => w.clone(), "tier" => "cold").set(cold as f64);
+    gauge!("epserve_expert_tier_budget_bytes", "worker" => w).set(t.budget_bytes as f64);
+}
+
 impl Dispatcher for GrpcDispatcher {
     #[tracing::instrument(
         level = "debug",
@@ -964,6 +1027,17 @@ impl Dispatcher for GrpcDispatcher {
 
     fn end_step(&self) {
         self.close_step();
+    }
+
+    fn wants_prefetch(&self) -> bool {
+        self.tiered_workers
+            .load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    fn prefetch(&self, layer: usize, experts: &[u32]) {
+        if let Ok(mut g) = self.hint.lock() {
+            *g = Some((layer, experts.to_vec()));
+        }
     }
 }
 
@@ -1295,6 +1369,7 @@ mod tests {
                 outputs: Some(wire::encode(&ys, n, hidden, Dtype::F32)),
                 queue_us: 0,
                 compute_us: 0,
+                tiers: None,
             }))
         }
 

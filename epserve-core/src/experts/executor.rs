@@ -52,7 +52,7 @@ fn glu(a: Activation, gate: f32, up: f32) -> f32 {
 
 /// The experts of one layer held here.
 struct LayerSet {
-    experts: Vec<Option<PackedExpert>>,
+    experts: Vec<Option<Arc<PackedExpert>>>,
     inter: usize,
 }
 
@@ -140,7 +140,7 @@ impl PackedExperts {
                         inter = Some(ex.inter);
                     }
                     Some(LayerSet {
-                        experts,
+                        experts: experts.into_iter().map(|e| e.map(Arc::new)).collect(),
                         inter: inter.unwrap_or(0),
                     })
                 }
@@ -183,7 +183,7 @@ impl PackedExperts {
 
     /// Expert `e` of `layer`, if held here.
     pub fn expert(&self, layer: usize, e: usize) -> Option<&PackedExpert> {
-        self.layers.get(layer)?.as_ref()?.experts.get(e)?.as_ref()
+        self.layers.get(layer)?.as_ref()?.experts.get(e)?.as_deref()
     }
 
     /// Bytes of packed weights held (what stays resident).
@@ -222,6 +222,37 @@ impl ExpertExecutor for PackedExperts {
         top_k: usize,
         out: &mut [f32],
     ) -> Result<()> {
+        self.check_call(layer, rows_in, topk_ids, topk_weights, top_k, out)?;
+        let set = self
+            .layers
+            .get(layer)
+            .and_then(|l| l.as_ref())
+            .ok_or_else(|| Error::Dispatch(format!("layer {layer} has no experts here")))?;
+        self.run_set(
+            layer,
+            &set.experts,
+            set.inter,
+            rows_in,
+            topk_ids,
+            topk_weights,
+            top_k,
+            out,
+        )
+    }
+}
+
+impl PackedExperts {
+    /// Checks one call's shapes: rows of the hidden size, int8 rows matching
+    /// them, ids, weights and outputs for every slot.
+    pub(crate) fn check_call(
+        &self,
+        layer: usize,
+        rows_in: Rows<'_>,
+        topk_ids: &[u32],
+        topk_weights: &[f32],
+        top_k: usize,
+        out: &[f32],
+    ) -> Result<()> {
         let (x, pre) = (rows_in.f32, rows_in.int8);
         let h = self.hidden;
         if h == 0 || !x.len().is_multiple_of(h) {
@@ -247,12 +278,31 @@ impl ExpertExecutor for PackedExperts {
                 slots * h
             )));
         }
-        let set = self
-            .layers
-            .get(layer)
-            .and_then(|l| l.as_ref())
-            .ok_or_else(|| Error::Dispatch(format!("layer {layer} has no experts here")))?;
-        let ne = set.experts.len();
+        Ok(())
+    }
+
+    /// One layer's call over the experts `experts` (indexed by expert id,
+    /// `None` for those not held), all of intermediate width `inter`: what
+    /// [`ExpertExecutor::execute_rows`] runs on this executor's own experts,
+    /// and [`TieredExperts`](crate::experts::tiered::TieredExperts) on the
+    /// resident and cached ones of a call.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn run_set(
+        &self,
+        layer: usize,
+        experts: &[Option<Arc<PackedExpert>>],
+        inter: usize,
+        rows_in: Rows<'_>,
+        topk_ids: &[u32],
+        topk_weights: &[f32],
+        top_k: usize,
+        out: &mut [f32],
+    ) -> Result<()> {
+        let (x, pre) = (rows_in.f32, rows_in.int8);
+        let h = self.hidden;
+        let rows = x.len() / h.max(1);
+        let slots = rows * top_k;
+        let ne = experts.len();
         let mut guard = self.ws.lock().unwrap_or_else(|p| p.into_inner());
         let wsp = &mut *guard;
 
@@ -264,7 +314,7 @@ impl ExpertExecutor for PackedExperts {
                 continue;
             }
             let e = id as usize;
-            match set.experts.get(e) {
+            match experts.get(e) {
                 Some(Some(_)) => wsp.offsets[e + 1] += 1,
                 Some(None) => {
                     return Err(Error::Dispatch(format!(
@@ -297,20 +347,17 @@ impl ExpertExecutor for PackedExperts {
         let mut any_i8 = false;
         let mut any_b16 = false;
         let k = &self.kernels;
-        for e in 0..ne {
+        for (e, ex) in experts.iter().enumerate() {
             if wsp.offsets[e + 1] > wsp.offsets[e] {
                 wsp.active.push(e as u32);
-                any_i8 |= set.experts[e]
-                    .as_ref()
-                    .is_some_and(|x| x.dtype() == PackedDtype::Int8);
-                any_b16 |= set.experts[e].as_ref().is_some_and(|x| uses_bf16x(k, x));
+                any_i8 |= ex.as_ref().is_some_and(|x| x.dtype() == PackedDtype::Int8);
+                any_b16 |= ex.as_ref().is_some_and(|x| uses_bf16x(k, x));
             }
         }
         if total == 0 {
             return Ok(());
         }
 
-        let inter = set.inter;
         let (hp, ip) = (i8_padded_k(h), i8_padded_k(inter));
         let (hp2, ip2) = (bf16_padded_k(h), bf16_padded_k(inter));
         let threads = self.pool.threads();
@@ -368,13 +415,13 @@ impl ExpertExecutor for PackedExperts {
 
             // 3. Gate/up phase.
             build_items(items, active, threads, |e| {
-                set.experts[e].as_ref().map_or(0, |x| x.gate_up.panels())
+                experts[e].as_ref().map_or(0, |x| x.gate_up.panels())
             });
             let hout = Out::new(hbuf);
             let (xq_r, xs_r, xb_r) = (&xq[..], &xs[..], &xb[..]);
             items.par_iter().for_each(|it| {
                 let e = it.e as usize;
-                let Some(ex) = set.experts[e].as_ref() else {
+                let Some(ex) = experts[e].as_ref() else {
                     return;
                 };
                 let (s0, s1) = (offsets[e], offsets[e + 1]);
@@ -438,7 +485,7 @@ impl ExpertExecutor for PackedExperts {
                 row_i8.resize(total, false);
                 for &e in active.iter() {
                     let e = e as usize;
-                    if set.experts[e]
+                    if experts[e]
                         .as_ref()
                         .is_some_and(|x| x.dtype() == PackedDtype::Int8)
                     {
@@ -463,7 +510,7 @@ impl ExpertExecutor for PackedExperts {
                 row_b16.resize(total, false);
                 for &e in active.iter() {
                     let e = e as usize;
-                    if set.experts[e].as_ref().is_some_and(|x| uses_bf16x(k, x)) {
+                    if experts[e].as_ref().is_some_and(|x| uses_bf16x(k, x)) {
                         row_b16[offsets[e]..offsets[e + 1]].fill(true);
                     }
                 }
@@ -480,13 +527,13 @@ impl ExpertExecutor for PackedExperts {
 
             // 5. Down phase with the weighted scatter.
             build_items(items, active, threads, |e| {
-                set.experts[e].as_ref().map_or(0, |x| x.down.panels())
+                experts[e].as_ref().map_or(0, |x| x.down.panels())
             });
             let yout = Out::new(out);
             let (hb, hq_r, hs_r, hb16_r) = (&hbuf[..], &hq[..], &hs[..], &hb16[..]);
             items.par_iter().for_each(|it| {
                 let e = it.e as usize;
-                let Some(ex) = set.experts[e].as_ref() else {
+                let Some(ex) = experts[e].as_ref() else {
                     return;
                 };
                 let (s0, s1) = (offsets[e], offsets[e + 1]);

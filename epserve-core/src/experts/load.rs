@@ -47,26 +47,7 @@ impl PackedExperts {
                         return Ok(None);
                     }
                     let _done = PackedOne;
-                    let asked = opts.dtype_for(i, e);
-                    if asked != ExpertDtype::Bf16
-                        && let Some(p) = load_int8_expert(cfg, ws, &names, e)?
-                    {
-                        return Ok(Some(p));
-                    }
-                    let mlp = names.load(cfg, ws, e)?;
-                    let (dt, exact) = match asked {
-                        ExpertDtype::Auto => (PackedDtype::Bf16, true),
-                        ExpertDtype::Bf16 => (PackedDtype::Bf16, false),
-                        ExpertDtype::Int8 => (PackedDtype::Int8, false),
-                    };
-                    PackedExpert::from_mlp(&mlp, dt, exact)
-                        .map(|p| Some(p.with_bf16_activations(asked == ExpertDtype::Bf16)))
-                        .map_err(|err| match err {
-                            Error::Dispatch(m) => {
-                                Error::Dispatch(format!("{m} (layer {i}, expert {e})"))
-                            }
-                            other => other,
-                        })
+                    pack_expert(cfg, ws, &names, opts.dtype_for(i, e), i, e).map(Some)
                 })
                 .collect::<Result<_>>()?;
             layers.push(Some(experts));
@@ -77,6 +58,36 @@ impl PackedExperts {
         };
         Self::new(layers, cfg.hidden_size, pool)
     }
+}
+
+/// Packs expert `e` of layer `i` (whose names are `names`) in the precision
+/// `asked`: what the resident load does for each expert, and what the tiered
+/// executor does for a cold one on first use.
+pub(crate) fn pack_expert(
+    cfg: &ModelConfig,
+    ws: &WeightStore,
+    names: &ExpertNames<'_>,
+    asked: ExpertDtype,
+    i: usize,
+    e: usize,
+) -> Result<PackedExpert> {
+    if asked != ExpertDtype::Bf16
+        && let Some(p) = load_int8_expert(cfg, ws, names, e)?
+    {
+        return Ok(p);
+    }
+    let mlp = names.load(cfg, ws, e)?;
+    let (dt, exact) = match asked {
+        ExpertDtype::Auto => (PackedDtype::Bf16, true),
+        ExpertDtype::Bf16 => (PackedDtype::Bf16, false),
+        ExpertDtype::Int8 => (PackedDtype::Int8, false),
+    };
+    PackedExpert::from_mlp(&mlp, dt, exact)
+        .map(|p| p.with_bf16_activations(asked == ExpertDtype::Bf16))
+        .map_err(|err| match err {
+            Error::Dispatch(m) => Error::Dispatch(format!("{m} (layer {i}, expert {e})")),
+            other => other,
+        })
 }
 
 /// Counts one expert as packed when dropped (also on an error: the load

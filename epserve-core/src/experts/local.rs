@@ -196,4 +196,12 @@ impl Dispatcher for LocalDispatcher {
             timing: None,
         })))
     }
+
+    fn wants_prefetch(&self) -> bool {
+        self.executor.wants_prefetch()
+    }
+
+    fn prefetch(&self, layer: usize, experts: &[u32]) {
+        self.executor.prefetch(layer, experts)
+    }
 }

@@ -24,6 +24,7 @@ pub mod local;
 pub mod packed;
 pub mod pool;
 pub(crate) mod run;
+pub mod tiered;
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -37,6 +38,7 @@ pub use executor::PackedExperts;
 pub use local::{LayerExperts, LocalDispatcher, LocalExperts, execute_combined};
 pub use packed::{PackedExpert, PackedMatrix};
 pub use pool::ExpertPool;
+pub use tiered::{Tier, TierOptions, TierSnapshot, TieredExperts};
 
 /// Precision the experts are kept in.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -136,6 +138,9 @@ pub struct LoadOptions {
     pub threads: Option<usize>,
     /// Pin worker threads to cores (only for a dedicated pool: `threads` set).
     pub pin_threads: bool,
+    /// Hold the experts under a memory budget ([`TieredExperts`]): resident,
+    /// cached and cold tiers. `None` packs every expert into RAM.
+    pub tier: Option<TierOptions>,
 }
 
 impl LoadOptions {
@@ -155,6 +160,40 @@ pub fn load_executor(
     opts: &LoadOptions,
 ) -> Result<Arc<dyn ExpertExecutor>> {
     load_executor_filtered(cfg, ws, opts, |_, _| true)
+}
+
+/// What [`load_executor_shared`] loads: the executor, and the same one as a
+/// [`TieredExperts`] when it has tiers.
+pub type LoadedExperts = (Arc<dyn ExpertExecutor>, Option<Arc<TieredExperts>>);
+
+/// [`load_executor_filtered`] for callers that share the weights: with
+/// [`LoadOptions::tier`] the experts go into a [`TieredExperts`] (which
+/// packs cold experts from `ws` later, so it keeps a handle), otherwise as
+/// [`load_executor_filtered`] loads them. Also returns the tiered executor,
+/// for its counters.
+pub fn load_executor_shared(
+    cfg: &ModelConfig,
+    ws: &Arc<WeightStore>,
+    opts: &LoadOptions,
+    keep: impl Fn(usize, usize) -> bool + Sync,
+) -> Result<LoadedExperts> {
+    match &opts.tier {
+        Some(t) if opts.executor == ExecutorKind::Packed => {
+            let tiered = Arc::new(TieredExperts::load(
+                cfg,
+                ws.clone(),
+                opts,
+                &keep,
+                t.clone(),
+            )?);
+            Ok((tiered.clone(), Some(tiered)))
+        }
+        Some(_) => Err(Error::Dispatch(
+            "--expert-memory needs the packed executor (the portable one reads the mmap as it is)"
+                .into(),
+        )),
+        None => Ok((load_executor_filtered(cfg, ws, opts, keep)?, None)),
+    }
 }
 
 /// Loads the experts for which `keep(layer, expert)` holds.
@@ -184,3 +223,6 @@ pub fn load_executor_filtered(
 
 #[cfg(test)]
 mod tests;
+
+#[cfg(test)]
+mod tiered_tests;

@@ -221,6 +221,18 @@ impl PackedMatrix {
         }
     }
 
+    /// Address and length in bytes of the element buffer (mlock).
+    pub fn element_buffer(&self) -> (*const u8, usize) {
+        let lines = match &self.data {
+            PackedData::Bf16(d) => &d.lines,
+            PackedData::I8 { data, .. } => &data.lines,
+        };
+        (
+            lines.as_ptr().cast(),
+            std::mem::size_of_val(lines.as_slice()),
+        )
+    }
+
     /// Bytes a full pass over the matrix streams (elements and scales).
     pub fn bytes(&self) -> usize {
         match &self.data {
@@ -378,5 +390,14 @@ impl PackedExpert {
     /// Bytes one token's pass streams (all three projections).
     pub fn weight_bytes(&self) -> usize {
         self.gate_up.bytes() + self.down.bytes()
+    }
+
+    /// Calls `f(address, bytes)` for each weight buffer (mlock), stopping at
+    /// the first `false`; returns whether all gave `true`.
+    pub fn for_each_buffer(&self, mut f: impl FnMut(*const u8, usize) -> bool) -> bool {
+        [&self.gate_up, &self.down].into_iter().all(|m| {
+            let (ptr, len) = m.element_buffer();
+            len == 0 || f(ptr, len)
+        })
     }
 }

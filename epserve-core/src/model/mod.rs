@@ -147,6 +147,8 @@ pub struct Model {
     dispatcher: Arc<dyn Dispatcher>,
     /// Set when attention runs on tensor-parallel shards.
     attention: Option<Arc<dyn AttentionBackend>>,
+    /// The in-process experts' tiers, when they have a memory budget.
+    expert_tiers: Option<Arc<crate::experts::TieredExperts>>,
 }
 
 impl Model {
@@ -161,11 +163,12 @@ impl Model {
     #[tracing::instrument(level = "info", name = "load_model", skip_all, fields(dir = %dir.display()))]
     pub fn load_with(dir: &Path, opts: &LoadOptions) -> Result<Self> {
         let cfg = ModelConfig::from_dir(dir)?;
-        let ws = WeightStore::open(dir)?;
-        let experts = crate::experts::load_executor(&cfg, &ws, opts)?;
+        let ws = Arc::new(WeightStore::open(dir)?);
+        let (experts, tiers) = crate::experts::load_executor_shared(&cfg, &ws, opts, |_, _| true)?;
         let dispatcher = Arc::new(LocalDispatcher::new(experts));
         let mut model = Self::from_store(cfg, &ws, dispatcher)?;
         model.set_dense_dtype(opts.dense_dtype);
+        model.expert_tiers = tiers;
         Ok(model)
     }
 
@@ -336,7 +339,13 @@ impl Model {
             lm_head: Linear::new(lm_head),
             dispatcher,
             attention,
+            expert_tiers: None,
         })
+    }
+
+    /// The in-process experts' tiers (`--expert-memory`), for their counters.
+    pub fn expert_tiers(&self) -> Option<&Arc<crate::experts::TieredExperts>> {
+        self.expert_tiers.as_ref()
     }
 
     /// Whether attention runs on tensor-parallel shards.
@@ -605,6 +614,43 @@ impl Model {
         Ok(())
     }
 
+    /// Router lookahead (as Pre-gated MoE): when the expert store has a
+    /// cold tier, the next MoE layer's router is applied to layer `li`'s
+    /// router input and the experts it picks are sent as a prefetch hint,
+    /// so they are packed while this layer and the next attention run.
+    fn lookahead(&self, li: usize, router_x: &[f32], rows: usize) {
+        let dispatcher = self.dispatcher.as_ref();
+        if !dispatcher.wants_prefetch() {
+            return;
+        }
+        let Some((next, router)) =
+            self.layers
+                .iter()
+                .enumerate()
+                .skip(li + 1)
+                .find_map(|(j, l)| match &l.ffn {
+                    Ffn::Moe(b) => Some((j, &b.router)),
+                    Ffn::DenseAndMoe(p) => Some((j, &p.moe.router)),
+                    Ffn::Dense(_) => None,
+                })
+        else {
+            return;
+        };
+        let _t = profile::timer(Phase::Router);
+        let r = router.route(router_x, rows);
+        let mut seen = vec![false; router.num_experts()];
+        let mut ids = Vec::new();
+        for &e in &r.topk_ids {
+            if let Some(s) = seen.get_mut(e as usize)
+                && !*s
+            {
+                *s = true;
+                ids.push(e);
+            }
+        }
+        dispatcher.prefetch(next, &ids);
+    }
+
     /// Attention of layer `li` for one micro-batch, its residual add, and the
     /// feed-forward block started (a dense MLP computed, experts submitted).
     fn attention_and_submit(
@@ -685,6 +731,7 @@ impl Model {
             }
             Ffn::Moe(block) => {
                 let xs: Arc<[f32]> = Arc::from(normed);
+                self.lookahead(li, &xs, t);
                 PendingFfn::Moe(block.submit(li, &xs, xs.clone(), t, h, dispatcher)?)
             }
             Ffn::DenseAndMoe(p) => {
@@ -696,6 +743,7 @@ impl Model {
                 rms_norm(&mut mlp_out, &p.mlp_out_norm, cfg.rms_norm_eps);
                 let mut moe_in = m.x.clone();
                 rms_norm(&mut moe_in, &p.moe_in_norm, cfg.rms_norm_eps);
+                self.lookahead(li, &m.x, t);
                 let moe = p
                     .moe
                     .submit(li, &m.x, Arc::from(moe_in), t, h, dispatcher)?;

@@ -77,6 +77,16 @@ pub trait ExpertExecutor: Send + Sync {
     ) -> Result<()> {
         self.execute(layer, x.f32, topk_ids, topk_weights, top_k, out)
     }
+
+    /// Whether [`prefetch`](Self::prefetch) hints are used (experts held
+    /// in tiers under a memory budget).
+    fn wants_prefetch(&self) -> bool {
+        false
+    }
+
+    /// Experts of `layer` a router lookahead predicts for a coming call
+    /// (packed ahead by an executor with a cold tier). Returns at once.
+    fn prefetch(&self, _layer: usize, _experts: &[u32]) {}
 }
 
 /// `[rows, hidden]` activations for [`ExpertExecutor::execute_rows`].
@@ -186,6 +196,18 @@ pub trait Dispatcher: Send + Sync {
         self.submit(layer, Arc::from(x), hidden, Arc::new(routing.clone()))?
             .wait()
     }
+
+    /// Whether the forward pass should send [`prefetch`](Self::prefetch)
+    /// hints (some expert store behind this dispatcher has a cold tier).
+    fn wants_prefetch(&self) -> bool {
+        false
+    }
+
+    /// The experts of `layer` that a router lookahead (the router of `layer`
+    /// applied to an earlier layer's input) predicts. Called before the
+    /// submit of the earlier layer; a remote dispatcher sends it with that
+    /// request.
+    fn prefetch(&self, _layer: usize, _experts: &[u32]) {}
 
     /// A forward step starts: every dispatch until [`end_step`](Self::end_step)
     /// belongs to it (a remote dispatcher routes the whole step with one
