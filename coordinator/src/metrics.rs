@@ -106,7 +106,44 @@ pub const METRICS: &[(&str, Kind, &[&str], &str)] = &[
     ("epserve_eplb_worker_tokens", Kind::Gauge, &["layer", "worker"], "Tokens a worker computed for a layer over the last window."),
     ("epserve_eplb_expert_tokens", Kind::Gauge, &["layer", "expert"], "Tokens routed to an expert over the last window."),
     ("epserve_eplb_replica_tokens", Kind::Gauge, &["layer", "expert", "worker"], "Tokens a replica of an expert computed over the last window."),
+    ("epserve_expert_tier_hits_total", Kind::Counter, &["worker"], "--expert-memory: expert uses (one per expert per call) that found the expert packed (resident or cached); worker \"local\" in a single process."),
+    ("epserve_expert_tier_misses_total", Kind::Counter, &["worker"], "--expert-memory: expert uses that packed the expert from the checkpoint first."),
+    ("epserve_expert_tier_evictions_total", Kind::Counter, &["worker"], "--expert-memory: cached experts dropped to make room."),
+    ("epserve_expert_tier_paged_in_bytes_total", Kind::Counter, &["worker"], "--expert-memory: bytes of packed experts built from the checkpoint (misses and prefetches)."),
+    ("epserve_expert_tier_prefetched_total", Kind::Counter, &["worker"], "--expert-memory: experts packed ahead of use on a router-lookahead hint."),
+    ("epserve_expert_tier_prefetch_hits_total", Kind::Counter, &["worker"], "--expert-memory: prefetched experts used before being evicted."),
+    ("epserve_expert_tier_bytes", Kind::Gauge, &["worker", "tier"], "--expert-memory: packed bytes held per tier (resident, cached); their sum never exceeds the budget."),
+    ("epserve_expert_tier_experts", Kind::Gauge, &["worker", "tier"], "--expert-memory: experts assigned per tier (resident, cached, cold)."),
+    ("epserve_expert_tier_budget_bytes", Kind::Gauge, &["worker"], "--expert-memory: the budget for packed experts."),
 ];
+
+/// Exports expert tier counters (`--expert-memory`) of `worker` (`local`
+/// for the experts of a single process).
+pub fn expert_tiers(worker: &str, t: &epserve_core::experts::TierSnapshot) {
+    use metrics::{counter, gauge};
+    let w = worker.to_string();
+    counter!("epserve_expert_tier_hits_total", "worker" => w.clone()).absolute(t.hits);
+    counter!("epserve_expert_tier_misses_total", "worker" => w.clone()).absolute(t.misses);
+    counter!("epserve_expert_tier_evictions_total", "worker" => w.clone()).absolute(t.evictions);
+    counter!("epserve_expert_tier_paged_in_bytes_total", "worker" => w.clone())
+        .absolute(t.bytes_paged_in);
+    counter!("epserve_expert_tier_prefetched_total", "worker" => w.clone()).absolute(t.prefetched);
+    counter!("epserve_expert_tier_prefetch_hits_total", "worker" => w.clone())
+        .absolute(t.prefetch_hits);
+    for (tier, bytes, n) in [
+        ("resident", t.resident_bytes, t.resident_experts),
+        ("cached", t.cached_bytes, t.cached_experts),
+    ] {
+        gauge!("epserve_expert_tier_bytes", "worker" => w.clone(), "tier" => tier)
+            .set(bytes as f64);
+        gauge!("epserve_expert_tier_experts", "worker" => w.clone(), "tier" => tier).set(n as f64);
+    }
+    let cold = t
+        .held_experts
+        .saturating_sub(t.resident_experts + t.cached_experts);
+    gauge!("epserve_expert_tier_experts", "worker" => w.clone(), "tier" => "cold").set(cold as f64);
+    gauge!("epserve_expert_tier_budget_bytes", "worker" => w).set(t.budget_bytes as f64);
+}
 
 /// Gives every metric of [`METRICS`] its HELP text (and TYPE, which the
 /// exporter prints once a metric has a value).

@@ -348,17 +348,26 @@ async fn expert_memory_budget_of_a_third_keeps_the_goldens() {
         misses > 0 && evictions > 0 && hits > 0 && paged > 0,
         "misses {misses}, evictions {evictions}, hits {hits}, paged {paged}"
     );
-    assert!(prefetched > 0, "the lookahead's hints were used: {prefetched}");
+    assert!(
+        prefetched > 0,
+        "the lookahead's hints were used: {prefetched}"
+    );
     let budgets = gauge_with(&metrics, "epserve_expert_tier_budget_bytes", "worker=");
     assert_eq!(budgets, vec![budget as f64; workers], "{metrics}");
     let resident = gauge_with(&metrics, "epserve_expert_tier_bytes", "tier=\"resident\"");
     let cached = gauge_with(&metrics, "epserve_expert_tier_bytes", "tier=\"cached\"");
     assert_eq!(resident.len(), workers);
     for (r, c) in resident.iter().zip(&cached) {
-        assert!(r + c <= budget as f64, "resident {r} + cached {c} > budget {budget}");
+        assert!(
+            r + c <= budget as f64,
+            "resident {r} + cached {c} > budget {budget}"
+        );
     }
     let cold = gauge_with(&metrics, "epserve_expert_tier_experts", "tier=\"cold\"");
-    assert!(cold.iter().sum::<f64>() > 0.0, "some experts are cold: {cold:?}");
+    assert!(
+        cold.iter().sum::<f64>() > 0.0,
+        "some experts are cold: {cold:?}"
+    );
 }
 
 /// `up --emulate-link 1ms` with pinned roles on `qwen3_moe_a` (2

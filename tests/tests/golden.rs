@@ -36,7 +36,57 @@ fn check_fixture(name: &str, dtype: &str) {
 
 /// One model folder against its golden; `tol` bounds |logit − reference|.
 fn check_model(name: &str, dir: &std::path::Path, g: &Golden, tol: f32) {
-    let mut engine = Engine::load(dir).unwrap_or_else(|e| panic!("{name}: {e}"));
+    let engine = Engine::load(dir).unwrap_or_else(|e| panic!("{name}: {e}"));
+    check_engine(name, engine, g, tol);
+}
+
+/// Issue 21: every fixture (bf16 folder) with `--expert-memory` a third of
+/// its packed experts, the bf16-exact policy: the experts run from the
+/// resident tier, the LRU cache packed on first use and, when a call's
+/// experts do not fit at once, in groups; the goldens hold to the same bound,
+/// the budget is never exceeded, and experts were paged in and evicted.
+#[test]
+fn all_fixtures_match_transformers_with_a_third_of_the_experts_in_memory() {
+    for name in fixture_names() {
+        let dir = fixture_dir(&name).join("bf16");
+        let cfg = epserve_core::config::ModelConfig::from_dir(&dir).expect("config");
+        let ws = epserve_core::loader::weights::WeightStore::open(&dir).expect("weights");
+        let all = epserve_core::experts::PackedExperts::load_filtered(
+            &cfg,
+            &ws,
+            &epserve_core::experts::LoadOptions::default(),
+            &|_, _| true,
+        )
+        .unwrap_or_else(|e| panic!("{name}: {e}"))
+        .resident_bytes();
+        let opts = epserve_core::experts::LoadOptions {
+            tier: Some(epserve_core::experts::TierOptions {
+                budget: all / 3,
+                ..Default::default()
+            }),
+            ..Default::default()
+        };
+        let engine = Engine::load_with(&dir, &opts).unwrap_or_else(|e| panic!("{name}: {e}"));
+        let tiers = engine.model.expert_tiers().cloned().expect("tiered");
+        check_engine(
+            &format!("{name}/bf16 in a third"),
+            engine,
+            &golden(&name),
+            LOGIT_TOL,
+        );
+        tiers.prefetch_idle();
+        let s = tiers.snapshot();
+        assert!(
+            s.resident_bytes + s.cached_bytes <= s.budget_bytes,
+            "{name}: {s:?}"
+        );
+        assert!(s.misses > 0 && s.evictions > 0, "{name}: {s:?}");
+        assert!(s.prefetched > 0, "{name}: the lookahead prefetched: {s:?}");
+    }
+}
+
+/// [`check_model`] on a loaded engine.
+fn check_engine(name: &str, mut engine: Engine, g: &Golden, tol: f32) {
     engine.kv_dtype = KvDtype::F32;
     assert_eq!(
         engine.model.config.moe_layers(),

@@ -950,31 +950,26 @@ impl DispatchCore {
     }
 }
 
-/// Exports a worker's expert tier counters (`--expert-memory`) as
-/// `epserve_expert_tier_*{worker}`.
+/// Exports a worker's expert tier counters (`--expert-memory`).
 fn record_tiers(worker: &str, t: &epserve_proto::pb::TierCounters) {
-    let w = worker.to_string();
-    counter!("epserve_expert_tier_hits_total", "worker" => w.clone()).absolute(t.hits);
-    counter!("epserve_expert_tier_misses_total", "worker" => w.clone()).absolute(t.misses);
-    counter!("epserve_expert_tier_evictions_total", "worker" => w.clone()).absolute(t.evictions);
-    counter!("epserve_expert_tier_paged_in_bytes_total", "worker" => w.clone())
-        .absolute(t.bytes_paged_in);
-    counter!("epserve_expert_tier_prefetched_total", "worker" => w.clone()).absolute(t.prefetched);
-    counter!("epserve_expert_tier_prefetch_hits_total", "worker" => w.clone())
-        .absolute(t.prefetch_hits);
-    for (tier, bytes, n) in [
-        ("resident", t.resident_bytes, t.resident_experts),
-        ("cached", t.cached_bytes, t.cached_experts),
-    ] {
-        gauge!("epserve_expert_tier_bytes", "worker" => w.clone(), "tier" => tier)
-            .set(bytes as f64);
-        gauge!("epserve_expert_tier_experts", "worker" => w.clone(), "tier" => tier).set(n as f64);
-    }
-    let cold = t
-        .held_experts
-        .saturating_sub(t.resident_experts + t.cached_experts);
-    gauge!("epserve_expert_tier_experts", "worker" => w.clone(), "tier" => "cold").set(cold as f64);
-    gauge!("epserve_expert_tier_budget_bytes", "worker" => w).set(t.budget_bytes as f64);
+    crate::metrics::expert_tiers(
+        worker,
+        &epserve_core::experts::TierSnapshot {
+            hits: t.hits,
+            misses: t.misses,
+            evictions: t.evictions,
+            bytes_paged_in: t.bytes_paged_in,
+            prefetched: t.prefetched,
+            prefetch_hits: t.prefetch_hits,
+            resident_bytes: t.resident_bytes,
+            cached_bytes: t.cached_bytes,
+            budget_bytes: t.budget_bytes,
+            resident_experts: t.resident_experts as u64,
+            cached_experts: t.cached_experts as u64,
+            held_experts: t.held_experts as u64,
+            ..Default::default()
+        },
+    );
 }
 
 impl Dispatcher for GrpcDispatcher {

@@ -258,7 +258,13 @@ async fn health(State(state): State<Arc<AppState>>) -> Response {
     }
 }
 
-async fn metrics() -> Response {
+async fn metrics(State(state): State<Arc<AppState>>) -> Response {
+    // The single process's own expert tiers, read at scrape time.
+    if let Ok(ready) = state.ready()
+        && let Some(t) = ready.engine.model.expert_tiers()
+    {
+        crate::metrics::expert_tiers("local", &t.snapshot());
+    }
     (
         [(header::CONTENT_TYPE, "text/plain; version=0.0.4")],
         crate::metrics::render(),
