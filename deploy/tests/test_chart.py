@@ -77,7 +77,8 @@ SCENARIOS: dict[str, dict] = {
     },
     "attention-shards-servicemonitor": {
         "attentionWorkers": {"replicas": 4, "antiAffinity": "hard"},
-        "expertWorkers": {"replicas": 6, "antiAffinity": "hard", "advertise": "podIP", "cores": "0-13", "expertDtype": "int8"},
+        "expertWorkers": {"replicas": 6, "antiAffinity": "hard", "advertise": "podIP", "cores": "0-13", "expertDtype": "int8",
+                          "expertMemory": "20GiB"},
         "metrics": {"serviceMonitor": {"enabled": True, "labels": {"release": "kps"}},
                     "grafanaDashboard": {"enabled": True, "annotations": {"grafana_folder": "LLM"}}},
         "coordinator": {"replicas": 2, "maxModelLen": 8192, "kvCacheMemory": "8GiB", "kvCacheDtype": "bf16", "denseDtype": "int8", "microBatches": "2",
@@ -556,6 +557,8 @@ def test_workers_listen_and_advertise_where_their_services_point(scenario):
             assert one(c, "--cores") == values[key]["cores"]
         if component == "expert-worker" and values[key]["expertDtype"]:
             assert one(c, "--expert-dtype") == values[key]["expertDtype"]
+        if component == "expert-worker" and values[key].get("expertMemory"):
+            assert one(c, "--expert-memory") == values[key]["expertMemory"]
 
 
 def test_workers_are_ready_by_grpc_health_and_expert_workers_drain_on_sigterm(scenario):

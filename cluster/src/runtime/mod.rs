@@ -45,6 +45,17 @@ pub struct ExpertMemoryArgs {
     /// Do not pack predicted experts ahead of use (router lookahead).
     #[arg(long)]
     pub no_expert_prefetch: bool,
+    /// Precision of each expert: `fixed` (--expert-dtype for all), or
+    /// `load`: the most used experts (a decaying window of this process's
+    /// own calls) run in bf16 and the rest in int8 W8A8, re-chosen as the
+    /// load moves (experts repacked in the background).
+    #[arg(long, default_value = "fixed", value_parser = ["fixed", "load"])]
+    pub expert_precision_policy: String,
+    /// With `--expert-precision-policy load`: the share of expert uses that
+    /// must run in bf16 (the quality budget); the hottest experts covering it
+    /// are bf16.
+    #[arg(long, default_value_t = 0.8, value_name = "0..1")]
+    pub expert_bf16_share: f64,
 }
 
 fn parse_size_arg(s: &str) -> std::result::Result<usize, String> {
@@ -54,7 +65,15 @@ fn parse_size_arg(s: &str) -> std::result::Result<usize, String> {
 impl ExpertMemoryArgs {
     /// The tier options, or `None` without `--expert-memory`.
     pub fn tier_options(&self) -> Result<Option<epserve_core::experts::TierOptions>> {
-        let Some(budget) = self.expert_memory else {
+        let load = self.expert_precision_policy == "load";
+        if load && !(0.0..=1.0).contains(&self.expert_bf16_share) {
+            anyhow::bail!(
+                "--expert-bf16-share must be in 0..=1, got {}",
+                self.expert_bf16_share
+            );
+        }
+        // Precision by load without a budget: every expert stays packed.
+        let Some(budget) = self.expert_memory.or(load.then_some(usize::MAX / 4)) else {
             return Ok(None);
         };
         let f = self.expert_resident_fraction;
@@ -66,6 +85,7 @@ impl ExpertMemoryArgs {
             resident_fraction: f,
             mlock: self.expert_mlock,
             prefetch: !self.no_expert_prefetch,
+            bf16_share: load.then_some(self.expert_bf16_share),
             ..Default::default()
         }))
     }

@@ -55,6 +55,12 @@ pub struct TierOptions {
     pub retier_calls: u64,
     /// Pack experts named by [`TieredExperts::prefetch`] in the background.
     pub prefetch: bool,
+    /// Precision by load (`--expert-precision-policy load`): the most used
+    /// experts that together take this share of the window's expert uses
+    /// run in bf16 (exact packing), every other one in int8 W8A8 (half the
+    /// bytes, so more of them fit). `None`: every expert in the precision
+    /// [`LoadOptions`] asks for.
+    pub bf16_share: Option<f64>,
 }
 
 impl Default for TierOptions {
@@ -65,6 +71,7 @@ impl Default for TierOptions {
             mlock: false,
             retier_calls: 256,
             prefetch: true,
+            bf16_share: None,
         }
     }
 }
@@ -108,6 +115,8 @@ pub struct TierStats {
     pub demotions: AtomicU64,
     /// Extra passes of a call whose cold experts did not fit at once.
     pub split_calls: AtomicU64,
+    /// Packed experts repacked in another precision (precision by load).
+    pub repacked: AtomicU64,
 }
 
 /// A snapshot of [`TierStats`] plus the bytes held.
@@ -122,6 +131,10 @@ pub struct TierSnapshot {
     pub promotions: u64,
     pub demotions: u64,
     pub split_calls: u64,
+    pub repacked: u64,
+    /// Packed experts held in bf16 and in int8.
+    pub bf16_experts: u64,
+    pub int8_experts: u64,
     pub resident_bytes: u64,
     pub cached_bytes: u64,
     pub budget_bytes: u64,
@@ -132,6 +145,8 @@ pub struct TierSnapshot {
 
 struct Entry {
     ex: Arc<PackedExpert>,
+    /// The precision it was packed in.
+    dtype: ExpertDtype,
     resident: bool,
     last_use: u64,
     /// Packed by the prefetcher and not used yet.
@@ -147,13 +162,15 @@ struct State {
     /// Bytes reserved for experts being packed.
     reserved: usize,
     tick: u64,
-    /// Uses per expert, halved at every re-tiering.
+    /// Tokens routed to each expert, halved at every re-tiering.
     uses: HashMap<(usize, usize), f64>,
     calls: u64,
     mlock_failed: bool,
     /// The resident tier the last re-tiering chose: an expert of it that was
     /// not packed then becomes resident when it is next packed.
     want_resident: std::collections::HashSet<(usize, usize)>,
+    /// Precision by load: the experts that run in bf16 (the rest int8).
+    bf16: std::collections::HashSet<(usize, usize)>,
     /// `[layer][expert]`: assigned here (warmed at load, listed by
     /// [`TieredExperts::tiers`]). Any expert of the model can be served: a
     /// call in flight across a change of assignment still finds its experts.
@@ -226,6 +243,13 @@ impl TieredExperts {
         keep: &(impl Fn(usize, usize) -> bool + Sync),
         tier: TierOptions,
     ) -> Result<Self> {
+        if let Some(s) = tier.bf16_share
+            && !(0.0..=1.0).contains(&s)
+        {
+            return Err(Error::Dispatch(format!(
+                "the bf16 share of expert uses must be in 0..=1, got {s}"
+            )));
+        }
         if !(0.0..=1.0).contains(&tier.resident_fraction) {
             return Err(Error::Dispatch(format!(
                 "the resident share of the expert memory must be in 0..=1, got {}",
@@ -250,18 +274,27 @@ impl TieredExperts {
         // One expert per (layer, precision) gives every size.
         let mut sizes = HashMap::new();
         let mut inter = vec![0; cfg.num_hidden_layers];
-        let mut probes: Vec<((usize, usize), PackedExpert)> = Vec::new();
+        let mut probes: Vec<((usize, usize), ExpertDtype, PackedExpert)> = Vec::new();
         for l in cfg.moe_layers() {
             for e in 0..n {
-                let key = (l, dtype_key(opts.dtype_for(l, e)));
-                if sizes.contains_key(&key) {
-                    continue;
+                let asked: Vec<ExpertDtype> = match tier.bf16_share {
+                    None => vec![opts.dtype_for(l, e)],
+                    Some(_) => vec![ExpertDtype::Int8, hot_dtype(opts)],
+                };
+                for dt in asked {
+                    let key = (l, dtype_key(dt));
+                    if sizes.contains_key(&key) {
+                        continue;
+                    }
+                    let names = ExpertNames::resolve(cfg, &ws, l)?;
+                    let p = pack_expert(cfg, &ws, &names, dt, l, e)?;
+                    sizes.insert(key, p.weight_bytes());
+                    inter[l] = p.inter;
+                    // The cold precision first: the warm fill starts int8.
+                    if probes.iter().all(|(k, _, _)| *k != (l, e)) {
+                        probes.push(((l, e), dt, p));
+                    }
                 }
-                let names = ExpertNames::resolve(cfg, &ws, l)?;
-                let p = pack_expert(cfg, &ws, &names, opts.dtype_for(l, e), l, e)?;
-                sizes.insert(key, p.weight_bytes());
-                inter[l] = p.inter;
-                probes.push(((l, e), p));
             }
         }
         let largest = sizes.values().copied().max().unwrap_or(0);
@@ -291,7 +324,7 @@ impl TieredExperts {
             call: Mutex::new(()),
         });
         inner.warm(probes)?;
-        let prefetch_tx = if tier.prefetch {
+        let prefetch_tx = if tier.prefetch || tier.bf16_share.is_some() {
             let (tx, rx) = sync_channel::<Prefetch>(64);
             let weak = Arc::downgrade(&inner);
             std::thread::Builder::new()
@@ -359,6 +392,15 @@ impl TieredExperts {
         out
     }
 
+    /// The precision expert `e` of `layer` is packed in, if packed.
+    pub fn precision_of(&self, layer: usize, e: usize) -> Option<ExpertDtype> {
+        self.inner
+            .lock()
+            .entries
+            .get(&(layer, e))
+            .map(|en| en.dtype)
+    }
+
     /// The budget in bytes.
     pub fn budget(&self) -> usize {
         self.inner.tier.budget
@@ -368,7 +410,11 @@ impl TieredExperts {
     /// router lookahead's prediction). Returns at once; a full queue drops
     /// the hint. Experts not assigned here, or already packed, are ignored.
     pub fn prefetch_hint(&self, layer: usize, experts: &[u32]) {
-        let Some(tx) = &self.prefetch_tx else {
+        let Some(tx) = self
+            .prefetch_tx
+            .as_ref()
+            .filter(|_| self.inner.tier.prefetch)
+        else {
             return;
         };
         let want: Vec<u32> = {
@@ -409,6 +455,15 @@ impl Drop for TieredExperts {
     }
 }
 
+/// The precision of a hot expert under precision by load: the asked one,
+/// or exact bf16 when int8 was asked for every expert.
+fn hot_dtype(opts: &LoadOptions) -> ExpertDtype {
+    match opts.expert_dtype {
+        ExpertDtype::Int8 => ExpertDtype::Auto,
+        d => d,
+    }
+}
+
 /// `[layer][expert]` for which `keep` holds, on the MoE layers.
 fn assignment(cfg: &ModelConfig, keep: &(impl Fn(usize, usize) -> bool + Sync)) -> Vec<Vec<bool>> {
     let mut a = vec![Vec::new(); cfg.num_hidden_layers];
@@ -422,6 +477,8 @@ fn assignment(cfg: &ModelConfig, keep: &(impl Fn(usize, usize) -> bool + Sync)) 
 enum Prefetch {
     /// Pack these experts of this layer.
     Hint(usize, Vec<u32>),
+    /// Repack these experts in the precision they should have now.
+    Repack(Vec<(usize, usize)>),
     /// Answer once everything before is done.
     Flush(SyncSender<()>),
 }
@@ -439,6 +496,16 @@ fn prefetch_loop(inner: Weak<Inner>, rx: Receiver<Prefetch>) {
                     }
                 }
             }
+            Prefetch::Repack(list) => {
+                let Some(inner) = inner.upgrade() else {
+                    return;
+                };
+                for (layer, e) in list {
+                    if let Err(err) = inner.repack_one(layer, e) {
+                        tracing::warn!(layer, expert = e, error = %err, "repack failed");
+                    }
+                }
+            }
             Prefetch::Flush(done) => {
                 let _ = done.send(());
             }
@@ -451,23 +518,25 @@ impl Inner {
         self.state.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    fn size_of(&self, layer: usize, e: usize) -> usize {
+    /// The precision expert `e` of `layer` is packed in now.
+    fn want_dtype(&self, st: &State, layer: usize, e: usize) -> ExpertDtype {
+        match self.tier.bf16_share {
+            None => self.opts.dtype_for(layer, e),
+            Some(_) if st.bf16.contains(&(layer, e)) => hot_dtype(&self.opts),
+            Some(_) => ExpertDtype::Int8,
+        }
+    }
+
+    fn size_of(&self, layer: usize, dtype: ExpertDtype) -> usize {
         self.sizes
-            .get(&(layer, dtype_key(self.opts.dtype_for(layer, e))))
+            .get(&(layer, dtype_key(dtype)))
             .copied()
             .unwrap_or(0)
     }
 
-    fn pack(&self, layer: usize, e: usize) -> Result<PackedExpert> {
+    fn pack(&self, layer: usize, e: usize, dtype: ExpertDtype) -> Result<PackedExpert> {
         let names = ExpertNames::resolve(&self.cfg, &self.ws, layer)?;
-        let p = pack_expert(
-            &self.cfg,
-            &self.ws,
-            &names,
-            self.opts.dtype_for(layer, e),
-            layer,
-            e,
-        )?;
+        let p = pack_expert(&self.cfg, &self.ws, &names, dtype, layer, e)?;
         self.stats
             .bytes_paged_in
             .fetch_add(p.weight_bytes() as u64, Ordering::Relaxed);
@@ -477,16 +546,19 @@ impl Inner {
     /// Fills the budget with assigned experts not packed yet: `probes`
     /// (packed already) first, then round-robin over the layers; the resident
     /// tier fills before the cache. Packs outside the lock (calls go on).
-    fn warm(&self, probes: Vec<((usize, usize), PackedExpert)>) -> Result<()> {
+    fn warm(&self, probes: Vec<((usize, usize), ExpertDtype, PackedExpert)>) -> Result<()> {
         {
             let mut st = self.lock();
-            for (key, p) in probes {
+            for (key, dt, p) in probes {
                 let size = p.weight_bytes();
-                if !st.is_assigned(key.0, key.1) || st.held_bytes() + size > self.tier.budget {
+                if !st.is_assigned(key.0, key.1)
+                    || dt != self.want_dtype(&st, key.0, key.1)
+                    || st.held_bytes() + size > self.tier.budget
+                {
                     continue;
                 }
                 let resident = st.resident_bytes + size <= self.resident_cap;
-                self.insert(&mut st, key, Arc::new(p), resident, false);
+                self.insert(&mut st, key, Arc::new(p), dt, resident, false);
             }
         }
         let n = self.cfg.num_experts;
@@ -495,12 +567,14 @@ impl Inner {
             .filter(|&(l, _)| self.moe[l])
             .collect();
         for (l, e) in order {
-            let size = self.size_of(l, e);
+            let (size, dt);
             {
                 let mut st = self.lock();
                 if !st.is_assigned(l, e) || st.entries.contains_key(&(l, e)) {
                     continue;
                 }
+                dt = self.want_dtype(&st, l, e);
+                size = self.size_of(l, dt);
                 if st.held_bytes() + size > self.tier.budget {
                     // Full: only smaller experts (another precision) could
                     // still fit.
@@ -508,13 +582,13 @@ impl Inner {
                 }
                 st.reserved += size;
             }
-            let packed = self.pack(l, e);
+            let packed = self.pack(l, e, dt);
             let mut st = self.lock();
             st.reserved -= size;
             let p = packed?;
             if !st.entries.contains_key(&(l, e)) {
                 let resident = st.resident_bytes + size <= self.resident_cap;
-                self.insert(&mut st, (l, e), Arc::new(p), resident, false);
+                self.insert(&mut st, (l, e), Arc::new(p), dt, resident, false);
             }
         }
         Ok(())
@@ -525,6 +599,7 @@ impl Inner {
         st: &mut State,
         key: (usize, usize),
         ex: Arc<PackedExpert>,
+        dtype: ExpertDtype,
         resident: bool,
         prefetched: bool,
     ) {
@@ -537,6 +612,7 @@ impl Inner {
         st.tick += 1;
         let mut en = Entry {
             ex,
+            dtype,
             resident,
             last_use: st.tick,
             prefetched,
@@ -604,21 +680,63 @@ impl Inner {
     }
 
     fn prefetch_one(&self, layer: usize, e: usize) -> Result<()> {
-        let size = self.size_of(layer, e);
+        let (size, dt);
         {
             let mut st = self.lock();
+            dt = self.want_dtype(&st, layer, e);
+            size = self.size_of(layer, dt);
             if st.entries.contains_key(&(layer, e)) || !self.make_room(&mut st, size) {
                 return Ok(());
             }
             st.reserved += size;
         }
-        let packed = self.pack(layer, e);
+        let packed = self.pack(layer, e, dt);
         let mut st = self.lock();
         st.reserved -= size;
         let p = packed?;
         if !st.entries.contains_key(&(layer, e)) {
-            self.insert(&mut st, (layer, e), Arc::new(p), false, true);
+            self.insert(&mut st, (layer, e), Arc::new(p), dt, false, true);
             self.stats.prefetched.fetch_add(1, Ordering::Relaxed);
+        }
+        Ok(())
+    }
+
+    /// Precision by load: packs expert `e` of `layer` again in the precision
+    /// it should have now, and swaps it in between two calls.
+    fn repack_one(&self, layer: usize, e: usize) -> Result<()> {
+        let (size, dt);
+        {
+            let mut st = self.lock();
+            dt = self.want_dtype(&st, layer, e);
+            size = self.size_of(layer, dt);
+            match st.entries.get(&(layer, e)) {
+                Some(en) if en.dtype != dt => {}
+                _ => return Ok(()),
+            }
+            if !self.make_room(&mut st, size) {
+                return Ok(());
+            }
+            st.reserved += size;
+        }
+        let packed = self.pack(layer, e, dt);
+        // Swap between calls: no call holds the old packing then, so its
+        // bytes go as they leave the accounting.
+        let _between_calls = self.call.lock().unwrap_or_else(|p| p.into_inner());
+        let mut st = self.lock();
+        st.reserved -= size;
+        let p = packed?;
+        let stale = st.entries.get(&(layer, e)).is_some_and(|en| en.dtype != dt);
+        if stale && let Some(mut old) = st.entries.remove(&(layer, e)) {
+            let s = old.ex.weight_bytes();
+            if old.resident {
+                st.resident_bytes -= s;
+            } else {
+                st.cached_bytes -= s;
+            }
+            self.set_locked(&mut st, &mut old, false);
+            let resident = old.resident && st.resident_bytes + size <= self.resident_cap;
+            self.insert(&mut st, (layer, e), Arc::new(p), dt, resident, false);
+            self.stats.repacked.fetch_add(1, Ordering::Relaxed);
         }
         Ok(())
     }
@@ -626,15 +744,30 @@ impl Inner {
     /// Re-chooses the resident tier from the decayed use counts: the most
     /// used experts that fit `resident_cap` and are packed now become
     /// resident, the others cached.
-    fn retier(&self, st: &mut State) {
+    fn retier(&self, st: &mut State) -> Vec<(usize, usize)> {
         let mut ranked: Vec<((usize, usize), f64)> =
             st.uses.iter().map(|(k, v)| (*k, *v)).collect();
         ranked.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
+        // Precision by load: the most used experts covering the share run
+        // in bf16.
+        if let Some(share) = self.tier.bf16_share {
+            let total: f64 = ranked.iter().map(|r| r.1).sum();
+            let mut acc = 0.0;
+            let mut bf16 = std::collections::HashSet::new();
+            for (k, u) in &ranked {
+                if acc >= share * total {
+                    break;
+                }
+                acc += u;
+                bf16.insert(*k);
+            }
+            st.bf16 = bf16;
+        }
         let mut want = std::collections::HashSet::new();
         let mut bytes = 0;
         // Only experts used in the window count; a never-used one is not hot.
         for (k, _) in &ranked {
-            let s = self.size_of(k.0, k.1);
+            let s = self.size_of(k.0, self.want_dtype(st, k.0, k.1));
             if bytes + s <= self.resident_cap {
                 bytes += s;
                 want.insert(*k);
@@ -677,6 +810,15 @@ impl Inner {
             *v *= 0.5;
         }
         st.uses.retain(|_, v| *v > 1e-3);
+        // Packed experts in the wrong precision now: repack them.
+        let mut repack: Vec<(usize, usize)> = st
+            .entries
+            .iter()
+            .filter(|(k, en)| en.dtype != self.want_dtype(st, k.0, k.1))
+            .map(|(k, _)| *k)
+            .collect();
+        repack.sort_unstable();
+        repack
     }
 
     fn snapshot(&self) -> TierSnapshot {
@@ -694,6 +836,17 @@ impl Inner {
             promotions: ld(&s.promotions),
             demotions: ld(&s.demotions),
             split_calls: ld(&s.split_calls),
+            repacked: ld(&s.repacked),
+            bf16_experts: st
+                .entries
+                .values()
+                .filter(|e| e.dtype != ExpertDtype::Int8)
+                .count() as u64,
+            int8_experts: st
+                .entries
+                .values()
+                .filter(|e| e.dtype == ExpertDtype::Int8)
+                .count() as u64,
             resident_bytes: st.resident_bytes as u64,
             cached_bytes: st.cached_bytes as u64,
             budget_bytes: self.tier.budget as u64,
@@ -747,7 +900,7 @@ impl Inner {
 
 impl ExpertExecutor for TieredExperts {
     fn wants_prefetch(&self) -> bool {
-        self.prefetch_tx.is_some()
+        self.inner.tier.prefetch && self.prefetch_tx.is_some()
     }
 
     fn prefetch(&self, layer: usize, experts: &[u32]) {
@@ -788,14 +941,15 @@ impl ExpertExecutor for TieredExperts {
         let ne = inner.cfg.num_experts;
         let slots = rows.f32.len() / inner.cfg.hidden_size * top_k;
         let ids = &topk_ids[..slots];
-        let mut active = vec![false; ne];
+        // Tokens routed to each expert in this call.
+        let mut active = vec![0u32; ne];
         for &id in ids.iter().filter(|&&i| i != SKIP_SLOT) {
             if id as usize >= ne {
                 return Err(Error::Dispatch(format!(
                     "layer {layer}: expert id {id} out of range"
                 )));
             }
-            active[id as usize] = true;
+            active[id as usize] += 1;
         }
         let _call = inner.call.lock().unwrap_or_else(|p| p.into_inner());
         let mut view: Vec<Option<Arc<PackedExpert>>> = vec![None; ne];
@@ -804,8 +958,8 @@ impl ExpertExecutor for TieredExperts {
             let mut st = inner.lock();
             st.tick += 1;
             let tick = st.tick;
-            for e in (0..ne).filter(|&e| active[e]) {
-                *st.uses.entry((layer, e)).or_insert(0.0) += 1.0;
+            for e in (0..ne).filter(|&e| active[e] > 0) {
+                *st.uses.entry((layer, e)).or_insert(0.0) += active[e] as f64;
                 match st.entries.get_mut(&(layer, e)) {
                     Some(en) => {
                         en.last_use = tick;
@@ -816,17 +970,25 @@ impl ExpertExecutor for TieredExperts {
                         view[e] = Some(en.ex.clone());
                         inner.stats.hits.fetch_add(1, Ordering::Relaxed);
                     }
-                    None => misses.push(e),
+                    None => misses.push((e, ExpertDtype::Auto)),
                 }
             }
             st.calls += 1;
             if inner.tier.retier_calls > 0 && st.calls.is_multiple_of(inner.tier.retier_calls) {
-                inner.retier(&mut st);
+                let repack = inner.retier(&mut st);
+                if !repack.is_empty()
+                    && let Some(tx) = &self.prefetch_tx
+                {
+                    let _ = tx.try_send(Prefetch::Repack(repack));
+                }
+            }
+            for m in misses.iter_mut() {
+                m.1 = inner.want_dtype(&st, layer, m.0);
             }
         }
         let mut ids_buf = Vec::with_capacity(slots);
-        for e in misses {
-            let size = inner.size_of(layer, e);
+        for (e, dt) in misses {
+            let size = inner.size_of(layer, dt);
             loop {
                 let mut st = inner.lock();
                 if inner.make_room(&mut st, size) {
@@ -857,7 +1019,7 @@ impl ExpertExecutor for TieredExperts {
                     *v = None;
                 }
             }
-            let packed = inner.pack(layer, e);
+            let packed = inner.pack(layer, e, dt);
             let mut st = inner.lock();
             st.reserved -= size;
             let p = Arc::new(packed?);
@@ -865,7 +1027,7 @@ impl ExpertExecutor for TieredExperts {
             view[e] = Some(p.clone());
             let resident = st.want_resident.contains(&(layer, e))
                 && st.resident_bytes + size <= inner.resident_cap;
-            inner.insert(&mut st, (layer, e), p, resident, false);
+            inner.insert(&mut st, (layer, e), p, dt, resident, false);
         }
         inner.run_group(
             layer,

@@ -199,3 +199,80 @@ fn tiered_refuses_a_budget_below_one_expert_and_follows_assignments() {
     let s = t.snapshot();
     assert_eq!(s.resident_experts + s.cached_experts, s.held_experts);
 }
+
+/// Precision by load: under skewed routing the hot experts end up packed in
+/// bf16 and the others in int8 (repacked in the background as the window
+/// moves); the bf16 ones give the fully resident bf16 outputs bit for bit,
+/// the int8 ones stay within the W8A8 bound.
+#[test]
+fn precision_by_load_keeps_the_hot_experts_in_bf16() {
+    let (cfg, ws) = fixture();
+    let o = opts();
+    let full = PackedExperts::load_filtered(&cfg, &ws, &o, &|_, _| true).expect("load");
+    let (h, n, k) = (cfg.hidden_size, cfg.num_experts, cfg.num_experts_per_tok);
+    let tier = TierOptions {
+        budget: usize::MAX / 4,
+        retier_calls: 4,
+        bf16_share: Some(0.5),
+        ..TierOptions::default()
+    };
+    let t = TieredExperts::load(&cfg, ws.clone(), &o, &|_, _| true, tier).expect("tiered");
+    let l = cfg.moe_layers()[0];
+    let mut rng = StdRng::seed_from_u64(7);
+    // Expert 0 in every token, 1 in most; the rest spread.
+    let skewed = |rng: &mut StdRng, rows: usize| {
+        let (x, mut ids, w) = call(rng, rows, n, k, h);
+        for r in 0..rows {
+            let row = &mut ids[r * k..(r + 1) * k];
+            for want in [0u32, 1] {
+                if !row.contains(&want) {
+                    row[want as usize] = want;
+                }
+            }
+        }
+        (x, ids, w)
+    };
+    for _ in 0..40 {
+        let (x, ids, w) = skewed(&mut rng, 4);
+        let mut out = vec![0.0f32; 4 * k * h];
+        t.execute(l, &x, &ids, &w, k, &mut out).expect("tiered");
+    }
+    t.prefetch_idle();
+    let s = t.snapshot();
+    assert!(
+        s.repacked > 0 && s.bf16_experts > 0 && s.int8_experts > 0,
+        "{s:?}"
+    );
+    assert_ne!(
+        t.precision_of(l, 0),
+        Some(ExpertDtype::Int8),
+        "expert 0 is hot"
+    );
+    // One token routed to expert 0 alone (bf16: exact) and one to a cold
+    // int8 expert (close).
+    let cold = (2..n)
+        .find(|&e| t.precision_of(l, e) == Some(ExpertDtype::Int8))
+        .expect("a cold int8 expert") as u32;
+    for (e, exact) in [(0u32, true), (cold, false)] {
+        let x: Vec<f32> = (0..h).map(|i| ((i % 7) as f32 - 3.0) * 0.2).collect();
+        let mut ids = vec![SKIP_SLOT; k];
+        ids[0] = e;
+        let w = vec![1.0f32; k];
+        let (mut want, mut got) = (vec![0.0f32; k * h], vec![0.0f32; k * h]);
+        full.execute(l, &x, &ids, &w, k, &mut want).expect("full");
+        t.execute(l, &x, &ids, &w, k, &mut got).expect("tiered");
+        let max = want.iter().fold(0.0f32, |m, v| m.max(v.abs()));
+        let diff = want
+            .iter()
+            .zip(&got)
+            .fold(0.0f32, |m, (a, b)| m.max((a - b).abs()));
+        if exact {
+            assert_eq!(diff, 0.0, "bf16 expert {e}");
+        } else {
+            assert!(
+                diff <= 0.03 * max && diff > 0.0,
+                "int8 expert {e}: {diff} of {max}"
+            );
+        }
+    }
+}

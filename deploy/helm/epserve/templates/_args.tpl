@@ -129,6 +129,9 @@ change (and so restart) the coordinator; workers that register later get experts
 {{- with $w.expertDtype }}
 - --expert-dtype={{ . }}
 {{- end }}
+{{- with $w.expertMemory }}
+- --expert-memory={{ . }}
+{{- end }}
 - --drain-timeout-secs={{ $w.drainTimeoutSeconds }}
 {{- include "epserve.args.tls" . }}
 {{- range $w.extraArgs }}
