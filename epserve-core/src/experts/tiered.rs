@@ -987,15 +987,23 @@ impl ExpertExecutor for TieredExperts {
             }
         }
         let mut ids_buf = Vec::with_capacity(slots);
-        for (e, dt) in misses {
-            let size = inner.size_of(layer, dt);
-            loop {
+        let mut pending: std::collections::VecDeque<(usize, ExpertDtype)> = misses.into();
+        while !pending.is_empty() {
+            // Reserve room for as many misses as fit now ...
+            let mut batch = Vec::new();
+            {
                 let mut st = inner.lock();
-                if inner.make_room(&mut st, size) {
+                while let Some(&(e, dt)) = pending.front() {
+                    let size = inner.size_of(layer, dt);
+                    if !inner.make_room(&mut st, size) {
+                        break;
+                    }
                     st.reserved += size;
-                    break;
+                    batch.push((e, dt, size));
+                    pending.pop_front();
                 }
-                drop(st);
+            }
+            if batch.is_empty() {
                 if view.iter().all(|v| v.is_none()) {
                     // Only the prefetcher's reservation is in the way: it
                     // finishes without waiting on anything.
@@ -1018,16 +1026,35 @@ impl ExpertExecutor for TieredExperts {
                 for v in view.iter_mut() {
                     *v = None;
                 }
+                continue;
             }
-            let packed = inner.pack(layer, e, dt);
+            // ... and pack them on the pool's threads (idle meanwhile).
+            let packed: Vec<Result<PackedExpert>> = inner.core.pool().install(|| {
+                use rayon::prelude::*;
+                batch
+                    .par_iter()
+                    .map(|&(e, dt, _)| inner.pack(layer, e, dt))
+                    .collect()
+            });
             let mut st = inner.lock();
-            st.reserved -= size;
-            let p = Arc::new(packed?);
-            inner.stats.misses.fetch_add(1, Ordering::Relaxed);
-            view[e] = Some(p.clone());
-            let resident = st.want_resident.contains(&(layer, e))
-                && st.resident_bytes + size <= inner.resident_cap;
-            inner.insert(&mut st, (layer, e), p, dt, resident, false);
+            let mut first_err = None;
+            for ((e, dt, size), p) in batch.into_iter().zip(packed) {
+                st.reserved -= size;
+                match p {
+                    Ok(p) => {
+                        let p = Arc::new(p);
+                        inner.stats.misses.fetch_add(1, Ordering::Relaxed);
+                        view[e] = Some(p.clone());
+                        let resident = st.want_resident.contains(&(layer, e))
+                            && st.resident_bytes + size <= inner.resident_cap;
+                        inner.insert(&mut st, (layer, e), p, dt, resident, false);
+                    }
+                    Err(err) => first_err = first_err.or(Some(err)),
+                }
+            }
+            if let Some(err) = first_err {
+                return Err(err);
+            }
         }
         inner.run_group(
             layer,
