@@ -110,7 +110,8 @@ pub const METRICS: &[(&str, Kind, &[&str], &str)] = &[
     ("epserve_expert_tier_misses_total", Kind::Counter, &["worker"], "--expert-memory: expert uses that packed the expert from the checkpoint first."),
     ("epserve_expert_tier_evictions_total", Kind::Counter, &["worker"], "--expert-memory: cached experts dropped to make room."),
     ("epserve_expert_tier_paged_in_bytes_total", Kind::Counter, &["worker"], "--expert-memory: bytes of packed experts built from the checkpoint (misses and prefetches)."),
-    ("epserve_expert_tier_prefetched_total", Kind::Counter, &["worker"], "--expert-memory: experts packed ahead of use on a router-lookahead hint."),
+    ("epserve_expert_tier_prefetch_hinted_total", Kind::Counter, &["worker"], "--expert-memory: experts named by router-lookahead hints that were not packed yet."),
+    ("epserve_expert_tier_prefetched_total", Kind::Counter, &["worker"], "--expert-memory: experts packed ahead of use on a router-lookahead hint (a hint is dropped when making room would evict an expert the last two steps used)."),
     ("epserve_expert_tier_prefetch_hits_total", Kind::Counter, &["worker"], "--expert-memory: prefetched experts used before being evicted."),
     ("epserve_expert_tier_bytes", Kind::Gauge, &["worker", "tier"], "--expert-memory: packed bytes held per tier (resident, cached); their sum never exceeds the budget."),
     ("epserve_expert_tier_experts", Kind::Gauge, &["worker", "tier"], "--expert-memory: experts assigned per tier (resident, cached, cold)."),
@@ -128,6 +129,7 @@ pub fn expert_tiers(worker: &str, t: &epserve_core::experts::TierSnapshot) {
     counter!("epserve_expert_tier_paged_in_bytes_total", "worker" => w.clone())
         .absolute(t.bytes_paged_in);
     counter!("epserve_expert_tier_prefetched_total", "worker" => w.clone()).absolute(t.prefetched);
+    counter!("epserve_expert_tier_prefetch_hinted_total", "worker" => w.clone()).absolute(t.hinted);
     counter!("epserve_expert_tier_prefetch_hits_total", "worker" => w.clone())
         .absolute(t.prefetch_hits);
     for (tier, bytes, n) in [

@@ -449,6 +449,7 @@ pub fn tier_counters(s: &epserve_core::experts::TierSnapshot) -> TierCounters {
         evictions: s.evictions,
         bytes_paged_in: s.bytes_paged_in,
         prefetched: s.prefetched,
+        prefetch_hinted: s.hinted,
         prefetch_hits: s.prefetch_hits,
         resident_bytes: s.resident_bytes,
         cached_bytes: s.cached_bytes,

@@ -343,7 +343,7 @@ async fn expert_memory_budget_of_a_third_keeps_the_goldens() {
     let evictions = counter_sum(&metrics, "epserve_expert_tier_evictions_total");
     let hits = counter_sum(&metrics, "epserve_expert_tier_hits_total");
     let paged = counter_sum(&metrics, "epserve_expert_tier_paged_in_bytes_total");
-    let prefetched = counter_sum(&metrics, "epserve_expert_tier_prefetched_total");
+    let prefetched = counter_sum(&metrics, "epserve_expert_tier_prefetch_hinted_total");
     assert!(
         misses > 0 && evictions > 0 && hits > 0 && paged > 0,
         "misses {misses}, evictions {evictions}, hits {hits}, paged {paged}"

@@ -81,7 +81,7 @@ fn all_fixtures_match_transformers_with_a_third_of_the_experts_in_memory() {
             "{name}: {s:?}"
         );
         assert!(s.misses > 0 && s.evictions > 0, "{name}: {s:?}");
-        assert!(s.prefetched > 0, "{name}: the lookahead prefetched: {s:?}");
+        assert!(s.hinted > 0, "{name}: the lookahead's hints arrive: {s:?}");
     }
 }
 

@@ -960,6 +960,7 @@ fn record_tiers(worker: &str, t: &epserve_proto::pb::TierCounters) {
             evictions: t.evictions,
             bytes_paged_in: t.bytes_paged_in,
             prefetched: t.prefetched,
+            hinted: t.prefetch_hinted,
             prefetch_hits: t.prefetch_hits,
             resident_bytes: t.resident_bytes,
             cached_bytes: t.cached_bytes,

@@ -106,7 +106,10 @@ pub struct TierStats {
     /// Bytes of packed experts built from the checkpoint (misses and
     /// prefetches).
     pub bytes_paged_in: AtomicU64,
-    /// Experts the prefetcher packed.
+    /// Experts named by prefetch hints that were not packed yet.
+    pub hinted: AtomicU64,
+    /// Experts the prefetcher packed (a hint is dropped when making room
+    /// would evict an expert the last two steps used).
     pub prefetched: AtomicU64,
     /// Prefetched experts used before being evicted.
     pub prefetch_hits: AtomicU64,
@@ -126,6 +129,7 @@ pub struct TierSnapshot {
     pub misses: u64,
     pub evictions: u64,
     pub bytes_paged_in: u64,
+    pub hinted: u64,
     pub prefetched: u64,
     pub prefetch_hits: u64,
     pub promotions: u64,
@@ -149,6 +153,8 @@ struct Entry {
     dtype: ExpertDtype,
     resident: bool,
     last_use: u64,
+    /// `State::calls` when last used (or packed).
+    last_call: u64,
     /// Packed by the prefetcher and not used yet.
     prefetched: bool,
     locked: bool,
@@ -431,6 +437,10 @@ impl TieredExperts {
         if want.is_empty() {
             return;
         }
+        self.inner
+            .stats
+            .hinted
+            .fetch_add(want.len() as u64, Ordering::Relaxed);
         match tx.try_send(Prefetch::Hint(layer, want)) {
             Ok(()) | Err(TrySendError::Full(_)) | Err(TrySendError::Disconnected(_)) => {}
         }
@@ -615,6 +625,7 @@ impl Inner {
             dtype,
             resident,
             last_use: st.tick,
+            last_call: st.calls,
             prefetched,
             locked: false,
         };
@@ -652,11 +663,13 @@ impl Inner {
 
     /// Drops the least recently used cached entry that no call holds.
     /// Returns false when there is none.
-    fn evict_one(&self, st: &mut State) -> bool {
+    fn evict_one(&self, st: &mut State, unused_since: u64) -> bool {
         let victim = st
             .entries
             .iter()
-            .filter(|(_, en)| !en.resident && Arc::strong_count(&en.ex) == 1)
+            .filter(|(_, en)| {
+                !en.resident && Arc::strong_count(&en.ex) == 1 && en.last_call <= unused_since
+            })
             .min_by_key(|(_, en)| en.last_use)
             .map(|(k, _)| *k);
         let Some(k) = victim else {
@@ -671,8 +684,14 @@ impl Inner {
 
     /// Makes room for `size` more bytes by evicting; false if it cannot.
     fn make_room(&self, st: &mut State, size: usize) -> bool {
+        self.make_room_from(st, size, u64::MAX)
+    }
+
+    /// [`make_room`](Self::make_room) evicting only experts not used since
+    /// call `unused_since`.
+    fn make_room_from(&self, st: &mut State, size: usize, unused_since: u64) -> bool {
         while st.held_bytes() + size > self.tier.budget {
-            if !self.evict_one(st) {
+            if !self.evict_one(st, unused_since) {
                 return false;
             }
         }
@@ -685,7 +704,12 @@ impl Inner {
             let mut st = self.lock();
             dt = self.want_dtype(&st, layer, e);
             size = self.size_of(layer, dt);
-            if st.entries.contains_key(&(layer, e)) || !self.make_room(&mut st, size) {
+            // A guess never evicts what the last two steps used.
+            let steps = 2 * self.moe.iter().filter(|&&m| m).count() as u64;
+            let unused_since = st.calls.saturating_sub(steps);
+            if st.entries.contains_key(&(layer, e))
+                || !self.make_room_from(&mut st, size, unused_since)
+            {
                 return Ok(());
             }
             st.reserved += size;
@@ -831,6 +855,7 @@ impl Inner {
             misses: ld(&s.misses),
             evictions: ld(&s.evictions),
             bytes_paged_in: ld(&s.bytes_paged_in),
+            hinted: ld(&s.hinted),
             prefetched: ld(&s.prefetched),
             prefetch_hits: ld(&s.prefetch_hits),
             promotions: ld(&s.promotions),
@@ -958,11 +983,13 @@ impl ExpertExecutor for TieredExperts {
             let mut st = inner.lock();
             st.tick += 1;
             let tick = st.tick;
+            let calls = st.calls;
             for e in (0..ne).filter(|&e| active[e] > 0) {
                 *st.uses.entry((layer, e)).or_insert(0.0) += active[e] as f64;
                 match st.entries.get_mut(&(layer, e)) {
                     Some(en) => {
                         en.last_use = tick;
+                        en.last_call = calls;
                         if en.prefetched {
                             en.prefetched = false;
                             inner.stats.prefetch_hits.fetch_add(1, Ordering::Relaxed);

@@ -144,7 +144,9 @@ fn tiered_outputs_match_fully_resident_at_any_budget() {
             );
         }
         if prefetch && budget < all {
-            assert!(s.prefetched > 0, "{s:?}");
+            // Hints arrive; this thrashing load leaves no expert unused for
+            // two steps, so none may be evicted for a guess.
+            assert!(s.hinted > 0, "{s:?}");
         }
         let tiers = t.tiers();
         assert_eq!(tiers.len(), layers.len() * n);
