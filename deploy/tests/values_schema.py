@@ -64,6 +64,9 @@ TYPES = {
                                            {"type": "integer", "minimum": 1}]},
     "expertWorkers.terminationGracePeriodSeconds": {"anyOf": [{"type": "string", "maxLength": 0},
                                                               {"type": "integer", "minimum": 1}]},
+    # epserve's size syntax (parse_size): bytes, or a number with B, KB/MB/GB, KiB/MiB/GiB.
+    "expertWorkers.expertMemory": {"type": "string",
+                                   "pattern": "^$|^[0-9]+(\\.[0-9]+)?\\s*([kKmMgG]i?[bB]?|[bB])?$"},
     "*.resources.cpu": {"type": "integer", "minimum": 1},
     "*.resources.memory": {"type": "string", "pattern": "^[0-9]+(\\.[0-9]+)?(Ki|Mi|Gi|Ti|k|M|G|T)?$"},
     "*.replicas": {"type": "integer", "minimum": 0},
