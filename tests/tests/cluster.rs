@@ -41,6 +41,53 @@ fn start_up_with(fixture: &str, workers: usize, dtype: &str, extra: &[&str]) -> 
     Up::start(env!("CARGO_BIN_EXE_epserve-it"), &args, false)
 }
 
+/// `fixture`'s goldens through the server at `url` (served as "tiny"): every
+/// case's greedy completion one at a time, then the first 16 tokens of all
+/// of them at once (several requests share steps).
+async fn serves_goldens(url: &str, fixture: &str) {
+    let g = golden(fixture);
+    let tok =
+        epserve_core::loader::tokenizer::Tokenizer::from_dir(&fixture_dir(fixture).join("f32"))
+            .expect("tokenizer");
+    for case in &g.cases {
+        let v = complete(
+            url,
+            json!({"model": "tiny", "prompt": case.prompt_token_ids, "max_tokens": case.greedy_token_ids.len(),
+                   "temperature": 0, "ignore_eos": true}),
+        )
+        .await;
+        let want = tok.decode(&case.greedy_token_ids, true).expect("decode");
+        assert_eq!(
+            v["choices"][0]["text"].as_str(),
+            Some(want.as_str()),
+            "case {}",
+            case.name
+        );
+        assert_eq!(v["usage"]["completion_tokens"], case.greedy_token_ids.len());
+    }
+    // Several requests at once go through the same all-to-all path.
+    let futs: Vec<_> = g
+        .cases
+        .iter()
+        .map(|c| {
+            let (url, ids) = (url.to_string(), c.prompt_token_ids.clone());
+            tokio::spawn(async move {
+                complete(&url, json!({"model": "tiny", "prompt": ids, "max_tokens": 16, "temperature": 0, "ignore_eos": true})).await
+            })
+        })
+        .collect();
+    for (f, c) in futs.into_iter().zip(&g.cases) {
+        let v = f.await.expect("join");
+        let want = tok.decode(&c.greedy_token_ids[..16], true).expect("decode");
+        assert_eq!(
+            v["choices"][0]["text"].as_str(),
+            Some(want.as_str()),
+            "batched case {}",
+            c.name
+        );
+    }
+}
+
 fn pid_alive(pid: u32) -> bool {
     // SAFETY: signal 0 only checks that the process exists.
     unsafe { libc::kill(pid as libc::pid_t, 0) == 0 }
@@ -60,46 +107,7 @@ async fn three_expert_workers_match_transformers_and_clean_up() {
     );
     // Steps of several sequences run as two micro-batches in a ping-pong.
     let up = start_up_with(fixture, 3, "f32", &["--", "--micro-batches", "2"]);
-    let tok =
-        epserve_core::loader::tokenizer::Tokenizer::from_dir(&fixture_dir(fixture).join("f32"))
-            .expect("tokenizer");
-    for case in &g.cases {
-        let v = complete(
-            &up.url,
-            json!({"model": "tiny", "prompt": case.prompt_token_ids, "max_tokens": case.greedy_token_ids.len(),
-                   "temperature": 0, "ignore_eos": true}),
-        )
-        .await;
-        let want = tok.decode(&case.greedy_token_ids, true).expect("decode");
-        assert_eq!(
-            v["choices"][0]["text"].as_str(),
-            Some(want.as_str()),
-            "case {}",
-            case.name
-        );
-        assert_eq!(v["usage"]["completion_tokens"], case.greedy_token_ids.len());
-    }
-    // Several requests at once go through the same all-to-all path.
-    let futs: Vec<_> = g
-        .cases
-        .iter()
-        .map(|c| {
-            let (url, ids) = (up.url.clone(), c.prompt_token_ids.clone());
-            tokio::spawn(async move {
-                complete(&url, json!({"model": "tiny", "prompt": ids, "max_tokens": 16, "temperature": 0, "ignore_eos": true})).await
-            })
-        })
-        .collect();
-    for (f, c) in futs.into_iter().zip(&g.cases) {
-        let v = f.await.expect("join");
-        let want = tok.decode(&c.greedy_token_ids[..16], true).expect("decode");
-        assert_eq!(
-            v["choices"][0]["text"].as_str(),
-            Some(want.as_str()),
-            "batched case {}",
-            c.name
-        );
-    }
+    serves_goldens(&up.url, fixture).await;
 
     // Per-layer balancedness of the worker load over a sliding window is exported.
     let metrics = reqwest::get(format!("{}/metrics", up.url))
@@ -271,7 +279,6 @@ async fn expert_memory_budget_of_a_third_keeps_the_goldens() {
         return;
     }
     let fixture = "qwen3_moe_b";
-    let g = golden(fixture);
     let dir = fixture_dir(fixture).join("f32");
     // The packed size of every expert, as the workers pack them.
     let cfg = epserve_core::config::ModelConfig::from_dir(&dir).expect("config");
@@ -296,43 +303,8 @@ async fn expert_memory_budget_of_a_third_keeps_the_goldens() {
         "f32",
         &["--expert-memory", &budget_arg, "--", "--max-num-seqs", "4"],
     );
-    let tok = epserve_core::loader::tokenizer::Tokenizer::from_dir(&dir).expect("tokenizer");
-    for case in &g.cases {
-        let v = complete(
-            &up.url,
-            json!({"model": "tiny", "prompt": case.prompt_token_ids, "max_tokens": case.greedy_token_ids.len(),
-                   "temperature": 0, "ignore_eos": true}),
-        )
-        .await;
-        let want = tok.decode(&case.greedy_token_ids, true).expect("decode");
-        assert_eq!(
-            v["choices"][0]["text"].as_str(),
-            Some(want.as_str()),
-            "case {}",
-            case.name
-        );
-    }
-    // Concurrent requests: calls whose cold experts do not fit run in groups.
-    let futs: Vec<_> = g
-        .cases
-        .iter()
-        .map(|c| {
-            let (url, ids) = (up.url.clone(), c.prompt_token_ids.clone());
-            tokio::spawn(async move {
-                complete(&url, json!({"model": "tiny", "prompt": ids, "max_tokens": 16, "temperature": 0, "ignore_eos": true})).await
-            })
-        })
-        .collect();
-    for (f, c) in futs.into_iter().zip(&g.cases) {
-        let v = f.await.expect("join");
-        let want = tok.decode(&c.greedy_token_ids[..16], true).expect("decode");
-        assert_eq!(
-            v["choices"][0]["text"].as_str(),
-            Some(want.as_str()),
-            "batched case {}",
-            c.name
-        );
-    }
+    // Concurrent requests too: calls whose cold experts do not fit run in groups.
+    serves_goldens(&up.url, fixture).await;
     let metrics = reqwest::get(format!("{}/metrics", up.url))
         .await
         .expect("metrics")

@@ -35,9 +35,9 @@ pub struct ExpertMemoryArgs {
     pub expert_memory: Option<usize>,
     /// Share of --expert-memory for the resident tier: the experts this
     /// process used most (a decaying window of its calls), never evicted.
-    /// The rest is the LRU cache.
-    #[arg(long, default_value_t = 0.5, value_name = "0..1")]
-    pub expert_resident_fraction: f64,
+    /// The rest is the LRU cache. Default 0.5.
+    #[arg(long, value_name = "0..1")]
+    pub expert_resident_fraction: Option<f64>,
     /// mlock the resident tier (needs RLIMIT_MEMLOCK; a refusal is logged
     /// once and the experts stay resident unlocked).
     #[arg(long)]
@@ -53,9 +53,9 @@ pub struct ExpertMemoryArgs {
     pub expert_precision_policy: String,
     /// With `--expert-precision-policy load`: the share of expert uses that
     /// must run in bf16 (the quality budget); the hottest experts covering it
-    /// are bf16.
-    #[arg(long, default_value_t = 0.8, value_name = "0..1")]
-    pub expert_bf16_share: f64,
+    /// are bf16. Default 0.8.
+    #[arg(long, value_name = "0..1")]
+    pub expert_bf16_share: Option<f64>,
 }
 
 fn parse_size_arg(s: &str) -> std::result::Result<usize, String> {
@@ -63,20 +63,40 @@ fn parse_size_arg(s: &str) -> std::result::Result<usize, String> {
 }
 
 impl ExpertMemoryArgs {
-    /// The tier options, or `None` without `--expert-memory`.
+    /// Whether any of these flags was given (a role that holds no experts
+    /// refuses them).
+    pub fn any_set(&self) -> bool {
+        self.expert_memory.is_some()
+            || self.expert_resident_fraction.is_some()
+            || self.expert_mlock
+            || self.no_expert_prefetch
+            || self.expert_precision_policy != "fixed"
+            || self.expert_bf16_share.is_some()
+    }
+
+    /// The tier options, or `None` without `--expert-memory` and without
+    /// `--expert-precision-policy load`. A flag that only means something
+    /// with one of them is refused without it.
     pub fn tier_options(&self) -> Result<Option<epserve_core::experts::TierOptions>> {
         let load = self.expert_precision_policy == "load";
-        if load && !(0.0..=1.0).contains(&self.expert_bf16_share) {
-            anyhow::bail!(
-                "--expert-bf16-share must be in 0..=1, got {}",
-                self.expert_bf16_share
-            );
+        if !load && self.expert_bf16_share.is_some() {
+            anyhow::bail!("--expert-bf16-share needs --expert-precision-policy load");
+        }
+        let share = self.expert_bf16_share.unwrap_or(0.8);
+        if !(0.0..=1.0).contains(&share) {
+            anyhow::bail!("--expert-bf16-share must be in 0..=1, got {share}");
         }
         // Precision by load without a budget: every expert stays packed.
         let Some(budget) = self.expert_memory.or(load.then_some(usize::MAX / 4)) else {
+            if self.any_set() {
+                anyhow::bail!(
+                    "--expert-resident-fraction, --expert-mlock and --no-expert-prefetch need \
+                     --expert-memory (or --expert-precision-policy load)"
+                );
+            }
             return Ok(None);
         };
-        let f = self.expert_resident_fraction;
+        let f = self.expert_resident_fraction.unwrap_or(0.5);
         if !(0.0..=1.0).contains(&f) {
             anyhow::bail!("--expert-resident-fraction must be in 0..=1, got {f}");
         }
@@ -85,7 +105,7 @@ impl ExpertMemoryArgs {
             resident_fraction: f,
             mlock: self.expert_mlock,
             prefetch: !self.no_expert_prefetch,
-            bf16_share: load.then_some(self.expert_bf16_share),
+            bf16_share: load.then_some(share),
             ..Default::default()
         }))
     }
@@ -539,6 +559,71 @@ mod tests {
                 ..Default::default()
             },
             "--etcd-password-file needs --etcd-user",
+        );
+    }
+}
+
+#[cfg(test)]
+mod expert_memory_tests {
+    use super::ExpertMemoryArgs;
+    use clap::Parser;
+
+    #[derive(Parser)]
+    struct Cmd {
+        #[command(flatten)]
+        a: ExpertMemoryArgs,
+    }
+
+    fn parse(args: &[&str]) -> ExpertMemoryArgs {
+        Cmd::try_parse_from(std::iter::once("t").chain(args.iter().copied()))
+            .expect("parse")
+            .a
+    }
+
+    #[test]
+    fn tier_flags_without_a_budget_or_policy_are_refused() {
+        assert!(parse(&[]).tier_options().expect("none").is_none());
+        assert!(!parse(&[]).any_set());
+        for orphan in [
+            &["--expert-mlock"][..],
+            &["--no-expert-prefetch"],
+            &["--expert-resident-fraction", "0.3"],
+            &["--expert-bf16-share", "0.9"],
+            &["--expert-memory", "1GiB", "--expert-bf16-share", "0.9"],
+        ] {
+            let a = parse(orphan);
+            assert!(a.any_set(), "{orphan:?}");
+            assert!(a.tier_options().is_err(), "{orphan:?} is refused");
+        }
+        let t = parse(&[
+            "--expert-memory",
+            "1GiB",
+            "--expert-resident-fraction",
+            "0.25",
+            "--expert-mlock",
+        ])
+        .tier_options()
+        .expect("ok")
+        .expect("tiers");
+        assert_eq!(
+            (t.budget, t.resident_fraction, t.mlock, t.prefetch),
+            (1 << 30, 0.25, true, true)
+        );
+        assert_eq!(t.bf16_share, None);
+        let t = parse(&[
+            "--expert-precision-policy",
+            "load",
+            "--expert-bf16-share",
+            "0.6",
+        ])
+        .tier_options()
+        .expect("ok")
+        .expect("tiers");
+        assert_eq!((t.resident_fraction, t.bf16_share), (0.5, Some(0.6)));
+        assert!(
+            parse(&["--expert-memory", "1GiB", "--expert-resident-fraction", "2"])
+                .tier_options()
+                .is_err()
         );
     }
 }

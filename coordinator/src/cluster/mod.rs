@@ -145,13 +145,11 @@ async fn current_route(state: &ClusterState, cfg: &ModelConfig) -> Result<Option
 /// Runs the coordinator (blocking); `status` gets the operator-facing lines
 /// (placement, attention-workers, admin address, serving).
 pub fn run(args: &CoordinatorArgs, status: Status) -> Result<()> {
-    if args.serve.expert_memory.expert_memory.is_some()
-        || args.serve.expert_memory.expert_precision_policy != "fixed"
-    {
+    if args.serve.expert_memory.any_set() {
         bail!(
-            "--expert-memory and --expert-precision-policy are expert-worker flags: the \
-             coordinator holds no experts (pass them to each `epserve expert-worker`, or \
-             `epserve up --expert-memory`)"
+            "--expert-memory, --expert-precision-policy and the other --expert-* tier flags \
+             are expert-worker flags: the coordinator holds no experts (pass them to each \
+             `epserve expert-worker`, or `epserve up --expert-memory`)"
         );
     }
     if !(0.0..=1.0).contains(&args.eplb.eplb_min_improvement) {

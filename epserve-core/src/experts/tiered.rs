@@ -26,7 +26,7 @@
 
 use std::collections::{BTreeMap, HashMap};
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::mpsc::{Receiver, SyncSender, TrySendError, sync_channel};
+use std::sync::mpsc::{Receiver, SyncSender, sync_channel};
 use std::sync::{Arc, Mutex, MutexGuard, Weak};
 
 use crate::config::ModelConfig;
@@ -82,16 +82,6 @@ pub enum Tier {
     Resident,
     Cached,
     Cold,
-}
-
-impl Tier {
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Tier::Resident => "resident",
-            Tier::Cached => "cached",
-            Tier::Cold => "cold",
-        }
-    }
 }
 
 /// Counters of a [`TieredExperts`] since it was built.
@@ -441,9 +431,8 @@ impl TieredExperts {
             .stats
             .hinted
             .fetch_add(want.len() as u64, Ordering::Relaxed);
-        match tx.try_send(Prefetch::Hint(layer, want)) {
-            Ok(()) | Err(TrySendError::Full(_)) | Err(TrySendError::Disconnected(_)) => {}
-        }
+        // A full queue drops the hint (a guess is not worth waiting for).
+        let _ = tx.try_send(Prefetch::Hint(layer, want));
     }
 
     /// Waits until every prefetch asked before has been handled (tests and
@@ -455,13 +444,6 @@ impl TieredExperts {
                 let _ = done_rx.recv();
             }
         }
-    }
-}
-
-impl Drop for TieredExperts {
-    fn drop(&mut self) {
-        // Closing the channel ends the prefetch thread once it drains.
-        self.prefetch_tx = None;
     }
 }
 
@@ -979,7 +961,7 @@ impl ExpertExecutor for TieredExperts {
         let _call = inner.call.lock().unwrap_or_else(|p| p.into_inner());
         let mut view: Vec<Option<Arc<PackedExpert>>> = vec![None; ne];
         let mut misses = Vec::new();
-        {
+        let misses: Vec<(usize, ExpertDtype)> = {
             let mut st = inner.lock();
             st.tick += 1;
             let tick = st.tick;
@@ -997,7 +979,7 @@ impl ExpertExecutor for TieredExperts {
                         view[e] = Some(en.ex.clone());
                         inner.stats.hits.fetch_add(1, Ordering::Relaxed);
                     }
-                    None => misses.push((e, ExpertDtype::Auto)),
+                    None => misses.push(e),
                 }
             }
             st.calls += 1;
@@ -1009,10 +991,12 @@ impl ExpertExecutor for TieredExperts {
                     let _ = tx.try_send(Prefetch::Repack(repack));
                 }
             }
-            for m in misses.iter_mut() {
-                m.1 = inner.want_dtype(&st, layer, m.0);
-            }
-        }
+            // Precisions as the re-tiering above left them.
+            misses
+                .into_iter()
+                .map(|e| (e, inner.want_dtype(&st, layer, e)))
+                .collect()
+        };
         let mut ids_buf = Vec::with_capacity(slots);
         let mut pending: std::collections::VecDeque<(usize, ExpertDtype)> = misses.into();
         while !pending.is_empty() {
