@@ -8,12 +8,13 @@ use bytemuck::{Pod, Zeroable};
 use crate::config::Activation;
 use crate::error::{Error, Result};
 use crate::kernels::layout::{
-    DataView, NR, bf16_bits_to_f32, f32_to_bf16_bits, i8_padded_k, pack_bf16_panel, pack_i8_panel,
-    quantize_row_i8,
+    DataView, NR, bf16_bits_to_f32, bf16_index, bf16_padded_k, f32_to_bf16_bits, i8_index,
+    i8_padded_k, pack_bf16_panel, pack_i8_panel, quantize_row_i8,
 };
 use crate::loader::weights::I8Matrix;
 use crate::moe::mlp::GatedMlp;
-use crate::tensor::Weight;
+use crate::tensor::{Weight, WeightSlice};
+use half::bf16;
 
 /// Prefix of the error [`ExpertDtype::Auto`](super::ExpertDtype::Auto)
 /// packing returns when a weight is not exactly representable in bf16.
@@ -38,6 +39,21 @@ pub struct AlignedBuf<T: Pod> {
 }
 
 impl<T: Pod> AlignedBuf<T> {
+    /// `len` zero values, from zeroed memory (no writes: a large buffer is
+    /// fresh zero pages until first touched).
+    fn zeroed(len: usize) -> Self {
+        let bytes = len * std::mem::size_of::<T>();
+        AlignedBuf {
+            lines: bytemuck::zeroed_vec(bytes.div_ceil(64)),
+            len,
+            _t: std::marker::PhantomData,
+        }
+    }
+
+    fn as_mut_slice(&mut self) -> &mut [T] {
+        &mut bytemuck::cast_slice_mut(&mut self.lines)[..self.len]
+    }
+
     fn from_slice(v: &[T]) -> Self {
         let bytes = std::mem::size_of_val(v);
         let mut lines = vec![Line([0; 64]); bytes.div_ceil(64)];
@@ -149,6 +165,95 @@ impl PackedMatrix {
                 }
             }
         })
+    }
+
+    /// Packs rows that are bf16 already, bit for bit, straight into the
+    /// aligned buffer (no f32 round trip, no intermediate copy): `row(p, c)`
+    /// gives logical channel `c` of panel `p` (`k` values) or `None` for
+    /// padding. What a tiered executor's miss costs, so it is a blocked
+    /// transpose: 16 pairs of every channel at a time, written in order.
+    pub fn pack_bf16_bits<'a>(
+        k: usize,
+        panels: usize,
+        row: impl Fn(usize, usize) -> Option<&'a [bf16]>,
+    ) -> Self {
+        let kp = bf16_padded_k(k);
+        let mut buf = AlignedBuf::<u16>::zeroed(panels * kp * NR);
+        let dst = buf.as_mut_slice();
+        const QB: usize = 16;
+        for p in 0..panels {
+            let panel = &mut dst[p * kp * NR..(p + 1) * kp * NR];
+            let rows: [Option<&[bf16]>; NR] = std::array::from_fn(|c| row(p, c));
+            let pairs = k / 2;
+            // A pair of one channel is one 32-bit word: the panel is the
+            // transpose of the channels' pair streams.
+            let words: &mut [u32] = bytemuck::cast_slice_mut(&mut panel[..pairs * 2 * NR]);
+            let mut q0 = 0;
+            while q0 < pairs {
+                let qn = QB.min(pairs - q0);
+                for (c, r) in rows.iter().enumerate() {
+                    let Some(r) = r else { continue };
+                    let src: &[u8] = bytemuck::cast_slice(&r[2 * q0..2 * (q0 + qn)]);
+                    for (q, v) in src.chunks_exact(4).enumerate() {
+                        words[(q0 + q) * NR + c] = u32::from_ne_bytes([v[0], v[1], v[2], v[3]]);
+                    }
+                }
+                q0 += qn;
+            }
+            if k % 2 == 1 {
+                for (c, r) in rows.iter().enumerate() {
+                    if let Some(r) = r {
+                        panel[bf16_index(k - 1, c)] = r[k - 1].to_bits();
+                    }
+                }
+            }
+        }
+        PackedMatrix {
+            k,
+            panels,
+            data: PackedData::Bf16(buf),
+        }
+    }
+
+    /// Quantizes bf16 rows to int8 W8A8 straight into the aligned buffer
+    /// (the same values and scales as [`pack`](Self::pack) on the widened
+    /// rows: widening bf16 is exact), for a tiered executor's int8 misses.
+    pub fn pack_i8_from_bf16<'a>(
+        k: usize,
+        panels: usize,
+        row: impl Fn(usize, usize) -> Option<&'a [bf16]>,
+    ) -> Self {
+        let kp = i8_padded_k(k);
+        let mut buf = AlignedBuf::<i8>::zeroed(panels * kp * NR);
+        let mut scales = vec![0.0f32; panels * NR];
+        let (mut f, mut q) = (vec![0.0f32; k], vec![0i8; k]);
+        let dst = buf.as_mut_slice();
+        for p in 0..panels {
+            let panel = &mut dst[p * kp * NR..(p + 1) * kp * NR];
+            for c in 0..NR {
+                let Some(r) = row(p, c) else { continue };
+                for (o, v) in f.iter_mut().zip(r) {
+                    *o = bf16_bits_to_f32(v.to_bits());
+                }
+                scales[p * NR + c] = quantize_row_i8(&f, &mut q);
+                // Both layouts keep runs of 4 k values of one channel together.
+                let runs = q.chunks_exact(4);
+                let tail = runs.remainder();
+                for (j, v) in runs.enumerate() {
+                    let at = i8_index(4 * j, c);
+                    let v: [i8; 4] = [v[0], v[1], v[2], v[3]];
+                    panel[at..at + 4].copy_from_slice(&v);
+                }
+                for (t, &v) in tail.iter().enumerate() {
+                    panel[i8_index(k - tail.len() + t, c)] = v;
+                }
+            }
+        }
+        PackedMatrix {
+            k,
+            panels,
+            data: PackedData::I8 { data: buf, scales },
+        }
     }
 
     /// Packs already-quantized int8 rows without touching their values:
@@ -300,6 +405,47 @@ impl PackedExpert {
         exact: bool,
     ) -> Result<Self> {
         let half = NR / 2;
+        if let (WeightSlice::BF16(g), WeightSlice::BF16(u), WeightSlice::BF16(d)) =
+            (gate.slice(), up.slice(), down.slice())
+        {
+            // bf16 in the checkpoint: bf16 bits go into the panels as they
+            // are (exact by construction), int8 is quantized from them with
+            // no f32 copy of the matrix.
+            let gu_row = |p: usize, c: usize| {
+                let (w, j) = if c < half {
+                    (g, p * half + c)
+                } else {
+                    (u, p * half + c - half)
+                };
+                (j < inter).then(|| &w[j * hidden..(j + 1) * hidden])
+            };
+            let d_row = |p: usize, c: usize| {
+                let j = p * NR + c;
+                (j < hidden).then(|| &d[j * inter..(j + 1) * inter])
+            };
+            let (gu_panels, d_panels) = (inter.div_ceil(half), hidden.div_ceil(NR));
+            let (gate_up, down_m) = match dtype {
+                PackedDtype::Bf16 => (
+                    PackedMatrix::pack_bf16_bits(hidden, gu_panels, gu_row),
+                    PackedMatrix::pack_bf16_bits(inter, d_panels, d_row),
+                ),
+                PackedDtype::Int8 => (
+                    PackedMatrix::pack_i8_from_bf16(hidden, gu_panels, gu_row),
+                    PackedMatrix::pack_i8_from_bf16(inter, d_panels, d_row),
+                ),
+            };
+            return Ok(PackedExpert {
+                hidden,
+                inter,
+                gate_up,
+                down: down_m,
+                gate_bias: None,
+                up_bias: None,
+                down_bias: None,
+                activation,
+                bf16_activations: false,
+            });
+        }
         let gate_up =
             PackedMatrix::pack(hidden, inter.div_ceil(half), dtype, exact, |p, c, buf| {
                 let (w, j) = if c < half {

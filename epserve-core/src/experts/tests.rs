@@ -706,3 +706,120 @@ fn int8_tensors_without_channel_scales_are_refused_clearly() {
     assert_eq!(b, vec![0.5, 1.0, -0.25, 1.0, 5.0, 6.0]);
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+#[test]
+fn bf16_checkpoint_packs_bit_for_bit_as_the_f32_route() {
+    // The direct bf16 → panel copy (what a tiered executor's miss runs)
+    // against the general route (rows widened to f32, rounded back), at odd
+    // sizes: odd K, a partial last panel, fewer pairs than one block.
+    let mut rng = StdRng::seed_from_u64(21);
+    for (hidden, inter) in [(64, 48), (37, 13), (5, 3), (130, 40)] {
+        let g = bf16_weight(&mut rng, inter, hidden, 1.0);
+        let u = bf16_weight(&mut rng, inter, hidden, 1.0);
+        let d = bf16_weight(&mut rng, hidden, inter, 1.0);
+        let fast = PackedExpert::from_weights(
+            &g,
+            &u,
+            &d,
+            hidden,
+            inter,
+            Activation::Silu,
+            PackedDtype::Bf16,
+            true,
+        )
+        .expect("fast");
+        let widen = |w: &Weight| Weight::from_f32(w.shape().to_vec(), &w.to_f32_vec());
+        let slow = PackedExpert::from_weights(
+            &widen(&g),
+            &widen(&u),
+            &widen(&d),
+            hidden,
+            inter,
+            Activation::Silu,
+            PackedDtype::Bf16,
+            true,
+        )
+        .expect("slow");
+        let pack_i8 = |g: &Weight, u: &Weight, d: &Weight| {
+            PackedExpert::from_weights(
+                g,
+                u,
+                d,
+                hidden,
+                inter,
+                Activation::Silu,
+                PackedDtype::Int8,
+                false,
+            )
+            .expect("int8")
+        };
+        let fast_q = pack_i8(&g, &u, &d);
+        let slow_q = pack_i8(&widen(&g), &widen(&u), &widen(&d));
+        for (a, b) in [
+            (&fast.gate_up, &slow.gate_up),
+            (&fast.down, &slow.down),
+            (&fast_q.gate_up, &slow_q.gate_up),
+            (&fast_q.down, &slow_q.down),
+        ] {
+            assert_eq!((a.k(), a.panels()), (b.k(), b.panels()));
+            match (a.data(), b.data()) {
+                (packed::PackedData::Bf16(x), packed::PackedData::Bf16(y)) => {
+                    assert_eq!(x.as_slice(), y.as_slice(), "{hidden}x{inter}")
+                }
+                (
+                    packed::PackedData::I8 { data, scales },
+                    packed::PackedData::I8 {
+                        data: d2,
+                        scales: s2,
+                    },
+                ) => {
+                    assert_eq!(data.as_slice(), d2.as_slice(), "{hidden}x{inter}");
+                    assert_eq!(scales, s2, "{hidden}x{inter}");
+                }
+                _ => panic!("precisions differ"),
+            }
+        }
+    }
+}
+
+/// How long one miss's packing takes on a real-sized checkpoint:
+/// `EPSERVE_PACK_MODEL=DIR cargo test --release -p epserve-core pack_timing
+/// -- --ignored --nocapture` (not a pass/fail check: it prints).
+#[test]
+#[ignore]
+fn pack_timing() {
+    let Ok(dir) = std::env::var("EPSERVE_PACK_MODEL") else {
+        return;
+    };
+    let dir = std::path::Path::new(&dir);
+    let cfg = crate::config::ModelConfig::from_dir(dir).expect("config");
+    let ws = WeightStore::open(dir).expect("weights");
+    let layer = (0..cfg.num_hidden_layers)
+        .find(|&i| cfg.layers[i].ffn == crate::config::FfnKind::Moe)
+        .expect("a MoE layer");
+    let names = crate::loader::names::ExpertNames::resolve(&cfg, &ws, layer).expect("names");
+    let n = cfg.num_experts.min(32);
+    for dtype in [ExpertDtype::Auto, ExpertDtype::Int8] {
+        let t = std::time::Instant::now();
+        let mut bytes = 0;
+        for e in 0..n {
+            let p = load::pack_expert(&cfg, &ws, &names, dtype, layer, e).expect("pack");
+            bytes += p.weight_bytes();
+        }
+        let s = t.elapsed().as_secs_f64();
+        println!(
+            "{dtype:?}: {:.2} ms per expert, {:.2} GB/s packed",
+            s * 1e3 / n as f64,
+            bytes as f64 / s / 1e9
+        );
+        // The same experts again: their checkpoint pages are mapped now.
+        let t = std::time::Instant::now();
+        for e in 0..n {
+            load::pack_expert(&cfg, &ws, &names, dtype, layer, e).expect("pack");
+        }
+        println!(
+            "{dtype:?} again: {:.2} ms per expert",
+            t.elapsed().as_secs_f64() * 1e3 / n as f64
+        );
+    }
+}
