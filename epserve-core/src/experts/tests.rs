@@ -784,7 +784,7 @@ fn bf16_checkpoint_packs_bit_for_bit_as_the_f32_route() {
 
 /// How long one miss's packing takes on a real-sized checkpoint:
 /// `EPSERVE_PACK_MODEL=DIR cargo test --release -p epserve-core pack_timing
-/// -- --ignored --nocapture` (not a pass/fail check: it prints).
+/// -- --ignored --nocapture` (not a pass/fail check: it prints to stderr).
 #[test]
 #[ignore]
 fn pack_timing() {
@@ -807,7 +807,7 @@ fn pack_timing() {
             bytes += p.weight_bytes();
         }
         let s = t.elapsed().as_secs_f64();
-        println!(
+        eprintln!(
             "{dtype:?}: {:.2} ms per expert, {:.2} GB/s packed",
             s * 1e3 / n as f64,
             bytes as f64 / s / 1e9
@@ -817,7 +817,7 @@ fn pack_timing() {
         for e in 0..n {
             load::pack_expert(&cfg, &ws, &names, dtype, layer, e).expect("pack");
         }
-        println!(
+        eprintln!(
             "{dtype:?} again: {:.2} ms per expert",
             t.elapsed().as_secs_f64() * 1e3 / n as f64
         );
