@@ -42,7 +42,7 @@ use crate::kernels::dispatch::{Kernels, kernels};
 use crate::kernels::layout::{
     NR, Src, bf16_padded_k, f32_to_bf16_bits, i8_padded_k, quantize_row_i8,
 };
-use crate::moe::{ExpertExecutor, Rows, SKIP_SLOT};
+use crate::moe::{ExpertExecutor, ExpertState, Rows, SKIP_SLOT};
 
 /// The gated nonlinearity applied to one (gate, up) pair.
 #[inline]
@@ -238,6 +238,24 @@ impl ExpertExecutor for PackedExperts {
             top_k,
             out,
         )
+    }
+
+    fn expert_states(&self) -> Vec<ExpertState> {
+        let mut out = Vec::new();
+        for (layer, set) in self.layers.iter().enumerate() {
+            let Some(set) = set else { continue };
+            for (expert, ex) in set.experts.iter().enumerate() {
+                if let Some(ex) = ex {
+                    out.push(ExpertState {
+                        layer,
+                        expert,
+                        tier: "resident",
+                        precision: ex.dtype().as_str(),
+                    });
+                }
+            }
+        }
+        out
     }
 }
 

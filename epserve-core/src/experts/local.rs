@@ -15,9 +15,11 @@ use crate::loader::names::ExpertNames;
 use crate::loader::weights::WeightStore;
 use crate::moe::mlp::GatedMlp;
 use crate::moe::{
-    Dispatched, Dispatcher, ExpertExecutor, PendingDispatch, Routing, SKIP_SLOT, combine,
+    Dispatched, Dispatcher, ExpertExecutor, ExpertState, PendingDispatch, Routing, SKIP_SLOT,
+    combine,
 };
 use crate::profile::{self, Phase};
+use crate::tensor::DType;
 
 /// The experts one executor holds for one layer (`None` = held elsewhere).
 pub struct LayerExperts {
@@ -69,6 +71,28 @@ impl LocalExperts {
 }
 
 impl ExpertExecutor for LocalExperts {
+    fn expert_states(&self) -> Vec<ExpertState> {
+        let mut out = Vec::new();
+        for (layer, le) in self.layers.iter().enumerate() {
+            let Some(le) = le else { continue };
+            for (expert, mlp) in le.experts.iter().enumerate() {
+                if let Some(mlp) = mlp {
+                    out.push(ExpertState {
+                        layer,
+                        expert,
+                        tier: "mapped",
+                        precision: match mlp.gate.dtype() {
+                            DType::F32 => "f32",
+                            DType::BF16 => "bf16",
+                            DType::F16 => "f16",
+                        },
+                    });
+                }
+            }
+        }
+        out
+    }
+
     fn execute(
         &self,
         layer: usize,

@@ -101,6 +101,16 @@ pub enum PackedDtype {
     Int8,
 }
 
+impl PackedDtype {
+    /// `bf16` or `int8`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            PackedDtype::Bf16 => "bf16",
+            PackedDtype::Int8 => "int8",
+        }
+    }
+}
+
 impl PackedMatrix {
     /// Packs `panels` panels over `k` inputs; `source(p, c, buf)` fills `buf`
     /// (length `k`) with logical channel `c` of panel `p` and returns false

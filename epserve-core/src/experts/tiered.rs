@@ -38,7 +38,7 @@ use crate::experts::pool::ExpertPool;
 use crate::experts::{ExpertDtype, LoadOptions};
 use crate::loader::names::ExpertNames;
 use crate::loader::weights::WeightStore;
-use crate::moe::{ExpertExecutor, Rows, SKIP_SLOT};
+use crate::moe::{ExpertExecutor, ExpertState, Rows, SKIP_SLOT};
 
 /// How a [`TieredExperts`] splits its budget.
 #[derive(Debug, Clone)]
@@ -82,6 +82,17 @@ pub enum Tier {
     Resident,
     Cached,
     Cold,
+}
+
+impl Tier {
+    /// `resident`, `cached` or `cold`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Tier::Resident => "resident",
+            Tier::Cached => "cached",
+            Tier::Cold => "cold",
+        }
+    }
 }
 
 /// Counters of a [`TieredExperts`] since it was built.
@@ -167,6 +178,14 @@ struct State {
     want_resident: std::collections::HashSet<(usize, usize)>,
     /// Precision by load: the experts that run in bf16 (the rest int8).
     bf16: std::collections::HashSet<(usize, usize)>,
+    /// Share of recent prefetches evicted before any use (a moving
+    /// average over outcomes, 0 = every guess used). Above a half, guesses
+    /// cost more than they save (each is a full pack on cores the calls
+    /// need, and takes a slot from a used expert): only every
+    /// [`SAMPLED_HINT`]th hint is taken, to keep measuring.
+    prefetch_waste: f64,
+    /// Hints offered (for the sampling above).
+    hints_seen: u64,
     /// `[layer][expert]`: assigned here (warmed at load, listed by
     /// [`TieredExperts::tiers`]). Any expert of the model can be served: a
     /// call in flight across a change of assignment still finds its experts.
@@ -183,7 +202,15 @@ impl State {
     }
 }
 
+/// Under wasteful prefetching, one hint in this many is still taken.
+const SAMPLED_HINT: u64 = 8;
+
 impl State {
+    /// Records whether a prefetched expert was used before it left.
+    fn prefetch_outcome(&mut self, used: bool) {
+        self.prefetch_waste = 0.95 * self.prefetch_waste + if used { 0.0 } else { 0.05 };
+    }
+
     fn held_bytes(&self) -> usize {
         self.resident_bytes + self.cached_bytes + self.reserved
     }
@@ -414,7 +441,11 @@ impl TieredExperts {
             return;
         };
         let want: Vec<u32> = {
-            let st = self.inner.lock();
+            let mut st = self.inner.lock();
+            st.hints_seen += 1;
+            if st.prefetch_waste > 0.5 && !st.hints_seen.is_multiple_of(SAMPLED_HINT) {
+                return;
+            }
             experts
                 .iter()
                 .copied()
@@ -643,8 +674,12 @@ impl Inner {
         en.locked = on && ok;
     }
 
-    /// Drops the least recently used cached entry that no call holds.
-    /// Returns false when there is none.
+    /// Drops the cached entry that no call holds with the fewest routed
+    /// tokens in the window (least recently used among equals). Frequency
+    /// first: when the working set is larger than the budget, plain LRU
+    /// evicts a hot expert for every cold one that passes through, while
+    /// this keeps the hot ones and churns one slot. Returns false when
+    /// there is nothing to drop.
     fn evict_one(&self, st: &mut State, unused_since: u64) -> bool {
         let victim = st
             .entries
@@ -652,7 +687,13 @@ impl Inner {
             .filter(|(_, en)| {
                 !en.resident && Arc::strong_count(&en.ex) == 1 && en.last_call <= unused_since
             })
-            .min_by_key(|(_, en)| en.last_use)
+            .min_by(|(ka, a), (kb, b)| {
+                let (ua, ub) = (
+                    st.uses.get(ka).copied().unwrap_or(0.0),
+                    st.uses.get(kb).copied().unwrap_or(0.0),
+                );
+                ua.total_cmp(&ub).then(a.last_use.cmp(&b.last_use))
+            })
             .map(|(k, _)| *k);
         let Some(k) = victim else {
             return false;
@@ -660,6 +701,9 @@ impl Inner {
         if let Some(en) = st.entries.remove(&k) {
             st.cached_bytes -= en.ex.weight_bytes();
             self.stats.evictions.fetch_add(1, Ordering::Relaxed);
+            if en.prefetched {
+                st.prefetch_outcome(false);
+            }
         }
         true
     }
@@ -914,6 +958,40 @@ impl ExpertExecutor for TieredExperts {
         self.prefetch_hint(layer, experts)
     }
 
+    fn expert_states(&self) -> Vec<ExpertState> {
+        let inner = &*self.inner;
+        let st = inner.lock();
+        let mut out = Vec::new();
+        for (layer, hl) in st.assigned.iter().enumerate() {
+            for (expert, _) in hl.iter().enumerate().filter(|(_, h)| **h) {
+                let (tier, precision) = match st.entries.get(&(layer, expert)) {
+                    Some(en) => (
+                        if en.resident {
+                            Tier::Resident
+                        } else {
+                            Tier::Cached
+                        },
+                        en.ex.dtype().as_str(),
+                    ),
+                    None => (
+                        Tier::Cold,
+                        match inner.want_dtype(&st, layer, expert) {
+                            ExpertDtype::Int8 => "int8",
+                            ExpertDtype::Auto | ExpertDtype::Bf16 => "bf16",
+                        },
+                    ),
+                };
+                out.push(ExpertState {
+                    layer,
+                    expert,
+                    tier: tier.as_str(),
+                    precision,
+                });
+            }
+        }
+        out
+    }
+
     fn execute(
         &self,
         layer: usize,
@@ -966,6 +1044,7 @@ impl ExpertExecutor for TieredExperts {
             st.tick += 1;
             let tick = st.tick;
             let calls = st.calls;
+            let mut used_prefetch = 0;
             for e in (0..ne).filter(|&e| active[e] > 0) {
                 *st.uses.entry((layer, e)).or_insert(0.0) += active[e] as f64;
                 match st.entries.get_mut(&(layer, e)) {
@@ -974,6 +1053,7 @@ impl ExpertExecutor for TieredExperts {
                         en.last_call = calls;
                         if en.prefetched {
                             en.prefetched = false;
+                            used_prefetch += 1;
                             inner.stats.prefetch_hits.fetch_add(1, Ordering::Relaxed);
                         }
                         view[e] = Some(en.ex.clone());
@@ -981,6 +1061,9 @@ impl ExpertExecutor for TieredExperts {
                     }
                     None => misses.push(e),
                 }
+            }
+            for _ in 0..used_prefetch {
+                st.prefetch_outcome(true);
             }
             st.calls += 1;
             if inner.tier.retier_calls > 0 && st.calls.is_multiple_of(inner.tier.retier_calls) {

@@ -152,7 +152,31 @@ fn tiered_outputs_match_fully_resident_at_any_budget() {
         assert_eq!(tiers.len(), layers.len() * n);
         let resident = tiers.values().filter(|&&t| t == Tier::Resident).count() as u64;
         assert_eq!(resident, s.resident_experts);
+        // What `epserve ctl load` shows: every assigned expert once, tiers
+        // as counted, bf16 throughout (the bf16 fixture, exact packing).
+        let states = t.expert_states();
+        assert_eq!(states.len(), layers.len() * n);
+        let count = |tier: &str| states.iter().filter(|x| x.tier == tier).count() as u64;
+        assert_eq!(count("resident"), s.resident_experts);
+        assert_eq!(count("cached"), s.cached_experts);
+        assert_eq!(
+            count("cold"),
+            s.held_experts - s.resident_experts - s.cached_experts
+        );
+        assert!(states.iter().all(|x| x.precision == "bf16"), "{states:?}");
+        assert!(
+            states
+                .iter()
+                .all(|x| tiers.get(&(x.layer, x.expert)).map(|t| t.as_str()) == Some(x.tier))
+        );
     }
+    let states = full.expert_states();
+    assert_eq!(states.len(), layers.len() * n);
+    assert!(
+        states
+            .iter()
+            .all(|x| x.tier == "resident" && x.precision == "bf16")
+    );
 }
 
 #[test]
@@ -255,6 +279,20 @@ fn precision_by_load_keeps_the_hot_experts_in_bf16() {
     let cold = (2..n)
         .find(|&e| t.precision_of(l, e) == Some(ExpertDtype::Int8))
         .expect("a cold int8 expert") as u32;
+    // The states say the same.
+    let states = t.expert_states();
+    let of = |e: usize| {
+        states
+            .iter()
+            .find(|x| (x.layer, x.expert) == (l, e))
+            .map(|x| x.precision)
+    };
+    assert_eq!(of(0), Some("bf16"));
+    assert_eq!(of(cold as usize), Some("int8"));
+    assert_eq!(
+        states.iter().filter(|x| x.precision == "int8").count() as u64,
+        s.int8_experts
+    );
     for (e, exact) in [(0u32, true), (cold, false)] {
         let x: Vec<f32> = (0..h).map(|i| ((i % 7) as f32 - 3.0) * 0.2).collect();
         let mut ids = vec![SKIP_SLOT; k];

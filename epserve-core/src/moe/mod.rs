@@ -87,6 +87,28 @@ pub trait ExpertExecutor: Send + Sync {
     /// Experts of `layer` a router lookahead predicts for a coming call
     /// (packed ahead by an executor with a cold tier). Returns at once.
     fn prefetch(&self, _layer: usize, _experts: &[u32]) {}
+
+    /// Where each expert held here is kept and in what precision, in
+    /// (layer, expert) order (what `epserve ctl load` shows); empty from an
+    /// executor that does not say.
+    fn expert_states(&self) -> Vec<ExpertState> {
+        Vec::new()
+    }
+}
+
+/// One expert's tier and precision on an executor.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ExpertState {
+    pub layer: usize,
+    pub expert: usize,
+    /// `resident` (packed, kept), `cached` (packed on use, evictable),
+    /// `cold` (in the mapped checkpoint only, packed on use) or `mapped`
+    /// (computed from the mapped checkpoint on every use: the portable
+    /// executor).
+    pub tier: &'static str,
+    /// `bf16`, `int8`, `f16` or `f32`; for a cold expert, the precision it
+    /// is packed in when next used.
+    pub precision: &'static str,
 }
 
 /// `[rows, hidden]` activations for [`ExpertExecutor::execute_rows`].
