@@ -19,7 +19,8 @@ use epserve_core::moe::{ExpertExecutor, QuantizedRows, Rows, SKIP_SLOT, combine}
 use epserve_core::placement::Placement;
 use epserve_proto::pb::expert_service_server::ExpertService;
 use epserve_proto::pb::{
-    DispatchRequest, DispatchResponse, Dtype, HealthRequest, HealthResponse, TierCounters,
+    DispatchRequest, DispatchResponse, Dtype, ExpertState, HealthRequest, HealthResponse,
+    TierCounters,
 };
 use epserve_proto::wire;
 use tonic::server::NamedService;
@@ -429,16 +430,37 @@ impl ExpertService for ExpertWorker {
     #[tracing::instrument(level = "trace", name = "expert_health", skip_all, fields(worker = %self.id))]
     async fn health(
         &self,
-        _req: Request<HealthRequest>,
+        req: Request<HealthRequest>,
     ) -> Result<Response<HealthResponse>, Status> {
         let cur = self.current();
+        let expert_states = match &cur {
+            Some(c) if req.get_ref().expert_states => expert_states(c),
+            _ => Vec::new(),
+        };
         Ok(Response::new(HealthResponse {
             worker_id: self.id.clone(),
             ready: cur.is_some(),
             placement_version: cur.as_ref().map(|c| c.version).unwrap_or(0),
             experts_loaded: cur.as_ref().map(|c| c.held.len() as u32).unwrap_or(0),
+            expert_states,
         }))
     }
+}
+
+/// Tier and precision of each expert the current placement has here (the
+/// executor may hold more: a tiered store serves any expert on demand).
+fn expert_states(c: &Loaded) -> Vec<ExpertState> {
+    c.executor
+        .expert_states()
+        .into_iter()
+        .filter(|x| c.held.contains(&(x.layer, x.expert)))
+        .map(|x| ExpertState {
+            layer: x.layer as u32,
+            expert: x.expert as u32,
+            tier: x.tier.into(),
+            precision: x.precision.into(),
+        })
+        .collect()
 }
 
 /// The wire form of a tier snapshot.

@@ -340,6 +340,32 @@ async fn expert_memory_budget_of_a_third_keeps_the_goldens() {
         cold.iter().sum::<f64>() > 0.0,
         "some experts are cold: {cold:?}"
     );
+    // `ctl load`'s data: every replica of the placement with its worker's
+    // tier and precision, the tiers as the metrics count them.
+    let mut admin = epserve_proto::pb::admin_service_client::AdminServiceClient::connect(format!(
+        "http://{}",
+        up.admin
+    ))
+    .await
+    .expect("admin connect");
+    let load = admin
+        .get_expert_load(epserve_proto::pb::GetExpertLoadRequest {})
+        .await
+        .expect("expert load")
+        .into_inner();
+    let replicas: Vec<_> = load.layers.iter().flat_map(|l| &l.replicas).collect();
+    assert_eq!(replicas.len(), cfg.moe_layers().len() * cfg.num_experts);
+    let count = |tier: &str| replicas.iter().filter(|r| r.tier == tier).count() as f64;
+    assert_eq!(
+        count("cold") + count("cached") + count("resident"),
+        replicas.len() as f64,
+        "{replicas:?}"
+    );
+    assert!(count("cold") > 0.0, "{replicas:?}");
+    assert!(
+        replicas.iter().all(|r| !r.precision.is_empty()),
+        "{replicas:?}"
+    );
 }
 
 /// `up --emulate-link 1ms` with pinned roles on `qwen3_moe_a` (2
@@ -665,7 +691,7 @@ async fn attention_workers_match_transformers_and_the_single_process_engine() {
         .await
         .expect("connect shard");
         let h = c
-            .health(epserve_proto::pb::HealthRequest {})
+            .health(epserve_proto::pb::HealthRequest::default())
             .await
             .expect("health")
             .into_inner();

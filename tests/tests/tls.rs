@@ -109,14 +109,14 @@ where
 
 async fn expert_health(ch: Channel) -> Result<(), tonic::Status> {
     ExpertServiceClient::new(ch)
-        .health(HealthRequest {})
+        .health(HealthRequest::default())
         .await
         .map(|_| ())
 }
 
 async fn attention_health(ch: Channel) -> Result<(), tonic::Status> {
     AttentionServiceClient::new(ch)
-        .health(HealthRequest {})
+        .health(HealthRequest::default())
         .await
         .map(|_| ())
 }

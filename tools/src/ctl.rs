@@ -3,6 +3,7 @@
 //! human tables, or one JSON document with `--json`. `load` draws a per-layer
 //! heat map of expert load in the terminal and, with `--png`, as a picture.
 
+use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
 use anyhow::{Context, Result, bail};
@@ -453,7 +454,7 @@ fn load_json(r: &GetExpertLoadResponse) -> Value {
             "balancedness": l.balancedness,
             "expert_tokens": l.expert_tokens,
             "worker_tokens": l.worker_tokens,
-            "replicas": l.replicas.iter().map(|x| json!({"expert": x.expert, "worker": x.worker, "tokens": x.tokens})).collect::<Vec<_>>(),
+            "replicas": l.replicas.iter().map(|x| json!({"expert": x.expert, "worker": x.worker, "tokens": x.tokens, "tier": x.tier, "precision": x.precision})).collect::<Vec<_>>(),
         })).collect::<Vec<_>>(),
     })
 }
@@ -511,6 +512,91 @@ fn heat_map(r: &GetExpertLoadResponse) -> String {
                 .iter()
                 .map(|l| l.worker_tokens.get(i).map_or("-".into(), |t| t.to_string())),
         );
+        rows.push(row);
+    }
+    out.push('\n');
+    out.push_str(&table(&rows));
+    out.push_str(&tier_map(r));
+    out
+}
+
+/// One letter per replica: its tier, upper case for a 16/32-bit
+/// precision, lower case for int8.
+fn tier_cell(tier: &str, precision: &str) -> char {
+    let c = match tier {
+        "resident" => 'R',
+        "cached" => 'C',
+        "cold" => 'O',
+        "mapped" => 'M',
+        _ => '?',
+    };
+    if precision == "int8" {
+        c.to_ascii_lowercase()
+    } else {
+        c
+    }
+}
+
+/// Where each replica is kept and in what precision (as its worker said:
+/// empty when no worker answered), one row per layer and worker, then the
+/// counts per worker.
+fn tier_map(r: &GetExpertLoadResponse) -> String {
+    if r.layers
+        .iter()
+        .all(|l| l.replicas.iter().all(|x| x.tier.is_empty()))
+    {
+        return String::new();
+    }
+    let mut out = String::from(
+        "\nexpert tiers: R resident, C cached, O cold (in the mapped checkpoint), M mapped \
+         (computed from it); lower case int8, upper case bf16/f16/f32; blank: not on this worker\n",
+    );
+    // worker -> [resident, cached, cold, mapped, bf16, int8]
+    let mut counts: BTreeMap<&str, [usize; 6]> = BTreeMap::new();
+    for l in &r.layers {
+        let n = l.expert_tokens.len();
+        for w in &r.workers {
+            let mut cells = vec![' '; n];
+            let mut any = false;
+            for x in l
+                .replicas
+                .iter()
+                .filter(|x| &x.worker == w && !x.tier.is_empty())
+            {
+                if let Some(c) = cells.get_mut(x.expert as usize) {
+                    *c = tier_cell(&x.tier, &x.precision);
+                    any = true;
+                }
+                let k = counts.entry(w.as_str()).or_default();
+                match x.tier.as_str() {
+                    "resident" => k[0] += 1,
+                    "cached" => k[1] += 1,
+                    "cold" => k[2] += 1,
+                    "mapped" => k[3] += 1,
+                    _ => {}
+                }
+                if x.precision == "int8" {
+                    k[5] += 1;
+                } else {
+                    k[4] += 1;
+                }
+            }
+            if any {
+                let cells: String = cells.into_iter().collect();
+                out.push_str(&format!("{:>6}  |{cells}|  {w}\n", l.layer));
+            }
+        }
+    }
+    let mut rows = vec![
+        [
+            "WORKER", "RESIDENT", "CACHED", "COLD", "MAPPED", "BF16/F32", "INT8",
+        ]
+        .map(String::from)
+        .to_vec(),
+    ];
+    for (w, k) in counts {
+        let mut row = vec![w.to_string()];
+        row.extend(k.iter().map(|v| v.to_string()));
         rows.push(row);
     }
     out.push('\n');
@@ -589,7 +675,7 @@ pub fn write_png(r: &GetExpertLoadResponse, path: &Path) -> Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use epserve_proto::pb::LayerLoad;
+    use epserve_proto::pb::{LayerLoad, ReplicaLoad};
 
     fn sample() -> GetExpertLoadResponse {
         GetExpertLoadResponse {
@@ -622,6 +708,40 @@ mod tests {
         assert_eq!((reader.info().width, reader.info().height), (48, 12));
         assert_eq!(heat_colour(0.0), [255, 255, 255]);
         assert_eq!(heat_colour(1.0), [165, 0, 38]);
+    }
+
+    #[test]
+    fn tier_map_shows_each_replica() {
+        let mut r = sample();
+        assert!(!heat_map(&r).contains("expert tiers"), "no tiers, no map");
+        let rep = |expert: u32, worker: &str, tier: &str, precision: &str| ReplicaLoad {
+            expert,
+            worker: worker.into(),
+            tokens: 1,
+            tier: tier.into(),
+            precision: precision.into(),
+        };
+        r.layers[0].replicas = vec![
+            rep(0, "a", "resident", "bf16"),
+            rep(1, "a", "cached", "int8"),
+            rep(2, "b", "cold", "bf16"),
+            rep(3, "b", "cold", "int8"),
+            rep(0, "b", "", ""),
+        ];
+        let s = heat_map(&r);
+        assert!(s.contains("|Rc  |  a"), "{s}");
+        assert!(s.contains("|  Oo|  b"), "{s}");
+        assert!(
+            s.contains("a       1         1       0     0       1         1"),
+            "{s}"
+        );
+        assert!(
+            s.contains("b       0         0       2     0       1         1"),
+            "{s}"
+        );
+        let j = load_json(&r);
+        assert_eq!(j["layers"][0]["replicas"][1]["tier"], "cached");
+        assert_eq!(j["layers"][0]["replicas"][1]["precision"], "int8");
     }
 
     #[test]

@@ -4,6 +4,7 @@
 //! `authorization: Bearer <token>` when a token is configured
 //! (`--admin-token` / `EPSERVE_ADMIN_TOKEN`).
 
+use std::collections::HashMap;
 use std::sync::Arc;
 
 use epserve_cluster::state::ClusterState;
@@ -136,6 +137,18 @@ impl AdminService for Admin {
             .dispatcher
             .load_snapshot()
             .ok_or_else(|| Status::unavailable("no route yet"))?;
+        // (worker, layer, expert) -> (tier, precision), as each worker says.
+        let states: HashMap<(String, u32, u32), (String, String)> = self
+            .controller
+            .dispatcher
+            .expert_states()
+            .await
+            .into_iter()
+            .flat_map(|(w, v)| {
+                v.into_iter()
+                    .map(move |x| ((w.clone(), x.layer, x.expert), (x.tier, x.precision)))
+            })
+            .collect();
         Ok(Response::new(GetExpertLoadResponse {
             placement_version: s.placement_version,
             window_steps: s.window_steps as u64,
@@ -147,15 +160,7 @@ impl AdminService for Admin {
                 .map(|l| LayerLoad {
                     layer: l.layer as u32,
                     expert_tokens: l.expert_tokens,
-                    replicas: l
-                        .replicas
-                        .into_iter()
-                        .map(|(expert, worker, tokens)| ReplicaLoad {
-                            expert,
-                            worker,
-                            tokens,
-                        })
-                        .collect(),
+                    replicas: replicas_with_states(l.layer as u32, l.replicas, &states),
                     worker_tokens: l.worker_tokens,
                     balancedness: l.balancedness,
                 })
@@ -293,5 +298,85 @@ pub fn check_token(
             }
             _ => Err(Status::unauthenticated("missing or wrong admin token")),
         }
+    }
+}
+
+/// A layer's replicas with tokens in the window, each with its worker's tier
+/// and precision, and the replicas the workers hold that saw no token (with
+/// 0 tokens: the cold ones are mostly these), sorted by expert and worker.
+fn replicas_with_states(
+    layer: u32,
+    window: Vec<(u32, String, u64)>,
+    states: &HashMap<(String, u32, u32), (String, String)>,
+) -> Vec<ReplicaLoad> {
+    let mut out: Vec<ReplicaLoad> = window
+        .into_iter()
+        .map(|(expert, worker, tokens)| {
+            let (tier, precision) = states
+                .get(&(worker.clone(), layer, expert))
+                .cloned()
+                .unwrap_or_default();
+            ReplicaLoad {
+                expert,
+                worker,
+                tokens,
+                tier,
+                precision,
+            }
+        })
+        .collect();
+    let seen: std::collections::HashSet<(u32, String)> =
+        out.iter().map(|r| (r.expert, r.worker.clone())).collect();
+    for ((w, l, e), (tier, precision)) in states {
+        if *l == layer && !seen.contains(&(*e, w.clone())) {
+            out.push(ReplicaLoad {
+                expert: *e,
+                worker: w.clone(),
+                tokens: 0,
+                tier: tier.clone(),
+                precision: precision.clone(),
+            });
+        }
+    }
+    out.sort_by(|a, b| (a.expert, &a.worker).cmp(&(b.expert, &b.worker)));
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn replicas_get_their_states_and_idle_ones_are_listed() {
+        let st = |t: &str, p: &str| (t.to_string(), p.to_string());
+        let states = HashMap::from([
+            (("a".to_string(), 1, 0), st("resident", "bf16")),
+            (("a".to_string(), 1, 2), st("cold", "int8")),
+            (("b".to_string(), 1, 0), st("cached", "bf16")),
+            (("b".to_string(), 3, 0), st("cold", "bf16")),
+        ]);
+        let window = vec![(0, "a".to_string(), 5), (1, "c".to_string(), 2)];
+        let r = replicas_with_states(1, window, &states);
+        let got: Vec<(u32, &str, u64, &str, &str)> = r
+            .iter()
+            .map(|x| {
+                (
+                    x.expert,
+                    x.worker.as_str(),
+                    x.tokens,
+                    x.tier.as_str(),
+                    x.precision.as_str(),
+                )
+            })
+            .collect();
+        assert_eq!(
+            got,
+            vec![
+                (0, "a", 5, "resident", "bf16"),
+                (0, "b", 0, "cached", "bf16"),
+                (1, "c", 2, "", ""),
+                (2, "a", 0, "cold", "int8"),
+            ]
+        );
     }
 }

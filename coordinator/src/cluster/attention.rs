@@ -206,7 +206,7 @@ impl RemoteAttention {
         for (i, w) in workers.iter().enumerate() {
             let mut client = shard_client(w, timeout, tls.as_ref())?;
             let h = loop {
-                match client.health(HealthRequest {}).await {
+                match client.health(HealthRequest::default()).await {
                     Ok(r) => break r.into_inner(),
                     Err(e) if Instant::now() > deadline => {
                         bail!(
@@ -390,7 +390,7 @@ impl RemoteAttention {
             let Ok(mut client) = shard_client(&w, self.timeout, self.tls.as_ref()) else {
                 continue;
             };
-            let mut r = tonic::Request::new(HealthRequest {});
+            let mut r = tonic::Request::new(HealthRequest::default());
             r.set_timeout(Duration::from_secs(2));
             // Not answering yet: try again next time.
             let Ok(h) = client.health(r).await.map(|r| r.into_inner()) else {

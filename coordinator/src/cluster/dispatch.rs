@@ -35,7 +35,7 @@ use epserve_core::moe::{
 use epserve_core::placement::Placement;
 use epserve_core::{Error, Result};
 use epserve_proto::pb::expert_service_client::ExpertServiceClient;
-use epserve_proto::pb::{DispatchRequest, DispatchResponse, Dtype, HealthRequest};
+use epserve_proto::pb::{DispatchRequest, DispatchResponse, Dtype, ExpertState, HealthRequest};
 use epserve_proto::wire;
 use futures_util::future::join_all;
 use metrics::{counter, gauge, histogram};
@@ -717,7 +717,7 @@ impl DispatchCore {
             let w = w.clone();
             probes.push(async move {
                 let mut c = conn.probe;
-                let mut r = tonic::Request::new(HealthRequest {});
+                let mut r = tonic::Request::new(HealthRequest::default());
                 r.set_timeout(PROBE_TIMEOUT);
                 let res = tokio::time::timeout(PROBE_TIMEOUT, c.health(r)).await;
                 let ok = match res {
@@ -742,6 +742,39 @@ impl DispatchCore {
                 }
             }
         }
+    }
+
+    /// Every placed worker's expert tiers and precisions, by worker id
+    /// (`epserve ctl load`); a worker that does not answer within the
+    /// probe timeout is left out.
+    pub async fn expert_states(&self) -> HashMap<String, Vec<ExpertState>> {
+        let Some(route) = self.route() else {
+            return HashMap::new();
+        };
+        let mut asks = Vec::new();
+        for w in &route.placement.workers {
+            let Some(addr) = route.addrs.get(w) else {
+                continue;
+            };
+            let Ok(conn) = self.conn(w, addr) else {
+                continue;
+            };
+            let w = w.clone();
+            asks.push(async move {
+                let mut c = conn.probe;
+                let mut r = tonic::Request::new(HealthRequest {
+                    expert_states: true,
+                });
+                r.set_timeout(PROBE_TIMEOUT);
+                let res = tokio::time::timeout(PROBE_TIMEOUT, c.health(r)).await;
+                (w, res.ok().and_then(|r| r.ok()))
+            });
+        }
+        join_all(asks)
+            .await
+            .into_iter()
+            .filter_map(|(w, r)| Some((w, r?.into_inner().expert_states)))
+            .collect()
     }
 
     /// Sends one round of batches; one result per batch.
@@ -1378,6 +1411,7 @@ mod tests {
                 ready: true,
                 placement_version: 1,
                 experts_loaded: 2,
+                expert_states: Vec::new(),
             }))
         }
     }
