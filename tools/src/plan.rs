@@ -36,7 +36,9 @@ mod sizing;
 pub use hardware::{GRAVITON3, GRAVITON4, Generation, Instance};
 pub use model::{ModelShape, expected_touched};
 pub use output::{helm_values, render_report};
-pub use sizing::{Assumptions, Layout, Plan, StepEstimate, estimate, make_plan};
+pub use sizing::{
+    Assumptions, ColdTier, Layout, Plan, StepEstimate, cold_tier_touch, estimate, make_plan,
+};
 
 /// Bytes in a GiB.
 pub(crate) const GIB: f64 = 1024.0 * 1024.0 * 1024.0;
@@ -105,9 +107,24 @@ pub struct PlanArgs {
     /// Attention-workers of the simulated cluster (0: attention in the coordinator).
     #[arg(long, default_value_t = 0)]
     pub attention_workers: u64,
-    /// Zipf exponent of expert popularity in each layer (0 = uniform routing).
+    /// Zipf exponent of expert popularity in each layer (0 = uniform routing):
+    /// the simulated routing, and the hit rate of a cold tier.
     #[arg(long, default_value_t = 1.0)]
     pub zipf: f64,
+    /// Most expert-workers the cluster may have. When the experts need more
+    /// memory than that, each worker holds what fits (`--expert-memory`, the
+    /// hottest experts) and the plan has a cold tier: the rest are read from
+    /// the worker's disk and packed on use, at a predicted cost per step.
+    #[arg(long, value_name = "N")]
+    pub max_expert_workers: Option<u64>,
+    /// Disk read rate of a worker for cold experts, GB/s (EBS gp3 reaches up
+    /// to 1; instance-store NVMe several).
+    #[arg(long, default_value_t = 1.0)]
+    pub cold_read_gbps: f64,
+    /// Packing rate of one vCPU, GB/s of packed expert (measured 4.3 for bf16
+    /// on one x86 core by `pack_timing`; int8 quantization is ~2).
+    #[arg(long, default_value_t = 4.0)]
+    pub pack_gbps_per_vcpu: f64,
     /// Redundant expert slots per MoE layer in the simulated placement.
     #[arg(long, default_value_t = 0)]
     pub redundant: u64,
@@ -247,7 +264,24 @@ pub fn run(args: &PlanArgs) -> Result<()> {
         flow_bps: args.flow_gbps * 1e9,
         mem_bw_efficiency: args.mem_bw_efficiency,
         wire_dtype: args.dispatch_dtype,
+        cold: ColdTier {
+            max_expert_workers: args.max_expert_workers,
+            zipf: args.zipf,
+            read_bps: args.cold_read_gbps * 1e9,
+            pack_bps_per_vcpu: args.pack_gbps_per_vcpu * 1e9,
+        },
     };
+    for (v, flag) in [
+        (args.cold_read_gbps, "--cold-read-gbps"),
+        (args.pack_gbps_per_vcpu, "--pack-gbps-per-vcpu"),
+    ] {
+        if !(v > 0.0 && v.is_finite()) {
+            bail!("{flag} must be positive (got {v})");
+        }
+    }
+    if !(args.zipf >= 0.0 && args.zipf.is_finite()) {
+        bail!("--zipf must be zero or positive (got {})", args.zipf);
+    }
     if let Some(path) = &args.calibration {
         let c = calibrate::Calibration::read(path)?;
         c.apply(&mut inst, &mut a);

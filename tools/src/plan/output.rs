@@ -118,6 +118,26 @@ pub fn render_report(
         plan.redundant_per_layer,
         human_bytes(plan.worker_expert_bytes)
     );
+    if plan.held_fraction < 1.0 {
+        let e = &plan.at_batch;
+        let _ = writeln!(
+            s,
+            "cold tier   the experts need {} expert-workers; capped at {} (--max-expert-workers), each holds {} of its {} experts per layer packed \
+             (--expert-memory {}, the hottest: {:.0}% of each layer's experts held); the rest are read from disk at {:.1} GB/s and packed on use. \
+             At batch {}: {:.1}% of expert uses hit (Zipf {}), {:.1} ms per step reading and packing",
+            m.experts.div_ceil(plan.slot_capacity.max(1)),
+            l.expert_workers,
+            plan.slot_capacity,
+            plan.slots_per_worker,
+            human_bytes(plan.worker_expert_bytes),
+            plan.held_fraction * 100.0,
+            a.cold.read_bps / 1e9,
+            batch,
+            e.hit_rate * 100.0,
+            a.cold.zipf,
+            e.cold_s * 1e3
+        );
+    }
     let _ = writeln!(
         s,
         "memory      coordinator {}{}",
@@ -154,7 +174,7 @@ pub fn render_report(
     );
     let _ = writeln!(
         s,
-        "{:>6} {:>9} {:>11} {:>8} {:>8} {:>8} {:>8} {:>8} {:>9} {:>10}  bound",
+        "{:>6} {:>9} {:>11} {:>8} {:>8} {:>8} {:>8} {:>8} {:>8} {:>9} {:>10}  bound",
         "batch",
         "experts/L",
         "GB/step",
@@ -163,13 +183,14 @@ pub fn render_report(
         "experts",
         "network",
         "rtt",
+        "cold",
         "step",
         "tok/s"
     );
     for e in &plan.table {
         let _ = writeln!(
             s,
-            "{:>6} {:>9.1} {:>11.2} {:>8.2} {:>8.2} {:>8.2} {:>8.2} {:>8.2} {:>9.2} {:>10.0}  {}",
+            "{:>6} {:>9.1} {:>11.2} {:>8.2} {:>8.2} {:>8.2} {:>8.2} {:>8.2} {:>8.2} {:>9.2} {:>10.0}  {}",
             e.batch,
             e.experts_touched,
             e.bytes_streamed / 1e9,
@@ -178,6 +199,7 @@ pub fn render_report(
             e.experts_s * 1e3,
             e.network_s * 1e3,
             e.latency_s * 1e3,
+            e.cold_s * 1e3,
             e.step_s() * 1e3,
             e.tokens_per_s(),
             e.bound()
@@ -340,6 +362,18 @@ pub fn helm_values(
     if a.expert_dtype == super::ExpertDtype::Int8 {
         let _ = writeln!(s, "  # -- The plan assumed int8 (W8A8) experts.");
         let _ = writeln!(s, "  expertDtype: int8");
+    }
+    if plan.held_fraction < 1.0 {
+        let _ = writeln!(
+            s,
+            "  # -- Cold tier: the packed experts each worker holds ({:.0}% of them), the rest packed on use.",
+            plan.held_fraction * 100.0
+        );
+        let _ = writeln!(
+            s,
+            "  expertMemory: \"{}MiB\"",
+            (plan.worker_expert_bytes / sockets as f64 / (1u64 << 20) as f64).floor() as u64
+        );
     }
     if sockets > 1 {
         let _ = writeln!(

@@ -29,6 +29,56 @@ pub struct Assumptions {
     pub flow_bps: f64,
     pub mem_bw_efficiency: f64,
     pub wire_dtype: WireDtype,
+    pub cold: ColdTier,
+}
+
+/// A cluster smaller than the model's experts: each worker holds what fits
+/// (`--expert-memory`: its hottest experts packed) and packs the rest on use
+/// from the checkpoint on its disk.
+#[derive(Debug, Clone)]
+pub struct ColdTier {
+    /// Most expert-workers the cluster may have (None: as many as the
+    /// experts need, no cold tier).
+    pub max_expert_workers: Option<u64>,
+    /// Zipf exponent of expert popularity (0: uniform): what share of the
+    /// uses the held (hottest) experts take.
+    pub zipf: f64,
+    /// Bytes per second a worker reads a cold expert from its disk.
+    pub read_bps: f64,
+    /// Bytes per second one vCPU packs (bf16 copy into panels, or int8
+    /// quantization); a worker packs a step's misses on all its vCPUs.
+    pub pack_bps_per_vcpu: f64,
+}
+
+impl Default for ColdTier {
+    fn default() -> Self {
+        ColdTier {
+            max_expert_workers: None,
+            zipf: 1.0,
+            read_bps: 1e9,
+            pack_bps_per_vcpu: 4e9,
+        }
+    }
+}
+
+/// Share of the expert uses that find their expert held when the hottest
+/// `held` of `experts` (Zipf `s` popularity) are, and the expected number of
+/// the others a batch of `batch` tokens (top-`k`) touches in one layer.
+pub fn cold_tier_touch(experts: u64, held: f64, k: u64, s: f64, batch: u64) -> (f64, f64) {
+    if experts == 0 || held >= experts as f64 {
+        return (1.0, 0.0);
+    }
+    let p: Vec<f64> = (1..=experts).map(|r| 1.0 / (r as f64).powf(s)).collect();
+    let sum: f64 = p.iter().sum();
+    let h = held.floor().max(0.0) as usize;
+    let hit = p[..h].iter().sum::<f64>() / sum;
+    // As `expected_touched`: a token picks expert r among its k with
+    // probability k·p_r (capped at 1).
+    let cold = p[h..]
+        .iter()
+        .map(|x| 1.0 - (1.0 - (k as f64 * x / sum).min(1.0)).powf(batch as f64))
+        .sum();
+    (hit, cold)
 }
 
 /// How many worker pods of each kind (one per node).
@@ -52,12 +102,22 @@ pub struct StepEstimate {
     pub experts_s: f64,
     pub network_s: f64,
     pub latency_s: f64,
+    /// Reading and packing the cold experts a step touches (0 without a
+    /// cold tier).
+    pub cold_s: f64,
+    /// Share of expert uses that find their expert held (1 without a cold tier).
+    pub hit_rate: f64,
 }
 
 impl StepEstimate {
     /// The whole step.
     pub fn step_s(&self) -> f64 {
-        self.coordinator_s + self.attention_s + self.experts_s + self.network_s + self.latency_s
+        self.coordinator_s
+            + self.attention_s
+            + self.experts_s
+            + self.network_s
+            + self.latency_s
+            + self.cold_s
     }
     /// Output tokens per second.
     pub fn tokens_per_s(&self) -> f64 {
@@ -71,6 +131,7 @@ impl StepEstimate {
             (self.experts_s, "experts"),
             (self.network_s, "network"),
             (self.latency_s, "round trips"),
+            (self.cold_s, "cold tier"),
         ];
         stages
             .iter()
@@ -172,6 +233,16 @@ pub fn estimate(
     let round_trips = m.moe_layers + if shards > 0 { m.layers } else { 0 };
     let latency_s = round_trips as f64 * a.rtt_s;
 
+    // Cold tier: a worker holds the experts that fit its pod (the hottest);
+    // every other expert a step touches is read from its disk and packed
+    // (its vCPUs pack a step's misses together), once per layer.
+    let capacity = (inst.pod_budget_bytes() / (m.moe_layers as f64 * expert_bytes)).floor();
+    let held = (capacity * w).min(m.experts as f64);
+    let (hit_rate, cold_touched) = cold_tier_touch(m.experts, held, m.top_k, a.cold.zipf, batch);
+    let cold_s = m.moe_layers as f64 * cold_touched / w
+        * expert_bytes
+        * (1.0 / a.cold.read_bps + 1.0 / (a.cold.pack_bps_per_vcpu * vcpus));
+
     let bytes_streamed = coord_bytes
         + if shards > 0 { attn_bytes } else { 0.0 }
         + m.moe_layers as f64 * touched * expert_bytes;
@@ -184,6 +255,8 @@ pub fn estimate(
         experts_s,
         network_s,
         latency_s,
+        cold_s,
+        hit_rate,
     }
 }
 
@@ -199,6 +272,9 @@ pub struct Plan {
     pub worker_expert_bytes: f64,
     /// Most expert slots per layer that fit in one worker.
     pub slot_capacity: u64,
+    /// Share of each layer's experts the workers hold packed (below 1: a
+    /// cold tier, the rest packed on use from disk).
+    pub held_fraction: f64,
     /// Bytes the coordinator holds (weights + its KV share).
     pub coordinator_bytes: f64,
     /// Bytes each attention shard holds.
@@ -263,6 +339,12 @@ pub fn make_plan(
         );
     }
     let min_workers = m.experts.div_ceil(capacity);
+    // A cluster capped below what the experts need gets a cold tier.
+    let max_workers = match a.cold.max_expert_workers {
+        Some(0) => bail!("--max-expert-workers must be at least 1"),
+        Some(n) => n,
+        None => MAX_EXPERT_WORKERS.max(min_workers),
+    };
     let kv_pool = batch as f64 * m.kv_bytes_for_context(a.context_len, a.kv_dtype) as f64;
     // Attention in the coordinator, or split over shards that divide the KV heads.
     let mut shard_options = vec![0u64];
@@ -270,7 +352,7 @@ pub fn make_plan(
 
     // Every layout that fits in memory, with its estimate at the operating batch.
     let mut layouts = Vec::new();
-    for workers in min_workers..=MAX_EXPERT_WORKERS.max(min_workers) {
+    for workers in min_workers.min(max_workers)..=max_workers {
         for &shards in &shard_options {
             let (coord, shard) = resident_bytes(m, kv_pool, shards);
             if coord > budget || shard > budget {
@@ -320,6 +402,9 @@ pub fn make_plan(
     let workers = layout.expert_workers;
     let slots_per_worker = if workers == 1 {
         m.experts
+    } else if workers < min_workers {
+        // Cold tier: every expert assigned once; more than fits.
+        m.experts.div_ceil(workers)
     } else {
         let wanted = (m.experts as f64 * (1.0 + REDUNDANCY_TARGET)).ceil() as u64;
         wanted
@@ -327,7 +412,7 @@ pub fn make_plan(
             .min(capacity)
             .max(m.experts.div_ceil(workers))
     };
-    let redundant_per_layer = slots_per_worker * workers - m.experts;
+    let redundant_per_layer = (slots_per_worker * workers).saturating_sub(m.experts);
     let (coordinator_bytes, shard_bytes) = resident_bytes(m, kv_pool, layout.attention_workers);
     let mut batches = TABLE_BATCHES.to_vec();
     if !batches.contains(&batch) {
@@ -343,8 +428,9 @@ pub fn make_plan(
         layout,
         slots_per_worker,
         redundant_per_layer,
-        worker_expert_bytes: slots_per_worker as f64 * per_slot,
+        worker_expert_bytes: slots_per_worker.min(capacity) as f64 * per_slot,
         slot_capacity: capacity,
+        held_fraction: ((capacity * workers) as f64 / m.experts as f64).min(1.0),
         coordinator_bytes,
         shard_bytes,
         kv_pool_bytes: kv_pool,

@@ -45,6 +45,7 @@ fn assumptions(expert_dtype: ExpertDtype, kv_dtype: KvDtype) -> Assumptions {
         flow_bps: 5e9,
         mem_bw_efficiency: 0.8,
         wire_dtype: WireDtype::Bf16,
+        cold: ColdTier::default(),
     }
 }
 
@@ -294,6 +295,93 @@ fn mixtral_on_small_nodes_is_sized_by_memory() {
 }
 
 #[test]
+fn a_cluster_capped_below_the_experts_gets_a_cold_tier() {
+    // Mixtral on c8g.4xlarge needs 4 workers (2 experts of 8 each); capped
+    // at 2, each holds 2 of its 4 and packs the others on use.
+    let m = shape_of(MIXTRAL_8X7B);
+    let inst = Instance::lookup("c8g.4xlarge").expect("known");
+    let full = make_plan(
+        &m,
+        &inst,
+        &assumptions(ExpertDtype::Bf16, KvDtype::Bf16),
+        1.0,
+        1,
+    )
+    .expect("plans");
+    assert_eq!(full.held_fraction, 1.0);
+    assert!(
+        full.table
+            .iter()
+            .all(|e| e.cold_s == 0.0 && e.hit_rate == 1.0)
+    );
+    let mut a = assumptions(ExpertDtype::Bf16, KvDtype::Bf16);
+    a.cold = ColdTier {
+        max_expert_workers: Some(2),
+        zipf: 0.0,
+        ..ColdTier::default()
+    };
+    let plan = make_plan(&m, &inst, &a, 1.0, 1).expect("plans");
+    assert_eq!(plan.layout.expert_workers, 2);
+    assert_eq!(plan.slots_per_worker, 4);
+    assert_eq!(plan.held_fraction, 0.5);
+    assert_eq!(plan.redundant_per_layer, 0);
+    // Uniform routing, batch 1: half the uses hit; the 4 cold experts are
+    // each touched with probability 2/8, half of them per worker, every
+    // layer: read at 1 GB/s and packed on the pod's vCPUs.
+    let e = &plan.at_batch;
+    close(e.hit_rate, 0.5, 1e-12);
+    let bytes = m.expert_bytes(ExpertDtype::Bf16) as f64;
+    let vcpus = f64::from(inst.pod_cpus());
+    let want = 32.0 * (4.0 * 0.25 / 2.0) * bytes * (1.0 / 1e9 + 1.0 / (4e9 * vcpus));
+    close(e.cold_s, want, 1e-9);
+    assert_eq!(e.bound(), "cold tier");
+    let report = render_report(&m, &inst, &a, &plan, 1.0, 1);
+    assert!(
+        report.contains("cold tier   the experts need 4 expert-workers; capped at 2"),
+        "{report}"
+    );
+    let args = PlanArgs {
+        model: Some(PathBuf::from("/models/Mixtral")),
+        instance: "c8g.4xlarge".into(),
+        target_output_tps: Some(1.0),
+        expert_dtype: ExpertDtype::Bf16,
+        kv_dtype: KvDtype::Bf16,
+        batch: 1,
+        context_len: 1024,
+        rtt_us: 100.0,
+        flow_gbps: 5.0,
+        mem_bw_efficiency: 0.8,
+        dispatch_dtype: WireDtype::Bf16,
+        helm_values: None,
+        node_model: false,
+        simulate: false,
+        nodes: None,
+        attention_workers: 0,
+        zipf: 0.0,
+        redundant: 0,
+        sim_steps: 20,
+        seed: 0,
+        calibration: None,
+        dispatch_metrics: None,
+        max_expert_workers: Some(2),
+        cold_read_gbps: 1.0,
+        pack_gbps_per_vcpu: 4.0,
+    };
+    let values = helm_values(&m, &inst, &a, &plan, &args);
+    assert!(values.contains("  expertMemory: \""), "{values}");
+    // Skew: the held (hottest) half takes more of the uses.
+    let (hit, cold) = cold_tier_touch(8, 4.0, 2, 1.0, 1);
+    let h = |n: usize| (1..=n).map(|r| 1.0 / r as f64).sum::<f64>();
+    close(hit, h(4) / h(8), 1e-12);
+    close(
+        cold,
+        (5..=8).map(|r| 2.0 / r as f64 / h(8)).sum::<f64>(),
+        1e-12,
+    );
+    assert_eq!(cold_tier_touch(8, 8.0, 2, 1.0, 64), (1.0, 0.0));
+}
+
+#[test]
 fn unreachable_targets_ask_for_more_deployments() {
     let m = shape_of(MIXTRAL_8X7B);
     let inst = Instance::lookup("c8g.16xlarge").expect("known");
@@ -345,6 +433,9 @@ fn helm_values_carry_the_layout() {
         seed: 0,
         calibration: None,
         dispatch_metrics: None,
+        max_expert_workers: None,
+        cold_read_gbps: 1.0,
+        pack_gbps_per_vcpu: 4.0,
     };
     let v = helm_values(&m, &inst, &a, &plan, &args);
     assert!(v.contains("  path: \"Qwen3-30B-A3B\"\n"), "{v}");
@@ -394,6 +485,9 @@ fn two_socket_nodes_get_one_expert_worker_per_socket() {
         seed: 0,
         calibration: None,
         dispatch_metrics: None,
+        max_expert_workers: None,
+        cold_read_gbps: 1.0,
+        pack_gbps_per_vcpu: 4.0,
     };
     let v = helm_values(&m, &inst, &a, &plan, &args);
     let per_socket = inst.pod_cpus() / 2;
