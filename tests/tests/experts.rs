@@ -402,3 +402,84 @@ fn wire_dtypes_agree_with_the_f32_wire_on_fixtures_and_report_kl() {
         );
     }
 }
+
+/// Precision by load on a full-size model folder (the bench model of
+/// `scripts/make_bench_model.py`): `EPSERVE_QUALITY_MODEL=DIR cargo test
+/// --release -p epserve-tests --test experts precision_by_load_on_a_model_dir
+/// -- --ignored --nocapture`. Teacher-forced random sequences (seeded, drawn
+/// from a pool of 16 token ids as `bench serve --random-token-pool 16`);
+/// per position: argmax agreement with every expert bf16 and KL, for
+/// precision by load (after one warm-up sequence fills its load window) and
+/// for all-int8. Prints; asserts only that the policy is not worse than
+/// all-int8.
+#[test]
+#[ignore]
+fn precision_by_load_on_a_model_dir() {
+    let Ok(dir) = std::env::var("EPSERVE_QUALITY_MODEL") else {
+        return;
+    };
+    let dir = std::path::Path::new(&dir);
+    let with = |opts: LoadOptions| Model::load_with(dir, &opts).expect("load");
+    let bf = with(LoadOptions::default());
+    let mixed = with(LoadOptions {
+        tier: Some(epserve_core::experts::TierOptions {
+            budget: usize::MAX / 4,
+            retier_calls: 4,
+            bf16_share: Some(0.8),
+            ..Default::default()
+        }),
+        ..LoadOptions::default()
+    });
+    let q = with(LoadOptions {
+        expert_dtype: ExpertDtype::Int8,
+        ..LoadOptions::default()
+    });
+    let v = bf.config.vocab_size;
+    // A 64-bit LCG (Knuth's MMIX constants), seed 21: the upper bits.
+    let mut state = 21u64;
+    let mut next = |n: usize| {
+        state = state
+            .wrapping_mul(6364136223846793005)
+            .wrapping_add(1442695040888963407);
+        ((state >> 33) % n as u64) as usize
+    };
+    let pool: Vec<u32> = (0..16).map(|_| next(v) as u32).collect();
+    let seqs: Vec<Vec<u32>> = (0..5)
+        .map(|_| (0..96).map(|_| pool[next(16)]).collect())
+        .collect();
+    // Warm-up: the policy learns which experts are hot.
+    all_logits(&mixed, &seqs[0]);
+    if let Some(t) = mixed.expert_tiers() {
+        t.prefetch_idle();
+    }
+    for (what, cand) in [("precision by load", &mixed), ("all int8", &q)] {
+        let (mut agree, mut total, mut kl) = (0usize, 0usize, 0.0f64);
+        for ids in &seqs[1..] {
+            let (a, b) = (all_logits(&bf, ids), all_logits(cand, ids));
+            for pos in 0..ids.len() {
+                let (ra, rb) = (&a[pos * v..(pos + 1) * v], &b[pos * v..(pos + 1) * v]);
+                agree += (argmax(ra) == argmax(rb)) as usize;
+                let (la, lb) = (log_softmax(ra), log_softmax(rb));
+                kl += la
+                    .iter()
+                    .zip(&lb)
+                    .map(|(p, q)| p.exp() * (p - q))
+                    .sum::<f64>();
+                total += 1;
+            }
+        }
+        eprintln!(
+            "{}: {what} vs bf16: argmax agreement {agree}/{total} ({:.1}%), mean KL {:.2e} nats/token",
+            dir.display(),
+            100.0 * agree as f64 / total as f64,
+            kl / total as f64
+        );
+    }
+    if let Some(t) = mixed.expert_tiers() {
+        let s = t.snapshot();
+        eprintln!(
+            "precision by load: {} experts bf16, {} int8",
+            s.bf16_experts, s.int8_experts
+        );
+    }
+}
