@@ -10,7 +10,7 @@ use rayon::prelude::*;
 use crate::config::{FfnKind, ModelConfig};
 use crate::error::{Error, Result};
 use crate::experts::executor::PackedExperts;
-use crate::experts::packed::{PackedDtype, PackedExpert};
+use crate::experts::packed::{PackedDtype, PackedExpert, Spare};
 use crate::experts::pool::ExpertPool;
 use crate::experts::{ExpertDtype, LoadOptions};
 use crate::loader::names::ExpertNames;
@@ -47,7 +47,8 @@ impl PackedExperts {
                         return Ok(None);
                     }
                     let _done = PackedOne;
-                    pack_expert(cfg, ws, &names, opts.dtype_for(i, e), i, e).map(Some)
+                    let spare = &mut Spare::default();
+                    pack_expert(cfg, ws, &names, opts.dtype_for(i, e), i, e, spare).map(Some)
                 })
                 .collect::<Result<_>>()?;
             layers.push(Some(experts));
@@ -62,7 +63,8 @@ impl PackedExperts {
 
 /// Packs expert `e` of layer `i` (whose names are `names`) in the precision
 /// `asked`: what the resident load does for each expert, and what the tiered
-/// executor does for a cold one on first use.
+/// executor does for a cold one on first use (into the buffers of the
+/// experts it evicted for it: `spare`).
 pub(crate) fn pack_expert(
     cfg: &ModelConfig,
     ws: &WeightStore,
@@ -70,6 +72,7 @@ pub(crate) fn pack_expert(
     asked: ExpertDtype,
     i: usize,
     e: usize,
+    spare: &mut Spare,
 ) -> Result<PackedExpert> {
     if asked != ExpertDtype::Bf16
         && let Some(p) = load_int8_expert(cfg, ws, names, e)?
@@ -82,7 +85,7 @@ pub(crate) fn pack_expert(
         ExpertDtype::Bf16 => (PackedDtype::Bf16, false),
         ExpertDtype::Int8 => (PackedDtype::Int8, false),
     };
-    PackedExpert::from_mlp(&mlp, dt, exact)
+    PackedExpert::from_mlp_reusing(&mlp, dt, exact, spare)
         .map(|p| p.with_bf16_activations(asked == ExpertDtype::Bf16))
         .map_err(|err| match err {
             Error::Dispatch(m) => Error::Dispatch(format!("{m} (layer {i}, expert {e})")),

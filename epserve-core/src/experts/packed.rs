@@ -50,6 +50,20 @@ impl<T: Pod> AlignedBuf<T> {
         }
     }
 
+    /// A buffer of `len` zeros: one of `spare` with exactly that length if
+    /// there is one (zeroed again: touched memory, no page faults, no
+    /// allocator churn), else fresh zeroed memory.
+    fn take_or_zeroed(len: usize, spare: &mut Vec<AlignedBuf<T>>) -> Self {
+        match spare.iter().position(|b| b.len == len) {
+            Some(i) => {
+                let mut b = spare.swap_remove(i);
+                b.lines.fill(Line([0; 64]));
+                b
+            }
+            None => Self::zeroed(len),
+        }
+    }
+
     fn as_mut_slice(&mut self) -> &mut [T] {
         &mut bytemuck::cast_slice_mut(&mut self.lines)[..self.len]
     }
@@ -69,6 +83,35 @@ impl<T: Pod> AlignedBuf<T> {
     /// The values.
     pub fn as_slice(&self) -> &[T] {
         &bytemuck::cast_slice(&self.lines)[..self.len]
+    }
+}
+
+/// Element buffers of packed experts that left (evicted), for packing others
+/// into: a tiered executor's miss reuses the memory of the expert it evicts,
+/// so the process's memory stays what its budget counts (freed buffers
+/// retained by the allocator's per-thread arenas would not be counted) and
+/// the copy touches no fresh pages.
+#[derive(Default)]
+pub struct Spare {
+    bf16: Vec<AlignedBuf<u16>>,
+    i8: Vec<AlignedBuf<i8>>,
+}
+
+impl Spare {
+    /// Takes the buffers of `p` (its biases and scales are dropped).
+    pub fn add(&mut self, p: PackedExpert) {
+        for m in [p.gate_up, p.down] {
+            match m.data {
+                PackedData::Bf16(b) => self.bf16.push(b),
+                PackedData::I8 { data, .. } => self.i8.push(data),
+            }
+        }
+    }
+
+    /// Bytes held.
+    pub fn bytes(&self) -> usize {
+        self.bf16.iter().map(|b| b.len * 2).sum::<usize>()
+            + self.i8.iter().map(|b| b.len).sum::<usize>()
     }
 }
 
@@ -186,9 +229,10 @@ impl PackedMatrix {
         k: usize,
         panels: usize,
         row: impl Fn(usize, usize) -> Option<&'a [bf16]>,
+        spare: &mut Spare,
     ) -> Self {
         let kp = bf16_padded_k(k);
-        let mut buf = AlignedBuf::<u16>::zeroed(panels * kp * NR);
+        let mut buf = AlignedBuf::<u16>::take_or_zeroed(panels * kp * NR, &mut spare.bf16);
         let dst = buf.as_mut_slice();
         const QB: usize = 16;
         for p in 0..panels {
@@ -232,9 +276,10 @@ impl PackedMatrix {
         k: usize,
         panels: usize,
         row: impl Fn(usize, usize) -> Option<&'a [bf16]>,
+        spare: &mut Spare,
     ) -> Self {
         let kp = i8_padded_k(k);
-        let mut buf = AlignedBuf::<i8>::zeroed(panels * kp * NR);
+        let mut buf = AlignedBuf::<i8>::take_or_zeroed(panels * kp * NR, &mut spare.i8);
         let mut scales = vec![0.0f32; panels * NR];
         let (mut f, mut q) = (vec![0.0f32; k], vec![0i8; k]);
         let dst = buf.as_mut_slice();
@@ -384,9 +429,20 @@ impl PackedExpert {
     /// row by row). With `exact`, bf16 packing fails on any weight that bf16
     /// cannot hold exactly.
     pub fn from_mlp(mlp: &GatedMlp, dtype: PackedDtype, exact: bool) -> Result<Self> {
+        Self::from_mlp_reusing(mlp, dtype, exact, &mut Spare::default())
+    }
+
+    /// [`from_mlp`](Self::from_mlp) into `spare`'s buffers where their
+    /// sizes fit.
+    pub fn from_mlp_reusing(
+        mlp: &GatedMlp,
+        dtype: PackedDtype,
+        exact: bool,
+        spare: &mut Spare,
+    ) -> Result<Self> {
         let inter = mlp.gate.shape()[0];
         let hidden = mlp.gate.shape()[1];
-        let mut p = Self::from_weights(
+        let mut p = Self::from_weights_reusing(
             &mlp.gate,
             &mlp.up,
             &mlp.down,
@@ -395,6 +451,7 @@ impl PackedExpert {
             mlp.activation,
             dtype,
             exact,
+            spare,
         )?;
         p.gate_bias = mlp.gate_bias.clone();
         p.up_bias = mlp.up_bias.clone();
@@ -413,6 +470,33 @@ impl PackedExpert {
         activation: Activation,
         dtype: PackedDtype,
         exact: bool,
+    ) -> Result<Self> {
+        Self::from_weights_reusing(
+            gate,
+            up,
+            down,
+            hidden,
+            inter,
+            activation,
+            dtype,
+            exact,
+            &mut Spare::default(),
+        )
+    }
+
+    /// [`from_weights`](Self::from_weights) into `spare`'s buffers where
+    /// their sizes fit (bf16 checkpoints; other sources allocate).
+    #[allow(clippy::too_many_arguments)]
+    pub fn from_weights_reusing(
+        gate: &Weight,
+        up: &Weight,
+        down: &Weight,
+        hidden: usize,
+        inter: usize,
+        activation: Activation,
+        dtype: PackedDtype,
+        exact: bool,
+        spare: &mut Spare,
     ) -> Result<Self> {
         let half = NR / 2;
         if let (WeightSlice::BF16(g), WeightSlice::BF16(u), WeightSlice::BF16(d)) =
@@ -436,12 +520,12 @@ impl PackedExpert {
             let (gu_panels, d_panels) = (inter.div_ceil(half), hidden.div_ceil(NR));
             let (gate_up, down_m) = match dtype {
                 PackedDtype::Bf16 => (
-                    PackedMatrix::pack_bf16_bits(hidden, gu_panels, gu_row),
-                    PackedMatrix::pack_bf16_bits(inter, d_panels, d_row),
+                    PackedMatrix::pack_bf16_bits(hidden, gu_panels, gu_row, spare),
+                    PackedMatrix::pack_bf16_bits(inter, d_panels, d_row, spare),
                 ),
                 PackedDtype::Int8 => (
-                    PackedMatrix::pack_i8_from_bf16(hidden, gu_panels, gu_row),
-                    PackedMatrix::pack_i8_from_bf16(inter, d_panels, d_row),
+                    PackedMatrix::pack_i8_from_bf16(hidden, gu_panels, gu_row, spare),
+                    PackedMatrix::pack_i8_from_bf16(inter, d_panels, d_row, spare),
                 ),
             };
             return Ok(PackedExpert {

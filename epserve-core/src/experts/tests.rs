@@ -803,7 +803,8 @@ fn pack_timing() {
         let t = std::time::Instant::now();
         let mut bytes = 0;
         for e in 0..n {
-            let p = load::pack_expert(&cfg, &ws, &names, dtype, layer, e).expect("pack");
+            let p = load::pack_expert(&cfg, &ws, &names, dtype, layer, e, &mut Default::default())
+                .expect("pack");
             bytes += p.weight_bytes();
         }
         let s = t.elapsed().as_secs_f64();
@@ -815,7 +816,8 @@ fn pack_timing() {
         // The same experts again: their checkpoint pages are mapped now.
         let t = std::time::Instant::now();
         for e in 0..n {
-            load::pack_expert(&cfg, &ws, &names, dtype, layer, e).expect("pack");
+            load::pack_expert(&cfg, &ws, &names, dtype, layer, e, &mut Default::default())
+                .expect("pack");
         }
         eprintln!(
             "{dtype:?} again: {:.2} ms per expert",

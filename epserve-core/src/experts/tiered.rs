@@ -33,7 +33,7 @@ use crate::config::ModelConfig;
 use crate::error::{Error, Result};
 use crate::experts::executor::PackedExperts;
 use crate::experts::load::pack_expert;
-use crate::experts::packed::PackedExpert;
+use crate::experts::packed::{PackedExpert, Spare};
 use crate::experts::pool::ExpertPool;
 use crate::experts::{ExpertDtype, LoadOptions};
 use crate::loader::names::ExpertNames;
@@ -310,7 +310,7 @@ impl TieredExperts {
                         continue;
                     }
                     let names = ExpertNames::resolve(cfg, &ws, l)?;
-                    let p = pack_expert(cfg, &ws, &names, dt, l, e)?;
+                    let p = pack_expert(cfg, &ws, &names, dt, l, e, &mut Spare::default())?;
                     sizes.insert(key, p.weight_bytes());
                     inter[l] = p.inter;
                     // The cold precision first: the warm fill starts int8.
@@ -557,9 +557,18 @@ impl Inner {
             .unwrap_or(0)
     }
 
-    fn pack(&self, layer: usize, e: usize, dtype: ExpertDtype) -> Result<PackedExpert> {
+    /// Packs expert `e` of `layer`, into `spare`'s buffers (those of the
+    /// experts evicted to make room for it) where their sizes fit; the rest
+    /// of `spare` is freed.
+    fn pack(
+        &self,
+        layer: usize,
+        e: usize,
+        dtype: ExpertDtype,
+        mut spare: Spare,
+    ) -> Result<PackedExpert> {
         let names = ExpertNames::resolve(&self.cfg, &self.ws, layer)?;
-        let p = pack_expert(&self.cfg, &self.ws, &names, dtype, layer, e)?;
+        let p = pack_expert(&self.cfg, &self.ws, &names, dtype, layer, e, &mut spare)?;
         self.stats
             .bytes_paged_in
             .fetch_add(p.weight_bytes() as u64, Ordering::Relaxed);
@@ -605,7 +614,7 @@ impl Inner {
                 }
                 st.reserved += size;
             }
-            let packed = self.pack(l, e, dt);
+            let packed = self.pack(l, e, dt, Spare::default());
             let mut st = self.lock();
             st.reserved -= size;
             let p = packed?;
@@ -678,9 +687,9 @@ impl Inner {
     /// tokens in the window (least recently used among equals). Frequency
     /// first: when the working set is larger than the budget, plain LRU
     /// evicts a hot expert for every cold one that passes through, while
-    /// this keeps the hot ones and churns one slot. Returns false when
-    /// there is nothing to drop.
-    fn evict_one(&self, st: &mut State, unused_since: u64) -> bool {
+    /// this keeps the hot ones and churns one slot. Its buffers go to
+    /// `spare`. Returns false when there is nothing to drop.
+    fn evict_one(&self, st: &mut State, unused_since: u64, spare: &mut Spare) -> bool {
         let victim = st
             .entries
             .iter()
@@ -704,20 +713,32 @@ impl Inner {
             if en.prefetched {
                 st.prefetch_outcome(false);
             }
+            // No call holds it (checked above, under the lock calls take
+            // their references under).
+            if let Ok(p) = Arc::try_unwrap(en.ex) {
+                spare.add(p);
+            }
         }
         true
     }
 
-    /// Makes room for `size` more bytes by evicting; false if it cannot.
-    fn make_room(&self, st: &mut State, size: usize) -> bool {
-        self.make_room_from(st, size, u64::MAX)
+    /// Makes room for `size` more bytes by evicting (the evicted buffers go
+    /// to `spare`, for the expert the room is for); false if it cannot.
+    fn make_room(&self, st: &mut State, size: usize, spare: &mut Spare) -> bool {
+        self.make_room_from(st, size, u64::MAX, spare)
     }
 
     /// [`make_room`](Self::make_room) evicting only experts not used since
     /// call `unused_since`.
-    fn make_room_from(&self, st: &mut State, size: usize, unused_since: u64) -> bool {
+    fn make_room_from(
+        &self,
+        st: &mut State,
+        size: usize,
+        unused_since: u64,
+        spare: &mut Spare,
+    ) -> bool {
         while st.held_bytes() + size > self.tier.budget {
-            if !self.evict_one(st, unused_since) {
+            if !self.evict_one(st, unused_since, spare) {
                 return false;
             }
         }
@@ -726,6 +747,7 @@ impl Inner {
 
     fn prefetch_one(&self, layer: usize, e: usize) -> Result<()> {
         let (size, dt);
+        let mut spare = Spare::default();
         {
             let mut st = self.lock();
             dt = self.want_dtype(&st, layer, e);
@@ -734,13 +756,13 @@ impl Inner {
             let steps = 2 * self.moe.iter().filter(|&&m| m).count() as u64;
             let unused_since = st.calls.saturating_sub(steps);
             if st.entries.contains_key(&(layer, e))
-                || !self.make_room_from(&mut st, size, unused_since)
+                || !self.make_room_from(&mut st, size, unused_since, &mut spare)
             {
                 return Ok(());
             }
             st.reserved += size;
         }
-        let packed = self.pack(layer, e, dt);
+        let packed = self.pack(layer, e, dt, spare);
         let mut st = self.lock();
         st.reserved -= size;
         let p = packed?;
@@ -755,6 +777,7 @@ impl Inner {
     /// it should have now, and swaps it in between two calls.
     fn repack_one(&self, layer: usize, e: usize) -> Result<()> {
         let (size, dt);
+        let mut spare = Spare::default();
         {
             let mut st = self.lock();
             dt = self.want_dtype(&st, layer, e);
@@ -763,12 +786,12 @@ impl Inner {
                 Some(en) if en.dtype != dt => {}
                 _ => return Ok(()),
             }
-            if !self.make_room(&mut st, size) {
+            if !self.make_room(&mut st, size, &mut spare) {
                 return Ok(());
             }
             st.reserved += size;
         }
-        let packed = self.pack(layer, e, dt);
+        let packed = self.pack(layer, e, dt, spare);
         // Swap between calls: no call holds the old packing then, so its
         // bytes go as they leave the accounting.
         let _between_calls = self.call.lock().unwrap_or_else(|p| p.into_inner());
@@ -1089,11 +1112,12 @@ impl ExpertExecutor for TieredExperts {
                 let mut st = inner.lock();
                 while let Some(&(e, dt)) = pending.front() {
                     let size = inner.size_of(layer, dt);
-                    if !inner.make_room(&mut st, size) {
+                    let mut spare = Spare::default();
+                    if !inner.make_room(&mut st, size, &mut spare) {
                         break;
                     }
                     st.reserved += size;
-                    batch.push((e, dt, size));
+                    batch.push((e, dt, size, spare));
                     pending.pop_front();
                 }
             }
@@ -1123,16 +1147,20 @@ impl ExpertExecutor for TieredExperts {
                 continue;
             }
             // ... and pack them on the pool's threads (idle meanwhile).
+            let (keys, spares): (Vec<_>, Vec<_>) = batch
+                .into_iter()
+                .map(|(e, dt, size, spare)| ((e, dt, size), spare))
+                .unzip();
             let packed: Vec<Result<PackedExpert>> = inner.core.pool().install(|| {
                 use rayon::prelude::*;
-                batch
-                    .par_iter()
-                    .map(|&(e, dt, _)| inner.pack(layer, e, dt))
+                keys.par_iter()
+                    .zip(spares)
+                    .map(|(&(e, dt, _), spare)| inner.pack(layer, e, dt, spare))
                     .collect()
             });
             let mut st = inner.lock();
             let mut first_err = None;
-            for ((e, dt, size), p) in batch.into_iter().zip(packed) {
+            for ((e, dt, size), p) in keys.into_iter().zip(packed) {
                 st.reserved -= size;
                 match p {
                     Ok(p) => {
