@@ -50,14 +50,17 @@ impl<T: Pod> AlignedBuf<T> {
         }
     }
 
-    /// A buffer of `len` zeros: one of `spare` with exactly that length if
-    /// there is one (zeroed again: touched memory, no page faults, no
-    /// allocator churn), else fresh zeroed memory.
-    fn take_or_zeroed(len: usize, spare: &mut Vec<AlignedBuf<T>>) -> Self {
+    /// A buffer of `len` values: one of `spare` with exactly that length if
+    /// there is one (touched memory: no page faults, no allocator churn),
+    /// else fresh zeroed memory. A reused buffer is zeroed again unless the
+    /// caller overwrites every value (`overwritten`: no padding to keep zero).
+    fn take_or_zeroed(len: usize, spare: &mut Vec<AlignedBuf<T>>, overwritten: bool) -> Self {
         match spare.iter().position(|b| b.len == len) {
             Some(i) => {
                 let mut b = spare.swap_remove(i);
-                b.lines.fill(Line([0; 64]));
+                if !overwritten {
+                    b.lines.fill(Line([0; 64]));
+                }
                 b
             }
             None => Self::zeroed(len),
@@ -105,6 +108,18 @@ impl Spare {
                 PackedData::Bf16(b) => self.bf16.push(b),
                 PackedData::I8 { data, .. } => self.i8.push(data),
             }
+        }
+    }
+
+    /// Fills every held buffer with a non-zero pattern (tests: what a
+    /// reused buffer holds must not leak into the next packing).
+    #[cfg(test)]
+    pub(crate) fn scribble(&mut self) {
+        for b in &mut self.bf16 {
+            b.lines.fill(Line([0x5a; 64]));
+        }
+        for b in &mut self.i8 {
+            b.lines.fill(Line([0x5a; 64]));
         }
     }
 
@@ -232,7 +247,9 @@ impl PackedMatrix {
         spare: &mut Spare,
     ) -> Self {
         let kp = bf16_padded_k(k);
-        let mut buf = AlignedBuf::<u16>::take_or_zeroed(panels * kp * NR, &mut spare.bf16);
+        // Every value is written when no channel is padding and K is even.
+        let full = kp == k && (0..panels).all(|p| (0..NR).all(|c| row(p, c).is_some()));
+        let mut buf = AlignedBuf::<u16>::take_or_zeroed(panels * kp * NR, &mut spare.bf16, full);
         let dst = buf.as_mut_slice();
         const QB: usize = 16;
         for p in 0..panels {
@@ -279,7 +296,8 @@ impl PackedMatrix {
         spare: &mut Spare,
     ) -> Self {
         let kp = i8_padded_k(k);
-        let mut buf = AlignedBuf::<i8>::take_or_zeroed(panels * kp * NR, &mut spare.i8);
+        let full = kp == k && (0..panels).all(|p| (0..NR).all(|c| row(p, c).is_some()));
+        let mut buf = AlignedBuf::<i8>::take_or_zeroed(panels * kp * NR, &mut spare.i8, full);
         let mut scales = vec![0.0f32; panels * NR];
         let (mut f, mut q) = (vec![0.0f32; k], vec![0i8; k]);
         let dst = buf.as_mut_slice();

@@ -782,6 +782,62 @@ fn bf16_checkpoint_packs_bit_for_bit_as_the_f32_route() {
     }
 }
 
+#[test]
+fn packing_into_a_dirty_spare_buffer_equals_packing_fresh() {
+    // A tiered miss packs into the buffers of the expert it evicted: those
+    // hold the old expert's values, so whatever the new one does not write
+    // (padding) must come out zero. Shapes with and without padding.
+    let mut rng = StdRng::seed_from_u64(5);
+    for (hidden, inter) in [(64, 48), (37, 13), (130, 40)] {
+        for dtype in [PackedDtype::Bf16, PackedDtype::Int8] {
+            let mk = |rng: &mut StdRng| {
+                let g = bf16_weight(rng, inter, hidden, 1.0);
+                let u = bf16_weight(rng, inter, hidden, 1.0);
+                let d = bf16_weight(rng, hidden, inter, 1.0);
+                (g, u, d)
+            };
+            let pack = |w: &(Weight, Weight, Weight), spare: &mut packed::Spare| {
+                PackedExpert::from_weights_reusing(
+                    &w.0,
+                    &w.1,
+                    &w.2,
+                    hidden,
+                    inter,
+                    Activation::Silu,
+                    dtype,
+                    false,
+                    spare,
+                )
+                .expect("pack")
+            };
+            // The old expert's buffers, filled with a non-zero pattern.
+            let (a, b) = (mk(&mut rng), mk(&mut rng));
+            let mut spare = packed::Spare::default();
+            spare.add(pack(&a, &mut packed::Spare::default()));
+            spare.scribble();
+            let reused = pack(&b, &mut spare);
+            assert_eq!(spare.bytes(), 0, "both buffers reused");
+            let fresh = pack(&b, &mut packed::Spare::default());
+            for (x, y) in [
+                (&reused.gate_up, &fresh.gate_up),
+                (&reused.down, &fresh.down),
+            ] {
+                let same = match (x.data(), y.data()) {
+                    (packed::PackedData::Bf16(p), packed::PackedData::Bf16(q)) => {
+                        p.as_slice() == q.as_slice()
+                    }
+                    (
+                        packed::PackedData::I8 { data: p, scales: s },
+                        packed::PackedData::I8 { data: q, scales: t },
+                    ) => p.as_slice() == q.as_slice() && s == t,
+                    _ => false,
+                };
+                assert!(same, "{hidden}x{inter} {dtype:?}");
+            }
+        }
+    }
+}
+
 /// How long one miss's packing takes on a real-sized checkpoint:
 /// `EPSERVE_PACK_MODEL=DIR cargo test --release -p epserve-core pack_timing
 /// -- --ignored --nocapture` (not a pass/fail check: it prints to stderr).
