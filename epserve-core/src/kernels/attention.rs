@@ -1,9 +1,11 @@
 //! Flash-style attention over the paged KV cache, for GQA/MQA/MHA and MLA's
 //! absorbed core alike.
 //!
-//! Work is split into items of (sequence, KV head, a chunk of that KV head's
-//! query heads, a tile of consecutive query rows, a split of the keys at
-//! multiples of [`SPLIT_KEYS`]) and run in parallel (rayon); the splits of
+//! Work is split into items of (sequence, KV head — or several adjacent KV
+//! heads when there are enough items, so each cached row is read whole, a
+//! chunk of that KV head's query heads, a tile of consecutive query rows, a
+//! split of the keys at multiples of [`SPLIT_KEYS`]) and run in parallel
+//! (rayon); the splits of
 //! one row are merged by log-sum-exp (flash-decoding), so a single long
 //! sequence still gives every thread work. An item gathers its `M = rows × heads` query vectors, then walks
 //! the keys its rows may see in blocks of [`KEY_BLOCK`] positions, reading
@@ -137,15 +139,21 @@ pub struct AttnSeq<'a> {
     pub past: usize,
 }
 
-/// One work item: `nr` query rows from `r0` of sequence `seq`, query heads
-/// `h0..h0 + nh` of KV head `kvh`, against the keys of split `part`
-/// (positions `part · SPLIT_KEYS ..` the next multiple). The items of one
+/// One work item: `nr` query rows from `r0` of sequence `seq`, the KV heads
+/// `kvh..kvh + nkv` with `nh` of each one's query heads (the whole group
+/// when `nkv > 1`, so the item's query heads `h0..h0 + nkv · nh` are
+/// consecutive), against the keys of split `part` (positions
+/// `part · SPLIT_KEYS ..` the next multiple). The items of one
 /// (seq, kvh, h0, r0) are consecutive, splits in order; `last` marks the
-/// final one.
+/// final one. Several KV heads per item read each cached row whole (all
+/// heads' slices are adjacent), which the memory system streams far better
+/// than one head's short slice of every row; each head's arithmetic is the
+/// same either way, so the grouping never changes a bit.
 #[derive(Debug, Clone, Copy)]
 struct Item {
     seq: usize,
     kvh: usize,
+    nkv: usize,
     h0: usize,
     nh: usize,
     r0: usize,
@@ -165,14 +173,40 @@ fn visible(shape: &AttnShape<'_>, s: &AttnSeq<'_>, i: usize) -> (usize, usize) {
     (first, pos)
 }
 
+/// Work items below which KV heads are not grouped (per thread): grouping
+/// makes fewer, larger items, and short contexts need the parallelism.
+const ITEMS_PER_THREAD: usize = 4;
+
 fn plan(shape: &AttnShape<'_>, seqs: &[AttnSeq<'_>]) -> Vec<Item> {
     let group = shape.heads / shape.kv_heads;
     let chunks = group.div_ceil(MAX_ITEM_HEADS);
+    let want = ITEMS_PER_THREAD * rayon::current_num_threads();
+    // The most KV heads per item (a divisor of kv_heads) that still leaves
+    // enough items; one when a group is split into chunks.
+    let mut nkv = if chunks == 1 { shape.kv_heads } else { 1 };
+    loop {
+        let items = plan_with(shape, seqs, nkv);
+        if nkv == 1 || items.len() >= want {
+            return items;
+        }
+        nkv = (1..nkv)
+            .rev()
+            .find(|d| shape.kv_heads.is_multiple_of(*d))
+            .unwrap_or(1);
+    }
+}
+
+/// The items with `nkv` KV heads each (`nkv` divides `kv_heads`; `nkv > 1`
+/// only when a group's query heads fit one item).
+fn plan_with(shape: &AttnShape<'_>, seqs: &[AttnSeq<'_>], nkv: usize) -> Vec<Item> {
+    let group = shape.heads / shape.kv_heads;
+    let chunks = group.div_ceil(MAX_ITEM_HEADS);
     let hc = group.div_ceil(chunks);
+    debug_assert!(nkv == 1 || hc == group);
     let qt = (TILE_M / hc).max(1);
     let mut items = Vec::new();
     for (si, s) in seqs.iter().enumerate() {
-        for kvh in 0..shape.kv_heads {
+        for kvh in (0..shape.kv_heads).step_by(nkv) {
             let mut h = 0;
             while h < group {
                 let nh = hc.min(group - h);
@@ -186,6 +220,7 @@ fn plan(shape: &AttnShape<'_>, seqs: &[AttnSeq<'_>]) -> Vec<Item> {
                         items.push(Item {
                             seq: si,
                             kvh,
+                            nkv,
                             h0: kvh * group + h,
                             nh,
                             r0: r,
@@ -221,7 +256,22 @@ pub fn attention(
     assert!(dk > 0 && dv > 0 && q.len().is_multiple_of(heads * dk));
     assert_eq!(out.len() / (heads * dv), q.len() / (heads * dk));
     assert!(shape.sinks.is_none_or(|s| s.len() >= heads));
-    let items = plan(shape, seqs);
+    run_items(kern, shape, seqs, &plan(shape, seqs), q, k, v, out);
+}
+
+/// [`attention`] over the given work items.
+#[allow(clippy::too_many_arguments)]
+fn run_items(
+    kern: &Kernels,
+    shape: &AttnShape<'_>,
+    seqs: &[AttnSeq<'_>],
+    items: &[Item],
+    q: &[f32],
+    k: KvView<'_>,
+    v: KvView<'_>,
+    out: &mut [f32],
+) {
+    let (heads, dv) = (shape.heads, v.width);
     let results: Vec<Partial> = items
         .par_iter()
         .map(|it| run_item(kern, shape, &seqs[it.seq], it, q, k, v))
@@ -236,10 +286,11 @@ pub fn attention(
         let it = &items[i];
         let acc = merge(shape, it, dv, &results[i..=e]);
         let s = &seqs[it.seq];
+        let w = it.nkv * it.nh;
         for ri in 0..it.nr {
             let row = s.start + it.r0 + ri;
-            let dst = &mut out[(row * heads + it.h0) * dv..(row * heads + it.h0 + it.nh) * dv];
-            dst.copy_from_slice(&acc[ri * it.nh * dv..(ri + 1) * it.nh * dv]);
+            let dst = &mut out[(row * heads + it.h0) * dv..(row * heads + it.h0 + w) * dv];
+            dst.copy_from_slice(&acc[ri * w * dv..(ri + 1) * w * dv]);
         }
         i = e + 1;
     }
@@ -258,7 +309,8 @@ struct Partial {
 /// The normalized `[rows, heads, dv]` output of one item's splits, merged
 /// in split order (log-sum-exp), with the attention sinks.
 fn merge(shape: &AttnShape<'_>, it: &Item, dv: usize, parts: &[Partial]) -> Vec<f32> {
-    let m = it.nr * it.nh;
+    let w = it.nkv * it.nh;
+    let m = it.nr * w;
     let (mut acc, mut mx, mut sum);
     if let [one] = parts {
         (acc, mx, sum) = (one.acc.clone(), one.mx.clone(), one.sum.clone());
@@ -289,7 +341,7 @@ fn merge(shape: &AttnShape<'_>, it: &Item, dv: usize, parts: &[Partial]) -> Vec<
         }
     }
     for mi in 0..m {
-        let h = it.h0 + mi % it.nh;
+        let h = it.h0 + mi % w;
         let norm = match shape.sinks {
             Some(sinks) => {
                 let top = mx[mi].max(sinks[h]);
@@ -353,6 +405,16 @@ fn runs(s: &AttnSeq<'_>, bs: usize, j0: usize, j1: usize, mut f: impl FnMut(usiz
     }
 }
 
+/// One KV head's running state in a work item: its query vectors
+/// (`[rows, heads]`), block scores, and the online softmax's max, sum and
+/// unnormalized output per query vector.
+struct HeadState {
+    q: Vec<f32>,
+    mx: Vec<f32>,
+    sum: Vec<f32>,
+    acc: Vec<f32>,
+}
+
 /// One work item (one split of its rows' keys); returns its partial result.
 fn run_item(
     kern: &Kernels,
@@ -364,96 +426,148 @@ fn run_item(
     v: KvView<'_>,
 ) -> Partial {
     let (heads, dk, dv, bs) = (shape.heads, k.width, v.width, shape.block_size);
-    let (nh, nr) = (it.nh, it.nr);
+    let group = heads / shape.kv_heads;
+    let (nh, nr, nkv) = (it.nh, it.nr, it.nkv);
     let m = nr * nh;
-    let mut qb = Vec::with_capacity(m * dk);
-    for ri in 0..nr {
-        let row = s.start + it.r0 + ri;
-        qb.extend_from_slice(&q[(row * heads + it.h0) * dk..(row * heads + it.h0 + nh) * dk]);
-    }
+    let mut st: Vec<HeadState> = (0..nkv)
+        .map(|t| {
+            let h0 = it.h0 + t * group;
+            let mut qb = Vec::with_capacity(m * dk);
+            for ri in 0..nr {
+                let row = s.start + it.r0 + ri;
+                qb.extend_from_slice(&q[(row * heads + h0) * dk..(row * heads + h0 + nh) * dk]);
+            }
+            HeadState {
+                q: qb,
+                mx: vec![f32::NEG_INFINITY; m],
+                sum: vec![0.0f32; m],
+                acc: vec![0.0f32; m * dv],
+            }
+        })
+        .collect();
     let pos = |ri: usize| s.past + it.r0 + ri;
     let first = |ri: usize| visible(shape, s, it.r0 + ri).0;
     // This split's keys that any row sees, and those every row sees.
     let (k0, k1) = (it.part * SPLIT_KEYS, (it.part + 1) * SPLIT_KEYS);
     let (lo, hi) = (first(0).max(k0), (pos(nr - 1) + 1).min(k1));
     let (all_lo, all_hi) = (first(nr - 1), pos(0) + 1);
-    let (koff, voff) = (it.kvh * k.head_stride, it.kvh * v.head_stride);
     let mut sc = vec![0.0f32; m * KEY_BLOCK];
-    let mut mx = vec![f32::NEG_INFINITY; m];
-    let mut sum = vec![0.0f32; m];
-    let mut acc = vec![0.0f32; m * dv];
     // Key blocks at multiples of KEY_BLOCK (not at `lo`): a row then sees
     // the same blocks, and gets the same bits, in any tile or batch.
     let mut j0 = lo - lo % KEY_BLOCK;
     while j0 < hi {
         let j1 = (j0 + KEY_BLOCK).min(hi);
         let n = j1 - j0;
-        // The next block's K/V rows, found through the block table (the
+        // The next block's pool rows, found through the block table (the
         // hardware prefetchers cannot follow a head's short slice of each
-        // row across cache blocks): they arrive while this block computes.
-        runs(s, bs, j1, (j1 + KEY_BLOCK).min(hi), |_, len, row0| {
-            for r in row0..row0 + len {
-                prefetch_l2(k.rows, r * k.stride + koff, dk * esize(k.rows));
-                prefetch_l2(v.rows, r * v.stride + voff, dv * esize(v.rows));
+        // row across cache blocks). A head's K (V) lines of them are hinted
+        // into L2 a run at a time, interleaved with this block's scores
+        // (values) of that head: one burst of hundreds of prefetches fills
+        // the line-fill queues and stalls the core until memory answers.
+        let mut next = [usize::MAX; KEY_BLOCK];
+        runs(s, bs, j1, (j1 + KEY_BLOCK).min(hi), |j, len, row0| {
+            for (t, r) in (row0..row0 + len).enumerate() {
+                next[j - j1 + t] = r;
             }
         });
-        runs(s, bs, j0, j1, |j, len, row0| {
-            kern.attn_scores(
-                &qb,
-                dk,
-                k.rows.slice_from(row0 * k.stride + koff),
-                k.stride,
-                len,
-                shape.scale,
-                &mut sc[j - j0..],
-                KEY_BLOCK,
-            );
-        });
+        let hint = |view: &KvView<'_>, off: usize, a: usize, b: usize| {
+            for &r in &next[a..b] {
+                if r != usize::MAX {
+                    prefetch_l2(
+                        view.rows,
+                        r * view.stride + off,
+                        view.width * esize(view.rows),
+                    );
+                }
+            }
+        };
         let masked = j0 < all_lo || j1 > all_hi;
         debug_assert!(j1 > lo);
-        for mi in 0..m {
-            let srow = &mut sc[mi * KEY_BLOCK..mi * KEY_BLOCK + n];
-            let (f, p) = (first(mi / nh), pos(mi / nh));
-            if masked {
-                for (jj, x) in srow.iter_mut().enumerate() {
-                    if j0 + jj < f || j0 + jj > p {
-                        *x = f32::NEG_INFINITY;
+        for (t, h) in st.iter_mut().enumerate() {
+            let kvh = it.kvh + t;
+            let (koff, voff) = (kvh * k.head_stride, kvh * v.head_stride);
+            runs(s, bs, j0, j1, |j, len, row0| {
+                hint(&k, koff, j - j0, j - j0 + len);
+                kern.attn_scores(
+                    &h.q,
+                    dk,
+                    k.rows.slice_from(row0 * k.stride + koff),
+                    k.stride,
+                    len,
+                    shape.scale,
+                    &mut sc[j - j0..],
+                    KEY_BLOCK,
+                );
+            });
+            for mi in 0..m {
+                let srow = &mut sc[mi * KEY_BLOCK..mi * KEY_BLOCK + n];
+                let (f, p) = (first(mi / nh), pos(mi / nh));
+                if masked {
+                    for (jj, x) in srow.iter_mut().enumerate() {
+                        if j0 + jj < f || j0 + jj > p {
+                            *x = f32::NEG_INFINITY;
+                        }
                     }
                 }
-            }
-            // Masked scores (−∞) become exactly 0; the sum's order depends
-            // only on the key's index, so a row's bits do not depend on the
-            // other rows of its tile.
-            let (cmax, tot) = kern.attn_softmax(srow, mx[mi]);
-            if cmax == f32::NEG_INFINITY {
-                continue;
-            }
-            if cmax > mx[mi] {
-                if mx[mi] != f32::NEG_INFINITY {
-                    let alpha = fast_exp(mx[mi] - cmax);
-                    sum[mi] *= alpha;
-                    for a in &mut acc[mi * dv..(mi + 1) * dv] {
-                        *a *= alpha;
-                    }
+                // Masked scores (−∞) become exactly 0; the sum's order
+                // depends only on the key's index, so a row's bits do not
+                // depend on the other rows of its tile.
+                let (cmax, tot) = kern.attn_softmax(srow, h.mx[mi]);
+                if cmax == f32::NEG_INFINITY {
+                    continue;
                 }
-                mx[mi] = cmax;
+                if cmax > h.mx[mi] {
+                    if h.mx[mi] != f32::NEG_INFINITY {
+                        let alpha = fast_exp(h.mx[mi] - cmax);
+                        h.sum[mi] *= alpha;
+                        for a in &mut h.acc[mi * dv..(mi + 1) * dv] {
+                            *a *= alpha;
+                        }
+                    }
+                    h.mx[mi] = cmax;
+                }
+                h.sum[mi] += tot;
             }
-            sum[mi] += tot;
+            runs(s, bs, j0, j1, |j, len, row0| {
+                hint(&v, voff, j - j0, j - j0 + len);
+                kern.attn_accum(
+                    &sc[j - j0..],
+                    KEY_BLOCK,
+                    v.rows.slice_from(row0 * v.stride + voff),
+                    v.stride,
+                    len,
+                    &mut h.acc,
+                    dv,
+                );
+            });
         }
-        runs(s, bs, j0, j1, |j, len, row0| {
-            kern.attn_accum(
-                &sc[j - j0..],
-                KEY_BLOCK,
-                v.rows.slice_from(row0 * v.stride + voff),
-                v.stride,
-                len,
-                &mut acc,
-                dv,
-            );
-        });
         j0 = j1;
     }
-    Partial { acc, mx, sum }
+    if let [one] = st.as_mut_slice() {
+        return Partial {
+            acc: std::mem::take(&mut one.acc),
+            mx: std::mem::take(&mut one.mx),
+            sum: std::mem::take(&mut one.sum),
+        };
+    }
+    // Interleave the heads' states into the item's `[rows, heads]` order.
+    let w = nkv * nh;
+    let mut out = Partial {
+        acc: vec![0.0f32; nr * w * dv],
+        mx: vec![0.0f32; nr * w],
+        sum: vec![0.0f32; nr * w],
+    };
+    for (t, h) in st.iter().enumerate() {
+        for ri in 0..nr {
+            for hh in 0..nh {
+                let (src, dst) = (ri * nh + hh, ri * w + t * nh + hh);
+                out.mx[dst] = h.mx[src];
+                out.sum[dst] = h.sum[src];
+                out.acc[dst * dv..(dst + 1) * dv].copy_from_slice(&h.acc[src * dv..(src + 1) * dv]);
+            }
+        }
+    }
+    out
 }
 
 /// Softmax over `scores` plus one extra logit `sink` that takes probability
@@ -726,6 +840,89 @@ mod tests {
                     "{} window {window:?}",
                     tier.name()
                 );
+            }
+        }
+    }
+
+    /// Grouping KV heads into one work item (as decode does when there are
+    /// enough items) changes no bit of any row, on every tier, f32 and bf16
+    /// caches, prefill tiles and decode rows, windows and sinks.
+    #[test]
+    fn kv_head_grouping_changes_no_bit() {
+        let mut rng = StdRng::seed_from_u64(11);
+        let (heads, kv_heads, d, bs) = (16usize, 4usize, 48usize, 8usize);
+        let w = kv_heads * d;
+        let lens = [(0usize, 19usize), (SPLIT_KEYS + 30, 1), (77, 1)];
+        let mut starts = Vec::new();
+        let mut tables = Vec::new();
+        let mut next_block = 0u32;
+        let mut row = 0;
+        for &(past, len) in &lens {
+            let nb = (past + len).div_ceil(bs) as u32;
+            let mut t: Vec<u32> = (next_block..next_block + nb).collect();
+            t.shuffle(&mut rng);
+            next_block += nb;
+            tables.push(t);
+            starts.push(row);
+            row += len;
+        }
+        let kv: Vec<f32> = (0..next_block as usize * bs * w)
+            .map(|_| rng.random_range(-1.0f32..1.0))
+            .collect();
+        let kvb: Vec<u16> = kv.iter().map(|&x| f32_to_bf16_bits(x)).collect();
+        let q: Vec<f32> = (0..row * heads * d)
+            .map(|_| rng.random_range(-1.0f32..1.0))
+            .collect();
+        let seqs: Vec<AttnSeq<'_>> = lens
+            .iter()
+            .enumerate()
+            .map(|(i, &(past, len))| AttnSeq {
+                blocks: &tables[i],
+                start: starts[i],
+                len,
+                past,
+            })
+            .collect();
+        let sinks: Vec<f32> = (0..heads).map(|h| h as f32 * 0.05).collect();
+        for rows in [KvRows::F32(&kv), KvRows::Bf16(&kvb)] {
+            let view = KvView {
+                rows,
+                stride: w,
+                head_stride: d,
+                width: d,
+            };
+            for (window, sinks) in [(None, None), (Some(45), Some(&sinks[..]))] {
+                let shape = AttnShape {
+                    heads,
+                    kv_heads,
+                    scale: 0.2,
+                    window,
+                    sinks,
+                    block_size: bs,
+                };
+                for tier in Tier::available() {
+                    let Some(kern) = Kernels::for_tier(tier) else {
+                        continue;
+                    };
+                    let mut outs = Vec::new();
+                    for nkv in [1, 2, 4] {
+                        let items = plan_with(&shape, &seqs, nkv);
+                        assert!(items.iter().all(|it| it.nkv == nkv));
+                        let mut o = vec![0.0f32; row * heads * d];
+                        run_items(&kern, &shape, &seqs, &items, &q, view, view, &mut o);
+                        outs.push(o);
+                    }
+                    assert_eq!(outs[0], outs[1], "{} nkv 2", tier.name());
+                    assert_eq!(outs[0], outs[2], "{} nkv 4", tier.name());
+                    let mut want = vec![0.0f32; row * heads * d];
+                    reference(&shape, &seqs, &q, view, view, &mut want);
+                    let err = want
+                        .iter()
+                        .zip(&outs[2])
+                        .map(|(a, b)| (a - b).abs())
+                        .fold(0.0f32, f32::max);
+                    assert!(err < 1e-4, "{} vs reference: {err}", tier.name());
+                }
             }
         }
     }
