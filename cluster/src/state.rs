@@ -124,10 +124,12 @@ impl Rebalance {
             .workers
             .iter()
             .filter(|w| {
-                !self
-                    .target
-                    .assigned_to(w)
-                    .is_subset(&self.from.assigned_to(w))
+                let (to, from) = (self.target.assigned_to(w), self.from.assigned_to(w));
+                // New replicas, or replicas held here in another precision.
+                !to.is_subset(&from)
+                    || to
+                        .iter()
+                        .any(|&(l, e)| self.target.is_int8(l, e) != self.from.is_int8(l, e))
             })
             .cloned()
             .collect()
@@ -151,6 +153,36 @@ pub fn desired_experts(
         out.extend(r.target.assigned_to(id));
     }
     out
+}
+
+/// The experts of [`desired_experts`] worker `id` holds in int8: as the
+/// target placement says while a rebalance is active (for the replicas it
+/// keeps or adds; the old placement's for those it drops), as the placement
+/// in force says otherwise.
+pub fn desired_int8(
+    id: &str,
+    placement: Option<&Placement>,
+    rebalance: Option<&Rebalance>,
+) -> BTreeSet<(usize, usize)> {
+    let held = desired_experts(id, placement, rebalance);
+    match rebalance {
+        Some(r) if r.state.active() => {
+            let kept = r.target.assigned_to(id);
+            held.into_iter()
+                .filter(|&(l, e)| {
+                    if kept.contains(&(l, e)) {
+                        r.target.is_int8(l, e)
+                    } else {
+                        r.from.is_int8(l, e)
+                    }
+                })
+                .collect()
+        }
+        _ => held
+            .into_iter()
+            .filter(|&(l, e)| placement.is_some_and(|p| p.is_int8(l, e)))
+            .collect(),
+    }
 }
 
 /// Access to one cluster's keys.

@@ -105,7 +105,11 @@ pub fn plan_layer(
         r.sort_unstable();
     }
     Ok(LayerPlan {
-        placement: LayerPlacement { layer, experts },
+        placement: LayerPlacement {
+            layer,
+            experts,
+            int8: Vec::new(),
+        },
         worker_load,
     })
 }
@@ -144,9 +148,81 @@ pub fn plan(
     ))
 }
 
+/// Precision by load: the experts to hold in int8 so that the hottest ones,
+/// covering at least `bf16_share` of the routed tokens in `loads`
+/// (`loads[i]` belongs to `moe_layers[i]`, ranked over all layers together,
+/// ties by layer then expert), stay bf16. Experts that saw no token are
+/// int8; with no load at all, none is (nothing is known yet).
+pub fn precision_by_load(
+    moe_layers: &[usize],
+    loads: &[Vec<f64>],
+    bf16_share: f64,
+) -> std::collections::BTreeSet<(usize, usize)> {
+    let mut ranked: Vec<((usize, usize), f64)> = moe_layers
+        .iter()
+        .zip(loads)
+        .flat_map(|(&l, ld)| ld.iter().enumerate().map(move |(e, &x)| ((l, e), x)))
+        .collect();
+    let total: f64 = ranked.iter().map(|r| r.1).sum();
+    if total <= 0.0 {
+        return Default::default();
+    }
+    ranked.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
+    let mut acc = 0.0;
+    let mut int8 = std::collections::BTreeSet::new();
+    for (k, x) in ranked {
+        if acc >= bf16_share * total || x <= 0.0 {
+            int8.insert(k);
+        } else {
+            acc += x;
+        }
+    }
+    int8
+}
+
+/// The share of the routed tokens in `loads` that experts outside `int8`
+/// (the bf16 ones) took (1 with no load).
+pub fn bf16_coverage(
+    moe_layers: &[usize],
+    loads: &[Vec<f64>],
+    int8: &std::collections::BTreeSet<(usize, usize)>,
+) -> f64 {
+    let (mut bf, mut total) = (0.0, 0.0);
+    for (&l, ld) in moe_layers.iter().zip(loads) {
+        for (e, &x) in ld.iter().enumerate() {
+            total += x;
+            if !int8.contains(&(l, e)) {
+                bf += x;
+            }
+        }
+    }
+    if total > 0.0 { bf / total } else { 1.0 }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn precision_by_load_keeps_the_hot_share_in_bf16() {
+        let layers = [1, 3];
+        let loads = vec![vec![50.0, 10.0, 0.0, 5.0], vec![20.0, 5.0, 10.0, 0.0]];
+        let int8 = precision_by_load(&layers, &loads, 0.7);
+        // 100 tokens: 50 (1,0) + 20 (3,0) = 70 covers the share.
+        let bf16: Vec<(usize, usize)> = [(1, 0), (3, 0)].into();
+        for l in layers {
+            for e in 0..4 {
+                assert_eq!(int8.contains(&(l, e)), !bf16.contains(&(l, e)), "({l},{e})");
+            }
+        }
+        assert!((bf16_coverage(&layers, &loads, &int8) - 0.7).abs() < 1e-12);
+        // Everything used stays bf16 at share 1; unused experts are int8.
+        let all = precision_by_load(&layers, &loads, 1.0);
+        assert_eq!(all, [(1, 2), (3, 3)].into_iter().collect());
+        // Share 0: every expert int8; no load: none.
+        assert_eq!(precision_by_load(&layers, &loads, 0.0).len(), 8);
+        assert!(precision_by_load(&layers, &[vec![0.0; 4], vec![0.0; 4]], 0.5).is_empty());
+    }
 
     #[test]
     fn skewed_load_is_balanced_by_replication() {

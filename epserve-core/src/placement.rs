@@ -14,6 +14,12 @@ pub struct LayerPlacement {
     pub layer: usize,
     /// `experts[e]` = indices into [`Placement::workers`] holding a replica of expert `e`.
     pub experts: Vec<Vec<u32>>,
+    /// Experts whose every replica is held in int8 W8A8 (ascending); the
+    /// others at each worker's `--expert-dtype`. Written by the precision
+    /// policy (`--expert-precision-policy load` on the coordinator), so a
+    /// precision change is a placement change, applied live like any other.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub int8: Vec<u32>,
 }
 
 /// A versioned placement of every expert of every MoE layer.
@@ -51,6 +57,7 @@ impl Placement {
                 experts: (0..num_experts)
                     .map(|e| vec![((i * num_experts + e) % w) as u32])
                     .collect(),
+                int8: Vec::new(),
             })
             .collect();
         Ok(Placement {
@@ -99,8 +106,47 @@ impl Placement {
                     )));
                 }
             }
+            if l.int8.windows(2).any(|w| w[0] >= w[1]) {
+                return Err(PlacementError(format!(
+                    "layer {}: the int8 experts must be listed once each, ascending",
+                    l.layer
+                )));
+            }
+            if let Some(bad) = l.int8.iter().find(|&&e| e as usize >= num_experts) {
+                return Err(PlacementError(format!(
+                    "layer {} lists int8 expert {bad}; the model has {num_experts}",
+                    l.layer
+                )));
+            }
         }
         Ok(())
+    }
+
+    /// Whether expert `e` of `layer` is held in int8 under this placement.
+    pub fn is_int8(&self, layer: usize, e: usize) -> bool {
+        self.layer(layer)
+            .is_some_and(|l| l.int8.binary_search(&(e as u32)).is_ok())
+    }
+
+    /// The `(layer, expert)` pairs held in int8 (on every worker).
+    pub fn int8_experts(&self) -> BTreeSet<(usize, usize)> {
+        self.layers
+            .iter()
+            .flat_map(|l| l.int8.iter().map(move |&e| (l.layer, e as usize)))
+            .collect()
+    }
+
+    /// The same replicas with the int8 experts `int8` (`(layer, expert)`
+    /// pairs; pairs outside the MoE layers are ignored).
+    pub fn with_int8(&self, int8: &BTreeSet<(usize, usize)>) -> Placement {
+        let mut p = self.clone();
+        for l in &mut p.layers {
+            l.int8 = int8
+                .range((l.layer, 0)..(l.layer + 1, 0))
+                .map(|&(_, e)| e as u32)
+                .collect();
+        }
+        p
     }
 
     /// The placement of one layer, if it is an MoE layer.
@@ -191,6 +237,19 @@ mod tests {
         assert!(p.validate(&[0], 3).is_err());
         p.layers[0].experts[1] = vec![0, 1];
         assert!(p.validate(&[0], 3).is_ok());
+        p.layers[0].int8 = vec![2, 0];
+        assert!(p.validate(&[0], 3).is_err(), "unsorted int8 list");
+        p.layers[0].int8 = vec![3];
+        assert!(p.validate(&[0], 3).is_err(), "int8 expert out of range");
+        let p = p.with_int8(&[(0, 0), (0, 2), (5, 1)].into_iter().collect());
+        assert!(p.validate(&[0], 3).is_ok());
+        assert!(p.is_int8(0, 2) && !p.is_int8(0, 1));
+        assert_eq!(p.int8_experts().len(), 2);
+        // The field is omitted when empty, so older documents still parse.
+        let json = serde_json::to_string(&p.with_int8(&BTreeSet::new())).expect("json");
+        assert!(!json.contains("int8"), "{json}");
+        let back: Placement = serde_json::from_str(&json).expect("parse");
+        assert!(back.int8_experts().is_empty());
         assert_eq!(p.assigned_to("w0").len(), 3);
         assert_eq!(p.assigned_to("w1").len(), 1);
     }

@@ -744,4 +744,66 @@ mod tests {
         task.abort();
         Ok(())
     }
+
+    /// The placement's int8 experts (the coordinator's precision policy) are
+    /// loaded in int8, the rest at the worker's own precision, with the
+    /// packed executor and with a tiered store; a placement without them
+    /// brings them back to bf16.
+    #[tokio::test]
+    async fn loads_the_int8_experts_the_placement_names() -> Result<()> {
+        let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/qwen3_moe_a/bf16");
+        for tier in [
+            None,
+            Some(epserve_core::experts::TierOptions {
+                budget: 1 << 30,
+                ..Default::default()
+            }),
+        ] {
+            let cfg = ModelConfig::from_dir(&dir)?;
+            let ws = Arc::new(WeightStore::open(&dir)?);
+            let (layers, n) = (cfg.moe_layers(), cfg.num_experts);
+            let opts = LoadOptions {
+                tier: tier.clone(),
+                ..Default::default()
+            };
+            let worker = Arc::new(ExpertWorker::new("a".into(), cfg, ws, opts));
+            let mut p = Placement::initial(&layers, n, &["a".to_string()])
+                .map_err(|e| anyhow::anyhow!(e))?;
+            let int8: std::collections::BTreeSet<(usize, usize)> = [
+                (layers[0], 0),
+                (layers[0], 2),
+                (layers[layers.len() - 1], 1),
+            ]
+            .into();
+            p = p.with_int8(&int8);
+            worker.apply(&p, None).await?;
+            let precisions = |w: &ExpertWorker| -> Vec<((usize, usize), String)> {
+                w.current()
+                    .map(|c| {
+                        c.executor
+                            .expert_states()
+                            .into_iter()
+                            .filter(|x| x.tier != "cold")
+                            .map(|x| ((x.layer, x.expert), x.precision.to_string()))
+                            .collect()
+                    })
+                    .unwrap_or_default()
+            };
+            let got = precisions(&worker);
+            assert_eq!(got.len(), layers.len() * n, "{tier:?}: every expert packed");
+            for (k, prec) in &got {
+                let want = if int8.contains(k) { "int8" } else { "bf16" };
+                assert_eq!(prec, want, "{tier:?} {k:?}");
+            }
+            p.version += 1;
+            let p = p.with_int8(&Default::default());
+            worker.apply(&p, None).await?;
+            assert!(
+                precisions(&worker).iter().all(|(_, x)| x == "bf16"),
+                "{tier:?}: {:?}",
+                precisions(&worker)
+            );
+        }
+        Ok(())
+    }
 }

@@ -11,9 +11,9 @@ use std::time::Instant;
 
 use anyhow::{Result, bail};
 use epserve_cluster::runtime::Status as StatusLines;
-use epserve_cluster::state::{Rebalance, desired_experts};
+use epserve_cluster::state::{Rebalance, desired_experts, desired_int8};
 use epserve_core::config::ModelConfig;
-use epserve_core::experts::{LoadOptions, TieredExperts, load_executor_shared};
+use epserve_core::experts::{ExpertDtype, LoadOptions, TieredExperts, load_executor_shared};
 use epserve_core::loader::weights::WeightStore;
 use epserve_core::moe::{ExpertExecutor, QuantizedRows, Rows, SKIP_SLOT, combine};
 use epserve_core::placement::Placement;
@@ -43,6 +43,8 @@ pub const EXPERT_SERVICE_NAME: &str = <epserve_proto::pb::expert_service_server:
 pub struct Loaded {
     pub version: u64,
     pub held: BTreeSet<(usize, usize)>,
+    /// Those of `held` the placement asks in int8.
+    pub int8: BTreeSet<(usize, usize)>,
     pub executor: Arc<dyn ExpertExecutor>,
 }
 
@@ -236,7 +238,7 @@ impl ExpertWorker {
         self.tiers.lock().ok().and_then(|g| g.clone())
     }
 
-    fn current(&self) -> Option<Arc<Loaded>> {
+    pub(crate) fn current(&self) -> Option<Arc<Loaded>> {
         self.loaded.read().ok().and_then(|g| g.clone())
     }
 
@@ -261,12 +263,15 @@ impl ExpertWorker {
         }
         let p = p.clone();
         let held = desired_experts(&self.id, Some(&p), r);
+        let int8 = desired_int8(&self.id, Some(&p), r);
         if let Some(cur) = self.current()
             && cur.held == held
+            && cur.int8 == int8
         {
             let l = Arc::new(Loaded {
                 version: p.version,
                 held,
+                int8,
                 executor: cur.executor.clone(),
             });
             if let Ok(mut g) = self.loaded.write() {
@@ -277,6 +282,7 @@ impl ExpertWorker {
         }
         let me = self.clone();
         let held2 = held.clone();
+        let int82 = int8.clone();
         let started = Instant::now();
         let what = format!(
             "expert-worker '{}': loading {} experts (placement v{}) from {} of mapped weights",
@@ -288,19 +294,32 @@ impl ExpertWorker {
         let executor = tokio::task::spawn_blocking(move || {
             let progress = epserve_core::loader::progress::Reporter::start(what);
             let keep = |l: usize, e: usize| held2.contains(&(l, e));
+            // The placement's int8 experts (the coordinator's precision
+            // policy) over this worker's own precision flags.
+            let mut opts = me.opts.clone();
+            for &k in &int82 {
+                opts.expert_dtype_overrides.insert(k, ExpertDtype::Int8);
+            }
             let r = match me.tiers() {
                 // Tiered: the same store, assigned the new experts.
                 Some(t) => t
-                    .assign(&keep)
+                    .assign_with_int8(&keep, &int82)
                     .map(|()| t.clone() as Arc<dyn ExpertExecutor>),
-                None => load_executor_shared(&me.cfg, &me.ws, &me.opts, keep).map(|(ex, t)| {
-                    if let Some(t) = t
-                        && let Ok(mut g) = me.tiers.lock()
-                    {
-                        *g = Some(t);
-                    }
-                    ex
-                }),
+                // A tiered store keeps its options for life: it gets the
+                // int8 experts as an assignment (changed by later
+                // placements), not as options.
+                None if me.opts.tier.is_some() => {
+                    load_executor_shared(&me.cfg, &me.ws, &me.opts, keep).and_then(|(ex, t)| {
+                        if let Some(t) = t {
+                            t.assign_with_int8(&keep, &int82)?;
+                            if let Ok(mut g) = me.tiers.lock() {
+                                *g = Some(t);
+                            }
+                        }
+                        Ok(ex)
+                    })
+                }
+                None => load_executor_shared(&me.cfg, &me.ws, &opts, keep).map(|(ex, _)| ex),
             };
             if r.is_ok() {
                 progress.finish();
@@ -329,6 +348,7 @@ impl ExpertWorker {
             *g = Some(Arc::new(Loaded {
                 version: p.version,
                 held,
+                int8,
                 executor,
             }));
         }

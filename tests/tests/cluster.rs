@@ -25,7 +25,12 @@ fn start_up(fixture: &str, workers: usize, dtype: &str) -> Up {
 
 /// `epserve up` with extra arguments (`--attention-workers 2`, `-- COORDINATOR ARGS`).
 fn start_up_with(fixture: &str, workers: usize, dtype: &str, extra: &[&str]) -> Up {
-    let model = fixture_dir(fixture).join("f32");
+    start_up_from(fixture, "f32", workers, dtype, extra)
+}
+
+/// [`start_up_with`] on the fixture's `folder` (`f32` or `bf16`).
+fn start_up_from(fixture: &str, folder: &str, workers: usize, dtype: &str, extra: &[&str]) -> Up {
+    let model = fixture_dir(fixture).join(folder);
     let model = model.to_str().expect("utf-8 fixture path");
     let workers = workers.to_string();
     let mut args = vec![
@@ -1513,4 +1518,140 @@ async fn an_expert_worker_survives_an_etcd_restart() {
         Duration::from_secs(30),
     );
     drop(worker);
+}
+
+/// `--expert-precision-policy load` on the coordinator: from the cluster's
+/// load window it writes the cold experts as int8 into the placement and
+/// applies that live through the rebalance state machine; the workers
+/// repack them and the admin RPC (`ctl load`) shows each replica's
+/// precision. Requests keep being answered across the switch.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn precision_policy_applies_int8_through_a_rebalance() {
+    if !etcd_available() {
+        return;
+    }
+    let fixture = "qwen3_moe_b";
+    let up = start_up_from(
+        fixture,
+        "bf16",
+        2,
+        "f32",
+        &[
+            "--",
+            "--expert-precision-policy",
+            "load",
+            "--expert-bf16-share",
+            "0.5",
+            "--precision-interval",
+            "8",
+        ],
+    );
+    let g = golden(fixture);
+    let mut admin = epserve_proto::pb::admin_service_client::AdminServiceClient::connect(format!(
+        "http://{}",
+        up.admin
+    ))
+    .await
+    .expect("admin connect");
+    let start = Instant::now();
+    let mut rounds = 0;
+    let replicas = loop {
+        // Bounded: a request per case per round, for at most 120 s.
+        for case in &g.cases {
+            let v = complete(
+                &up.url,
+                json!({"model": "tiny", "prompt": case.prompt_token_ids, "max_tokens": 8,
+                       "temperature": 0, "ignore_eos": true}),
+            )
+            .await;
+            assert_eq!(v["usage"]["completion_tokens"], 8, "{v}");
+        }
+        rounds += 1;
+        let load = admin
+            .get_expert_load(epserve_proto::pb::GetExpertLoadRequest {})
+            .await
+            .expect("expert load")
+            .into_inner();
+        let replicas: Vec<(u32, epserve_proto::pb::ReplicaLoad)> = load
+            .layers
+            .into_iter()
+            .flat_map(|l| l.replicas.into_iter().map(move |r| (l.layer, r)))
+            .collect();
+        if replicas.iter().any(|(_, r)| r.precision == "int8") {
+            break replicas;
+        }
+        assert!(
+            start.elapsed() < Duration::from_secs(120),
+            "no int8 expert after {rounds} rounds: {replicas:?}"
+        );
+    };
+    let int8 = replicas
+        .iter()
+        .filter(|(_, r)| r.precision == "int8")
+        .count();
+    let bf16 = replicas
+        .iter()
+        .filter(|(_, r)| r.precision == "bf16")
+        .count();
+    assert!(
+        int8 > 0 && bf16 > 0,
+        "int8 {int8}, bf16 {bf16}: {replicas:?}"
+    );
+    assert_eq!(int8 + bf16, replicas.len(), "{replicas:?}");
+    // The placement in etcd names the same int8 experts.
+    let store = EtcdStore::connect(&up.etcd).await.expect("etcd");
+    let keys = store.list("/epserve/").await.expect("list");
+    let cluster = keys
+        .iter()
+        .find_map(|(k, _)| {
+            k.strip_prefix("/epserve/")
+                .and_then(|r| r.split('/').next())
+                .map(str::to_string)
+        })
+        .expect("a cluster prefix");
+    let state = ClusterState::new(Arc::new(store), &cluster);
+    // Workers repack while the rebalance loads (before the switch): wait
+    // for the switch, then read the replicas again.
+    let p = loop {
+        let (p, _) = state.placement().await.expect("get").expect("placement");
+        let done = state
+            .rebalance()
+            .await
+            .expect("get")
+            .is_some_and(|(r, _)| !r.state.active());
+        if p.version > 1 && done {
+            break p;
+        }
+        assert!(
+            start.elapsed() < Duration::from_secs(150),
+            "the precision rebalance never switched: {p:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    let load = admin
+        .get_expert_load(epserve_proto::pb::GetExpertLoadRequest {})
+        .await
+        .expect("expert load")
+        .into_inner();
+    let replicas: Vec<(u32, epserve_proto::pb::ReplicaLoad)> = load
+        .layers
+        .into_iter()
+        .flat_map(|l| l.replicas.into_iter().map(move |r| (l.layer, r)))
+        .collect();
+    let listed = p.int8_experts();
+    for (layer, r) in &replicas {
+        assert_eq!(
+            listed.contains(&(*layer as usize, r.expert as usize)),
+            r.precision == "int8",
+            "{r:?} vs {listed:?}"
+        );
+    }
+    // Still serving after the switch.
+    let v = complete(
+        &up.url,
+        json!({"model": "tiny", "prompt": g.cases[0].prompt_token_ids, "max_tokens": 16,
+               "temperature": 0, "ignore_eos": true}),
+    )
+    .await;
+    assert_eq!(v["usage"]["completion_tokens"], 16, "{v}");
 }

@@ -46,9 +46,12 @@ pub struct ExpertMemoryArgs {
     #[arg(long)]
     pub no_expert_prefetch: bool,
     /// Precision of each expert: `fixed` (--expert-dtype for all), or
-    /// `load`: the most used experts (a decaying window of this process's
-    /// own calls) run in bf16 and the rest in int8 W8A8, re-chosen as the
-    /// load moves (experts repacked in the background).
+    /// `load`: the most used experts run in bf16 and the rest in int8 W8A8,
+    /// re-chosen as the load moves. On `serve` and an expert-worker, by a
+    /// decaying window of the process's own calls (experts repacked in the
+    /// background); on the coordinator, by the cluster's load window
+    /// (`--eplb-window`): the int8 experts are written into the placement
+    /// and applied live as a rebalance (workers repack, then switch).
     #[arg(long, default_value = "fixed", value_parser = ["fixed", "load"])]
     pub expert_precision_policy: String,
     /// With `--expert-precision-policy load`: the share of expert uses that
@@ -72,6 +75,35 @@ impl ExpertMemoryArgs {
             || self.no_expert_prefetch
             || self.expert_precision_policy != "fixed"
             || self.expert_bf16_share.is_some()
+    }
+
+    /// The coordinator's precision policy: with `--expert-precision-policy
+    /// load`, the bf16 share it keeps (the hottest experts by the cluster's
+    /// load window covering it stay bf16, the rest are written int8 into the
+    /// placement); `None` with `fixed`. The flags that size a process's own
+    /// expert memory are refused: the coordinator holds no experts.
+    pub fn coordinator_bf16_share(&self) -> Result<Option<f64>> {
+        if self.expert_memory.is_some()
+            || self.expert_resident_fraction.is_some()
+            || self.expert_mlock
+            || self.no_expert_prefetch
+        {
+            anyhow::bail!(
+                "--expert-memory, --expert-resident-fraction, --expert-mlock and \
+                 --no-expert-prefetch are expert-worker flags: the coordinator holds no \
+                 experts (pass them to each `epserve expert-worker`, or `epserve up \
+                 --expert-memory`)"
+            );
+        }
+        let load = self.expert_precision_policy == "load";
+        if !load && self.expert_bf16_share.is_some() {
+            anyhow::bail!("--expert-bf16-share needs --expert-precision-policy load");
+        }
+        let share = self.expert_bf16_share.unwrap_or(0.8);
+        if !(0.0..=1.0).contains(&share) {
+            anyhow::bail!("--expert-bf16-share must be in 0..=1, got {share}");
+        }
+        Ok(load.then_some(share))
     }
 
     /// The tier options, or `None` without `--expert-memory` and without
@@ -578,6 +610,43 @@ mod expert_memory_tests {
         Cmd::try_parse_from(std::iter::once("t").chain(args.iter().copied()))
             .expect("parse")
             .a
+    }
+
+    #[test]
+    fn the_coordinator_takes_only_the_precision_policy() {
+        assert_eq!(parse(&[]).coordinator_bf16_share().expect("none"), None);
+        assert_eq!(
+            parse(&["--expert-precision-policy", "load"])
+                .coordinator_bf16_share()
+                .expect("load"),
+            Some(0.8)
+        );
+        assert_eq!(
+            parse(&[
+                "--expert-precision-policy",
+                "load",
+                "--expert-bf16-share",
+                "0.5"
+            ])
+            .coordinator_bf16_share()
+            .expect("load"),
+            Some(0.5)
+        );
+        for bad in [
+            &["--expert-memory", "1GiB"][..],
+            &["--expert-mlock"],
+            &["--no-expert-prefetch"],
+            &["--expert-resident-fraction", "0.3"],
+            &["--expert-bf16-share", "0.9"],
+            &[
+                "--expert-precision-policy",
+                "load",
+                "--expert-bf16-share",
+                "1.5",
+            ],
+        ] {
+            assert!(parse(bad).coordinator_bf16_share().is_err(), "{bad:?}");
+        }
     }
 
     #[test]

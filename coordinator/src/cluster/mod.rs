@@ -109,6 +109,11 @@ pub struct EplbArgs {
     /// predicted balancedness by at least this much (0..1).
     #[arg(long, default_value_t = 0.05, value_name = "FRAC")]
     pub eplb_min_improvement: f64,
+    /// With `--expert-precision-policy load`: forward steps between checks
+    /// of the experts' precision against the load window when automatic
+    /// EPLB is off (with it, every `--eplb-interval`).
+    #[arg(long, default_value_t = rebalance::PRECISION_INTERVAL_STEPS, value_name = "STEPS")]
+    pub precision_interval: u64,
     /// Redundant expert replicas per MoE layer for automatic rebalancing.
     #[arg(long, default_value_t = 0)]
     pub eplb_redundant_experts: usize,
@@ -145,13 +150,7 @@ async fn current_route(state: &ClusterState, cfg: &ModelConfig) -> Result<Option
 /// Runs the coordinator (blocking); `status` gets the operator-facing lines
 /// (placement, attention-workers, admin address, serving).
 pub fn run(args: &CoordinatorArgs, status: Status) -> Result<()> {
-    if args.serve.expert_memory.any_set() {
-        bail!(
-            "--expert-memory, --expert-precision-policy and the other --expert-* tier flags \
-             are expert-worker flags: the coordinator holds no experts (pass them to each \
-             `epserve expert-worker`, or `epserve up --expert-memory`)"
-        );
-    }
+    let bf16_share = args.serve.expert_memory.coordinator_bf16_share()?;
     if !(0.0..=1.0).contains(&args.eplb.eplb_min_improvement) {
         bail!(
             "--eplb-min-improvement must be within [0, 1], got {}",
@@ -275,14 +274,17 @@ pub fn run(args: &CoordinatorArgs, status: Status) -> Result<()> {
         };
         Ok::<_, anyhow::Error>((dispatcher, state, remote_attention, restart))
     })?;
-    let controller = Arc::new(rebalance::Controller::new(
-        state.clone(),
-        dispatcher.clone(),
-        cfg.moe_layers(),
-        cfg.num_experts,
-        3 * cfg.hidden_size as u64 * cfg.moe_intermediate_size as u64 * 2,
-        Duration::from_secs(args.eplb.rebalance_timeout_secs),
-    ));
+    let controller = Arc::new(
+        rebalance::Controller::new(
+            state.clone(),
+            dispatcher.clone(),
+            cfg.moe_layers(),
+            cfg.num_experts,
+            3 * cfg.hidden_size as u64 * cfg.moe_intermediate_size as u64 * 2,
+            Duration::from_secs(args.eplb.rebalance_timeout_secs),
+        )
+        .with_precision_policy(bf16_share),
+    );
     if let Some(msg) = rt.block_on(controller.resume())? {
         status.say(&format!("epserve coordinator: {msg}"));
     }
@@ -297,11 +299,18 @@ pub fn run(args: &CoordinatorArgs, status: Status) -> Result<()> {
             .clone()
             .probe_forever(Duration::from_millis(args.health_probe_ms)),
     );
-    if args.eplb.eplb_interval > 0 {
+    if args.eplb.eplb_interval > 0 || bf16_share.is_some() {
         rt.spawn(controller.clone().auto(
-            args.eplb.eplb_interval,
-            args.eplb.eplb_redundant_experts,
-            args.eplb.eplb_min_improvement,
+            rebalance::AutoOptions {
+                eplb: args.eplb.eplb_interval > 0,
+                interval: if args.eplb.eplb_interval > 0 {
+                    args.eplb.eplb_interval
+                } else {
+                    args.eplb.precision_interval.max(1)
+                },
+                redundant: args.eplb.eplb_redundant_experts,
+                min_improvement: args.eplb.eplb_min_improvement,
+            },
             status.clone(),
         ));
     }

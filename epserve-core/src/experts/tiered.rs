@@ -24,7 +24,7 @@
 //! the call that needs them finds them cached; the [`TierStats`] count hits,
 //! misses, evictions, bytes paged in and prefetch hits.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::mpsc::{Receiver, SyncSender, sync_channel};
 use std::sync::{Arc, Mutex, MutexGuard, Weak};
@@ -178,6 +178,9 @@ struct State {
     want_resident: std::collections::HashSet<(usize, usize)>,
     /// Precision by load: the experts that run in bf16 (the rest int8).
     bf16: std::collections::HashSet<(usize, usize)>,
+    /// Experts the placement asks in int8 (the coordinator's precision
+    /// policy), whatever the options and the local policy say.
+    int8: BTreeSet<(usize, usize)>,
     /// Share of recent prefetches evicted before any use (a moving
     /// average over outcomes, 0 = every guess used). Above a half, guesses
     /// cost more than they save (each is a full pack on cores the calls
@@ -300,8 +303,9 @@ impl TieredExperts {
         let mut probes: Vec<((usize, usize), ExpertDtype, PackedExpert)> = Vec::new();
         for l in cfg.moe_layers() {
             for e in 0..n {
+                // int8 always: a placement may ask any expert in int8.
                 let asked: Vec<ExpertDtype> = match tier.bf16_share {
-                    None => vec![opts.dtype_for(l, e)],
+                    None => vec![ExpertDtype::Int8, opts.dtype_for(l, e)],
                     Some(_) => vec![ExpertDtype::Int8, hot_dtype(opts)],
                 };
                 for dt in asked {
@@ -371,14 +375,30 @@ impl TieredExperts {
     /// reference), and newly assigned ones are packed while the budget has
     /// room. Experts that stay assigned keep their tier.
     pub fn assign(&self, keep: &(impl Fn(usize, usize) -> bool + Sync)) -> Result<()> {
+        let int8 = self.inner.lock().int8.clone();
+        self.assign_with_int8(keep, &int8)
+    }
+
+    /// [`Self::assign`], with the experts the placement asks in int8: packed
+    /// experts in another precision than they now need are dropped (and
+    /// packed again in theirs when used or warmed).
+    pub fn assign_with_int8(
+        &self,
+        keep: &(impl Fn(usize, usize) -> bool + Sync),
+        int8: &BTreeSet<(usize, usize)>,
+    ) -> Result<()> {
         let assigned = assignment(&self.inner.cfg, keep);
         {
             let mut st = self.inner.lock();
+            st.int8 = int8.clone();
             let gone: Vec<(usize, usize)> = st
                 .entries
-                .keys()
-                .copied()
-                .filter(|&(l, e)| !assigned[l].get(e).copied().unwrap_or(false))
+                .iter()
+                .filter(|&(&(l, e), en)| {
+                    !assigned[l].get(e).copied().unwrap_or(false)
+                        || en.dtype != self.inner.want_dtype(&st, l, e)
+                })
+                .map(|(k, _)| *k)
                 .collect();
             for k in gone {
                 if let Some(mut en) = st.entries.remove(&k) {
@@ -543,6 +563,9 @@ impl Inner {
 
     /// The precision expert `e` of `layer` is packed in now.
     fn want_dtype(&self, st: &State, layer: usize, e: usize) -> ExpertDtype {
+        if st.int8.contains(&(layer, e)) {
+            return ExpertDtype::Int8;
+        }
         match self.tier.bf16_share {
             None => self.opts.dtype_for(layer, e),
             Some(_) if st.bf16.contains(&(layer, e)) => hot_dtype(&self.opts),

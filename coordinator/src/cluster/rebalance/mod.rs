@@ -205,6 +205,30 @@ pub struct Controller {
     /// How long workers may take to load, and steps to drain.
     pub timeout: Duration,
     running: tokio::sync::Mutex<()>,
+    /// `--expert-precision-policy load` on the coordinator: the bf16 share
+    /// of routed tokens to keep (the rest of the experts int8).
+    precision: Option<f64>,
+}
+
+/// Forward steps between automatic precision checks when automatic EPLB is
+/// off (`--eplb-interval 0`) and the precision policy is on.
+pub const PRECISION_INTERVAL_STEPS: u64 = 256;
+/// The precision policy re-plans only when the bf16 experts in force cover
+/// less than the share minus this (or hold far more experts in bf16 than
+/// needed): load noise around the boundary does not repack experts.
+pub const PRECISION_SLACK: f64 = 0.05;
+
+/// What the automatic loop does.
+#[derive(Debug, Clone, Copy)]
+pub struct AutoOptions {
+    /// Rebalance by EPLB (`--eplb-interval` > 0).
+    pub eplb: bool,
+    /// Forward steps between checks.
+    pub interval: u64,
+    /// Redundant replicas per layer for EPLB.
+    pub redundant: usize,
+    /// Least gain in mean balancedness for EPLB to apply a plan.
+    pub min_improvement: f64,
 }
 
 impl Controller {
@@ -225,7 +249,57 @@ impl Controller {
             expert_bytes,
             timeout,
             running: tokio::sync::Mutex::new(()),
+            precision: None,
         }
+    }
+
+    /// With `Some(share)`, plans also choose each expert's precision from
+    /// the load window ([`eplb::precision_by_load`]), and [`Self::auto`]
+    /// applies a precision change as its own rebalance when the load moved.
+    pub fn with_precision_policy(mut self, bf16_share: Option<f64>) -> Self {
+        self.precision = bf16_share;
+        self
+    }
+
+    /// The precision policy's bf16 share, if it is on.
+    pub fn precision_policy(&self) -> Option<f64> {
+        self.precision
+    }
+
+    /// A plan that only changes experts' precision (same replicas), when
+    /// the precision policy is on, there is load, and the int8 set in force
+    /// misses the share by more than [`PRECISION_SLACK`] or keeps more than
+    /// a quarter more experts in bf16 than the share needs.
+    pub async fn plan_precision(&self) -> Res<Option<Plan>> {
+        let Some(share) = self.precision else {
+            return Ok(None);
+        };
+        let (from, _) = self.current().await?;
+        let loads = self.loads();
+        if loads.iter().flatten().all(|&x| x == 0.0) {
+            return Ok(None);
+        }
+        let want = eplb::precision_by_load(&self.moe_layers, &loads, share);
+        let have = from.int8_experts();
+        if want == have {
+            return Ok(None);
+        }
+        let all = self.moe_layers.len() * self.num_experts;
+        let covered = eplb::bf16_coverage(&self.moe_layers, &loads, &have);
+        let (bf_have, bf_want) = (
+            all.saturating_sub(have.len()) as f64,
+            all.saturating_sub(want.len()) as f64,
+        );
+        if covered >= share - PRECISION_SLACK && bf_have <= 1.25 * bf_want + 1.0 {
+            return Ok(None);
+        }
+        let est = estimate(&from, &loads);
+        Ok(Some(Plan {
+            target: from.with_int8(&want),
+            from,
+            current: est.clone(),
+            predicted: est,
+        }))
     }
 
     async fn current(&self) -> Res<(Placement, i64)> {
@@ -294,14 +368,19 @@ impl Controller {
                 "no expert load measured under the current placement yet (the window restarts at every placement change): send traffic first".into(),
             ));
         }
-        let (target, predicted) = eplb::plan(0, &workers, &self.moe_layers, &loads, cap, redundant)
-            .map_err(|e| {
+        let (mut target, predicted) =
+            eplb::plan(0, &workers, &self.moe_layers, &loads, cap, redundant).map_err(|e| {
                 RebalanceError::OverCapacity(format!(
                     "{} (redundant {redundant}, capacity {cap} per layer)",
                     e.0
                 ))
             })?;
         self.check_memory(&target, &registered)?;
+        // The precision policy chooses the int8 experts too; without it
+        // every expert runs at the workers' own precision.
+        if let Some(share) = self.precision {
+            target = target.with_int8(&eplb::precision_by_load(&self.moe_layers, &loads, share));
+        }
         let current = estimate(&from, &loads);
         Ok(Plan {
             from,
@@ -593,41 +672,51 @@ impl Controller {
         self.state.set_drained(&d).await.map_err(store_err)
     }
 
-    /// Automatic rebalancing: every `interval` forward steps, plans with
-    /// `redundant` extra replicas per layer and applies the plan if it
-    /// improves the mean balancedness by at least `min_improvement`; each
+    /// Automatic rebalancing: every `o.interval` forward steps, with EPLB
+    /// on, plans with `o.redundant` extra replicas per layer and applies the
+    /// plan if it improves the mean balancedness by at least
+    /// `o.min_improvement`; otherwise, with the precision policy on, applies
+    /// a precision change when [`Self::plan_precision`] finds one. Each
     /// rebalance applied is a `status` line.
-    pub async fn auto(
-        self: Arc<Self>,
-        interval: u64,
-        redundant: usize,
-        min_improvement: f64,
-        status: Status,
-    ) {
+    pub async fn auto(self: Arc<Self>, o: AutoOptions, status: Status) {
         let mut last = self.dispatcher.steps_total();
         loop {
             tokio::time::sleep(Duration::from_millis(500)).await;
             let now = self.dispatcher.steps_total();
-            if now.saturating_sub(last) < interval {
+            if now.saturating_sub(last) < o.interval {
                 continue;
             }
             last = now;
-            let plan = match self.plan_rebalance(redundant, 0).await {
-                Ok(p) => p,
-                Err(e) => {
-                    tracing::warn!(error = %e, "automatic rebalance: cannot plan");
-                    continue;
+            let mut chosen = None;
+            if o.eplb {
+                match self.plan_rebalance(o.redundant, 0).await {
+                    Ok(plan) if plan.improvement() >= o.min_improvement => {
+                        chosen = Some((plan, "auto"));
+                    }
+                    Ok(plan) => {
+                        tracing::debug!(
+                            gain = plan.improvement(),
+                            "automatic rebalance: not worth it"
+                        )
+                    }
+                    Err(e) => tracing::warn!(error = %e, "automatic rebalance: cannot plan"),
                 }
-            };
-            let gain = plan.improvement();
-            if gain < min_improvement {
-                tracing::debug!(gain, "automatic rebalance: not worth it");
-                continue;
             }
-            match self.apply(plan, "auto").await {
+            if chosen.is_none() {
+                match self.plan_precision().await {
+                    Ok(Some(plan)) => chosen = Some((plan, "precision")),
+                    Ok(None) => {}
+                    Err(e) => tracing::warn!(error = %e, "precision policy: cannot plan"),
+                }
+            }
+            let Some((plan, reason)) = chosen else {
+                continue;
+            };
+            let int8 = plan.target.int8_experts().len();
+            match self.apply(plan, reason).await {
                 Ok(o) => {
                     status.say(&format!(
-                        "epserve coordinator: automatic rebalance {} {} (v{} → v{}, predicted balancedness {:?})",
+                        "epserve coordinator: automatic rebalance {} {} (v{} → v{}, {reason}, predicted balancedness {:?}, {int8} experts int8)",
                         o.id, o.state, o.from_version, o.to_version, o.predicted
                     ));
                     last = self.dispatcher.steps_total();
@@ -639,12 +728,13 @@ impl Controller {
 }
 
 fn same_assignment(a: &Placement, b: &Placement) -> bool {
-    let key = |p: &Placement| -> Vec<(usize, Vec<Vec<String>>)> {
+    let key = |p: &Placement| -> Vec<(usize, Vec<u32>, Vec<Vec<String>>)> {
         p.layers
             .iter()
             .map(|l: &LayerPlacement| {
                 (
                     l.layer,
+                    l.int8.clone(),
                     l.experts
                         .iter()
                         .map(|reps| {

@@ -740,3 +740,85 @@ async fn a_stale_drain_request_does_not_keep_a_returning_worker_empty() {
     assert!(c.state.drain_requests().await.expect("requests").is_empty());
     assert_eq!(placement(&c).await.assigned_to("w1").len(), 2);
 }
+
+/// A precision change is a placement change: only the workers whose
+/// replicas change precision load (and are waited for); the switch records
+/// the int8 experts in the placement.
+#[tokio::test]
+async fn a_precision_change_goes_through_the_state_machine() {
+    let (c, _g) = setup(5_000).await;
+    let c = Arc::new(
+        Arc::try_unwrap(c)
+            .ok()
+            .expect("one owner")
+            .with_precision_policy(Some(0.6)),
+    );
+    assert_eq!(c.precision_policy(), Some(0.6));
+    // No load yet: nothing to decide.
+    assert!(c.plan_precision().await.expect("plan").is_none());
+    // Expert 0 (w0) takes 60 % of the tokens, expert 1 (w1) 30 %, expert
+    // 2 (w0) 10 %, expert 3 none: bf16 {0}, int8 {1, 2, 3}.
+    c.dispatcher
+        .record_for_test(0, &[(0, "w0", 60), (1, "w1", 30), (2, "w0", 10)]);
+    let plan = c.plan_precision().await.expect("plan").expect("a change");
+    assert_eq!(plan.target.layers[0].int8, vec![1, 2, 3]);
+    assert_eq!(plan.target.layers[0].experts, plan.from.layers[0].experts);
+    let doc = Rebalance {
+        id: "x".into(),
+        state: RebalanceState::Proposed,
+        reason: "precision".into(),
+        from: plan.from.clone(),
+        target: plan.target.clone(),
+        message: String::new(),
+        updated_ms: 0,
+    };
+    assert_eq!(
+        doc.loading_workers(),
+        vec!["w0", "w1"],
+        "both change precision"
+    );
+    // Both workers report ready: the plan is applied.
+    let mut watch = c.state.watch_rebalance().await.expect("watch");
+    let st = c.state.clone();
+    let workers = tokio::spawn(async move {
+        while let Some(doc) = watch.recv().await {
+            let Some(doc) = doc else { continue };
+            if !doc.state.active() {
+                break;
+            }
+            for w in ["w0", "w1"] {
+                st.report_ready(w, &doc.id).await.expect("ready");
+            }
+        }
+    });
+    let out = c.apply(plan, "precision").await.expect("apply");
+    assert_eq!(out.state, "done", "{out:?}");
+    workers.await.expect("join");
+    let (p, _) = c.state.placement().await.expect("get").expect("placement");
+    assert_eq!(
+        p.int8_experts(),
+        [(0, 1), (0, 2), (0, 3)].into_iter().collect()
+    );
+    // The window restarted with the placement: nothing to decide again.
+    assert!(c.plan_precision().await.expect("plan").is_none());
+    // Load that the int8 set in force still covers within the slack keeps
+    // it; load that moved to an int8 expert brings expert 1 back to bf16.
+    c.dispatcher
+        .record_for_test(0, &[(0, "w0", 58), (1, "w1", 42)]);
+    assert!(
+        c.plan_precision().await.expect("plan").is_none(),
+        "58 % ≥ 0.6 − slack"
+    );
+    c.dispatcher.record_for_test(0, &[(1, "w1", 40)]);
+    let plan = c.plan_precision().await.expect("plan").expect("a change");
+    assert_eq!(plan.target.layers[0].int8, vec![2, 3]);
+    let doc = Rebalance {
+        target: plan.target.clone(),
+        from: plan.from.clone(),
+        ..doc
+    };
+    assert_eq!(doc.loading_workers(), vec!["w1"], "only expert 1 changes");
+    // An EPLB plan carries the policy's int8 experts too.
+    let eplb = c.plan_rebalance(0, 0).await.expect("plan");
+    assert_eq!(eplb.target.int8_experts(), plan.target.int8_experts());
+}
