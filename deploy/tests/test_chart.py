@@ -82,7 +82,7 @@ SCENARIOS: dict[str, dict] = {
         "metrics": {"serviceMonitor": {"enabled": True, "labels": {"release": "kps"}},
                     "grafanaDashboard": {"enabled": True, "annotations": {"grafana_folder": "LLM"}}},
         "coordinator": {"replicas": 2, "maxModelLen": 8192, "kvCacheMemory": "8GiB", "kvCacheDtype": "bf16", "denseDtype": "int8", "microBatches": "2",
-                        "dispatchDtype": "int8"},
+                        "dispatchDtype": "int8", "expertPrecisionPolicy": "load", "expertBf16Share": 0.7},
         "model": {"servedModelName": ["a/b", "b"]},
     },
     # TLS everywhere from cert-manager with the release's own CA, attention shards,
@@ -629,11 +629,17 @@ def test_coordinator_precision_flags_follow_values(scenario):
         ("kvCacheDtype", "--kv-cache-dtype"),
         ("microBatches", "--micro-batches"),
         ("dispatchDtype", "--dispatch-dtype"),
+        ("expertPrecisionPolicy", "--expert-precision-policy"),
     ):
         if values["coordinator"].get(key):
             assert one(c, flag) == values["coordinator"][key]
         else:
             assert flag not in flags(c)
+    share = values["coordinator"].get("expertBf16Share")
+    if values["coordinator"].get("expertPrecisionPolicy") == "load" and share is not None:
+        assert float(one(c, "--expert-bf16-share")) == share
+    else:
+        assert "--expert-bf16-share" not in flags(c)
 
 
 def test_etcd_endpoints_match(scenario):

@@ -51,6 +51,7 @@ ENUMS = {
     "coordinator.kvCacheDtype": ["", "auto", "bf16", "f32"],
     "coordinator.denseDtype": ["", "bf16", "int8"],
     "coordinator.dispatchDtype": ["", "bf16", "f32", "int8"],
+    "coordinator.expertPrecisionPolicy": ["", "fixed", "load"],
     "expertWorkers.expertDtype": ["", "bf16", "int8"],
     "tls.certManager.privateKeyAlgorithm": ["ECDSA", "RSA", "Ed25519"],
     "*.issuerRef.kind": ["Issuer", "ClusterIssuer"],
@@ -60,6 +61,7 @@ ENUMS = {
 # Types a default cannot show (null defaults, "" meaning "the binary's default").
 TYPES = {
     "coordinator.maxModelLen": {"type": ["integer", "null"], "minimum": 1},
+    "coordinator.expertBf16Share": {"type": ["number", "null"], "minimum": 0, "maximum": 1},
     "coordinator.microBatches": {"anyOf": [{"type": "string", "pattern": "^(|auto|[1-9][0-9]*)$"},
                                            {"type": "integer", "minimum": 1}]},
     "expertWorkers.terminationGracePeriodSeconds": {"anyOf": [{"type": "string", "maxLength": 0},

@@ -91,6 +91,12 @@ change (and so restart) the coordinator; workers that register later get experts
 {{- with $c.dispatchDtype }}
 - --dispatch-dtype={{ . }}
 {{- end }}
+{{- with $c.expertPrecisionPolicy }}
+- --expert-precision-policy={{ . }}
+{{- end }}
+{{- if and (eq (toString $c.expertPrecisionPolicy) "load") (ne $c.expertBf16Share nil) }}
+- --expert-bf16-share={{ $c.expertBf16Share }}
+{{- end }}
 - --eplb-window={{ $c.eplb.window }}
 {{- if $c.eplb.expertLoadMetrics }}
 - --expert-load-metrics
