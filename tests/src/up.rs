@@ -57,6 +57,32 @@ impl Drop for Up {
 }
 
 impl Up {
+    /// The name of the cluster `up` started (its keys' prefix in etcd).
+    pub async fn cluster_name(&self) -> String {
+        use epserve_cluster::store::{EtcdStore, KvStore};
+        let store = EtcdStore::connect(&self.etcd).await.expect("etcd");
+        store
+            .list("/epserve/")
+            .await
+            .expect("list")
+            .iter()
+            .find_map(|(k, _)| {
+                k.strip_prefix("/epserve/")
+                    .and_then(|r| r.split('/').next())
+                    .map(str::to_string)
+            })
+            .expect("a cluster prefix")
+    }
+
+    /// That cluster's state in etcd.
+    pub async fn cluster_state(&self) -> epserve_cluster::state::ClusterState {
+        let store = epserve_cluster::store::EtcdStore::connect(&self.etcd)
+            .await
+            .expect("etcd");
+        let name = self.cluster_name().await;
+        epserve_cluster::state::ClusterState::new(Arc::new(store), &name)
+    }
+
     /// Runs `BIN up ARGS...` (BIN: the test's `CARGO_BIN_EXE_epserve-it`) and
     /// waits up to 120 s for it to report the cluster ready. With `echo`, the
     /// cluster's stdout is copied to stderr.

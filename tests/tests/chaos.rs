@@ -54,7 +54,6 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use epserve_cluster::state::{ClusterState, WORKER_TTL_SECS, WorkerInfo};
-use epserve_cluster::store::{EtcdStore, KvStore};
 use epserve_core::placement::Placement;
 use epserve_proto::pb::admin_service_client::AdminServiceClient;
 use epserve_proto::pb::{GetPlacementRequest, SetPlacementRequest};
@@ -506,19 +505,7 @@ async fn setup_with(scenario: &str, n: usize) -> Ctx {
     })
     .await
     .expect("start up");
-    let store = EtcdStore::connect(&up.etcd).await.expect("etcd");
-    let cluster = store
-        .list("/epserve/")
-        .await
-        .expect("list")
-        .iter()
-        .find_map(|(k, _)| {
-            k.strip_prefix("/epserve/")
-                .and_then(|r| r.split('/').next())
-                .map(str::to_string)
-        })
-        .expect("a cluster prefix");
-    let state = ClusterState::new(Arc::new(store), &cluster);
+    let state = up.cluster_state().await;
     let mut workers = state.workers("expert").await.expect("workers");
     workers.sort_by(|a, b| a.id.cmp(&b.id));
     assert_eq!(workers.len(), n, "{workers:?}");

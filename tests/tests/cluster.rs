@@ -135,17 +135,7 @@ async fn three_expert_workers_match_transformers_and_clean_up() {
     }
 
     // etcd holds the three workers and a placement that covers every expert once.
-    let store = EtcdStore::connect(&up.etcd).await.expect("etcd");
-    let keys = store.list("/epserve/").await.expect("list");
-    let cluster = keys
-        .iter()
-        .find_map(|(k, _)| {
-            k.strip_prefix("/epserve/")
-                .and_then(|r| r.split('/').next())
-                .map(str::to_string)
-        })
-        .expect("a cluster prefix");
-    let state = ClusterState::new(Arc::new(store), &cluster);
+    let state = up.cluster_state().await;
     let workers = state.workers("expert").await.expect("workers");
     assert_eq!(workers.len(), 3, "{workers:?}");
     let (p, _) = state
@@ -668,17 +658,7 @@ async fn attention_workers_match_transformers_and_the_single_process_engine() {
     }
 
     // etcd lists both shards (and the expert-workers).
-    let store = EtcdStore::connect(&up.etcd).await.expect("etcd");
-    let keys = store.list("/epserve/").await.expect("list");
-    let cluster = keys
-        .iter()
-        .find_map(|(k, _)| {
-            k.strip_prefix("/epserve/")
-                .and_then(|r| r.split('/').next())
-                .map(str::to_string)
-        })
-        .expect("a cluster prefix");
-    let state = ClusterState::new(Arc::new(store), &cluster);
+    let state = up.cluster_state().await;
     let shards = state.workers("attention").await.expect("attention workers");
     assert_eq!(
         shards.iter().map(|w| w.shard).collect::<Vec<_>>(),
@@ -879,17 +859,8 @@ async fn restarted_attention_worker_is_followed() {
     let v = complete(&up.url, body.clone()).await;
     assert_eq!(v["choices"][0]["text"].as_str(), Some(want.as_str()));
 
-    let store = EtcdStore::connect(&up.etcd).await.expect("etcd");
-    let keys = store.list("/epserve/").await.expect("list");
-    let cluster = keys
-        .iter()
-        .find_map(|(k, _)| {
-            k.strip_prefix("/epserve/")
-                .and_then(|r| r.split('/').next())
-                .map(str::to_string)
-        })
-        .expect("a cluster prefix");
-    let state = ClusterState::new(Arc::new(store), &cluster);
+    let cluster = up.cluster_name().await;
+    let state = up.cluster_state().await;
     let old = state
         .workers("attention")
         .await
@@ -1567,16 +1538,7 @@ async fn precision_policy_applies_int8_through_a_rebalance() {
             assert_eq!(v["usage"]["completion_tokens"], 8, "{v}");
         }
         rounds += 1;
-        let load = admin
-            .get_expert_load(epserve_proto::pb::GetExpertLoadRequest {})
-            .await
-            .expect("expert load")
-            .into_inner();
-        let replicas: Vec<(u32, epserve_proto::pb::ReplicaLoad)> = load
-            .layers
-            .into_iter()
-            .flat_map(|l| l.replicas.into_iter().map(move |r| (l.layer, r)))
-            .collect();
+        let replicas = replicas_by_layer(&mut admin).await;
         if replicas.iter().any(|(_, r)| r.precision == "int8") {
             break replicas;
         }
@@ -1585,31 +1547,8 @@ async fn precision_policy_applies_int8_through_a_rebalance() {
             "no int8 expert after {rounds} rounds: {replicas:?}"
         );
     };
-    let int8 = replicas
-        .iter()
-        .filter(|(_, r)| r.precision == "int8")
-        .count();
-    let bf16 = replicas
-        .iter()
-        .filter(|(_, r)| r.precision == "bf16")
-        .count();
-    assert!(
-        int8 > 0 && bf16 > 0,
-        "int8 {int8}, bf16 {bf16}: {replicas:?}"
-    );
-    assert_eq!(int8 + bf16, replicas.len(), "{replicas:?}");
-    // The placement in etcd names the same int8 experts.
-    let store = EtcdStore::connect(&up.etcd).await.expect("etcd");
-    let keys = store.list("/epserve/").await.expect("list");
-    let cluster = keys
-        .iter()
-        .find_map(|(k, _)| {
-            k.strip_prefix("/epserve/")
-                .and_then(|r| r.split('/').next())
-                .map(str::to_string)
-        })
-        .expect("a cluster prefix");
-    let state = ClusterState::new(Arc::new(store), &cluster);
+    assert!(!replicas.is_empty());
+    let state = up.cluster_state().await;
     // Workers repack while the rebalance loads (before the switch): wait
     // for the switch, then read the replicas again.
     let p = loop {
@@ -1628,16 +1567,15 @@ async fn precision_policy_applies_int8_through_a_rebalance() {
         );
         tokio::time::sleep(Duration::from_millis(100)).await;
     };
-    let load = admin
-        .get_expert_load(epserve_proto::pb::GetExpertLoadRequest {})
-        .await
-        .expect("expert load")
-        .into_inner();
-    let replicas: Vec<(u32, epserve_proto::pb::ReplicaLoad)> = load
-        .layers
-        .into_iter()
-        .flat_map(|l| l.replicas.into_iter().map(move |r| (l.layer, r)))
-        .collect();
+    let replicas = replicas_by_layer(&mut admin).await;
+    let count = |x: &str| replicas.iter().filter(|(_, r)| r.precision == x).count();
+    let (int8, bf16) = (count("int8"), count("bf16"));
+    assert!(
+        int8 > 0 && bf16 > 0,
+        "int8 {int8}, bf16 {bf16}: {replicas:?}"
+    );
+    assert_eq!(int8 + bf16, replicas.len(), "{replicas:?}");
+    // The placement in etcd names the same int8 experts.
     let listed = p.int8_experts();
     for (layer, r) in &replicas {
         assert_eq!(
@@ -1654,4 +1592,21 @@ async fn precision_policy_applies_int8_through_a_rebalance() {
     )
     .await;
     assert_eq!(v["usage"]["completion_tokens"], 16, "{v}");
+}
+
+/// Every replica the admin RPC lists (`ctl load`'s data), with its layer.
+async fn replicas_by_layer(
+    admin: &mut epserve_proto::pb::admin_service_client::AdminServiceClient<
+        tonic::transport::Channel,
+    >,
+) -> Vec<(u32, epserve_proto::pb::ReplicaLoad)> {
+    admin
+        .get_expert_load(epserve_proto::pb::GetExpertLoadRequest {})
+        .await
+        .expect("expert load")
+        .into_inner()
+        .layers
+        .into_iter()
+        .flat_map(|l| l.replicas.into_iter().map(move |r| (l.layer, r)))
+        .collect()
 }

@@ -402,21 +402,7 @@ async fn a_worker_restarted_mid_rebalance_loads_both_sets_and_it_completes() {
         .map(|mut v| v.remove(0))
         .collect();
     // The cluster's key prefix.
-    let cluster = {
-        use epserve_cluster::store::{EtcdStore, KvStore};
-        let store = EtcdStore::connect(&up.etcd).await.expect("etcd");
-        store
-            .list("/epserve/")
-            .await
-            .expect("list")
-            .iter()
-            .find_map(|(k, _)| {
-                k.strip_prefix("/epserve/")
-                    .and_then(|r| r.split('/').next())
-                    .map(str::to_string)
-            })
-            .expect("a cluster prefix")
-    };
+    let cluster = up.cluster_name().await;
     // Crash expert-0 (its registration outlives it for the lease TTL).
     let pid = workers_pid(&up, "expert-0").await;
     // SAFETY: the worker is a grandchild of this test; SIGKILL simulates a crash.
@@ -552,7 +538,7 @@ async fn a_killed_worker_without_replicas_is_replaced_by_the_survivors_after_its
     }
 
     // It restarts with the same id (a new port): it gets a share back.
-    let cluster = cluster_name(&up).await;
+    let cluster = up.cluster_name().await;
     let port = std::net::TcpListener::bind("127.0.0.1:0")
         .and_then(|l| l.local_addr())
         .expect("free port")
@@ -626,23 +612,6 @@ async fn a_killed_worker_without_replicas_is_replaced_by_the_survivors_after_its
     for (i, r) in traffic(&up.url, 1).await.iter().enumerate() {
         assert_eq!(r[0], baseline[i], "prompt {i} after the drain");
     }
-}
-
-/// The cluster name `up` chose (the first key prefix under `/epserve/`).
-async fn cluster_name(up: &Up) -> String {
-    use epserve_cluster::store::{EtcdStore, KvStore};
-    let store = EtcdStore::connect(&up.etcd).await.expect("etcd");
-    store
-        .list("/epserve/")
-        .await
-        .expect("list")
-        .iter()
-        .find_map(|(k, _)| {
-            k.strip_prefix("/epserve/")
-                .and_then(|r| r.split('/').next())
-                .map(str::to_string)
-        })
-        .expect("a cluster prefix")
 }
 
 /// Waits (at most 30 s) until the last rebalance has `reason` and is no

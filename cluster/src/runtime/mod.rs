@@ -95,6 +95,13 @@ impl ExpertMemoryArgs {
                  --expert-memory`)"
             );
         }
+        self.bf16_share()
+    }
+
+    /// With `--expert-precision-policy load`, the bf16 share (default 0.8,
+    /// checked to be in 0..=1); `None` with `fixed`, where
+    /// `--expert-bf16-share` is refused.
+    fn bf16_share(&self) -> Result<Option<f64>> {
         let load = self.expert_precision_policy == "load";
         if !load && self.expert_bf16_share.is_some() {
             anyhow::bail!("--expert-bf16-share needs --expert-precision-policy load");
@@ -110,14 +117,8 @@ impl ExpertMemoryArgs {
     /// `--expert-precision-policy load`. A flag that only means something
     /// with one of them is refused without it.
     pub fn tier_options(&self) -> Result<Option<epserve_core::experts::TierOptions>> {
-        let load = self.expert_precision_policy == "load";
-        if !load && self.expert_bf16_share.is_some() {
-            anyhow::bail!("--expert-bf16-share needs --expert-precision-policy load");
-        }
-        let share = self.expert_bf16_share.unwrap_or(0.8);
-        if !(0.0..=1.0).contains(&share) {
-            anyhow::bail!("--expert-bf16-share must be in 0..=1, got {share}");
-        }
+        let bf16_share = self.bf16_share()?;
+        let load = bf16_share.is_some();
         // Precision by load without a budget: every expert stays packed.
         let Some(budget) = self.expert_memory.or(load.then_some(usize::MAX / 4)) else {
             if self.any_set() {
@@ -137,7 +138,7 @@ impl ExpertMemoryArgs {
             resident_fraction: f,
             mlock: self.expert_mlock,
             prefetch: !self.no_expert_prefetch,
-            bf16_share: load.then_some(share),
+            bf16_share,
             ..Default::default()
         }))
     }
