@@ -425,6 +425,7 @@ def test_values_yaml_is_documented_line_by_line():
         ({"expertWorkers": {"antiAffinity": "always"}}, "'/expertWorkers/antiAffinity': value must be one of"),
         ({"scheduling": {"nodeAffinity": "sometimes"}}, "'/scheduling/nodeAffinity': value must be one of"),
         ({"expertWorkers": {"terminationGracePeriodSeconds": 60}}, "must exceed expertWorkers.drainTimeoutSeconds"),
+        ({"coordinator": {"expertBf16Share": 0.7}}, "expertBf16Share needs coordinator.expertPrecisionPolicy: load"),
     ],
 )
 def test_bad_values_fail_with_a_clear_message(values, message):
@@ -636,7 +637,7 @@ def test_coordinator_precision_flags_follow_values(scenario):
         else:
             assert flag not in flags(c)
     share = values["coordinator"].get("expertBf16Share")
-    if values["coordinator"].get("expertPrecisionPolicy") == "load" and share is not None:
+    if share is not None:
         assert float(one(c, "--expert-bf16-share")) == share
     else:
         assert "--expert-bf16-share" not in flags(c)

@@ -168,16 +168,25 @@ pub fn precision_by_load(
         return Default::default();
     }
     ranked.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
+    let hot = hottest_covering(&ranked, bf16_share);
+    ranked[hot..].iter().map(|r| r.0).collect()
+}
+
+/// How many of the first experts of `ranked` (sorted by load, most first)
+/// it takes to cover `share` of the total load: each is taken while the ones
+/// before it cover less, and only experts with load count. The rule of both
+/// precision policies (the coordinator's, [`precision_by_load`], and a
+/// tiered store's own).
+pub fn hottest_covering<K>(ranked: &[(K, f64)], share: f64) -> usize {
+    let total: f64 = ranked.iter().map(|r| r.1).sum();
     let mut acc = 0.0;
-    let mut int8 = std::collections::BTreeSet::new();
-    for (k, x) in ranked {
-        if acc >= bf16_share * total || x <= 0.0 {
-            int8.insert(k);
-        } else {
-            acc += x;
+    for (i, (_, x)) in ranked.iter().enumerate() {
+        if acc >= share * total || *x <= 0.0 {
+            return i;
         }
+        acc += x;
     }
-    int8
+    ranked.len()
 }
 
 /// The share of the routed tokens in `loads` that experts outside `int8`

@@ -109,11 +109,12 @@ pub struct EplbArgs {
     /// predicted balancedness by at least this much (0..1).
     #[arg(long, default_value_t = 0.05, value_name = "FRAC")]
     pub eplb_min_improvement: f64,
-    /// With `--expert-precision-policy load`: forward steps between checks
-    /// of the experts' precision against the load window when automatic
-    /// EPLB is off (with it, every `--eplb-interval`).
-    #[arg(long, default_value_t = rebalance::PRECISION_INTERVAL_STEPS, value_name = "STEPS")]
-    pub precision_interval: u64,
+    /// With `--expert-precision-policy load` and automatic EPLB off: forward
+    /// steps between checks of the experts' precision against the load
+    /// window (default 256; with automatic EPLB on, precision is checked
+    /// every `--eplb-interval` and this flag is refused).
+    #[arg(long, value_name = "STEPS")]
+    pub precision_interval: Option<u64>,
     /// Redundant expert replicas per MoE layer for automatic rebalancing.
     #[arg(long, default_value_t = 0)]
     pub eplb_redundant_experts: usize,
@@ -147,10 +148,26 @@ async fn current_route(state: &ClusterState, cfg: &ModelConfig) -> Result<Option
     }))
 }
 
+/// The precision policy's bf16 share (`--expert-precision-policy load`),
+/// refusing the expert-memory flags (the coordinator holds no experts) and a
+/// `--precision-interval` that would not be honoured.
+fn precision_policy(args: &CoordinatorArgs) -> Result<Option<f64>> {
+    let bf16_share = args.serve.expert_memory.coordinator_bf16_share()?;
+    if args.eplb.precision_interval.is_some()
+        && (bf16_share.is_none() || args.eplb.eplb_interval > 0)
+    {
+        bail!(
+            "--precision-interval needs --expert-precision-policy load and --eplb-interval 0 \
+             (with automatic EPLB on, precision is checked every --eplb-interval)"
+        );
+    }
+    Ok(bf16_share)
+}
+
 /// Runs the coordinator (blocking); `status` gets the operator-facing lines
 /// (placement, attention-workers, admin address, serving).
 pub fn run(args: &CoordinatorArgs, status: Status) -> Result<()> {
-    let bf16_share = args.serve.expert_memory.coordinator_bf16_share()?;
+    let bf16_share = precision_policy(args)?;
     if !(0.0..=1.0).contains(&args.eplb.eplb_min_improvement) {
         bail!(
             "--eplb-min-improvement must be within [0, 1], got {}",
@@ -306,7 +323,10 @@ pub fn run(args: &CoordinatorArgs, status: Status) -> Result<()> {
                 interval: if args.eplb.eplb_interval > 0 {
                     args.eplb.eplb_interval
                 } else {
-                    args.eplb.precision_interval.max(1)
+                    args.eplb
+                        .precision_interval
+                        .unwrap_or(rebalance::PRECISION_INTERVAL_STEPS)
+                        .max(1)
                 },
                 redundant: args.eplb.eplb_redundant_experts,
                 min_improvement: args.eplb.eplb_min_improvement,
@@ -490,4 +510,40 @@ fn wait_ready(
             tokio::time::sleep(Duration::from_millis(200)).await;
         }
     })
+}
+
+#[cfg(test)]
+mod precision_flag_tests {
+    use super::{CoordinatorArgs, precision_policy};
+    use clap::Parser;
+
+    #[derive(Parser)]
+    struct Cmd {
+        #[command(flatten)]
+        a: CoordinatorArgs,
+    }
+
+    fn policy(extra: &[&str]) -> anyhow::Result<Option<f64>> {
+        let args = ["t", "--model", "m", "--etcd", "127.0.0.1:1"]
+            .iter()
+            .chain(extra)
+            .copied();
+        precision_policy(&Cmd::try_parse_from(args).expect("parse").a)
+    }
+
+    #[test]
+    fn precision_interval_is_refused_where_it_would_be_ignored() {
+        assert_eq!(policy(&[]).expect("fixed"), None);
+        let load = ["--expert-precision-policy", "load"];
+        assert_eq!(policy(&load).expect("load"), Some(0.8));
+        let with = [&load[..], &["--precision-interval", "64"]].concat();
+        assert_eq!(policy(&with).expect("load + interval"), Some(0.8));
+        assert!(
+            policy(&["--precision-interval", "64"]).is_err(),
+            "no policy"
+        );
+        let eplb = [&with[..], &["--eplb-interval", "100"]].concat();
+        assert!(policy(&eplb).is_err(), "EPLB sets the cadence");
+        assert!(policy(&["--expert-memory", "1GiB"]).is_err());
+    }
 }

@@ -847,17 +847,8 @@ impl Inner {
         // Precision by load: the most used experts covering the share run
         // in bf16.
         if let Some(share) = self.tier.bf16_share {
-            let total: f64 = ranked.iter().map(|r| r.1).sum();
-            let mut acc = 0.0;
-            let mut bf16 = std::collections::HashSet::new();
-            for (k, u) in &ranked {
-                if acc >= share * total {
-                    break;
-                }
-                acc += u;
-                bf16.insert(*k);
-            }
-            st.bf16 = bf16;
+            let hot = crate::eplb::hottest_covering(&ranked, share);
+            st.bf16 = ranked[..hot].iter().map(|r| r.0).collect();
         }
         let mut want = std::collections::HashSet::new();
         let mut bytes = 0;

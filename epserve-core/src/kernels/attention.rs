@@ -182,17 +182,18 @@ fn plan(shape: &AttnShape<'_>, seqs: &[AttnSeq<'_>]) -> Vec<Item> {
     let chunks = group.div_ceil(MAX_ITEM_HEADS);
     let want = ITEMS_PER_THREAD * rayon::current_num_threads();
     // The most KV heads per item (a divisor of kv_heads) that still leaves
-    // enough items; one when a group is split into chunks.
-    let mut nkv = if chunks == 1 { shape.kv_heads } else { 1 };
-    loop {
-        let items = plan_with(shape, seqs, nkv);
-        if nkv == 1 || items.len() >= want {
-            return items;
-        }
-        nkv = (1..nkv)
-            .rev()
-            .find(|d| shape.kv_heads.is_multiple_of(*d))
-            .unwrap_or(1);
+    // enough items; one when a group is split into chunks. The item count is
+    // inversely proportional to the KV heads per item: one plan gives all.
+    let most = if chunks == 1 { shape.kv_heads } else { 1 };
+    let items = plan_with(shape, seqs, most);
+    let nkv = (1..=most)
+        .rev()
+        .find(|&d| most.is_multiple_of(d) && (d == 1 || items.len() * (most / d) >= want))
+        .unwrap_or(1);
+    if nkv == most {
+        items
+    } else {
+        plan_with(shape, seqs, nkv)
     }
 }
 
@@ -406,8 +407,8 @@ fn runs(s: &AttnSeq<'_>, bs: usize, j0: usize, j1: usize, mut f: impl FnMut(usiz
 }
 
 /// One KV head's running state in a work item: its query vectors
-/// (`[rows, heads]`), block scores, and the online softmax's max, sum and
-/// unnormalized output per query vector.
+/// (`[rows, heads]`) and the online softmax's max, sum and unnormalized
+/// output per query vector.
 struct HeadState {
     q: Vec<f32>,
     mx: Vec<f32>,
@@ -840,6 +841,43 @@ mod tests {
                     "{} window {window:?}",
                     tier.name()
                 );
+            }
+        }
+    }
+
+    /// The plan groups the most KV heads per item that still leaves
+    /// [`ITEMS_PER_THREAD`] items per thread (or none when even one KV head
+    /// per item does not).
+    #[test]
+    fn the_plan_groups_as_many_kv_heads_as_the_threads_allow() {
+        let want = ITEMS_PER_THREAD * rayon::current_num_threads();
+        let blocks: Vec<u32> = (0..1024).collect();
+        let shape = AttnShape {
+            heads: 32,
+            kv_heads: 8,
+            scale: 1.0,
+            window: None,
+            sinks: None,
+            block_size: 16,
+        };
+        for past in [10, 2000, 8000, 16000] {
+            let seqs = [AttnSeq {
+                blocks: &blocks,
+                start: 0,
+                len: 1,
+                past,
+            }];
+            let items = plan(&shape, &seqs);
+            let nkv = items[0].nkv;
+            assert!(items.iter().all(|it| it.nkv == nkv));
+            assert!(
+                nkv == 1 || items.len() >= want,
+                "{past}: {nkv} {}",
+                items.len()
+            );
+            if nkv < 8 {
+                let more = plan_with(&shape, &seqs, nkv * 2);
+                assert!(more.len() < want, "{past}: {nkv} could be {}", nkv * 2);
             }
         }
     }

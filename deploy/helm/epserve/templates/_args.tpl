@@ -94,7 +94,10 @@ change (and so restart) the coordinator; workers that register later get experts
 {{- with $c.expertPrecisionPolicy }}
 - --expert-precision-policy={{ . }}
 {{- end }}
-{{- if and (eq (toString $c.expertPrecisionPolicy) "load") (ne $c.expertBf16Share nil) }}
+{{- if ne $c.expertBf16Share nil }}
+{{- if ne (toString $c.expertPrecisionPolicy) "load" }}
+{{- fail "coordinator.expertBf16Share needs coordinator.expertPrecisionPolicy: load" }}
+{{- end }}
 - --expert-bf16-share={{ $c.expertBf16Share }}
 {{- end }}
 - --eplb-window={{ $c.eplb.window }}
