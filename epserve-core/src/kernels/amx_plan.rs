@@ -46,8 +46,16 @@ fn aligned_zeroed(buf: &mut Vec<u8>, len: usize) -> &mut [u8] {
     &mut buf[off..off + len]
 }
 
-/// The experts' `run_panels` on AMX tiles (prefill: more tokens than a SIMD
-/// tile holds), for the work item of `panels`.
+/// The experts' `run_panels` on AMX tiles (two tokens or more), for the
+/// work item of `panels`.
+///
+/// With `split`, bf16 weights meet the **f32** activation rows: each row
+/// enters `A` as its three bf16 terms (`layout::split3_bf16`, high, middle and
+/// low, as rows `i`, `n + i` and `2n + i`), whose products with the weights
+/// are exact, and the epilogue adds the three sums (low ones first). The
+/// result is the f32 FMA tiles' up to summation order, at three times the
+/// AMX work, which still leaves the weight stream the bound on a 2-vCPU
+/// Xeon up to a few dozen rows.
 ///
 /// The expert's `n` activation rows are packed once per work item into `A`
 /// tiles (16-token row groups, `K` zero-padded to whole tiles). Panels are
@@ -68,21 +76,38 @@ pub(crate) fn run_panels_amx(
     panels: Range<usize>,
     row: &dyn Fn(usize) -> usize,
     src: &Src<'_>,
+    split: bool,
     mut epi: impl FnMut(usize, usize, &[f32; NR]),
 ) {
     let int8 = matches!(data, DataView::I8 { .. });
+    let split = split && !int8;
+    // `A` rows: the tokens, or their three bf16 terms.
+    let m = if split { 3 * n } else { n };
     let tk = if int8 { AMX_I8_TILE_K } else { AMX_BF16_TILE_K };
     let ktiles = kdim.div_ceil(tk).max(1);
     // One spare line per row: a row stride that is a multiple of 4 KiB would
     // put all 16 rows of an `A` tile in the same L1 set.
     let row_bytes = (ktiles + 1) * AMX_ROW_BYTES;
-    let n_pad = n.next_multiple_of(AMX_TILE_M);
+    let n_pad = m.next_multiple_of(AMX_TILE_M);
     let (p0, p1) = (panels.start, panels.end);
     AMX_SCRATCH.with_borrow_mut(|(abuf, bbuf)| {
         ACC_F32.with_borrow_mut(|accf| {
             ACC_I32.with_borrow_mut(|acci| {
                 let a = aligned_zeroed(abuf, n_pad * row_bytes);
-                for i in 0..n {
+                if split {
+                    for i in 0..n {
+                        let s = &src.f32_rows[row(i) * src.f32_stride..][..kdim];
+                        let (hi, rest) = a[i * row_bytes..].split_at_mut(n * row_bytes);
+                        let (mid, lo) = rest.split_at_mut(n * row_bytes);
+                        // Rows start 64-byte aligned: whole u16s.
+                        fn words(r: &mut [u8], kdim: usize) -> &mut [u16] {
+                            bytemuck::cast_slice_mut(&mut r[..2 * kdim])
+                        }
+                        let (hi, mid, lo) = (words(hi, kdim), words(mid, kdim), words(lo, kdim));
+                        k.split3_row(s, hi, mid, lo);
+                    }
+                }
+                for i in (0..n).filter(|_| !split) {
                     let dst = &mut a[i * row_bytes..(i + 1) * row_bytes];
                     let base = row(i);
                     match data {
@@ -155,6 +180,15 @@ pub(crate) fn run_panels_amx(
                         for p in pb0..pb1 {
                             let base = (p - pb0) * n_pad * NR;
                             match &acc {
+                                AmxAcc::F32(accf) if split => {
+                                    let at = |r: usize| &accf[base + r * NR..][..NR];
+                                    for i in 0..n {
+                                        let (h, m, l) = (at(i), at(n + i), at(2 * n + i));
+                                        let v: [f32; NR] =
+                                            std::array::from_fn(|c| h[c] + (m[c] + l[c]));
+                                        epi(i, p, &v);
+                                    }
+                                }
                                 AmxAcc::F32(accf) => {
                                     for i in 0..n {
                                         let a = &accf[base + i * NR..base + (i + 1) * NR];

@@ -418,6 +418,22 @@ impl Kernels {
         }
     }
 
+    /// Splits the f32 row `x` into its three bf16 terms
+    /// ([`super::layout::split3_bf16`]): `x[k]`'s go to `hi[k]`, `mid[k]`,
+    /// `lo[k]`; the same bits on every tier.
+    pub fn split3_row(&self, x: &[f32], hi: &mut [u16], mid: &mut [u16], lo: &mut [u16]) {
+        let n = x.len();
+        assert!(hi.len() >= n && mid.len() >= n && lo.len() >= n);
+        match self.tier {
+            #[cfg(target_arch = "x86_64")]
+            // SAFETY: every AVX-512 tier requires AVX-512 F; lengths checked.
+            Tier::Avx512 | Tier::Avx512Vnni | Tier::Avx512Bf16 | Tier::Amx => unsafe {
+                super::x86::avx512::split3_row(x, hi, mid, lo)
+            },
+            _ => super::layout::split3_row(x, hi, mid, lo),
+        }
+    }
+
     /// Most rows per bf16 × bf16 matrix-multiply (prefill) tile, if this
     /// tier has one (even: BFMMLA takes rows in pairs).
     pub fn bf16mm_mr(&self) -> Option<usize> {

@@ -92,6 +92,37 @@ pub fn f32_to_bf16_bits(v: f32) -> u16 {
     bf16::from_f32(v).to_bits()
 }
 
+/// `x` as three bf16 values, high to low, whose sum is exactly `x` (every
+/// finite f32 whose low terms stay normal: each round to nearest takes the
+/// next 8 of its 24 significant bits, and each residual is exact in f32).
+/// Their products with a bf16 weight are exact in f32 too, so three
+/// bf16 × bf16 dot products with f32 accumulation (AMX `tdpbf16ps`) compute
+/// an f32 × bf16 product as the f32 FMA tiles do, up to summation order.
+/// Rounds with integer arithmetic only (as the SIMD twins do), which is
+/// [`f32_to_bf16_bits`] on every non-NaN value.
+#[inline]
+pub fn split3_bf16(x: f32) -> [u16; 3] {
+    #[inline]
+    fn rne(v: f32) -> u32 {
+        let b = v.to_bits();
+        b.wrapping_add(0x7fff + ((b >> 16) & 1)) >> 16
+    }
+    let hi = rne(x);
+    let r1 = x - f32::from_bits(hi << 16);
+    let mid = rne(r1);
+    let r2 = r1 - f32::from_bits(mid << 16);
+    [hi as u16, mid as u16, rne(r2) as u16]
+}
+
+/// [`split3_bf16`] over a row: `x[k]`'s terms go to `hi[k]`, `mid[k]` and
+/// `lo[k]` (the scalar twin of the SIMD versions behind
+/// `Kernels::split3_row`).
+pub fn split3_row(x: &[f32], hi: &mut [u16], mid: &mut [u16], lo: &mut [u16]) {
+    for (k, &v) in x.iter().enumerate() {
+        [hi[k], mid[k], lo[k]] = split3_bf16(v);
+    }
+}
+
 /// Packs one bf16 panel: `row(c)` gives logical channel `c`'s `K` values
 /// (already bf16 bits), or `None` for a zero (padding) channel. Appends
 /// `bf16_padded_k(K) · 16` words to `dst`.
@@ -299,6 +330,48 @@ pub(crate) fn dequant(a: &[i32], ws: &[f32], xs: f32) -> [f32; NR] {
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn split3_bf16_sums_exactly() {
+        use super::{bf16_bits_to_f32, split3_bf16};
+        // An LCG over bit patterns: every sign, exponents from 2^-100 to
+        // 2^100, every mantissa.
+        let mut s = 0x9e37_79b9_7f4a_7c15u64;
+        for i in 0..200_000u32 {
+            s = s
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            let r = (s >> 32) as u32;
+            let exp = 27 + (r >> 23) % 200;
+            let x = f32::from_bits((r & 0x807f_ffff) | (exp << 23));
+            let [h, m, l] = split3_bf16(x);
+            let (h, m, l) = (
+                bf16_bits_to_f32(h),
+                bf16_bits_to_f32(m),
+                bf16_bits_to_f32(l),
+            );
+            assert_eq!(h + (m + l), x, "{i}: {x:e} = {h:e} + {m:e} + {l:e}");
+            assert!(
+                m.abs() <= h.abs() && l.abs() <= m.abs(),
+                "{x:e}: terms not descending"
+            );
+        }
+        for x in [0.0f32, -0.0, 1.0, -1.0, f32::MIN_POSITIVE * 4096.0, 3.0e38] {
+            let [h, m, l] = split3_bf16(x);
+            let sum = bf16_bits_to_f32(h) + (bf16_bits_to_f32(m) + bf16_bits_to_f32(l));
+            assert_eq!(sum, x, "{x:e}");
+        }
+        // The high term is the ordinary rounding (`half`'s) wherever it is
+        // finite.
+        for x in [
+            1.0f32 + f32::EPSILON * 64.0,
+            3.389e38,
+            -2.5e-30,
+            f32::INFINITY,
+        ] {
+            assert_eq!(split3_bf16(x)[0], super::f32_to_bf16_bits(x), "{x:e}");
+        }
+    }
+
     use super::*;
 
     #[test]

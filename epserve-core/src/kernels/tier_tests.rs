@@ -597,3 +597,29 @@ fn attn_softmax_matches_twin() {
         }
     }
 }
+
+#[test]
+fn split3_rows_equal_the_twin_bit_for_bit() {
+    let mut rng = StdRng::seed_from_u64(31);
+    for k in tiers() {
+        for len in [0usize, 1, 15, 16, 17, 33, 100, 1031] {
+            // Values over many binades, both signs, zeros among them.
+            let x: Vec<f32> = (0..len)
+                .map(|i| {
+                    if i % 13 == 5 {
+                        0.0
+                    } else {
+                        rng.random_range(-1.0f32..1.0) * 2f32.powi(rng.random_range(-40..40))
+                    }
+                })
+                .collect();
+            let mut want = [vec![0u16; len], vec![0u16; len], vec![0u16; len]];
+            let [h, m, l] = &mut want;
+            split3_row(&x, h, m, l);
+            let mut got = [vec![7u16; len], vec![7u16; len], vec![7u16; len]];
+            let [h, m, l] = &mut got;
+            k.split3_row(&x, h, m, l);
+            assert_eq!(got, want, "{} len {len}", k.tier().name());
+        }
+    }
+}

@@ -465,6 +465,50 @@ mod tests {
         }
     }
 
+    /// f32 activations on AMX tiles (each row as three bf16 terms) are as
+    /// exact as the f32 FMA tiles: against an f64 reference, no worse than
+    /// four times the FMA tier's largest error, where rounding the
+    /// activations to bf16 alone would be hundreds of times worse.
+    #[test]
+    fn amx_f32_activations_are_as_exact_as_the_fma_tiles() {
+        let (Some(amx), Some(fma)) = (
+            Kernels::for_tier(Tier::Amx),
+            Kernels::for_tier(Tier::Avx512Bf16),
+        ) else {
+            eprintln!("SKIPPED: no AMX on this CPU");
+            return;
+        };
+        let mut rng = rand::rngs::StdRng::seed_from_u64(8);
+        for &(n, k, rows) in &[(48, 2048, 7), (37, 1031, 2), (100, 4100, MB + 5)] {
+            let w = bf16_weight(n, k, &mut rng);
+            let wf: Vec<f32> = w.to_f32_vec();
+            let lin = Linear::new(w);
+            let x: Vec<f32> = (0..rows * k).map(|_| rng.random_range(-1.0..1.0)).collect();
+            let mut exact = vec![0.0f64; rows * n];
+            for r in 0..rows {
+                for c in 0..n {
+                    exact[r * n + c] = (0..k)
+                        .map(|j| x[r * k + j] as f64 * wf[c * k + j] as f64)
+                        .sum();
+                }
+            }
+            let err = |kern: &Kernels| {
+                let mut got = vec![f32::NAN; rows * n];
+                lin.forward_with(kern, &x, rows, None, &mut got);
+                got.iter()
+                    .zip(&exact)
+                    .map(|(&a, &b)| (a as f64 - b).abs())
+                    .fold(0.0f64, f64::max)
+            };
+            let (e_amx, e_fma) = (err(&amx), err(&fma));
+            eprintln!("n {n} k {k} rows {rows}: AMX error {e_amx:e}, FMA error {e_fma:e}");
+            assert!(
+                e_fma > 0.0 && e_amx <= 4.0 * e_fma,
+                "{e_amx:e} vs {e_fma:e}"
+            );
+        }
+    }
+
     /// Stacked parts (q/k/v-like widths that straddle panels) give each
     /// part what its own plain linear gives, with its own bias, on every
     /// tier; a part that is not bf16 keeps the whole stack plain.

@@ -389,6 +389,44 @@ unsafe fn i8_vnni_t<const T: usize>(
 ///
 /// # Safety
 /// The CPU must support AVX-512 F.
+/// [`crate::kernels::layout::split3_row`] sixteen values at a time (the
+/// same integer rounding, so the same bits).
+///
+/// # Safety
+/// AVX-512 F must be available; `hi`, `mid` and `lo` at least `x.len()`
+/// long.
+#[target_feature(enable = "avx512f")]
+pub unsafe fn split3_row(x: &[f32], hi: &mut [u16], mid: &mut [u16], lo: &mut [u16]) {
+    let n = x.len();
+    debug_assert!(hi.len() >= n && mid.len() >= n && lo.len() >= n);
+    let bias = _mm512_set1_epi32(0x7fff);
+    let one = _mm512_set1_epi32(1);
+    // Rounds each lane to bf16 (in the high half of the returned lanes'
+    // bits, low half zero): the value and its bits.
+    let rne = |v: __m512| {
+        let b = _mm512_castps_si512(v);
+        let lsb = _mm512_and_si512(_mm512_srli_epi32::<16>(b), one);
+        let r = _mm512_srli_epi32::<16>(_mm512_add_epi32(b, _mm512_add_epi32(bias, lsb)));
+        (_mm512_castsi512_ps(_mm512_slli_epi32::<16>(r)), r)
+    };
+    let mut k = 0;
+    while k + 16 <= n {
+        // SAFETY: `k + 16 <= n` and every slice is at least `n` long.
+        unsafe {
+            let v = _mm512_loadu_ps(x.as_ptr().add(k));
+            let (h, hb) = rne(v);
+            let r1 = _mm512_sub_ps(v, h);
+            let (m, mb) = rne(r1);
+            let (_, lb) = rne(_mm512_sub_ps(r1, m));
+            _mm256_storeu_si256(hi.as_mut_ptr().add(k).cast(), _mm512_cvtepi32_epi16(hb));
+            _mm256_storeu_si256(mid.as_mut_ptr().add(k).cast(), _mm512_cvtepi32_epi16(mb));
+            _mm256_storeu_si256(lo.as_mut_ptr().add(k).cast(), _mm512_cvtepi32_epi16(lb));
+        }
+        k += 16;
+    }
+    crate::kernels::layout::split3_row(&x[k..], &mut hi[k..], &mut mid[k..], &mut lo[k..]);
+}
+
 #[target_feature(enable = "avx512f")]
 pub unsafe fn fma_probe(iters: usize, seed: f32) -> f32 {
     let m = _mm512_set1_ps(0.999_999);
