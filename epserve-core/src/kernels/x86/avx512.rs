@@ -384,11 +384,6 @@ unsafe fn i8_vnni_t<const T: usize>(
     }
 }
 
-/// Runs `iters` rounds of 16 independent 16-wide FMAs and returns a value
-/// that depends on all of them; the FLOPs are `iters · 16 · 16 · 2`.
-///
-/// # Safety
-/// The CPU must support AVX-512 F.
 /// [`crate::kernels::layout::split3_row`] sixteen values at a time (the
 /// same integer rounding, so the same bits).
 ///
@@ -427,6 +422,11 @@ pub unsafe fn split3_row(x: &[f32], hi: &mut [u16], mid: &mut [u16], lo: &mut [u
     crate::kernels::layout::split3_row(&x[k..], &mut hi[k..], &mut mid[k..], &mut lo[k..]);
 }
 
+/// Runs `iters` rounds of 16 independent 16-wide FMAs and returns a value
+/// that depends on all of them; the FLOPs are `iters · 16 · 16 · 2`.
+///
+/// # Safety
+/// The CPU must support AVX-512 F.
 #[target_feature(enable = "avx512f")]
 pub unsafe fn fma_probe(iters: usize, seed: f32) -> f32 {
     let m = _mm512_set1_ps(0.999_999);
