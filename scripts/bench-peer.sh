@@ -21,6 +21,8 @@
 # Environment (all optional):
 #   EPSERVE=path         epserve binary (default: target/release/epserve, built if missing)
 #   EPSERVE_FLAGS=""     extra `epserve serve` flags for both epserve servers
+#   LLAMA_FLAGS=""       extra llama-server flags for both llama.cpp servers (e.g.
+#                        --no-repack where its repacked/AMX Q8_0 path crashes at load)
 #   EPSERVE_INT8_FLAGS="--expert-dtype int8 --dense-dtype int8"   what makes
 #                        epserve-int8 (everything but routers and norms in int8, as Q8_0)
 #   THREADS=2            threads of both servers (llama-server -t/-tb; epserve is pinned
@@ -194,6 +196,8 @@ start_server() { # SERVER
         cmd=("${PIN[@]}" "$LLAMA_SERVER" -m "$DIR/bench-${srv#llama-}.gguf" --host 127.0.0.1
             --port "$PORT" -t "$THREADS" -tb "$THREADS" --parallel 8 -c $((8 * 1280))
             --no-cache-prompt --cache-ram 0 --no-webui --alias "$NAME")
+        # shellcheck disable=SC2206 # flags split on spaces on purpose
+        cmd+=(${LLAMA_FLAGS:-})
         "${cmd[@]}" >"$RUN/$srv.log" 2>&1 &
         ;;
     *)
