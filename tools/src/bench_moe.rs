@@ -38,7 +38,10 @@ pub struct BenchMoeArgs {
     /// Token counts per layer call.
     #[arg(long, value_delimiter = ',', default_value = "1,4,16,64,256")]
     pub tokens: Vec<usize>,
-    /// Expert precisions: bf16, int8.
+    /// Expert precisions: bf16 (bf16 weights and activations, as
+    /// `--expert-dtype bf16` loads), bf16-f32 (bf16 weights with f32
+    /// activations: exact bf16 experts under the default `--expert-dtype
+    /// auto`), int8.
     #[arg(long, value_delimiter = ',', default_value = "bf16,int8")]
     pub dtypes: Vec<String>,
     /// Thread counts; 0 means all cores.
@@ -209,11 +212,35 @@ pub(crate) fn random_bf16(rows: usize, cols: usize, seed: u64) -> Weight {
     Weight::from_bytes(DType::BF16, vec![rows, cols], &bytes)
 }
 
+/// One precision a row is measured in.
+#[derive(Clone, Copy, Debug)]
+struct BenchDtype {
+    name: &'static str,
+    packed: PackedDtype,
+    bf16_activations: bool,
+}
+
+impl BenchDtype {
+    fn parse(s: &str) -> Result<Self> {
+        let (name, packed, bf16_activations) = match s {
+            "bf16" => ("bf16", PackedDtype::Bf16, true),
+            "bf16-f32" => ("bf16-f32", PackedDtype::Bf16, false),
+            "int8" => ("int8", PackedDtype::Int8, false),
+            other => bail!("unknown dtype '{other}' (bf16, bf16-f32, int8)"),
+        };
+        Ok(Self {
+            name,
+            packed,
+            bf16_activations,
+        })
+    }
+}
+
 /// Builds the layer's experts in each asked precision (sources dropped as
 /// soon as they are packed), on all cores.
 fn build_experts(
     sh: &Shape,
-    dtypes: &[PackedDtype],
+    dtypes: &[BenchDtype],
     seed: u64,
 ) -> Result<Vec<Vec<Option<PackedExpert>>>> {
     let workers = std::thread::available_parallelism().map_or(1, |n| n.get());
@@ -233,9 +260,7 @@ fn build_experts(
                     let gate = random_bf16(sh.inter, sh.hidden, base + 1);
                     let up = random_bf16(sh.inter, sh.hidden, base + 2);
                     let down = random_bf16(sh.hidden, sh.inter, base + 3);
-                    for (di, &dt) in dtypes.iter().enumerate() {
-                        // bf16 rows: bf16 weights and activations (what
-                        // `--expert-dtype bf16` loads).
+                    for (di, dt) in dtypes.iter().enumerate() {
                         let r = PackedExpert::from_weights(
                             &gate,
                             &up,
@@ -243,10 +268,10 @@ fn build_experts(
                             sh.hidden,
                             sh.inter,
                             Activation::Silu,
-                            dt,
+                            dt.packed,
                             false,
                         )
-                        .map(|p| p.with_bf16_activations(dt == PackedDtype::Bf16));
+                        .map(|p| p.with_bf16_activations(dt.bf16_activations));
                         results
                             .lock()
                             .unwrap_or_else(|p| p.into_inner())
@@ -409,14 +434,10 @@ pub fn run(args: &BenchMoeArgs) -> Result<()> {
         .iter()
         .map(|s| Shape::parse(s))
         .collect::<Result<_>>()?;
-    let dtypes: Vec<PackedDtype> = args
+    let dtypes: Vec<BenchDtype> = args
         .dtypes
         .iter()
-        .map(|d| match d.trim() {
-            "bf16" => Ok(PackedDtype::Bf16),
-            "int8" => Ok(PackedDtype::Int8),
-            other => bail!("unknown dtype '{other}' (bf16, int8)"),
-        })
+        .map(|d| BenchDtype::parse(d.trim()))
         .collect::<Result<_>>()?;
     if args.tokens.is_empty() || args.tokens.contains(&0) {
         bail!("--tokens must list positive token counts");
@@ -481,13 +502,8 @@ pub fn run(args: &BenchMoeArgs) -> Result<()> {
         let mut execs = Vec::new();
         for (di, experts) in built.into_iter().enumerate() {
             let dt = dtypes[di];
-            let dname = if dt == PackedDtype::Bf16 {
-                "bf16"
-            } else {
-                "int8"
-            };
             let ex = PackedExperts::new(vec![Some(experts)], sh.hidden, first_pool.clone())?;
-            execs.push((dt, dname, ex));
+            execs.push((dt, dt.name, ex));
         }
         let inputs: Vec<_> = args
             .tokens
@@ -569,7 +585,7 @@ pub fn run(args: &BenchMoeArgs) -> Result<()> {
                         bandwidth_pct: 0.0,
                         gflops,
                         fma_peak_pct: m.map_or(0.0, |m| 100.0 * gflops / m.fma_peak_gflops),
-                        bf16_dot_peak_pct: (*dt == PackedDtype::Bf16 && k.bf16x_mr().is_some())
+                        bf16_dot_peak_pct: (dt.bf16_activations && k.bf16x_mr().is_some())
                             .then(|| m.and_then(|m| m.bf16_dot_peak_gflops))
                             .flatten()
                             .map(|p| 100.0 * gflops / p),
