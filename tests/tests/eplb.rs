@@ -321,15 +321,13 @@ async fn rebalance_replicates_hot_experts_live_and_drain_empties_a_worker() {
 
 /// The pid worker `id` registered in etcd.
 async fn workers_pid(up: &Up, id: &str) -> u32 {
-    use epserve_cluster::store::{EtcdStore, KvStore};
-    let store = EtcdStore::connect(&up.etcd).await.expect("etcd");
-    store
-        .list("/epserve/")
+    up.cluster_state()
         .await
-        .expect("list")
-        .iter()
-        .filter(|(k, _)| k.ends_with(&format!("/workers/expert/{id}")))
-        .find_map(|(_, v)| serde_json::from_slice::<epserve_cluster::state::WorkerInfo>(v).ok())
+        .workers("expert")
+        .await
+        .expect("workers")
+        .into_iter()
+        .find(|w| w.id == id)
         .map(|w| w.pid)
         .unwrap_or_else(|| panic!("worker {id} is not registered"))
 }

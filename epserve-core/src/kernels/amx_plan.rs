@@ -80,7 +80,7 @@ pub(crate) fn run_panels_amx(
     mut epi: impl FnMut(usize, usize, &[f32; NR]),
 ) {
     let int8 = matches!(data, DataView::I8 { .. });
-    let split = split && !int8;
+    debug_assert!(!(split && int8), "only f32 activations are split");
     // `A` rows: the tokens, or their three bf16 terms.
     let m = if split { 3 * n } else { n };
     let tk = if int8 { AMX_I8_TILE_K } else { AMX_BF16_TILE_K };
@@ -94,30 +94,32 @@ pub(crate) fn run_panels_amx(
         ACC_F32.with_borrow_mut(|accf| {
             ACC_I32.with_borrow_mut(|acci| {
                 let a = aligned_zeroed(abuf, n_pad * row_bytes);
-                if split {
-                    for i in 0..n {
-                        let s = &src.f32_rows[row(i) * src.f32_stride..][..kdim];
-                        let (hi, rest) = a[i * row_bytes..].split_at_mut(n * row_bytes);
-                        let (mid, lo) = rest.split_at_mut(n * row_bytes);
-                        // Rows start 64-byte aligned: whole u16s.
-                        fn words(r: &mut [u8], kdim: usize) -> &mut [u16] {
-                            bytemuck::cast_slice_mut(&mut r[..2 * kdim])
-                        }
-                        let (hi, mid, lo) = (words(hi, kdim), words(mid, kdim), words(lo, kdim));
-                        k.split3_row(s, hi, mid, lo);
-                    }
+                // Row `r`'s first `kdim` bf16 values (rows start 64-byte
+                // aligned: whole u16s).
+                fn words(a: &mut [u8], r: usize, row_bytes: usize, kdim: usize) -> &mut [u16] {
+                    bytemuck::cast_slice_mut(&mut a[r * row_bytes..][..2 * kdim])
                 }
-                for i in (0..n).filter(|_| !split) {
-                    let dst = &mut a[i * row_bytes..(i + 1) * row_bytes];
+                for i in 0..n {
                     let base = row(i);
                     match data {
+                        DataView::Bf16(_) if split => {
+                            let s = &src.f32_rows[base * src.f32_stride..][..kdim];
+                            let (hi, rest) = a[i * row_bytes..].split_at_mut(n * row_bytes);
+                            let (mid, lo) = rest.split_at_mut(n * row_bytes);
+                            k.split3_row(
+                                s,
+                                words(hi, 0, row_bytes, kdim),
+                                words(mid, 0, row_bytes, kdim),
+                                words(lo, 0, row_bytes, kdim),
+                            );
+                        }
                         DataView::Bf16(_) => {
                             let s = &src.b16_rows[base * src.b16_stride..][..kdim];
-                            dst[..2 * kdim].copy_from_slice(bytemuck::cast_slice(s));
+                            words(a, i, row_bytes, kdim).copy_from_slice(s);
                         }
                         DataView::I8 { .. } => {
                             let s = &src.i8_rows[base * src.i8_stride..][..kdim];
-                            dst[..kdim].copy_from_slice(bytemuck::cast_slice(s));
+                            a[i * row_bytes..][..kdim].copy_from_slice(bytemuck::cast_slice(s));
                         }
                     }
                 }

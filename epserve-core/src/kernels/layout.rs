@@ -330,9 +330,10 @@ pub(crate) fn dequant(a: &[i32], ws: &[f32], xs: f32) -> [f32; NR] {
 
 #[cfg(test)]
 mod tests {
+    use super::*;
+
     #[test]
     fn split3_bf16_sums_exactly() {
-        use super::{bf16_bits_to_f32, split3_bf16};
         // An LCG over bit patterns: every sign, exponents from 2^-100 to
         // 2^100, every mantissa.
         let mut s = 0x9e37_79b9_7f4a_7c15u64;
@@ -368,11 +369,9 @@ mod tests {
             -2.5e-30,
             f32::INFINITY,
         ] {
-            assert_eq!(split3_bf16(x)[0], super::f32_to_bf16_bits(x), "{x:e}");
+            assert_eq!(split3_bf16(x)[0], f32_to_bf16_bits(x), "{x:e}");
         }
     }
-
-    use super::*;
 
     #[test]
     fn bf16_pairs_cover_the_panel_once() {
