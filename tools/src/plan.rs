@@ -30,6 +30,7 @@ pub mod calibrate;
 mod hardware;
 mod model;
 mod output;
+pub mod overlap;
 pub mod simulate;
 mod sizing;
 
@@ -144,6 +145,17 @@ pub struct PlanArgs {
     /// dispatch time less the workers' compute) replaces --rtt-us.
     #[arg(long, value_name = "FILE")]
     pub dispatch_metrics: Option<PathBuf>,
+    /// The coordinator's /metrics of a `--micro-batches 1` cluster run (one
+    /// scrape after it, or two: before and after): its measured phase times
+    /// (step, coordinator busy, workers busy) and what ping-ponged
+    /// micro-batches gain on the planned nodes, printed after the plan.
+    #[arg(long, value_name = "FILE", num_args = 1..=2, conflicts_with_all = ["simulate", "node_model"])]
+    pub phase_metrics: Vec<PathBuf>,
+    /// The same scrapes of a `--micro-batches auto` (or 2) run of the same
+    /// traffic: the overlap it achieved against the ideal becomes the
+    /// prediction's efficiency (without it: the ideal overlap).
+    #[arg(long, value_name = "FILE", num_args = 1..=2, requires = "phase_metrics")]
+    pub overlap_metrics: Vec<PathBuf>,
 }
 
 /// Storage of expert weights on the expert-workers.
@@ -303,6 +315,17 @@ pub fn run(args: &PlanArgs) -> Result<()> {
             path.display()
         );
     }
+    let overlap = if args.phase_metrics.is_empty() {
+        None
+    } else {
+        let sync = overlap::Phases::read(&args.phase_metrics)?;
+        let overlapped = if args.overlap_metrics.is_empty() {
+            None
+        } else {
+            Some(overlap::Phases::read(&args.overlap_metrics)?)
+        };
+        Some(overlap::Overlap { sync, overlapped })
+    };
     let batch = args.batch as u64;
     if args.simulate {
         if !(args.zipf >= 0.0 && args.zipf.is_finite()) {
@@ -329,6 +352,22 @@ pub fn run(args: &PlanArgs) -> Result<()> {
         "{}",
         render_report(&shape, &inst, &a, &plan, target_output_tps, batch)
     );
+    if let Some(o) = &overlap {
+        // The plan's batches and the measured run's tokens per step (a
+        // prefill-heavy run's chunks counted as that many sequences).
+        let mut batches: Vec<u64> = plan.table.iter().map(|e| e.batch).collect();
+        let measured = o.sync.tokens_per_step.round().max(1.0) as u64;
+        if !batches.contains(&measured) {
+            batches.push(measured);
+            batches.sort_unstable();
+        }
+        let rows: Vec<_> = batches
+            .into_iter()
+            .map(|b| o.predict(&shape, &inst, &a, plan.layout, b))
+            .collect();
+        println!();
+        print!("{}", o.render(&rows, &inst));
+    }
     if let Some(path) = &args.helm_values {
         let text = helm_values(&shape, &inst, &a, &plan, args);
         std::fs::write(path, text)

@@ -363,6 +363,8 @@ fn a_cluster_capped_below_the_experts_gets_a_cold_tier() {
         seed: 0,
         calibration: None,
         dispatch_metrics: None,
+        phase_metrics: vec![],
+        overlap_metrics: vec![],
         max_expert_workers: Some(2),
         cold_read_gbps: 1.0,
         pack_gbps_per_vcpu: 4.0,
@@ -433,6 +435,8 @@ fn helm_values_carry_the_layout() {
         seed: 0,
         calibration: None,
         dispatch_metrics: None,
+        phase_metrics: vec![],
+        overlap_metrics: vec![],
         max_expert_workers: None,
         cold_read_gbps: 1.0,
         pack_gbps_per_vcpu: 4.0,
@@ -485,6 +489,8 @@ fn two_socket_nodes_get_one_expert_worker_per_socket() {
         seed: 0,
         calibration: None,
         dispatch_metrics: None,
+        phase_metrics: vec![],
+        overlap_metrics: vec![],
         max_expert_workers: None,
         cold_read_gbps: 1.0,
         pack_gbps_per_vcpu: 4.0,
@@ -657,4 +663,123 @@ fn a_loopback_clusters_workers_share_the_machine() {
     // The slowest of two workers is a little above the mean.
     assert!(rows[0].step_s >= est.step_s() * 0.99, "{rows:?} vs {est:?}");
     assert!(rows[0].step_s <= est.step_s() * 1.2, "{rows:?} vs {est:?}");
+}
+
+/// A coordinator's /metrics with the step histograms the overlap reads.
+fn phase_scrape(steps: f64, step_s: f64, wait_s: f64, worker_s: f64, tokens: f64) -> String {
+    format!(
+        "# HELP epserve_step_seconds x\n\
+         # TYPE epserve_step_seconds histogram\n\
+         epserve_step_seconds_bucket{{le=\"+Inf\"}} {steps}\n\
+         epserve_step_seconds_sum {}\n\
+         epserve_step_seconds_count {steps}\n\
+         epserve_step_wait_seconds_sum {}\n\
+         epserve_step_wait_seconds_count {steps}\n\
+         epserve_expert_worker_compute_seconds_sum{{worker=\"expert-0\"}} {}\n\
+         epserve_expert_worker_compute_seconds_count{{worker=\"expert-0\"}} {}\n\
+         epserve_batch_size_tokens_sum {}\n\
+         epserve_batch_size_tokens_count {steps}\n",
+        steps * step_s,
+        steps * wait_s,
+        steps * worker_s,
+        steps * 4.0,
+        steps * tokens,
+    )
+}
+
+#[test]
+fn measured_phases_and_overlap_efficiency() {
+    // Before: 10 steps of warm-up; after: 110. The run's own 100 steps:
+    // S 1.0 s, waits 0.7 s (A 0.3), worker 0.6 s, 400 tokens each.
+    let before = phase_scrape(10.0, 2.0, 1.0, 1.0, 100.0);
+    let mut after_text = String::new();
+    // after = before + 100 run steps, written as sums
+    let sum = |b: f64, run: f64| b + run;
+    after_text.push_str(&format!(
+        "epserve_step_seconds_sum {}\nepserve_step_seconds_count 110\n\
+         epserve_step_wait_seconds_sum {}\nepserve_expert_worker_compute_seconds_sum{{worker=\"a\"}} {}\n\
+         epserve_batch_size_tokens_sum {}\n",
+        sum(20.0, 100.0),
+        sum(10.0, 70.0),
+        sum(10.0, 60.0),
+        sum(1000.0, 40_000.0)
+    ));
+    let sync =
+        overlap::Phases::parse(&[("b".into(), before), ("a".into(), after_text)]).expect("parses");
+    close(sync.steps, 100.0, 1e-12);
+    close(sync.step_s, 1.0, 1e-12);
+    close(sync.busy_s, 0.3, 1e-12);
+    close(sync.worker_s, 0.6, 1e-12);
+    close(sync.rest_s(), 0.1, 1e-9);
+    close(sync.tokens_per_step, 400.0, 1e-12);
+    // The overlapped run: 0.8 s per 400-token step, 1.25x; ideal 1/0.6.
+    let over = overlap::Phases::parse(&[("o".into(), phase_scrape(50.0, 0.8, 0.6, 0.6, 400.0))])
+        .expect("parses");
+    let o = overlap::Overlap {
+        sync: sync.clone(),
+        overlapped: Some(over),
+    };
+    close(o.ideal_speedup(), 1.0 / 0.6, 1e-12);
+    close(o.achieved_speedup().expect("both runs"), 1.25, 1e-12);
+    close(o.efficiency(), 1.25 * 0.6, 1e-12);
+    // Without the overlapped run: the ideal.
+    let ideal = overlap::Overlap {
+        sync,
+        overlapped: None,
+    };
+    close(ideal.efficiency(), 1.0, 0.0);
+    // No steps: a clear error.
+    let err = overlap::Phases::parse(&[("x".into(), "# nothing\n".into())]).expect_err("no steps");
+    assert!(err.to_string().contains("no scheduler steps"), "{err}");
+    assert!(overlap::Phases::parse(&[]).is_err());
+}
+
+#[test]
+fn ping_pong_prediction_on_planned_nodes() {
+    let m = shape_of(QWEN3_30B_A3B);
+    let inst = Instance::lookup("c8g.16xlarge").expect("known");
+    let a = assumptions(ExpertDtype::Bf16, KvDtype::Bf16);
+    let layout = Layout {
+        expert_workers: 4,
+        attention_workers: 0,
+    };
+    let o = overlap::Overlap {
+        sync: overlap::Phases::parse(&[("s".into(), phase_scrape(10.0, 1.0, 0.7, 0.6, 400.0))])
+            .expect("parses"),
+        overlapped: None,
+    };
+    // Batch 1 cannot split.
+    let r1 = o.predict(&m, &inst, &a, layout, 1);
+    close(r1.split_s, r1.sync_s, 0.0);
+    close(r1.auto_s(), r1.sync_s, 0.0);
+    for b in [8, 64, 256] {
+        let r = o.predict(&m, &inst, &a, layout, b);
+        let whole = estimate(&m, &inst, &a, layout, b);
+        close(r.sync_s, whole.step_s(), 1e-12);
+        close(r.busy_s + r.remote_s, whole.step_s(), 1e-9);
+        // The ideal split of two halves: twice the busier half.
+        let half = estimate(&m, &inst, &a, layout, b / 2);
+        let want = 2.0
+            * (half.coordinator_s + half.attention_s)
+                .max(half.experts_s + half.cold_s + half.network_s + half.latency_s);
+        close(r.split_s, want, 1e-12);
+        // auto never loses, and the split can never beat the busier side
+        // of the whole batch by more than the halves' sublinearity allows.
+        assert!(r.auto_s() <= r.sync_s);
+        assert!(r.split_s >= r.busy_s.max(r.remote_s) * 0.999, "{r:?}");
+    }
+    // A lower efficiency makes the split slower by exactly its inverse.
+    let mut eff = o.clone();
+    eff.overlapped = Some(
+        overlap::Phases::parse(&[("o".into(), phase_scrape(10.0, 0.8, 0.6, 0.6, 400.0))])
+            .expect("parses"),
+    );
+    let e = eff.efficiency();
+    assert!(e < 1.0 && e > 0.5, "{e}");
+    let r = eff.predict(&m, &inst, &a, layout, 64);
+    let ideal = o.predict(&m, &inst, &a, layout, 64);
+    close(r.split_s, ideal.split_s / e, 1e-12);
+    let text = eff.render(&[r], &inst);
+    assert!(text.contains("ping-pong on c8g.16xlarge nodes"), "{text}");
+    assert!(text.contains("% of the ideal"), "{text}");
 }
