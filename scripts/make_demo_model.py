@@ -2,7 +2,7 @@
 """Train the bundled demo model (models/demo): a small Qwen3-MoE that writes readable English
 about the Python language, with a byte-level BPE tokenizer and a ChatML chat template.
 
-Run from the repository root (CPU only, ~30 min on 2 quiet cores; the pinned versions are
+Run from the repository root (CPU only, ~23 min on 2 quiet cores; the pinned versions are
 tests/fixtures/requirements.txt, on Python 3.11.7 whose pydoc_data/topics.py is the corpus):
 
     /work/venv/bin/python scripts/make_demo_model.py                 # train, save, golden
@@ -163,14 +163,14 @@ def docstrings():
     return out
 
 
-def doc_question(qn, kind, rng):
+def doc_forms(qn, kind):
     if kind == "module":
         forms = ["What is the {} module?", "Tell me about the {} module.", "What does the {} module do?"]
     elif kind == "class":
         forms = ["What is {}?", "Tell me about {}.", "What is the {} class?"]
     else:
         forms = ["What does {}() do?", "What does {} do?", "Explain {}()."]
-    return rng.choice(forms).format(qn)
+    return [f.format(qn) for f in forms]
 
 
 def sections():
@@ -208,36 +208,44 @@ def sections():
     return out
 
 
-def question(heading, k, rng):
+def section_forms(heading, k):
+    """Every phrasing of the question about a section's k-th part: each form, with the
+    heading as written and without its quotes (`the "for" statement`, `the for statement`)."""
     h = heading.rstrip(".")
     h0 = h[0].lower() + h[1:] if len(h) > 1 and h[1].islower() else h
     if k == 0:
         forms = ["Tell me about {}.", "What is {}?", "Explain {}.", "What should I know about {}?"]
     else:
         forms = ["Tell me more about {}.", "What else is there about {}?", "Continue about {}."]
-    return rng.choice(forms).format(h0)
+    subjects = [h0] + ([h0.replace('"', "")] if '"' in h0 else [])
+    return [f.format(x) for x in subjects for f in forms]
 
 
 def examples(max_chars=900, with_docstrings=False):
-    """Chat examples [(question, answer)] and which are held out."""
+    """Chat examples [(question, answer, [every phrasing of the question], "topic" | "doc")]
+    and which are held out. The question is one phrasing drawn with the seed (the held-out perplexity uses it);
+    training draws a phrasing each time it uses an example."""
     rng = random.Random(SEED)
     ex = []
     for _, heading, paras in sections():
         chunk, k = [], 0
         for p in paras:
             if chunk and len(" ".join(chunk)) + len(p) > max_chars:
-                ex.append((question(heading, k, rng), " ".join(chunk)))
+                forms = section_forms(heading, k)
+                ex.append((rng.choice(forms[:4 if k == 0 else 3]), " ".join(chunk), forms, "topic"))
                 chunk, k = [], k + 1
             chunk.append(p)
         if chunk:
-            ex.append((question(heading, k, rng), " ".join(chunk)))
+            forms = section_forms(heading, k)
+            ex.append((rng.choice(forms[:4 if k == 0 else 3]), " ".join(chunk), forms, "topic"))
     for qn, kind, paras in docstrings() if with_docstrings else []:
         keep = paras[:1]
         for para in paras[1:]:  # whole paragraphs, up to max_chars
             if len(" ".join(keep)) + len(para) > max_chars:
                 break
             keep.append(para)
-        ex.append((doc_question(qn, kind, rng), " ".join(keep)))
+        forms = doc_forms(qn, kind)
+        ex.append((rng.choice(forms), " ".join(keep), forms, "doc"))
     train = [e for i, e in enumerate(ex) if i % HOLD_EVERY != HOLD_EVERY - 1]
     held = [e for i, e in enumerate(ex) if i % HOLD_EVERY == HOLD_EVERY - 1]
     return train, held
@@ -264,8 +272,8 @@ def build_tokenizer(train):
         show_progress=False,
     )
     texts = []
-    for q, a in train:
-        texts += [q + "\n", "user\n", "assistant\n", a + "\n"]
+    for q, a, forms, _ in train:
+        texts += [f + "\n" for f in forms] + ["user\n", "assistant\n", a + "\n"]
     tok.train_from_iterator(texts, trainer=trainer)
     tok.add_special_tokens(SPECIALS)
     tok.post_processor = processors.ByteLevel(trim_offsets=False)
@@ -280,9 +288,20 @@ def build_tokenizer(train):
 def encode_examples(tok, exs):
     """[(prompt ids, answer ids)] where prompt = the ChatML user turn + assistant header."""
     out = []
-    for q, a in exs:
+    for q, a, *_ in exs:
         p, r = chatml(q, a)
         out.append((tok(p, add_special_tokens=False)["input_ids"], tok(r, add_special_tokens=False)["input_ids"]))
+    return out
+
+
+def encode_variants(tok, exs, topic_repeat=1):
+    """[([prompt ids of each phrasing], answer ids)] for training; each topic example
+    `topic_repeat` times (so a pass over the examples uses it that often)."""
+    out = []
+    for _, a, forms, kind in exs:
+        prompts = [tok(chatml(f, a)[0], add_special_tokens=False)["input_ids"] for f in forms]
+        r = tok(chatml(forms[0], a)[1], add_special_tokens=False)["input_ids"]
+        out += [(prompts, r)] * (topic_repeat if kind == "topic" else 1)
     return out
 
 
@@ -429,26 +448,36 @@ def make_model(tok):
     return cfg, model
 
 
-def batches(train_enc, seq, bs, steps, seed):
-    """Random windows over the shuffled, concatenated training examples (a new shuffle per pass)."""
+def batches(train_var, seq, bs, steps, seed, head_tokens=16, head_weight=4.0):
+    """Windows that start at an example's question: each row is examples in a shuffled order
+    (a new shuffle per pass), each with a phrasing of its question drawn at random, packed
+    until the window is full. The loss is on the answers only (-100 on the questions), so
+    every window teaches an answer from its own question; the random windows over the
+    concatenated stream an earlier run used mostly started mid-answer, and its greedy
+    answers were about the wrong statement."""
     rng = random.Random(seed)
-    stream = []
-    order = list(range(len(train_enc)))
-    while len(stream) < 4 * seq * bs:
-        pass_order = order[:]
-        rng.shuffle(pass_order)
-        for i in pass_order:
-            stream += train_enc[i][0] + train_enc[i][1]
-    data = torch.tensor(stream)
-    n = len(data) - seq - 1
-    g = torch.Generator().manual_seed(seed)
+    order, pos = [], 0
     for _ in range(steps):
-        starts = torch.randint(0, n, (bs,), generator=g)
-        x = torch.stack([data[s : s + seq + 1] for s in starts.tolist()])
-        yield x[:, :-1], x[:, 1:]
+        xs, ys, ws = [], [], []
+        for _ in range(bs):
+            toks, labs, wts = [], [], []
+            while len(toks) < seq + 1:
+                if pos == len(order):
+                    order, pos = list(range(len(train_var))), 0
+                    rng.shuffle(order)
+                prompts, r = train_var[order[pos]]
+                pos += 1
+                p = rng.choice(prompts)
+                toks += p + r
+                labs += [-100] * len(p) + r
+                wts += [0.0] * len(p) + [head_weight if j < head_tokens else 1.0 for j in range(len(r))]
+            xs.append(toks[:seq])
+            ys.append(labs[1 : seq + 1])
+            ws.append(wts[1 : seq + 1])
+        yield torch.tensor(xs), torch.tensor(ys), torch.tensor(ws)
 
 
-def train(args, tok, train_enc, held_enc):
+def train(args, tok, train_var, held_enc, train_ex):
     cfg, model = make_model(tok)
     model.set_experts_implementation(args.experts_impl)
     n_params = sum(p.numel() for p in model.parameters())
@@ -466,17 +495,23 @@ def train(args, tok, train_enc, held_enc):
     t0 = time.time()
     tokens = 0
     ema = None
-    for step, (x, y) in enumerate(batches(train_enc, args.seq, args.bs, args.steps, SEED)):
+    for step, (x, y, w) in enumerate(
+        batches(train_var, args.seq, args.bs, args.steps, SEED, args.head_tokens, args.head_weight)
+    ):
         for gp in opt.param_groups:
             gp["lr"] = lr_at(step)
         out = model(input_ids=x, output_router_logits=True)
-        lm = torch.nn.functional.cross_entropy(out.logits.reshape(-1, out.logits.shape[-1]), y.reshape(-1))
-        loss = lm + cfg.router_aux_loss_coef * out.aux_loss
+        nll = torch.nn.functional.cross_entropy(
+            out.logits.reshape(-1, out.logits.shape[-1]), y.reshape(-1), ignore_index=-100, reduction="none"
+        )
+        w = w.reshape(-1)
+        lm = (nll * (w > 0)).sum() / (w > 0).sum()  # reported: plain mean over answer tokens
+        loss = (nll * w).sum() / w.sum() + cfg.router_aux_loss_coef * out.aux_loss
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
-        tokens += x.numel()
+        tokens += int((y != -100).sum())
         ema = lm.item() if ema is None else 0.95 * ema + 0.05 * lm.item()
         if step % 10 == 0 or step == args.steps - 1:
             curve.append((step + 1, ema))
@@ -484,12 +519,18 @@ def train(args, tok, train_enc, held_enc):
         if (step + 1) % args.eval_every == 0 or step == args.steps - 1 or out_of_time:
             model.eval()
             hp = model_ppl(model, held_enc[: args.eval_n])
-            model.train()
             held_curve.append((step + 1, math.log(hp)))
+            rc = ""
+            if (step + 1) % (4 * args.eval_every) == 0:
+                h, t = recall(model, tok, train_ex, n=30)
+                rc = f" recall {h}/{t}"
+                if args.keep_states:  # to pick a stopping point: --steps N reproduces it
+                    torch.save(dict(model=model.state_dict()), f"{args.state}.{step + 1}")
+            model.train()
             el = time.time() - t0
             print(
                 f"step {step + 1}/{args.steps} loss {ema:.3f} held-out ppl {hp:.1f} aux {out.aux_loss.item():.3f} "
-                f"lr {lr_at(step):.2e} {tokens / el:.0f} tok/s {el:.0f}s",
+                f"lr {lr_at(step):.2e} {tokens / el:.0f} tok/s {el:.0f}s{rc}",
                 flush=True,
             )
         if out_of_time:
@@ -571,11 +612,31 @@ def chat_ids(tok, q):
     return [int(i) for i in r]
 
 
+def recall(model, tok, train_ex, n=60, k=8):
+    """Of n training questions about the documentation topics' first sections (every
+    len/n-th, asked in the phrasing listed last: unquoted where the heading has quotes), how
+    many greedy answers start with the first k tokens of the answer that question was
+    trained on: whether the model answers the topic asked."""
+    firsts = [e for e in train_ex if e[3] == "topic" and e[2][0].startswith("Tell me about ")]
+    step = max(1, len(firsts) // n)
+    hits, total = 0, 0
+    for q, a, forms, _ in firsts[::step][:n]:
+        ref = tok(a, add_special_tokens=False)["input_ids"][:k]
+        ids = chat_ids(tok, forms[-1])
+        out = model.generate(input_ids=torch.tensor([ids]), max_new_tokens=k, do_sample=False)
+        hits += out[0, len(ids) :].tolist() == ref
+        total += 1
+    return hits, total
+
+
 SAMPLES = [
-    "What is the assert statement?",
     "Tell me about the for statement.",
-    "What is a lambda expression?",
-    "Explain the with statement.",
+    "Explain the \"with\" statement.",
+    "What is the \"while\" statement?",
+    "What is the pass statement?",
+    "What is the \"break\" statement?",
+    "What is the assert statement?",
+    "What does json.dumps() do?",
 ]
 
 # Golden candidates: the first three (by kind) whose router and logit margins pass make_fixtures'
@@ -666,14 +727,18 @@ def make_golden(out, golden_path=GOLDEN):
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--steps", type=int, default=2000)
+    ap.add_argument("--steps", type=int, default=5200)
     ap.add_argument("--max-minutes", type=float, default=0, help="stop early after this much training time")
     ap.add_argument("--docstrings", action="store_true", help="also train on stdlib docstrings")
-    ap.add_argument("--bs", type=int, default=8)
-    ap.add_argument("--seq", type=int, default=128)
+    ap.add_argument("--bs", type=int, default=4)
+    ap.add_argument("--seq", type=int, default=256)
     ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--eval-every", type=int, default=50)
+    ap.add_argument("--head-tokens", type=int, default=16, help="the first answer tokens, weighted --head-weight in the loss")
+    ap.add_argument("--head-weight", type=float, default=4.0)
+    ap.add_argument("--keep-states", action="store_true", help="also save the weights at every recall check")
+    ap.add_argument("--topic-repeat", type=int, default=3, help="uses of each topic example per pass (docstrings: 1)")
     ap.add_argument("--eval-n", type=int, default=30, help="held-out examples per periodic eval")
     ap.add_argument("--experts-impl", default="grouped_mm")
     ap.add_argument("--out", default=OUT)
@@ -692,7 +757,7 @@ def main():
     path, topics = corpus_source()
     digest = hashlib.sha256(repr(sorted(topics.items())).encode()).hexdigest()
     train_ex, held_ex = examples(with_docstrings=args.docstrings)
-    n_chars = sum(len(a) for _, a in train_ex)
+    n_chars = sum(len(e[1]) for e in train_ex)
     print(
         f"corpus {path} (Python {sys.version.split()[0]}), sha256 of topics {digest[:16]}: "
         f"{len(train_ex)} train / {len(held_ex)} held-out answers, {n_chars} answer chars in training",
@@ -712,7 +777,7 @@ def main():
         model.eval()
         curve, held_curve, secs, tokens = st["curve"], st["held_curve"], st["secs"], st["tokens"]
     else:
-        cfg, model, curve, held_curve, secs, tokens = train(args, tok, train_enc, held_enc)
+        cfg, model, curve, held_curve, secs, tokens = train(args, tok, encode_variants(tok, train_ex, args.topic_repeat), held_enc, train_ex)
         torch.save(
             dict(model=model.state_dict(), curve=curve, held_curve=held_curve, secs=secs, tokens=tokens), args.state
         )
@@ -732,7 +797,10 @@ def main():
         "steps": args.steps,
         "batch": args.bs,
         "seq": args.seq,
-        "tokens_seen": tokens,
+        "answer_tokens_trained": tokens,
+        "windows": "start at a question, examples packed, loss on answers only, question phrasing drawn per use",
+        "head_tokens_weight": [args.head_tokens, args.head_weight],
+        "topic_repeat": args.topic_repeat,
         "train_seconds": round(secs),
         "threads": args.threads,
         "final_train_loss_ema": round(curve[-1][1], 4),
@@ -749,6 +817,12 @@ def main():
         os.path.join(args.out, "loss.png"),
         [((31, 119, 180), curve), ((255, 127, 14), held_curve)],
     )
+    with open(os.path.join(args.out, "training.json"), "w") as f:
+        json.dump(stats, f, indent=1)
+        f.write("\n")
+    hits, total = recall(saved, tok, train_ex)
+    stats["recall_train_questions"] = f"{hits}/{total}"
+    print(f"recall: {hits}/{total} training questions answered with the start of their own answer", flush=True)
     with open(os.path.join(args.out, "training.json"), "w") as f:
         json.dump(stats, f, indent=1)
         f.write("\n")
