@@ -677,6 +677,297 @@ impl AmxTiles {
     }
 }
 
+/// Query vectors laid out as AMX `B` tiles for [`AmxTiles::attn_scores`]
+/// (built by [`Kernels::attn_query`]): per group of 16 queries, per bf16
+/// term (the high and middle terms of [`super::layout::split3_bf16`]),
+/// `dk / 32` tiles of 16 dimension pairs × 16 queries (query `n`'s pair at
+/// word `16 · pair + n`), zero for missing queries.
+#[derive(Debug, Clone)]
+pub struct AttnQuery {
+    words: Vec<u32>,
+    m: usize,
+    dk: usize,
+}
+
+impl AttnQuery {
+    /// Query vectors held.
+    pub fn len(&self) -> usize {
+        self.m
+    }
+    /// Whether none are held.
+    pub fn is_empty(&self) -> bool {
+        self.m == 0
+    }
+}
+
+/// Words per `B` tile (16 rows × 16 columns of bf16 pairs).
+const ATTN_B_WORDS: usize = 256;
+
+/// Bf16 terms of the queries (and of the probabilities) on AMX tiles: the
+/// high and middle terms carry 16 of an f32's 24 significant bits, an error
+/// of at most 2⁻¹⁷ of each product, far below the bf16 rounding of the
+/// cached keys and values themselves (2⁻⁹).
+const ATTN_TERMS: usize = 2;
+
+impl Kernels {
+    /// Whether attention over `dk`-wide **bf16** keys (and values of a
+    /// multiple of 32) runs on AMX tiles here ([`Self::attn_query`],
+    /// [`AmxTiles::attn_scores`], [`AmxTiles::attn_accum`]): the `amx`
+    /// tier, `dk` a whole number of 32-element tiles.
+    pub fn attn_amx(&self, dk: usize) -> bool {
+        self.amx && dk > 0 && dk.is_multiple_of(32)
+    }
+
+    /// `q` (`[m, dk]`) as AMX `B` tiles of its high and middle bf16 terms
+    /// (see [`ATTN_TERMS`]). Panics unless `dk` is a positive multiple of 32
+    /// dividing `q.len()`.
+    pub fn attn_query(&self, q: &[f32], dk: usize) -> AttnQuery {
+        assert!(dk > 0 && dk.is_multiple_of(32) && q.len().is_multiple_of(dk));
+        let m = q.len() / dk;
+        let kt = dk / 32;
+        let mut words = vec![0u32; m.div_ceil(16) * ATTN_TERMS * kt * ATTN_B_WORDS];
+        let (mut hi, mut mid, mut lo) = (vec![0u16; dk], vec![0u16; dk], vec![0u16; dk]);
+        for (mi, row) in q.chunks_exact(dk).enumerate() {
+            self.split3_row(row, &mut hi, &mut mid, &mut lo);
+            let (g, n) = (mi / 16, mi % 16);
+            for (t, w) in [&hi, &mid].into_iter().enumerate() {
+                let base = (g * ATTN_TERMS + t) * kt * ATTN_B_WORDS;
+                for (d2, pair) in w.chunks_exact(2).enumerate() {
+                    words[base + (d2 / 16) * ATTN_B_WORDS + (d2 % 16) * 16 + n] =
+                        pair[0] as u32 | (pair[1] as u32) << 16;
+                }
+            }
+        }
+        AttnQuery { words, m, dk }
+    }
+}
+
+/// Up to 16 consecutive cached key rows for [`AmxTiles::attn_scores`]:
+/// `rows` starts at the first one, `n` of them, their scores going to
+/// column `col` on of each query's output row.
+#[derive(Debug, Clone, Copy)]
+pub struct KeyRun<'a> {
+    pub rows: &'a [u16],
+    pub n: usize,
+    pub col: usize,
+}
+
+/// Key runs per [`AmxTiles::attn_scores`] tile product.
+pub const ATTN_QK_RUNS: usize = 4;
+
+std::thread_local! {
+    /// [`AmxTiles::attn_accum`]'s buffers: the probabilities' bf16 terms
+    /// (`A` tiles) and the value pairs (`B` tiles), then the output panels.
+    static ATTN_PV: std::cell::RefCell<(Vec<u16>, Vec<u32>, Vec<f32>)> =
+        const { std::cell::RefCell::new((Vec::new(), Vec::new(), Vec::new())) };
+}
+
+/// Keys per [`AmxTiles::attn_accum`] call (two 32-key `k`-tiles).
+pub const ATTN_PV_KEYS: usize = 64;
+
+impl AmxTiles {
+    /// [`Kernels::attn_scores`] on AMX tiles for bf16 keys: `out[n·ldo +
+    /// col + i] = scale · q_n · k_i` for the query vectors of `q` against
+    /// each run's `n ≤ 16` key rows (`stride` elements apart), up to
+    /// [`ATTN_QK_RUNS`] runs per tile product. Each run is one 16-row `A`
+    /// tile read in place (staged when its slice ends before the 16th row);
+    /// each 16 queries take two `tdpbf16ps` per 32 dimensions (the terms of
+    /// [`ATTN_TERMS`]). Panics unless every row touched is inside the slices.
+    // Tiles exist only on x86_64 (`amx_scope` makes none elsewhere).
+    #[cfg_attr(not(target_arch = "x86_64"), allow(unused_variables, unused_mut))]
+    pub fn attn_scores(
+        &self,
+        q: &AttnQuery,
+        runs: &[KeyRun<'_>],
+        stride: usize,
+        scale: f32,
+        out: &mut [f32],
+        ldo: usize,
+    ) {
+        let (m, dk) = (q.m, q.dk);
+        if m == 0 {
+            return;
+        }
+        let kt = dk / 32;
+        assert!(stride >= dk);
+        let b: &[u8] = bytemuck::cast_slice(&q.words);
+        let tb = kt * ATTN_B_WORDS * 4;
+        #[repr(C, align(64))]
+        struct Acc([f32; 256 * ATTN_QK_RUNS]);
+        let mut c = Acc([0.0; 256 * ATTN_QK_RUNS]);
+        for chunk in runs.chunks(ATTN_QK_RUNS) {
+            let mut staged: [Vec<u16>; ATTN_QK_RUNS] = Default::default();
+            let mut a = [std::ptr::null::<u8>(); ATTN_QK_RUNS];
+            let a_stride = 2 * stride;
+            for (r, run) in chunk.iter().enumerate() {
+                assert!(run.n >= 1 && run.n <= 16 && ldo >= run.col + run.n);
+                assert!(run.rows.len() >= (run.n - 1) * stride + dk);
+                assert!(out.len() >= (m - 1) * ldo + run.col + run.n);
+                if run.rows.len() < 15 * stride + dk {
+                    let mut s = vec![0u16; 16 * stride];
+                    for i in 0..run.n {
+                        s[i * stride..][..dk].copy_from_slice(&run.rows[i * stride..][..dk]);
+                    }
+                    staged[r] = s;
+                    a[r] = staged[r].as_ptr().cast();
+                } else {
+                    a[r] = run.rows.as_ptr().cast();
+                }
+            }
+            for g in 0..m.div_ceil(16) {
+                let bg = &b[g * ATTN_TERMS * tb..][..ATTN_TERMS * tb];
+                #[cfg(target_arch = "x86_64")]
+                // SAFETY: the tiles are configured (`self` exists only
+                // inside `amx_scope`); each run's 16 rows of `kt` 64-byte
+                // tiles are inside its slice or its staged copy (checked
+                // above, same stride), both terms' `kt` tiles inside `bg`,
+                // and `c` holds a tile per run.
+                unsafe {
+                    super::x86::amx::qk_block(
+                        chunk.len(),
+                        a,
+                        a_stride,
+                        kt,
+                        bg.as_ptr(),
+                        tb,
+                        c.0.as_mut_ptr().cast(),
+                    );
+                }
+                let mg = (m - 16 * g).min(16);
+                for (r, run) in chunk.iter().enumerate() {
+                    let o = &mut out[16 * g * ldo + run.col..];
+                    assert!(o.len() >= (mg - 1) * ldo + run.n);
+                    let tile: &[f32; 256] = (&c.0[256 * r..256 * (r + 1)])
+                        .try_into()
+                        .expect("a 16 x 16 tile");
+                    #[cfg(target_arch = "x86_64")]
+                    // SAFETY: AMX tiers have AVX-512 F/BW; the extents were
+                    // just checked (`n`, `mg` ≤ 16).
+                    unsafe {
+                        super::x86::attn::tile_scores512(
+                            tile,
+                            run.n,
+                            mg,
+                            scale,
+                            o.as_mut_ptr(),
+                            ldo,
+                        )
+                    }
+                    #[cfg(not(target_arch = "x86_64"))]
+                    let _ = (o, tile, scale);
+                }
+            }
+        }
+    }
+
+    /// [`Kernels::attn_accum`] on AMX tiles for bf16 values, a block of up
+    /// to 64 keys at once: `acc[m·dv + c] += Σ_i p[m·ldp + i] · v[i][c]` over
+    /// the value rows `v` (each at least `dv` long), `dv` a multiple of 32.
+    /// The probabilities enter as their bf16 terms ([`ATTN_TERMS`]) and each
+    /// block's sum is added to `acc` once (f32). Panics unless the slices
+    /// hold every element touched.
+    // Tiles exist only on x86_64 (`amx_scope` makes none elsewhere).
+    #[cfg_attr(not(target_arch = "x86_64"), allow(unused_variables, unused_mut))]
+    pub fn attn_accum(&self, p: &[f32], ldp: usize, v: &[&[u16]], dv: usize, acc: &mut [f32]) {
+        let n = v.len();
+        if n == 0 || acc.is_empty() {
+            return;
+        }
+        let m = acc.len() / dv.max(1);
+        assert!(n <= ATTN_PV_KEYS && dv > 0 && dv.is_multiple_of(32) && acc.len() == m * dv);
+        assert!(ldp >= n && p.len() >= (m - 1) * ldp + n);
+        assert!(v.iter().all(|r| r.len() >= dv));
+        let (groups, kt) = (dv / 32, n.div_ceil(32));
+        // `A`: term t, query row r, key i at `t · 16 · 64 + r · 64 + i`
+        // (rows 128 bytes apart, k-tile j 64 bytes on); `B`: k-tile j, panel
+        // q (two per 32-column group) at `(j · 2 · groups + q) · 256` words.
+        const AT: usize = 16 * ATTN_PV_KEYS;
+        let zeros = vec![0u16; dv];
+        ATTN_PV.with_borrow_mut(|(pa, bb, cc)| {
+            pa.resize(ATTN_TERMS * AT, 0);
+            bb.resize(kt * 2 * groups * 256, 0);
+            cc.resize(2 * groups * 256, 0.0);
+            for pi in 0..kt * 16 {
+                let row = |i: usize| if i < n { v[i] } else { &zeros[..] };
+                let (j, kk) = (pi / 16, pi % 16);
+                #[cfg(target_arch = "x86_64")]
+                // SAFETY: AMX tiers have AVX-512 F/BW; both rows hold `dv =
+                // 32 · groups` values and the tiles' row `kk` is inside `bb`.
+                unsafe {
+                    super::x86::attn::vnni_pairs512(
+                        row(2 * pi).as_ptr(),
+                        row(2 * pi + 1).as_ptr(),
+                        groups,
+                        bb.as_mut_ptr().add(j * 2 * groups * 256 + kk * 16),
+                        256,
+                    )
+                };
+                #[cfg(not(target_arch = "x86_64"))]
+                let _ = (row, j, kk);
+            }
+            let mut terms = [0u16; 3 * ATTN_PV_KEYS];
+            for g0 in (0..m).step_by(16) {
+                let mg = (m - g0).min(16);
+                for r in 0..16 {
+                    let (hi, rest) = terms.split_at_mut(ATTN_PV_KEYS);
+                    let (mid, lo) = rest.split_at_mut(ATTN_PV_KEYS);
+                    if r < mg {
+                        let row = &p[(g0 + r) * ldp..][..n];
+                        #[cfg(target_arch = "x86_64")]
+                        // SAFETY: AMX tiers have AVX-512 F; the terms hold 64.
+                        unsafe {
+                            super::x86::avx512::split3_row(row, hi, mid, lo)
+                        };
+                        #[cfg(not(target_arch = "x86_64"))]
+                        super::layout::split3_row(row, hi, mid, lo);
+                    }
+                    for (t, src) in [&*hi, &*mid].into_iter().enumerate() {
+                        let dst = &mut pa[t * AT + r * ATTN_PV_KEYS..][..ATTN_PV_KEYS];
+                        if r < mg {
+                            dst[..n].copy_from_slice(&src[..n]);
+                            dst[n..].fill(0);
+                        } else {
+                            dst.fill(0);
+                        }
+                    }
+                }
+                let a: &[u8] = bytemuck::cast_slice(&pa[..]);
+                let b: &[u8] = bytemuck::cast_slice(&bb[..]);
+                assert!(a.len() >= ATTN_TERMS * AT * 2 && b.len() >= kt * 2 * groups * 1024);
+                #[cfg(target_arch = "x86_64")]
+                // SAFETY: the tiles are configured (`self` exists only inside
+                // `amx_scope`); A's four tiles (128-byte rows), B's `kt · 2 ·
+                // groups` tiles and the `2 · groups` output panels are inside
+                // the buffers just sized; the accumulator rows `g0..g0 + mg`
+                // hold `dv` each.
+                unsafe {
+                    super::x86::amx::pv_block(
+                        kt,
+                        groups,
+                        a.as_ptr(),
+                        2 * ATTN_PV_KEYS,
+                        2 * AT,
+                        b.as_ptr(),
+                        2 * groups * 1024,
+                        cc.as_mut_ptr().cast(),
+                    );
+                    for g in 0..groups {
+                        let c: &[f32; 512] = (&cc[g * 512..(g + 1) * 512])
+                            .try_into()
+                            .expect("two 16 x 16 panels");
+                        super::x86::attn::add_pair_tiles512(
+                            c,
+                            mg,
+                            acc.as_mut_ptr().add(g0 * dv + 32 * g),
+                            dv,
+                        );
+                    }
+                }
+            }
+        });
+    }
+}
+
 #[cfg(target_arch = "x86_64")]
 fn raw_block(blk: &AmxBlock<'_>, c: *mut u8) -> super::x86::amx::Block {
     super::x86::amx::Block {

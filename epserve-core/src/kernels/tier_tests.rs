@@ -541,6 +541,128 @@ fn attn_kernels_match_twin() {
     }
 }
 
+/// Attention scores on AMX tiles (bf16 keys, the queries' high and middle
+/// bf16 terms) against the scalar twin: widths of 1, 2, 4 and 18 tiles,
+/// query counts around the 16-query groups, 1 to 5 runs of up to 16 keys
+/// (runs go four to a tile product, in pairs), key slices long enough for a
+/// whole 16-row tile and ones that end at a run's last key (staged);
+/// nothing outside the runs' scores is written.
+#[test]
+fn attn_amx_scores_match_twin() {
+    use crate::kernels::attention::KvRows;
+    use crate::kernels::dispatch::KeyRun;
+    let Some(k) = Kernels::for_tier(Tier::Amx) else {
+        eprintln!(
+            "SKIPPED: kernel tier amx is not supported by this CPU; attn_amx_scores_match_twin did not run here"
+        );
+        return;
+    };
+    let twin = Kernels::generic();
+    let mut rng = StdRng::seed_from_u64(21);
+    for &d in &[32usize, 64, 128, 576] {
+        assert!(k.attn_amx(d) && !k.attn_amx(d + 16));
+        for &m in &[1usize, 3, 8, 13, 16, 17, 32] {
+            for lens in [
+                &[1usize][..],
+                &[5],
+                &[16],
+                &[16, 3, 16],
+                &[16, 16, 16, 16, 7],
+            ] {
+                for whole in [true, false] {
+                    let (stride, ld) = (d + 32, 90usize);
+                    let q: Vec<f32> = (0..m * d).map(|_| rng.random_range(-1.0f32..1.0)).collect();
+                    let tq = k.attn_query(&q, d);
+                    assert_eq!(tq.len(), m);
+                    let mut want = vec![0.5f32; m * ld];
+                    let mut got = want.clone();
+                    // Each run's keys in its own slice, its scores at column
+                    // `col` (a gap of one column between runs).
+                    let keys: Vec<Vec<u16>> = lens
+                        .iter()
+                        .map(|&n| {
+                            let len = if whole {
+                                15 * stride + d
+                            } else {
+                                (n - 1) * stride + d
+                            };
+                            rand_bf16(&mut rng, len)
+                        })
+                        .collect();
+                    let mut runs = Vec::new();
+                    let mut col = 0;
+                    for (kb, &n) in keys.iter().zip(lens) {
+                        twin.attn_scores(
+                            &q,
+                            d,
+                            KvRows::Bf16(kb),
+                            stride,
+                            n,
+                            0.7,
+                            &mut want[col..],
+                            ld,
+                        );
+                        runs.push(KeyRun { rows: kb, n, col });
+                        col += n + 1;
+                    }
+                    k.amx_scope(|t| t.attn_scores(&tq, &runs, stride, 0.7, &mut got, ld))
+                        .expect("the amx tier has tiles");
+                    for (i, (a, b)) in got.iter().zip(&want).enumerate() {
+                        assert!(
+                            (a - b).abs() <= 1e-5 * d as f32,
+                            "amx scores d={d} m={m} runs={lens:?} whole={whole} at {i}: {a} vs {b}"
+                        );
+                        if !runs
+                            .iter()
+                            .any(|r| (r.col..r.col + r.n).contains(&(i % ld)))
+                        {
+                            assert_eq!(*a, 0.5, "amx scores wrote outside at {i}");
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// `P · V` on AMX tiles (bf16 values, the probabilities' three bf16 terms)
+/// against the scalar twin: value widths of 1, 4 and 16 column groups,
+/// query counts around the 16-row groups, 1 to 64 keys (one and two
+/// `k`-tiles, odd counts), rows wider than `dv`.
+#[test]
+fn attn_amx_accum_matches_twin() {
+    use crate::kernels::attention::KvRows;
+    let Some(k) = Kernels::for_tier(Tier::Amx) else {
+        eprintln!(
+            "SKIPPED: kernel tier amx is not supported by this CPU; attn_amx_accum_matches_twin did not run here"
+        );
+        return;
+    };
+    let twin = Kernels::generic();
+    let mut rng = StdRng::seed_from_u64(22);
+    for &d in &[32usize, 128, 512] {
+        for &m in &[1usize, 5, 8, 16, 17, 32] {
+            for &n in &[1usize, 7, 32, 33, 64] {
+                let (stride, ld) = (d + 16, 64usize);
+                let vb = rand_bf16(&mut rng, n * stride);
+                let p: Vec<f32> = (0..m * ld).map(|_| rng.random_range(0.0f32..1.0)).collect();
+                let init: Vec<f32> = (0..m * d).map(|i| (i % 97) as f32 * 0.01).collect();
+                let (mut want, mut got) = (init.clone(), init.clone());
+                twin.attn_accum(&p, ld, KvRows::Bf16(&vb), stride, n, &mut want, d);
+                let rows: Vec<&[u16]> = (0..n).map(|i| &vb[i * stride..][..d]).collect();
+                k.amx_scope(|t| t.attn_accum(&p, ld, &rows, d, &mut got))
+                    .expect("the amx tier has tiles");
+                for (i, (a, b)) in got.iter().zip(&want).enumerate() {
+                    assert!(
+                        (a - b).abs() <= 1e-5 * (n as f32 + init[i].abs()),
+                        "amx accum d={d} m={m} n={n} at {i}: {a} vs {b}"
+                    );
+                }
+            }
+        }
+    }
+}
+
 /// Attention's online-softmax step against the scalar twin: lengths around
 /// every vector width, masked (`−∞`) scores (exactly 0 after), all-masked
 /// rows, a previous maximum above and below the row's; and on each tier a

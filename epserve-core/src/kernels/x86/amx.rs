@@ -314,6 +314,133 @@ unsafe fn block_t<const MT: usize, const NT: usize, const INT8: bool>(blk: &Bloc
     }
 }
 
+/// Attention scores on tiles for up to four runs of 16 key rows: `C_r =
+/// Σ_j A_r[j] · (B_hi[j] + B_mid[j])` (16 keys × 16 queries of f32, stored
+/// 1 KiB apart from `c`), `A_r[j]` the 16 key rows at `a[r] + 64 · j`,
+/// `a_stride` bytes apart, `B_hi[j]` at `b + 1024 · j` and `B_mid[j]`
+/// `b_term` bytes later. Runs go in pairs (`tmm4`/`tmm5`) so that no two
+/// consecutive `tdpbf16ps` add into the same accumulator (`tmm0..3`).
+///
+/// # Safety
+/// AMX must be [`supported`] and [`configure`]d on this thread; `1 ≤ runs ≤
+/// 4`; every tile described must be readable, `c` writable for `runs` KiB.
+pub unsafe fn qk_block(
+    runs: usize,
+    a: [*const u8; 4],
+    a_stride: usize,
+    kt: usize,
+    b: *const u8,
+    b_term: usize,
+    c: *mut u8,
+) {
+    // SAFETY: the caller guarantees AMX, the configuration and the extents.
+    unsafe {
+        asm!(
+            "tilezero tmm0",
+            "tilezero tmm1",
+            "tilezero tmm2",
+            "tilezero tmm3",
+            options(nostack, nomem)
+        );
+        for j in 0..kt {
+            let off = 64 * j;
+            tload!("6", b.wrapping_add(1024 * j), TILE_ROW_BYTES);
+            tload!("7", b.wrapping_add(b_term + 1024 * j), TILE_ROW_BYTES);
+            tload!("4", a[0].wrapping_add(off), a_stride);
+            if runs > 1 {
+                tload!("5", a[1].wrapping_add(off), a_stride);
+            }
+            tdp!("tdpbf16ps", "0", "4", "6");
+            if runs > 1 {
+                tdp!("tdpbf16ps", "1", "5", "6");
+            }
+            tdp!("tdpbf16ps", "0", "4", "7");
+            if runs > 1 {
+                tdp!("tdpbf16ps", "1", "5", "7");
+            }
+            if runs > 2 {
+                tload!("4", a[2].wrapping_add(off), a_stride);
+                if runs > 3 {
+                    tload!("5", a[3].wrapping_add(off), a_stride);
+                }
+                tdp!("tdpbf16ps", "2", "4", "6");
+                if runs > 3 {
+                    tdp!("tdpbf16ps", "3", "5", "6");
+                }
+                tdp!("tdpbf16ps", "2", "4", "7");
+                if runs > 3 {
+                    tdp!("tdpbf16ps", "3", "5", "7");
+                }
+            }
+        }
+        tstore!("0", c);
+        if runs > 1 {
+            tstore!("1", c.wrapping_add(1024));
+        }
+        if runs > 2 {
+            tstore!("2", c.wrapping_add(2048));
+        }
+        if runs > 3 {
+            tstore!("3", c.wrapping_add(3072));
+        }
+    }
+}
+
+/// Attention's `P · V` on tiles: for each 32-column group `g < groups`, the
+/// two output panels `2g`, `2g + 1` (16 query rows × 16 value columns of
+/// f32, stored 1 KiB apart from `c`) `C = Σ_j Σ_t A[t][j] · B[j][panel]`
+/// over the probabilities' two bf16 terms `t` and `kt` (1 or 2) 32-key
+/// `k`-tiles `j`. `A[t][j]` is 16 rows at `a + t · a_term + 64 · j`,
+/// `a_stride` bytes apart, kept in `tmm4..7`; `B[j][panel]` is 16 rows of
+/// 64 bytes at `b + j · b_kstep + 1024 · panel`, taken into `tmm2`/`tmm3`;
+/// the two panels accumulate in `tmm0`/`tmm1`, alternating.
+///
+/// # Safety
+/// AMX must be [`supported`] and [`configure`]d on this thread; every tile
+/// described must be readable, `c` writable for `2 · groups` KiB.
+#[allow(clippy::too_many_arguments)]
+pub unsafe fn pv_block(
+    kt: usize,
+    groups: usize,
+    a: *const u8,
+    a_stride: usize,
+    a_term: usize,
+    b: *const u8,
+    b_kstep: usize,
+    c: *mut u8,
+) {
+    // SAFETY: the caller guarantees AMX, the configuration and the extents.
+    unsafe {
+        tload!("4", a, a_stride);
+        tload!("5", a.wrapping_add(a_term), a_stride);
+        if kt == 2 {
+            tload!("6", a.wrapping_add(64), a_stride);
+            tload!("7", a.wrapping_add(a_term + 64), a_stride);
+        }
+        for g in 0..groups {
+            asm!("tilezero tmm0", "tilezero tmm1", options(nostack, nomem));
+            let b0 = b.wrapping_add(2048 * g);
+            tload!("2", b0, TILE_ROW_BYTES);
+            tload!("3", b0.wrapping_add(1024), TILE_ROW_BYTES);
+            tdp!("tdpbf16ps", "0", "4", "2");
+            tdp!("tdpbf16ps", "1", "4", "3");
+            tdp!("tdpbf16ps", "0", "5", "2");
+            tdp!("tdpbf16ps", "1", "5", "3");
+            if kt == 2 {
+                let b1 = b0.wrapping_add(b_kstep);
+                tload!("2", b1, TILE_ROW_BYTES);
+                tload!("3", b1.wrapping_add(1024), TILE_ROW_BYTES);
+                tdp!("tdpbf16ps", "0", "6", "2");
+                tdp!("tdpbf16ps", "1", "6", "3");
+                tdp!("tdpbf16ps", "0", "7", "2");
+                tdp!("tdpbf16ps", "1", "7", "3");
+            }
+            tstore!("0", c.wrapping_add(2048 * g));
+            tstore!("1", c.wrapping_add(2048 * g + 1024));
+        }
+    }
+}
+
 /// Runs `iters` rounds of four independent `tdpbf16ps` on zero-filled tiles
 /// (16 × 16 × 32 multiply-adds each) and returns the FLOPs done: the AMX
 /// bf16 peak of the calling thread.

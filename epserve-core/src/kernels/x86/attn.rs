@@ -457,6 +457,110 @@ pub unsafe fn accum512<const BF: bool>(
     }
 }
 
+/// The epilogue of AMX attention scores: `c` is one 16 × 16 f32 tile (rows
+/// = keys, columns = queries); writes `out[n·ldo + r] = scale · c[r·16 + n]`
+/// for keys `r < rows` and queries `n < m` (a transpose: one gather per
+/// query).
+///
+/// # Safety
+/// AVX-512 F/BW and FMA; `rows ≤ 16`, `m ≤ 16`, and `out` row `n` at
+/// `n · ldo` has `rows` elements for every `n < m`.
+#[target_feature(enable = "avx512f,avx512bw,avx2,fma")]
+pub unsafe fn tile_scores512(
+    c: &[f32; 256],
+    rows: usize,
+    m: usize,
+    scale: f32,
+    out: *mut f32,
+    ldo: usize,
+) {
+    let s = _mm512_set1_ps(scale);
+    // SAFETY: every gathered element is inside `c`; the caller guarantees
+    // the output extents.
+    unsafe {
+        let mask = ((1u32 << rows) - 1) as u16;
+        let idx = _mm512_setr_epi32(
+            0, 16, 32, 48, 64, 80, 96, 112, 128, 144, 160, 176, 192, 208, 224, 240,
+        );
+        for n in 0..m {
+            let g = _mm512_mask_i32gather_ps::<4>(
+                _mm512_setzero_ps(),
+                mask,
+                _mm512_add_epi32(idx, _mm512_set1_epi32(n as i32)),
+                c.as_ptr(),
+            );
+            _mm512_mask_storeu_ps(out.add(n * ldo), mask, _mm512_mul_ps(g, s));
+        }
+    }
+}
+
+/// Two value rows (keys `2·kk` and `2·kk + 1`, `32 · groups` bf16 columns
+/// each) as row `kk` of AMX `B` tiles: for each 32-column group `g`, the
+/// pairs of 16-bit unpacking, `lo` (columns `8·(w / 4) + w % 4` of the
+/// group, `w` the 32-bit word) at `dst + g · 2 · tile` and `hi` (the same
+/// plus 4) at `dst + (g · 2 + 1) · tile` words; [`add_pair_tiles512`] undoes
+/// the order.
+///
+/// # Safety
+/// AVX-512 F/BW; `a` and `b` hold `32 · groups` elements; `dst` has room for
+/// row `kk` (16 words) of `2 · groups` tiles `tile` words apart.
+#[target_feature(enable = "avx512f,avx512bw,avx2,fma")]
+pub unsafe fn vnni_pairs512(
+    a: *const u16,
+    b: *const u16,
+    groups: usize,
+    dst: *mut u32,
+    tile: usize,
+) {
+    // SAFETY: as documented above.
+    unsafe {
+        for g in 0..groups {
+            let x = _mm512_loadu_si512(a.add(32 * g).cast());
+            let y = _mm512_loadu_si512(b.add(32 * g).cast());
+            _mm512_storeu_si512(dst.add(2 * g * tile).cast(), _mm512_unpacklo_epi16(x, y));
+            _mm512_storeu_si512(
+                dst.add((2 * g + 1) * tile).cast(),
+                _mm512_unpackhi_epi16(x, y),
+            );
+        }
+    }
+}
+
+/// `acc[r·ld + c] += C[r][c]` for `rows` rows of one 32-column group, `C`
+/// given as the `lo` and `hi` tiles of [`vnni_pairs512`]'s column order
+/// (`c[..256]`, `c[256..]`, 16 floats per row).
+///
+/// # Safety
+/// AVX-512 F; `acc` row `r` at `r · ld` has 32 elements for `r < rows ≤ 16`.
+#[target_feature(enable = "avx512f,avx512bw,avx2,fma")]
+pub unsafe fn add_pair_tiles512(c: &[f32; 512], rows: usize, acc: *mut f32, ld: usize) {
+    let i0 = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+    let i1 = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
+    let p = c.as_ptr();
+    // SAFETY: rows `r < rows ≤ 16` of both tiles are inside `c`; the caller
+    // guarantees the accumulator rows.
+    unsafe {
+        for r in 0..rows {
+            let (lo, hi) = (
+                _mm512_loadu_ps(p.add(16 * r)),
+                _mm512_loadu_ps(p.add(256 + 16 * r)),
+            );
+            let d = acc.add(r * ld);
+            _mm512_storeu_ps(
+                d,
+                _mm512_add_ps(_mm512_loadu_ps(d), _mm512_permutex2var_ps(lo, i0, hi)),
+            );
+            _mm512_storeu_ps(
+                d.add(16),
+                _mm512_add_ps(
+                    _mm512_loadu_ps(d.add(16)),
+                    _mm512_permutex2var_ps(lo, i1, hi),
+                ),
+            );
+        }
+    }
+}
+
 // ---------------------------------------------------------------- AVX2
 
 /// 8 elements at element `i` of the row at `p`, widened to f32.
