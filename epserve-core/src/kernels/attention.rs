@@ -28,7 +28,7 @@
 
 use rayon::prelude::*;
 
-use super::dispatch::{ATTN_PV_KEYS, AmxTiles, AttnQuery, Kernels, KeyRun};
+use super::dispatch::Kernels;
 use super::fast_exp;
 use super::layout::bf16_bits_to_f32;
 
@@ -47,7 +47,6 @@ const MAX_ITEM_HEADS: usize = 16;
 /// count): a row gets the same bits in any batch.
 pub const SPLIT_KEYS: usize = 512;
 const _: () = assert!(SPLIT_KEYS.is_multiple_of(KEY_BLOCK));
-const _: () = assert!(KEY_BLOCK <= ATTN_PV_KEYS);
 
 /// Cached rows of one layer's keys or values, as stored.
 #[derive(Debug, Clone, Copy)]
@@ -408,48 +407,18 @@ fn runs(s: &AttnSeq<'_>, bs: usize, j0: usize, j1: usize, mut f: impl FnMut(usiz
 }
 
 /// One KV head's running state in a work item: its query vectors
-/// (`[rows, heads]`, and as AMX tiles when the scores run on them) and the
-/// online softmax's max, sum and unnormalized output per query vector.
+/// (`[rows, heads]`) and the online softmax's max, sum and unnormalized
+/// output per query vector.
 struct HeadState {
     q: Vec<f32>,
-    tiles: Option<AttnQuery>,
     mx: Vec<f32>,
     sum: Vec<f32>,
     acc: Vec<f32>,
 }
 
-/// Query heads per item from which scores against bf16 keys run on AMX
-/// tiles (where the tier has them): a tile computes 16 queries for the
-/// price of one, so a lone query is cheaper on the FMA kernels. Decided by
-/// the item's heads, never by its rows, so a row gets the same bits in any
-/// tile or batch.
-const AMX_MIN_HEADS: usize = 4;
-
 /// One work item (one split of its rows' keys); returns its partial result.
 fn run_item(
     kern: &Kernels,
-    shape: &AttnShape<'_>,
-    s: &AttnSeq<'_>,
-    it: &Item,
-    q: &[f32],
-    k: KvView<'_>,
-    v: KvView<'_>,
-) -> Partial {
-    if it.nh >= AMX_MIN_HEADS
-        && k.rows.is_bf16()
-        && kern.attn_amx(k.width)
-        && let Some(p) = kern.amx_scope(|t| run_item_on(kern, Some(t), shape, s, it, q, k, v))
-    {
-        return p;
-    }
-    run_item_on(kern, None, shape, s, it, q, k, v)
-}
-
-/// [`run_item`], the scores on AMX `tiles` when given.
-#[allow(clippy::too_many_arguments)]
-fn run_item_on(
-    kern: &Kernels,
-    tiles: Option<&AmxTiles>,
     shape: &AttnShape<'_>,
     s: &AttnSeq<'_>,
     it: &Item,
@@ -470,7 +439,6 @@ fn run_item_on(
                 qb.extend_from_slice(&q[(row * heads + h0) * dk..(row * heads + h0 + nh) * dk]);
             }
             HeadState {
-                tiles: tiles.map(|_| kern.attn_query(&qb, dk)),
                 q: qb,
                 mx: vec![f32::NEG_INFINITY; m],
                 sum: vec![0.0f32; m],
@@ -485,9 +453,6 @@ fn run_item_on(
     let (lo, hi) = (first(0).max(k0), (pos(nr - 1) + 1).min(k1));
     let (all_lo, all_hi) = (first(nr - 1), pos(0) + 1);
     let mut sc = vec![0.0f32; m * KEY_BLOCK];
-    // `P · V` on the tiles too where the values allow.
-    let pv_tiles = tiles.filter(|_| v.rows.is_bf16() && dv.is_multiple_of(32));
-    let mut key_runs: Vec<KeyRun<'_>> = Vec::new();
     // Key blocks at multiples of KEY_BLOCK (not at `lo`): a row then sees
     // the same blocks, and gets the same bits, in any tile or batch.
     let mut j0 = lo - lo % KEY_BLOCK;
@@ -522,39 +487,19 @@ fn run_item_on(
         for (t, h) in st.iter_mut().enumerate() {
             let kvh = it.kvh + t;
             let (koff, voff) = (kvh * k.head_stride, kvh * v.head_stride);
-            if let (Some(t), Some(tq), KvRows::Bf16(rows)) = (tiles, &h.tiles, k.rows) {
-                // The block's keys as runs of up to 16 rows (a cache block
-                // may be longer), several runs per tile product.
-                key_runs.clear();
-                runs(s, bs, j0, j1, |j, len, row0| {
-                    hint(&k, koff, j - j0, j - j0 + len);
-                    let mut o = 0;
-                    while o < len {
-                        let nn = (len - o).min(16);
-                        key_runs.push(KeyRun {
-                            rows: &rows[(row0 + o) * k.stride + koff..],
-                            n: nn,
-                            col: j - j0 + o,
-                        });
-                        o += nn;
-                    }
-                });
-                t.attn_scores(tq, &key_runs, k.stride, shape.scale, &mut sc, KEY_BLOCK);
-            } else {
-                runs(s, bs, j0, j1, |j, len, row0| {
-                    hint(&k, koff, j - j0, j - j0 + len);
-                    kern.attn_scores(
-                        &h.q,
-                        dk,
-                        k.rows.slice_from(row0 * k.stride + koff),
-                        k.stride,
-                        len,
-                        shape.scale,
-                        &mut sc[j - j0..],
-                        KEY_BLOCK,
-                    );
-                });
-            }
+            runs(s, bs, j0, j1, |j, len, row0| {
+                hint(&k, koff, j - j0, j - j0 + len);
+                kern.attn_scores(
+                    &h.q,
+                    dk,
+                    k.rows.slice_from(row0 * k.stride + koff),
+                    k.stride,
+                    len,
+                    shape.scale,
+                    &mut sc[j - j0..],
+                    KEY_BLOCK,
+                );
+            });
             for mi in 0..m {
                 let srow = &mut sc[mi * KEY_BLOCK..mi * KEY_BLOCK + n];
                 let (f, p) = (first(mi / nh), pos(mi / nh));
@@ -583,18 +528,6 @@ fn run_item_on(
                     h.mx[mi] = cmax;
                 }
                 h.sum[mi] += tot;
-            }
-            if let (Some(t), KvRows::Bf16(vr)) = (pv_tiles, v.rows) {
-                // The whole block's value rows in one tile product.
-                let mut rows: [&[u16]; KEY_BLOCK] = [&[]; KEY_BLOCK];
-                runs(s, bs, j0, j1, |j, len, row0| {
-                    hint(&v, voff, j - j0, j - j0 + len);
-                    for (i, r) in rows[j - j0..j - j0 + len].iter_mut().enumerate() {
-                        *r = &vr[(row0 + i) * v.stride + voff..][..dv];
-                    }
-                });
-                t.attn_accum(&sc, KEY_BLOCK, &rows[..n], dv, &mut h.acc);
-                continue;
             }
             runs(s, bs, j0, j1, |j, len, row0| {
                 hint(&v, voff, j - j0, j - j0 + len);
@@ -840,31 +773,22 @@ mod tests {
     #[test]
     fn rows_are_bit_identical_in_any_tile() {
         // Short, and crossing key splits (SPLIT_KEYS) inside the tile.
-        // f32 keys; bf16 keys of a tile-wide head (AMX scores and `P · V`
-        // where the tier has them).
-        for (d, bf16) in [(40, false), (64, true)] {
-            for (past, len) in [(150usize, 21usize), (SPLIT_KEYS * 2 - 20, 40)] {
-                bit_identical_case(past, len, d, bf16);
-            }
+        for (past, len) in [(150usize, 21usize), (SPLIT_KEYS * 2 - 20, 40)] {
+            bit_identical_case(past, len);
         }
     }
 
-    fn bit_identical_case(past: usize, len: usize, d: usize, bf16: bool) {
+    fn bit_identical_case(past: usize, len: usize) {
         let mut rng = StdRng::seed_from_u64(3);
-        let (heads, kv_heads, bs) = (16usize, 2usize, 4usize);
+        let (heads, kv_heads, d, bs) = (16usize, 2usize, 40usize, 4usize);
         let total = past + len;
         let w = kv_heads * d;
         let blocks: Vec<u32> = (0..total.div_ceil(bs) as u32).rev().collect();
         let kv: Vec<f32> = (0..total.div_ceil(bs) * bs * w)
             .map(|_| rng.random_range(-1.0f32..1.0))
             .collect();
-        let kvb: Vec<u16> = kv.iter().map(|&x| f32_to_bf16_bits(x)).collect();
         let view = KvView {
-            rows: if bf16 {
-                KvRows::Bf16(&kvb)
-            } else {
-                KvRows::F32(&kv)
-            },
+            rows: KvRows::F32(&kv),
             stride: w,
             head_stride: d,
             width: d,
@@ -914,7 +838,7 @@ mod tests {
                 assert_eq!(
                     &a[(len - tail) * heads * d..],
                     &b[..],
-                    "{} window {window:?} d {d} bf16 {bf16}",
+                    "{} window {window:?}",
                     tier.name()
                 );
             }
@@ -963,15 +887,8 @@ mod tests {
     /// caches, prefill tiles and decode rows, windows and sinks.
     #[test]
     fn kv_head_grouping_changes_no_bit() {
-        // A head width off the AMX tiles, and one on them.
-        for d in [48, 64] {
-            kv_head_grouping_case(d);
-        }
-    }
-
-    fn kv_head_grouping_case(d: usize) {
         let mut rng = StdRng::seed_from_u64(11);
-        let (heads, kv_heads, bs) = (16usize, 4usize, 8usize);
+        let (heads, kv_heads, d, bs) = (16usize, 4usize, 48usize, 8usize);
         let w = kv_heads * d;
         let lens = [(0usize, 19usize), (SPLIT_KEYS + 30, 1), (77, 1)];
         let mut starts = Vec::new();
@@ -1092,14 +1009,10 @@ mod tests {
             case(&mut rng, 8, 2, 64, 64, false, Some(16), true, 16, mix, bf16);
             case(&mut rng, 8, 2, 24, 24, false, None, true, 7, mix, bf16);
             case(&mut rng, 4, 2, 16, 16, false, Some(1), true, 4, mix, bf16);
-            // Cache blocks longer than an AMX tile's 16 keys.
-            case(&mut rng, 8, 2, 32, 32, false, None, false, 32, mix, bf16);
             // MLA: one latent for all heads, key = latent + RoPE key, value
-            // = the latent (dk != dv); groups beyond one item's heads (one
-            // with tile-wide keys and values).
+            // = the latent (dk != dv); groups beyond one item's heads.
             case(&mut rng, 4, 1, 40, 32, true, None, false, 16, mix, bf16);
             case(&mut rng, 20, 1, 72, 64, true, None, false, 3, mix, bf16);
-            case(&mut rng, 20, 1, 96, 64, true, None, false, 16, mix, bf16);
             case(
                 &mut rng,
                 2,
