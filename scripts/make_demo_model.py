@@ -227,17 +227,20 @@ def examples(max_chars=900, with_docstrings=False):
     training draws a phrasing each time it uses an example."""
     rng = random.Random(SEED)
     ex = []
+
+    def topic(heading, k, chunk):
+        forms = section_forms(heading, k)  # the heading as written first: 4 forms (k = 0) or 3
+        ex.append((rng.choice(forms[: 4 if k == 0 else 3]), " ".join(chunk), forms, "topic"))
+
     for _, heading, paras in sections():
         chunk, k = [], 0
         for p in paras:
             if chunk and len(" ".join(chunk)) + len(p) > max_chars:
-                forms = section_forms(heading, k)
-                ex.append((rng.choice(forms[:4 if k == 0 else 3]), " ".join(chunk), forms, "topic"))
+                topic(heading, k, chunk)
                 chunk, k = [], k + 1
             chunk.append(p)
         if chunk:
-            forms = section_forms(heading, k)
-            ex.append((rng.choice(forms[:4 if k == 0 else 3]), " ".join(chunk), forms, "topic"))
+            topic(heading, k, chunk)
     for qn, kind, paras in docstrings() if with_docstrings else []:
         keep = paras[:1]
         for para in paras[1:]:  # whole paragraphs, up to max_chars
@@ -817,9 +820,6 @@ def main():
         os.path.join(args.out, "loss.png"),
         [((31, 119, 180), curve), ((255, 127, 14), held_curve)],
     )
-    with open(os.path.join(args.out, "training.json"), "w") as f:
-        json.dump(stats, f, indent=1)
-        f.write("\n")
     hits, total = recall(saved, tok, train_ex)
     stats["recall_train_questions"] = f"{hits}/{total}"
     print(f"recall: {hits}/{total} training questions answered with the start of their own answer", flush=True)

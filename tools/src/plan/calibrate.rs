@@ -13,6 +13,7 @@
 //! The report says which figures came from the file and which stayed
 //! assumptions.
 
+use std::collections::HashMap;
 use std::path::Path;
 
 use anyhow::{Context, Result, bail};
@@ -44,28 +45,37 @@ struct BenchMoe {
     rows: Vec<Row>,
 }
 
+/// Sum of every sample of each metric in a Prometheus text scrape over all
+/// its label sets (`name_sum` / `name_count` of a histogram, a counter's
+/// value); comment and unparsable lines are skipped.
+pub(super) fn metric_sums(text: &str) -> HashMap<String, f64> {
+    let mut out = HashMap::new();
+    for line in text.lines() {
+        if line.starts_with('#') || line.trim().is_empty() {
+            continue;
+        }
+        let Some((key, value)) = line.rsplit_once(' ') else {
+            continue;
+        };
+        let Ok(v) = value.trim().parse::<f64>() else {
+            continue;
+        };
+        let name = key.split('{').next().unwrap_or(key).trim();
+        *out.entry(name.to_string()).or_insert(0.0) += v;
+    }
+    out
+}
+
 /// Per-layer dispatch overhead measured by a cluster run: from the
 /// coordinator's `/metrics` text, the mean `epserve_dispatch_seconds` (one
 /// MoE layer's dispatch and combine, all workers) less the mean
 /// `epserve_expert_worker_compute_seconds` (the workers' own compute), in
 /// seconds. None when the scrape has no dispatches.
 pub fn dispatch_overhead_s(metrics: &str) -> Option<f64> {
+    let sums = metric_sums(metrics);
     let mean = |name: &str| {
-        let (mut sum, mut count) = (0.0, 0.0);
-        for line in metrics.lines() {
-            let Some((key, value)) = line.rsplit_once(' ') else {
-                continue;
-            };
-            let Ok(v) = value.trim().parse::<f64>() else {
-                continue;
-            };
-            let base = key.split('{').next().unwrap_or(key);
-            if base == format!("{name}_sum") {
-                sum += v;
-            } else if base == format!("{name}_count") {
-                count += v;
-            }
-        }
+        let get = |k: String| sums.get(&k).copied().unwrap_or(0.0);
+        let (sum, count) = (get(format!("{name}_sum")), get(format!("{name}_count")));
         (count > 0.0).then(|| sum / count)
     };
     let dispatch = mean("epserve_dispatch_seconds")?;

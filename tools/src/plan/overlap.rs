@@ -20,33 +20,13 @@
 //! `S / max(A, E)`). The prediction for the planned nodes applies that
 //! efficiency to the planner's own stage times on the target instance type.
 
-use std::collections::HashMap;
 use std::fmt::Write as _;
 use std::path::PathBuf;
 
 use anyhow::{Context, Result, bail};
 
+use super::calibrate::metric_sums;
 use super::{Assumptions, Instance, Layout, ModelShape, estimate};
-
-/// Sum of every sample of each metric over all its label sets
-/// (`name_sum` / `name_count` of a histogram, a counter's value).
-fn sums(text: &str) -> HashMap<String, f64> {
-    let mut out = HashMap::new();
-    for line in text.lines() {
-        if line.starts_with('#') || line.trim().is_empty() {
-            continue;
-        }
-        let Some((key, value)) = line.rsplit_once(' ') else {
-            continue;
-        };
-        let Ok(v) = value.trim().parse::<f64>() else {
-            continue;
-        };
-        let name = key.split('{').next().unwrap_or(key).trim();
-        *out.entry(name.to_string()).or_insert(0.0) += v;
-    }
-    out
-}
 
 /// Phase times per scheduler step of one run, from the coordinator's
 /// `/metrics`.
@@ -72,10 +52,10 @@ impl Phases {
     /// the run's own steps count).
     pub fn parse(texts: &[(String, String)]) -> Result<Phases> {
         let (source, after) = match texts {
-            [(p, a)] => (p.clone(), sums(a)),
+            [(p, a)] => (p.clone(), metric_sums(a)),
             [(p0, b), (p1, a)] => {
-                let before = sums(b);
-                let mut after = sums(a);
+                let before = metric_sums(b);
+                let mut after = metric_sums(a);
                 for (k, v) in after.iter_mut() {
                     *v -= before.get(k).copied().unwrap_or(0.0);
                 }

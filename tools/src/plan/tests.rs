@@ -692,18 +692,11 @@ fn measured_phases_and_overlap_efficiency() {
     // Before: 10 steps of warm-up; after: 110. The run's own 100 steps:
     // S 1.0 s, waits 0.7 s (A 0.3), worker 0.6 s, 400 tokens each.
     let before = phase_scrape(10.0, 2.0, 1.0, 1.0, 100.0);
-    let mut after_text = String::new();
-    // after = before + 100 run steps, written as sums
-    let sum = |b: f64, run: f64| b + run;
-    after_text.push_str(&format!(
-        "epserve_step_seconds_sum {}\nepserve_step_seconds_count 110\n\
-         epserve_step_wait_seconds_sum {}\nepserve_expert_worker_compute_seconds_sum{{worker=\"a\"}} {}\n\
-         epserve_batch_size_tokens_sum {}\n",
-        sum(20.0, 100.0),
-        sum(10.0, 70.0),
-        sum(10.0, 60.0),
-        sum(1000.0, 40_000.0)
-    ));
+    // After: the warm-up's totals plus the run's (100 s, 70 s, 60 s, 40,000 tokens).
+    let after_text = "epserve_step_seconds_sum 120\nepserve_step_seconds_count 110\n\
+         epserve_step_wait_seconds_sum 80\nepserve_expert_worker_compute_seconds_sum{worker=\"a\"} 70\n\
+         epserve_batch_size_tokens_sum 41000\n"
+        .to_string();
     let sync =
         overlap::Phases::parse(&[("b".into(), before), ("a".into(), after_text)]).expect("parses");
     close(sync.steps, 100.0, 1e-12);
