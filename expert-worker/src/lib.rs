@@ -149,28 +149,27 @@ pub fn run(args: &ExpertWorkerArgs, status: Status) -> Result<()> {
                 "epserve expert-worker '{id}' draining (SIGTERM): its experts move to other workers (up to {} s; a second signal stops it at once)",
                 args.drain_timeout_secs
             ));
-            tokio::select! {
-                r = drain(&worker, &state, view, opts) => match r {
-                    Drained::NothingHeld => status.say(&format!(
-                        "epserve expert-worker '{id}' holds no experts; stopping"
-                    )),
-                    Drained::Moved => status.say(&format!(
-                        "epserve expert-worker '{id}' drained; stopping"
-                    )),
-                    Drained::GaveUp(why) => {
-                        tracing::warn!(worker = %id, %why, "drain incomplete; stopping anyway");
-                        status.say(&format!(
-                            "epserve expert-worker '{id}' drain incomplete ({why}); stopping anyway"
-                        ));
-                    }
-                },
-                s = signals.recv() => {
-                    tracing::warn!(worker = %id, signal = ?s, "second signal during the drain: stopping at once");
+            // A second signal cuts the drain short; the drain itself then
+            // withdraws its request (after any write of it still in flight).
+            let second = async {
+                let s = signals.recv().await;
+                tracing::warn!(worker = %id, signal = ?s, "second signal during the drain: stopping at once");
+                status.say(&format!(
+                    "epserve expert-worker '{id}' stopping at once (second signal during the drain)"
+                ));
+            };
+            match drain(&worker, &state, view, opts, second).await {
+                Drained::NothingHeld => status.say(&format!(
+                    "epserve expert-worker '{id}' holds no experts; stopping"
+                )),
+                Drained::Moved => status.say(&format!("epserve expert-worker '{id}' drained; stopping")),
+                Drained::GaveUp(why) => {
+                    tracing::warn!(worker = %id, %why, "drain incomplete; stopping anyway");
                     status.say(&format!(
-                        "epserve expert-worker '{id}' stopping at once (second signal during the drain)"
+                        "epserve expert-worker '{id}' drain incomplete ({why}); stopping anyway"
                     ));
-                    bounded(Duration::from_secs(1), state.clear_drain_request(&id)).await;
                 }
+                Drained::CutShort => {}
             }
         }
         // Stop: no more keep-alives, the registration removed now rather
@@ -268,33 +267,62 @@ pub enum Drained {
     Moved,
     /// Gave up (the reason): the timeout passed, or etcd refused the request.
     GaveUp(String),
+    /// Cut short by the caller's `cut` future (a second signal).
+    CutShort,
 }
 
 /// Drains `worker` (SIGTERM): health turns NOT_SERVING, a drain request is
 /// written for the coordinator's controller (which moves the experts to
 /// other workers and deletes it), then this waits, while the worker keeps
 /// serving, until `view` assigns no expert to the worker, then `opts.grace`
-/// for calls in flight; all within `opts.timeout`. The drain request is
-/// removed at the end if still there. A worker assigned nothing writes no
-/// request: it returns at once if it holds nothing, after the grace if it
-/// still holds replicas a finished rebalance took away.
+/// for calls in flight; all within `opts.timeout`. A worker assigned nothing
+/// writes no request: it returns at once if it holds nothing, after the
+/// grace if it still holds replicas a finished rebalance took away.
+///
+/// `cut` ends the drain early (a second signal: [`Drained::CutShort`]).
+/// However the drain ends, its request is withdrawn if still there; a write
+/// of the request in flight when `cut` fires is awaited (bounded) first, so
+/// it cannot land after the withdrawal and leave a request for a worker that
+/// is gone.
 pub async fn drain(
     worker: &ExpertWorker,
     state: &ClusterState,
-    mut view: tokio::sync::watch::Receiver<View>,
+    view: tokio::sync::watch::Receiver<View>,
     opts: DrainOptions,
+    cut: impl std::future::Future<Output = ()>,
 ) -> Drained {
     let id = worker.id().to_string();
     let deadline = tokio::time::Instant::now() + opts.timeout;
+    tokio::pin!(cut);
     worker.start_draining().await;
     if view.borrow().desired(&id).is_empty() {
         if worker.held().is_empty() {
             return Drained::NothingHeld;
         }
         // Already moved away (replicas kept only for calls in flight).
-        tokio::time::sleep_until((tokio::time::Instant::now() + opts.grace).min(deadline)).await;
-        return Drained::Moved;
+        let until = (tokio::time::Instant::now() + opts.grace).min(deadline);
+        return tokio::select! {
+            _ = tokio::time::sleep_until(until) => Drained::Moved,
+            _ = &mut cut => Drained::CutShort,
+        };
     }
+    let out = request_and_wait(&id, state, view, opts, deadline, cut).await;
+    // Handled requests are deleted by the controller; withdraw ours otherwise
+    // (deleting a key that is gone is a no-op).
+    bounded(Duration::from_secs(3), state.clear_drain_request(&id)).await;
+    out
+}
+
+/// [`drain`]'s part after the early returns: writes the request and waits
+/// for the experts to move and then the grace; `cut` ends it early.
+async fn request_and_wait(
+    id: &str,
+    state: &ClusterState,
+    mut view: tokio::sync::watch::Receiver<View>,
+    opts: DrainOptions,
+    deadline: tokio::time::Instant,
+    mut cut: std::pin::Pin<&mut impl std::future::Future<Output = ()>>,
+) -> Drained {
     let requested_ms = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .map_or(0, |d| d.as_millis() as u64);
@@ -305,10 +333,19 @@ pub async fn drain(
     // Write the request, retrying while etcd is away (within the deadline).
     let mut last_err = None;
     loop {
-        match tokio::time::timeout_at(deadline, state.request_drain(&id, &req)).await {
-            Ok(Ok(())) => break,
-            Ok(Err(e)) => last_err = Some(e.to_string()),
-            Err(_) => {}
+        let put = state.request_drain(id, &req);
+        tokio::pin!(put);
+        tokio::select! {
+            r = tokio::time::timeout_at(deadline, &mut put) => match r {
+                Ok(Ok(())) => break,
+                Ok(Err(e)) => last_err = Some(e.to_string()),
+                Err(_) => {}
+            },
+            _ = &mut cut => {
+                // Let a write already sent finish before the withdrawal.
+                let _ = tokio::time::timeout(Duration::from_secs(1), &mut put).await;
+                return Drained::CutShort;
+            }
         }
         if tokio::time::Instant::now() + Duration::from_millis(500) >= deadline {
             return Drained::GaveUp(format!(
@@ -317,47 +354,46 @@ pub async fn drain(
                 last_err.unwrap_or_else(|| "no answer from etcd".into())
             ));
         }
-        tokio::time::sleep(Duration::from_millis(500)).await;
+        tokio::select! {
+            _ = tokio::time::sleep(Duration::from_millis(500)) => {}
+            _ = &mut cut => return Drained::CutShort,
+        }
     }
     tracing::info!(worker = %id, "drain requested; waiting for the experts to move");
     let moved = loop {
-        let left = view.borrow_and_update().desired(&id).len();
+        let left = view.borrow_and_update().desired(id).len();
         if left == 0 {
             break Ok(());
         }
-        match tokio::time::timeout_at(deadline, view.changed()).await {
-            Ok(Ok(())) => {}
-            Ok(Err(_)) => {
-                break Err(format!(
-                    "placement watch ended with {left} experts still assigned"
-                ));
-            }
-            Err(_) => {
-                break Err(format!(
-                    "{left} experts still assigned after {:?} (is a coordinator running, and can the other workers take them?)",
-                    opts.timeout
-                ));
-            }
+        tokio::select! {
+            r = tokio::time::timeout_at(deadline, view.changed()) => match r {
+                Ok(Ok(())) => {}
+                Ok(Err(_)) => {
+                    break Err(format!(
+                        "placement watch ended with {left} experts still assigned"
+                    ));
+                }
+                Err(_) => {
+                    break Err(format!(
+                        "{left} experts still assigned after {:?} (is a coordinator running, and can the other workers take them?)",
+                        opts.timeout
+                    ));
+                }
+            },
+            _ = &mut cut => return Drained::CutShort,
         }
     };
-    let out = match moved {
+    match moved {
         Ok(()) => {
             tracing::info!(worker = %id, grace = ?opts.grace, "experts moved; waiting for calls in flight");
             let until = (tokio::time::Instant::now() + opts.grace).min(deadline);
-            tokio::time::sleep_until(until).await;
-            Drained::Moved
+            tokio::select! {
+                _ = tokio::time::sleep_until(until) => Drained::Moved,
+                _ = &mut cut => Drained::CutShort,
+            }
         }
         Err(why) => Drained::GaveUp(why),
-    };
-    // Handled requests are deleted by the controller; remove ours otherwise.
-    let still = match state.drain_requests().await {
-        Ok(reqs) => reqs.iter().any(|(w, _)| *w == id),
-        Err(_) => true,
-    };
-    if still {
-        bounded(Duration::from_secs(1), state.clear_drain_request(&id)).await;
     }
-    out
 }
 
 /// Applies every placement / rebalance change (a burst of changes loads once).
@@ -555,7 +591,8 @@ mod tests {
             grace: Duration::from_millis(100),
         };
         let (w2, s2) = (worker.clone(), state.clone());
-        let drained = tokio::spawn(async move { drain(&w2, &s2, view, opts).await });
+        let drained =
+            tokio::spawn(async move { drain(&w2, &s2, view, opts, std::future::pending()).await });
         health_becomes(&mut hc, NotServing).await?;
 
         // The controller's part: it sees the request and moves a's experts.
@@ -654,7 +691,7 @@ mod tests {
             timeout: Duration::from_millis(600),
             grace: Duration::from_secs(5),
         };
-        match drain(&worker, &state, view, opts).await {
+        match drain(&worker, &state, view, opts, std::future::pending()).await {
             Drained::GaveUp(why) => assert!(why.contains("still assigned"), "{why}"),
             other => panic!("{other:?}"),
         }
@@ -668,6 +705,147 @@ mod tests {
             "request left behind"
         );
         assert!(worker.draining() && !worker.ready());
+        follower.abort();
+        Ok(())
+    }
+
+    /// A store whose puts land 300 ms after they are sent, even when the
+    /// caller stops waiting (as a put already on the wire to etcd does).
+    struct SlowPuts(MemoryStore);
+
+    #[async_trait::async_trait]
+    impl epserve_cluster::store::KvStore for SlowPuts {
+        async fn get(
+            &self,
+            key: &str,
+        ) -> epserve_cluster::store::StoreResult<Option<epserve_cluster::store::Versioned>>
+        {
+            self.0.get(key).await
+        }
+        async fn put(&self, key: &str, value: Vec<u8>) -> epserve_cluster::store::StoreResult<()> {
+            let (inner, key) = (self.0.clone(), key.to_string());
+            let landed = tokio::spawn(async move {
+                tokio::time::sleep(Duration::from_millis(300)).await;
+                inner.put(&key, value).await
+            });
+            match landed.await {
+                Ok(r) => r,
+                Err(e) => panic!("put task: {e}"),
+            }
+        }
+        async fn create(
+            &self,
+            key: &str,
+            value: Vec<u8>,
+        ) -> epserve_cluster::store::StoreResult<bool> {
+            self.0.create(key, value).await
+        }
+        async fn compare_and_swap(
+            &self,
+            key: &str,
+            rev: i64,
+            value: Vec<u8>,
+        ) -> epserve_cluster::store::StoreResult<bool> {
+            self.0.compare_and_swap(key, rev, value).await
+        }
+        async fn delete(&self, key: &str) -> epserve_cluster::store::StoreResult<()> {
+            self.0.delete(key).await
+        }
+        async fn list(
+            &self,
+            prefix: &str,
+        ) -> epserve_cluster::store::StoreResult<Vec<(String, Vec<u8>)>> {
+            self.0.list(prefix).await
+        }
+        async fn put_leased(
+            &self,
+            key: &str,
+            value: Vec<u8>,
+            ttl_secs: i64,
+        ) -> epserve_cluster::store::StoreResult<epserve_cluster::store::LeaseGuard> {
+            self.0.put_leased(key, value, ttl_secs).await
+        }
+        async fn watch(
+            &self,
+            key: &str,
+        ) -> epserve_cluster::store::StoreResult<tokio::sync::mpsc::Receiver<Option<Vec<u8>>>>
+        {
+            self.0.watch(key).await
+        }
+    }
+
+    /// A second signal while the drain request is still being written (the
+    /// CI flake: the put landed after the withdrawal and left a request for
+    /// a worker that was gone) and while the drain waits: either way the
+    /// drain ends at once, cut short, and leaves no request behind.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_drain_cut_short_leaves_no_request_even_with_its_write_in_flight() -> Result<()> {
+        let (worker, layers, n) = fixture_worker("a")?;
+        let mem = MemoryStore::new();
+        let state = ClusterState::new(Arc::new(mem.clone()), "t");
+        state
+            .init_placement(&placement_of(&layers, n, &["a"], 1)?)
+            .await?;
+        let follower = tokio::spawn(follow(
+            worker.clone(),
+            state.clone(),
+            Duration::ZERO,
+            state.watch_placement().await?,
+            state.watch_rebalance().await?,
+        ));
+        eventually("a holds everything", || {
+            worker.held().len() == layers.len() * n
+        })
+        .await;
+        let opts = DrainOptions {
+            timeout: Duration::from_secs(20),
+            grace: Duration::from_secs(20),
+        };
+        // Cut 50 ms in: the put (300 ms) is in flight.
+        let slow = ClusterState::new(Arc::new(SlowPuts(mem.clone())), "t");
+        let view = spawn_view(
+            state.watch_placement().await?,
+            state.watch_rebalance().await?,
+        )
+        .await;
+        let cut = tokio::time::sleep(Duration::from_millis(50));
+        let started = tokio::time::Instant::now();
+        let r = drain(&worker, &slow, view, opts, cut).await;
+        assert_eq!(r, Drained::CutShort);
+        assert!(
+            started.elapsed() < Duration::from_secs(3),
+            "{:?}",
+            started.elapsed()
+        );
+        // Past the moment the put would have landed.
+        tokio::time::sleep(Duration::from_millis(400)).await;
+        assert!(
+            state.drain_requests().await?.is_empty(),
+            "a request was left behind"
+        );
+        // Cut while waiting for the experts to move (the request written).
+        let view = spawn_view(
+            state.watch_placement().await?,
+            state.watch_rebalance().await?,
+        )
+        .await;
+        let (tx, rx) = tokio::sync::oneshot::channel::<()>();
+        let (w2, s2) = (worker.clone(), state.clone());
+        let drained = tokio::spawn(async move {
+            drain(&w2, &s2, view, opts, async {
+                let _ = rx.await;
+            })
+            .await
+        });
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+        while state.drain_requests().await?.is_empty() {
+            assert!(tokio::time::Instant::now() < deadline, "no drain request");
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        let _ = tx.send(());
+        let r = tokio::time::timeout(Duration::from_secs(3), drained).await??;
+        assert_eq!(r, Drained::CutShort);
+        assert!(state.drain_requests().await?.is_empty());
         follower.abort();
         Ok(())
     }
@@ -689,8 +867,11 @@ mod tests {
             timeout: Duration::from_secs(20),
             grace: Duration::from_secs(20),
         };
-        let r = tokio::time::timeout(Duration::from_secs(2), drain(&worker, &state, view, opts))
-            .await?;
+        let r = tokio::time::timeout(
+            Duration::from_secs(2),
+            drain(&worker, &state, view, opts, std::future::pending()),
+        )
+        .await?;
         assert_eq!(r, Drained::NothingHeld);
         assert!(state.drain_requests().await?.is_empty());
         Ok(())

@@ -1403,13 +1403,8 @@ async fn an_unhandled_drain_times_out_and_a_second_signal_cuts_it_short() {
         Duration::from_millis(500),
     )
     .await;
-    assert!(
-        state
-            .drain_requests()
-            .await
-            .expect("drain requests")
-            .is_empty()
-    );
+    let left = state.drain_requests().await.expect("drain requests");
+    assert!(left.is_empty(), "drain requests left behind: {left:?}");
 }
 
 /// An etcd restart under a registered expert-worker, down long enough for a
