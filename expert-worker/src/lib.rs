@@ -662,11 +662,14 @@ mod tests {
         w.hidden_size()
     }
 
-    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn a_drain_nobody_handles_gives_up_after_its_timeout_and_withdraws_the_request()
-    -> Result<()> {
+    /// Worker "a" of the fixture, placed every expert on `mem` (cluster
+    /// "t"), following the placement, once it holds them all; the follower
+    /// task is returned for the test to abort.
+    async fn holding_everything(
+        mem: &MemoryStore,
+    ) -> Result<(Arc<ExpertWorker>, ClusterState, tokio::task::JoinHandle<()>)> {
         let (worker, layers, n) = fixture_worker("a")?;
-        let state = ClusterState::new(Arc::new(MemoryStore::new()), "t");
+        let state = ClusterState::new(Arc::new(mem.clone()), "t");
         state
             .init_placement(&placement_of(&layers, n, &["a"], 1)?)
             .await?;
@@ -681,6 +684,14 @@ mod tests {
             worker.held().len() == layers.len() * n
         })
         .await;
+        Ok((worker, state, follower))
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_drain_nobody_handles_gives_up_after_its_timeout_and_withdraws_the_request()
+    -> Result<()> {
+        let mem = MemoryStore::new();
+        let (worker, state, follower) = holding_everything(&mem).await?;
         let view = spawn_view(
             state.watch_placement().await?,
             state.watch_rebalance().await?,
@@ -780,23 +791,8 @@ mod tests {
     /// drain ends at once, cut short, and leaves no request behind.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_drain_cut_short_leaves_no_request_even_with_its_write_in_flight() -> Result<()> {
-        let (worker, layers, n) = fixture_worker("a")?;
         let mem = MemoryStore::new();
-        let state = ClusterState::new(Arc::new(mem.clone()), "t");
-        state
-            .init_placement(&placement_of(&layers, n, &["a"], 1)?)
-            .await?;
-        let follower = tokio::spawn(follow(
-            worker.clone(),
-            state.clone(),
-            Duration::ZERO,
-            state.watch_placement().await?,
-            state.watch_rebalance().await?,
-        ));
-        eventually("a holds everything", || {
-            worker.held().len() == layers.len() * n
-        })
-        .await;
+        let (worker, state, follower) = holding_everything(&mem).await?;
         let opts = DrainOptions {
             timeout: Duration::from_secs(20),
             grace: Duration::from_secs(20),
