@@ -8,8 +8,8 @@ use bytemuck::{Pod, Zeroable};
 use crate::config::Activation;
 use crate::error::{Error, Result};
 use crate::kernels::layout::{
-    DataView, NR, bf16_bits_to_f32, bf16_index, bf16_padded_k, f32_to_bf16_bits, i8_index,
-    i8_padded_k, pack_bf16_panel, pack_i8_panel, quantize_row_i8,
+    DataView, NR, PAIR_BLOCK, bf16_bits_to_f32, bf16_index, bf16_padded_k, f32_to_bf16_bits,
+    i8_index, i8_padded_k, pack_bf16_panel, pack_i8_panel, quantize_row_i8,
 };
 use crate::loader::weights::I8Matrix;
 use crate::moe::mlp::GatedMlp;
@@ -260,6 +260,18 @@ impl PackedMatrix {
             // transpose of the channels' pair streams.
             let words: &mut [u32] = bytemuck::cast_slice_mut(&mut panel[..pairs * 2 * NR]);
             let mut q0 = 0;
+            // Whole blocks of every channel transposed in registers.
+            if rows.iter().all(|r| r.is_some()) {
+                let kern = crate::kernels::dispatch::kernels();
+                while q0 + PAIR_BLOCK <= pairs {
+                    let block: [&[u16]; NR] = std::array::from_fn(|c| {
+                        let r = rows[c].unwrap_or_default();
+                        bytemuck::cast_slice(&r[2 * q0..2 * (q0 + PAIR_BLOCK)])
+                    });
+                    kern.transpose_pairs(&block, &mut words[q0 * NR..(q0 + PAIR_BLOCK) * NR]);
+                    q0 += PAIR_BLOCK;
+                }
+            }
             while q0 < pairs {
                 let qn = QB.min(pairs - q0);
                 for (c, r) in rows.iter().enumerate() {

@@ -434,6 +434,26 @@ impl Kernels {
         }
     }
 
+    /// One block of a bf16 panel ([`super::layout::transpose_pairs`]): the
+    /// same words on every tier.
+    pub fn transpose_pairs(&self, rows: &[&[u16]; super::layout::NR], dst: &mut [u32]) {
+        use super::layout::{NR, PAIR_BLOCK};
+        assert!(rows.iter().all(|r| r.len() >= 2 * PAIR_BLOCK) && dst.len() >= PAIR_BLOCK * NR);
+        match self.tier {
+            #[cfg(target_arch = "x86_64")]
+            // SAFETY: every AVX-512 tier requires AVX-512 F; lengths checked.
+            Tier::Avx512 | Tier::Avx512Vnni | Tier::Avx512Bf16 | Tier::Amx => unsafe {
+                super::x86::avx512::transpose_pairs(rows, dst)
+            },
+            #[cfg(target_arch = "aarch64")]
+            // SAFETY: every aarch64 tier requires NEON; lengths checked.
+            Tier::Neon | Tier::NeonDot | Tier::NeonI8mm | Tier::NeonBf16 => unsafe {
+                super::aarch64::neon::transpose_pairs(rows, dst)
+            },
+            _ => super::layout::transpose_pairs(rows, dst),
+        }
+    }
+
     /// Most rows per bf16 × bf16 matrix-multiply (prefill) tile, if this
     /// tier has one (even: BFMMLA takes rows in pairs).
     pub fn bf16mm_mr(&self) -> Option<usize> {

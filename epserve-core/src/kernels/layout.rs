@@ -123,6 +123,23 @@ pub fn split3_row(x: &[f32], hi: &mut [u16], mid: &mut [u16], lo: &mut [u16]) {
     }
 }
 
+/// Pairs per [`transpose_pairs`] block (one per channel of a panel).
+pub const PAIR_BLOCK: usize = NR;
+
+/// One block of a bf16 panel: `rows[c]` holds channel `c`'s next
+/// `2 · PAIR_BLOCK` bf16 values; pair `q` of channel `c` (one 32-bit word,
+/// the two values as they are in memory) goes to `dst[q · NR + c]`. The
+/// scalar twin of the tiers' transposes (a panel is the transpose of its
+/// channels' pair streams).
+pub fn transpose_pairs(rows: &[&[u16]; NR], dst: &mut [u32]) {
+    for (c, r) in rows.iter().enumerate() {
+        for (q, v) in r[..2 * PAIR_BLOCK].chunks_exact(2).enumerate() {
+            let (a, b) = (v[0].to_ne_bytes(), v[1].to_ne_bytes());
+            dst[q * NR + c] = u32::from_ne_bytes([a[0], a[1], b[0], b[1]]);
+        }
+    }
+}
+
 /// Packs one bf16 panel: `row(c)` gives logical channel `c`'s `K` values
 /// (already bf16 bits), or `None` for a zero (padding) channel. Appends
 /// `bf16_padded_k(K) · 16` words to `dst`.

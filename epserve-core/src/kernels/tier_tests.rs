@@ -623,3 +623,36 @@ fn split3_rows_equal_the_twin_bit_for_bit() {
         }
     }
 }
+
+#[test]
+fn pair_transposes_equal_the_twin() {
+    let mut rng = StdRng::seed_from_u64(37);
+    let rows: Vec<Vec<u16>> = (0..NR)
+        .map(|_| (0..2 * PAIR_BLOCK + 3).map(|_| rng.random()).collect())
+        .collect();
+    let block: [&[u16]; NR] = std::array::from_fn(|c| &rows[c][..]);
+    let mut want = vec![0u32; PAIR_BLOCK * NR + 5];
+    transpose_pairs(&block, &mut want);
+    // The twin itself: pair q of channel c, its two values as in memory.
+    for (c, r) in rows.iter().enumerate() {
+        for q in 0..PAIR_BLOCK {
+            let w = want[q * NR + c];
+            assert_eq!(bytemuck::cast::<u32, [u16; 2]>(w), [r[2 * q], r[2 * q + 1]]);
+        }
+    }
+    for k in tiers() {
+        let mut got = vec![7u32; PAIR_BLOCK * NR + 5];
+        k.transpose_pairs(&block, &mut got);
+        assert_eq!(
+            &got[..PAIR_BLOCK * NR],
+            &want[..PAIR_BLOCK * NR],
+            "{}",
+            k.tier().name()
+        );
+        assert!(
+            got[PAIR_BLOCK * NR..].iter().all(|&w| w == 7),
+            "{} wrote past the block",
+            k.tier().name()
+        );
+    }
+}

@@ -661,3 +661,42 @@ pub unsafe fn fma_probe(iters: usize, seed: f32) -> f32 {
     }
     vaddvq_f32(s)
 }
+
+/// [`crate::kernels::layout::transpose_pairs`] as sixteen 4 × 4
+/// transposes of 32-bit words (`trn1`/`trn2` on words, then on
+/// doublewords).
+///
+/// # Safety
+/// NEON must be available; every `rows[c]` holds at least 32 values and
+/// `dst` at least 256 words.
+#[target_feature(enable = "neon")]
+pub unsafe fn transpose_pairs(rows: &[&[u16]; NR], dst: &mut [u32]) {
+    debug_assert!(rows.iter().all(|r| r.len() >= 2 * NR) && dst.len() >= NR * NR);
+    // SAFETY: the caller guarantees the features and the extents.
+    unsafe {
+        let d = dst.as_mut_ptr();
+        for c0 in (0..NR).step_by(4) {
+            let src: [*const u32; 4] = std::array::from_fn(|i| rows[c0 + i].as_ptr() as *const u32);
+            for q0 in (0..NR).step_by(4) {
+                let r: [uint32x4_t; 4] = std::array::from_fn(|i| vld1q_u32(src[i].add(q0)));
+                let (t0, t1) = (vtrn1q_u32(r[0], r[1]), vtrn2q_u32(r[0], r[1]));
+                let (t2, t3) = (vtrn1q_u32(r[2], r[3]), vtrn2q_u32(r[2], r[3]));
+                let (t0, t1, t2, t3) = (
+                    vreinterpretq_u64_u32(t0),
+                    vreinterpretq_u64_u32(t1),
+                    vreinterpretq_u64_u32(t2),
+                    vreinterpretq_u64_u32(t3),
+                );
+                let out = [
+                    vtrn1q_u64(t0, t2),
+                    vtrn1q_u64(t1, t3),
+                    vtrn2q_u64(t0, t2),
+                    vtrn2q_u64(t1, t3),
+                ];
+                for (j, o) in out.into_iter().enumerate() {
+                    vst1q_u32(d.add((q0 + j) * NR + c0), vreinterpretq_u32_u64(o));
+                }
+            }
+        }
+    }
+}

@@ -467,3 +467,46 @@ pub unsafe fn dpbf16_probe(iters: usize, seed: f32) -> f32 {
     }
     _mm512_reduce_add_ps(s)
 }
+
+/// [`crate::kernels::layout::transpose_pairs`] as a 16 × 16 transpose of
+/// 32-bit words in registers (two unpack stages within 128-bit lanes, two
+/// lane shuffles).
+///
+/// # Safety
+/// AVX-512 F must be available; every `rows[c]` holds at least 32 values
+/// and `dst` at least 256 words.
+#[target_feature(enable = "avx512f")]
+pub unsafe fn transpose_pairs(rows: &[&[u16]; NR], dst: &mut [u32]) {
+    const _: () = assert!(NR == 16);
+    debug_assert!(rows.iter().all(|r| r.len() >= 32) && dst.len() >= 256);
+    // SAFETY: the caller guarantees the features and the extents.
+    unsafe {
+        let r: [__m512i; 16] =
+            std::array::from_fn(|c| _mm512_loadu_si512(rows[c].as_ptr() as *const _));
+        // Per 128-bit lane L, for each four channels 4i..4i+4: u[4i + j]
+        // holds word 4L + j of those channels.
+        let mut u = [_mm512_setzero_si512(); 16];
+        for i in 0..4 {
+            let (a, b, c, d) = (r[4 * i], r[4 * i + 1], r[4 * i + 2], r[4 * i + 3]);
+            let (ab_lo, ab_hi) = (_mm512_unpacklo_epi32(a, b), _mm512_unpackhi_epi32(a, b));
+            let (cd_lo, cd_hi) = (_mm512_unpacklo_epi32(c, d), _mm512_unpackhi_epi32(c, d));
+            u[4 * i] = _mm512_unpacklo_epi64(ab_lo, cd_lo);
+            u[4 * i + 1] = _mm512_unpackhi_epi64(ab_lo, cd_lo);
+            u[4 * i + 2] = _mm512_unpacklo_epi64(ab_hi, cd_hi);
+            u[4 * i + 3] = _mm512_unpackhi_epi64(ab_hi, cd_hi);
+        }
+        // Word 4L + j of all sixteen channels: lane L of u[j], u[4 + j],
+        // u[8 + j], u[12 + j].
+        let out = dst.as_mut_ptr() as *mut __m512i;
+        for j in 0..4 {
+            let v0 = _mm512_shuffle_i32x4::<0x88>(u[j], u[4 + j]);
+            let v1 = _mm512_shuffle_i32x4::<0xDD>(u[j], u[4 + j]);
+            let w0 = _mm512_shuffle_i32x4::<0x88>(u[8 + j], u[12 + j]);
+            let w1 = _mm512_shuffle_i32x4::<0xDD>(u[8 + j], u[12 + j]);
+            _mm512_storeu_si512(out.add(j), _mm512_shuffle_i32x4::<0x88>(v0, w0));
+            _mm512_storeu_si512(out.add(4 + j), _mm512_shuffle_i32x4::<0x88>(v1, w1));
+            _mm512_storeu_si512(out.add(8 + j), _mm512_shuffle_i32x4::<0xDD>(v0, w0));
+            _mm512_storeu_si512(out.add(12 + j), _mm512_shuffle_i32x4::<0xDD>(v1, w1));
+        }
+    }
+}
