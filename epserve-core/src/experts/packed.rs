@@ -312,15 +312,14 @@ impl PackedMatrix {
         let mut buf = AlignedBuf::<i8>::take_or_zeroed(panels * kp * NR, &mut spare.i8, full);
         let mut scales = vec![0.0f32; panels * NR];
         let (mut f, mut q) = (vec![0.0f32; k], vec![0i8; k]);
+        let kern = crate::kernels::dispatch::kernels();
         let dst = buf.as_mut_slice();
         for p in 0..panels {
             let panel = &mut dst[p * kp * NR..(p + 1) * kp * NR];
             for c in 0..NR {
                 let Some(r) = row(p, c) else { continue };
-                for (o, v) in f.iter_mut().zip(r) {
-                    *o = bf16_bits_to_f32(v.to_bits());
-                }
-                scales[p * NR + c] = quantize_row_i8(&f, &mut q);
+                scales[p * NR + c] =
+                    kern.quantize_bf16_row_i8(bytemuck::cast_slice(r), &mut f, &mut q);
                 // Both layouts keep runs of 4 k values of one channel together.
                 let runs = q.chunks_exact(4);
                 let tail = runs.remainder();

@@ -434,6 +434,21 @@ impl Kernels {
         }
     }
 
+    /// Widens the bf16 `row` into `f` and quantizes it to int8 into `q`
+    /// ([`super::layout::quantize_bf16_row_i8`]), returning the scale: the
+    /// same bits on every tier.
+    pub fn quantize_bf16_row_i8(&self, row: &[u16], f: &mut [f32], q: &mut [i8]) -> f32 {
+        assert!(f.len() >= row.len() && q.len() >= row.len());
+        match self.tier {
+            #[cfg(target_arch = "x86_64")]
+            // SAFETY: every AVX-512 tier requires AVX-512 F/BW.
+            Tier::Avx512 | Tier::Avx512Vnni | Tier::Avx512Bf16 | Tier::Amx => unsafe {
+                super::x86::avx512::quantize_bf16_row_i8(row, f, q)
+            },
+            _ => super::layout::quantize_bf16_row_i8(row, f, q),
+        }
+    }
+
     /// One block of a bf16 panel ([`super::layout::transpose_pairs`]): the
     /// same words on every tier.
     pub fn transpose_pairs(&self, rows: &[&[u16]; super::layout::NR], dst: &mut [u32]) {

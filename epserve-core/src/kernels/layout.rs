@@ -252,7 +252,7 @@ pub fn pack_i8_panel<'a>(k: usize, row: impl Fn(usize) -> Option<&'a [i8]>, dst:
 /// The largest `|v|` of `row` (NaN ignored, as `f32::max` does), in eight
 /// independent lanes so the compiler vectorizes it (max is exact: any order
 /// gives the same result).
-#[inline]
+#[inline(always)]
 pub fn abs_max(row: &[f32]) -> f32 {
     let mut m = [0.0f32; 8];
     let chunks = row.chunks_exact(8);
@@ -273,7 +273,7 @@ pub fn abs_max(row: &[f32]) -> f32 {
 /// without a float-to-int conversion: adding 2^23 rounds `|x|` to the
 /// nearest integer (ties to even) in the low mantissa bits; a tie that went
 /// down (its difference is exactly a half) goes up. Vectorizes.
-#[inline]
+#[inline(always)]
 pub fn round_to_i8(x: f32) -> i8 {
     const MAGIC: f32 = 8_388_608.0; // 2^23
     let a = x.abs();
@@ -291,9 +291,23 @@ pub fn round_to_i8(x: f32) -> i8 {
     (if x < 0.0 { -r } else { r }) as i8
 }
 
+/// [`quantize_row_i8`] of a bf16 row (`f` receives it widened): the scalar
+/// twin of the tiers' versions, which are this same code compiled for their
+/// instruction sets (the operations are exact IEEE ones, so every tier gets
+/// the same bits).
+#[inline(always)]
+pub fn quantize_bf16_row_i8(row: &[u16], f: &mut [f32], q: &mut [i8]) -> f32 {
+    let f = &mut f[..row.len()];
+    for (o, &v) in f.iter_mut().zip(row) {
+        *o = bf16_bits_to_f32(v);
+    }
+    quantize_row_i8(f, q)
+}
+
 /// Symmetric int8 quantization of one row: returns the scale `s` with
 /// `row ≈ s · q`, `q` in `[-127, 127]`. An all-zero (or non-finite) row gets
 /// scale 0 and zeros. `q` may be longer than `row` (padding is zeroed).
+#[inline(always)]
 pub fn quantize_row_i8(row: &[f32], q: &mut [i8]) -> f32 {
     let amax = abs_max(row);
     if !(amax > 0.0 && amax.is_finite()) {

@@ -656,3 +656,36 @@ fn pair_transposes_equal_the_twin() {
         );
     }
 }
+
+#[test]
+fn bf16_row_quantization_equals_the_twin() {
+    let mut rng = StdRng::seed_from_u64(41);
+    let specials = [0u16, 0x8000, 0x7f80, 0xff80, 0x7fc0, 0x0001, 0x3f00, 0xbf00];
+    for k in tiers() {
+        for len in [1usize, 7, 16, 33, 768, 2048, 2051] {
+            for case in 0..4 {
+                let row: Vec<u16> = (0..len)
+                    .map(|i| match case {
+                        // All zero: scale 0.
+                        0 => 0,
+                        // One non-finite value among ordinary ones.
+                        1 if i == len / 2 => specials[2 + i % 3],
+                        // Halves and their neighbours after scaling.
+                        2 => f32_to_bf16_bits((i % 255) as f32 - 127.0),
+                        _ if i % 17 == 3 => specials[i % specials.len()],
+                        _ => f32_to_bf16_bits(
+                            rng.random_range(-1.0f32..1.0) * 2f32.powi(rng.random_range(-20..20)),
+                        ),
+                    })
+                    .collect();
+                let (mut fw, mut qw) = (vec![0.0f32; len], vec![0i8; len + 3]);
+                let want = quantize_bf16_row_i8(&row, &mut fw, &mut qw);
+                let (mut fg, mut qg) = (vec![9.0f32; len], vec![9i8; len + 3]);
+                let got = k.quantize_bf16_row_i8(&row, &mut fg, &mut qg);
+                let tag = format!("{} len {len} case {case}", k.tier().name());
+                assert_eq!(got.to_bits(), want.to_bits(), "{tag} scale");
+                assert_eq!(qg, qw, "{tag} values");
+            }
+        }
+    }
+}

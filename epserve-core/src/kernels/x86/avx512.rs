@@ -510,3 +510,13 @@ pub unsafe fn transpose_pairs(rows: &[&[u16]; NR], dst: &mut [u32]) {
         }
     }
 }
+
+/// [`crate::kernels::layout::quantize_bf16_row_i8`] compiled for AVX-512
+/// (the same code, vectorized 16 lanes wide: the same bits).
+///
+/// # Safety
+/// AVX-512 F/BW must be available.
+#[target_feature(enable = "avx512f,avx512bw")]
+pub unsafe fn quantize_bf16_row_i8(row: &[u16], f: &mut [f32], q: &mut [i8]) -> f32 {
+    crate::kernels::layout::quantize_bf16_row_i8(row, f, q)
+}
