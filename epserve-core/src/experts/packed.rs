@@ -252,6 +252,7 @@ impl PackedMatrix {
         let mut buf = AlignedBuf::<u16>::take_or_zeroed(panels * kp * NR, &mut spare.bf16, full);
         let dst = buf.as_mut_slice();
         const QB: usize = 16;
+        let kern = crate::kernels::dispatch::kernels();
         for p in 0..panels {
             let panel = &mut dst[p * kp * NR..(p + 1) * kp * NR];
             let rows: [Option<&[bf16]>; NR] = std::array::from_fn(|c| row(p, c));
@@ -261,12 +262,12 @@ impl PackedMatrix {
             let words: &mut [u32] = bytemuck::cast_slice_mut(&mut panel[..pairs * 2 * NR]);
             let mut q0 = 0;
             // Whole blocks of every channel transposed in registers.
-            if rows.iter().all(|r| r.is_some()) {
-                let kern = crate::kernels::dispatch::kernels();
+            if rows.iter().all(Option::is_some) {
+                // All present: `unwrap_or_default` never takes its default.
+                let all: [&[bf16]; NR] = std::array::from_fn(|c| rows[c].unwrap_or_default());
                 while q0 + PAIR_BLOCK <= pairs {
                     let block: [&[u16]; NR] = std::array::from_fn(|c| {
-                        let r = rows[c].unwrap_or_default();
-                        bytemuck::cast_slice(&r[2 * q0..2 * (q0 + PAIR_BLOCK)])
+                        bytemuck::cast_slice(&all[c][2 * q0..2 * (q0 + PAIR_BLOCK)])
                     });
                     kern.transpose_pairs(&block, &mut words[q0 * NR..(q0 + PAIR_BLOCK) * NR]);
                     q0 += PAIR_BLOCK;
