@@ -15,6 +15,7 @@
 //! - [`model`]: attention, router / shared expert / MoE block, the decoder
 //! - [`sampling`]: logits → tokens
 //! - [`engine`], [`detok`]: the generate loop, streaming detokenization
+//! - [`mem`]: huge pages for the large buffers (packed weights, KV cache)
 //! - [`profile`]: per-phase time of forward passes (`epserve bench step`)
 //! - [`placement`], [`eplb`]: which worker holds which expert, and rebalancing it
 #![deny(clippy::print_stdout)]
@@ -27,6 +28,7 @@ pub mod error;
 pub mod experts;
 pub mod kernels;
 pub mod loader;
+pub mod mem;
 pub mod model;
 pub mod moe;
 pub mod placement;

@@ -40,11 +40,12 @@ pub struct AlignedBuf<T: Pod> {
 
 impl<T: Pod> AlignedBuf<T> {
     /// `len` zero values, from zeroed memory (no writes: a large buffer is
-    /// fresh zero pages until first touched).
+    /// fresh zero pages until first touched), marked for huge pages
+    /// ([`crate::mem`]).
     fn zeroed(len: usize) -> Self {
         let bytes = len * std::mem::size_of::<T>();
         AlignedBuf {
-            lines: bytemuck::zeroed_vec(bytes.div_ceil(64)),
+            lines: crate::mem::zeroed_vec(bytes.div_ceil(64)),
             len,
             _t: std::marker::PhantomData,
         }
@@ -72,15 +73,9 @@ impl<T: Pod> AlignedBuf<T> {
     }
 
     fn from_slice(v: &[T]) -> Self {
-        let bytes = std::mem::size_of_val(v);
-        let mut lines = vec![Line([0; 64]); bytes.div_ceil(64)];
-        bytemuck::cast_slice_mut::<Line, u8>(&mut lines)[..bytes]
-            .copy_from_slice(bytemuck::cast_slice(v));
-        AlignedBuf {
-            lines,
-            len: v.len(),
-            _t: std::marker::PhantomData,
-        }
+        let mut b = Self::zeroed(v.len());
+        b.as_mut_slice().copy_from_slice(v);
+        b
     }
 
     /// The values.

@@ -99,10 +99,12 @@ pub enum KvData {
 }
 
 impl KvData {
+    /// `n` zeros, untouched fresh pages marked for huge pages: decode at
+    /// long context streams the whole cache ([`crate::mem`]).
     fn zeros(dtype: KvDtype, n: usize) -> Self {
         match dtype {
-            KvDtype::F32 => KvData::F32(vec![0.0; n]),
-            KvDtype::Bf16 => KvData::Bf16(vec![0; n]),
+            KvDtype::F32 => KvData::F32(crate::mem::zeroed_vec(n)),
+            KvDtype::Bf16 => KvData::Bf16(crate::mem::zeroed_vec(n)),
         }
     }
     /// The elements, for the attention kernels.
