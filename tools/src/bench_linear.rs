@@ -92,9 +92,14 @@ fn shapes(s: &str) -> Result<Vec<(usize, usize)>> {
         .collect()
 }
 
-/// Streaming read bandwidth of rayon's threads over 256 MiB, best of three, GB/s.
+/// Streaming read bandwidth of rayon's threads over 256 MiB, best of three,
+/// GB/s; on huge pages where the host allows them, as the weights and the
+/// KV cache are ([`epserve_core::mem`]).
 pub(crate) fn measure_bandwidth() -> f64 {
-    let buf: Vec<u64> = (0..(256usize << 20) / 8).map(|i| i as u64).collect();
+    let mut buf: Vec<u64> = epserve_core::mem::zeroed_vec((256usize << 20) / 8);
+    for (i, x) in buf.iter_mut().enumerate() {
+        *x = i as u64;
+    }
     let threads = rayon::current_num_threads().max(1);
     let per = buf.len().div_ceil(threads);
     let mut best = 0.0f64;

@@ -464,7 +464,11 @@ pub fn run(args: &BenchMoeArgs) -> Result<()> {
     let mut machine = Vec::new();
     // Kept for the whole run: the bandwidth is measured again each round.
     let words = args.bw_mib.max(1) * (1 << 20) / 8;
-    let buf: Vec<u64> = (0..words as u64).collect();
+    // On huge pages where the host allows them, as the packed experts are.
+    let mut buf: Vec<u64> = epserve_core::mem::zeroed_vec(words);
+    for (i, x) in buf.iter_mut().enumerate() {
+        *x = i as u64;
+    }
     {
         log(format!(
             "measuring memory bandwidth ({} MiB buffer) and FMA peak...",
