@@ -44,9 +44,9 @@ pub fn huge_range(addr: usize, len: usize) -> (usize, usize) {
 }
 
 /// Asks the kernel to back the whole 2 MiB pages inside `buf` with huge
-/// pages (a hint: failures are ignored, the contents are untouched). Call it
-/// on a fresh allocation before writing it, so its first faults map huge
-/// pages; on touched memory the kernel may collapse the pages later.
+/// pages (a hint: failures are ignored, the contents are untouched). Only
+/// pages not yet touched fault in as huge pages (on touched memory the kernel
+/// may collapse them later); [`ZeroBuf`] calls it on fresh mappings.
 pub fn advise<T>(buf: &[T]) {
     let (start, len) = huge_range(buf.as_ptr() as usize, std::mem::size_of_val(buf));
     if len == 0 || !enabled() {
@@ -61,12 +61,109 @@ pub fn advise<T>(buf: &[T]) {
     }
 }
 
-/// `n` zeros in a fresh allocation marked for huge pages ([`advise`]); the
-/// allocation is fresh zero pages (calloc), untouched until written.
-pub fn zeroed_vec<T: bytemuck::Zeroable + Clone>(n: usize) -> Vec<T> {
-    let v = bytemuck::zeroed_vec(n);
-    advise(&v);
-    v
+/// One cache line of bytes: the storage unit of a small [`ZeroBuf`].
+#[derive(Clone, Copy)]
+#[repr(C, align(64))]
+struct Line([u8; 64]);
+// SAFETY: `Line` is `repr(C)` around a byte array whose size (64) equals its
+// alignment, so it has no padding, and every bit pattern is valid.
+unsafe impl bytemuck::Zeroable for Line {}
+// SAFETY: as above; it is also `Copy` and `'static`.
+unsafe impl bytemuck::Pod for Line {}
+
+enum Storage {
+    /// An anonymous mapping: fresh zero pages, untouched until written, and
+    /// marked for huge pages before any is.
+    Map(memmap2::MmapMut),
+    /// Heap lines, for buffers smaller than a huge page (or with
+    /// `EPSERVE_HUGEPAGES=0`, or where mapping failed).
+    Heap(Vec<Line>),
+}
+
+/// A zero-initialized buffer of `len` plain values, at least 64-byte aligned
+/// (cache lines; a mapping is page-aligned). One of at least [`HUGE_PAGE`]
+/// bytes is its own anonymous mapping marked `MADV_HUGEPAGE` before first
+/// touch: the allocator's zeroed memory cannot be, as an aligned
+/// `alloc_zeroed` writes its zeros (faulting 4 KiB pages) before the caller
+/// sees it. Pages stay unbacked until written, as with `calloc`.
+pub struct ZeroBuf<T: bytemuck::Pod> {
+    storage: Storage,
+    len: usize,
+    _t: std::marker::PhantomData<T>,
+}
+
+impl<T: bytemuck::Pod> ZeroBuf<T> {
+    /// `len` zeros.
+    pub fn zeroed(len: usize) -> Self {
+        const { assert!(std::mem::align_of::<T>() <= 64) };
+        let bytes = len * std::mem::size_of::<T>();
+        let storage =
+            match (bytes >= HUGE_PAGE && enabled()).then(|| memmap2::MmapMut::map_anon(bytes)) {
+                Some(Ok(map)) => {
+                    advise(&map[..]);
+                    Storage::Map(map)
+                }
+                _ => Storage::Heap(bytemuck::zeroed_vec(bytes.div_ceil(64))),
+            };
+        ZeroBuf {
+            storage,
+            len,
+            _t: std::marker::PhantomData,
+        }
+    }
+
+    /// A copy of `v`.
+    pub fn from_slice(v: &[T]) -> Self {
+        let mut b = Self::zeroed(v.len());
+        b.copy_from_slice(v);
+        b
+    }
+
+    /// Whether the buffer is a mapping marked for huge pages.
+    pub fn is_mapped(&self) -> bool {
+        matches!(self.storage, Storage::Map(_))
+    }
+
+    fn bytes(&self) -> &[u8] {
+        match &self.storage {
+            Storage::Map(m) => &m[..],
+            Storage::Heap(v) => bytemuck::cast_slice(v),
+        }
+    }
+}
+
+impl<T: bytemuck::Pod> std::ops::Deref for ZeroBuf<T> {
+    type Target = [T];
+    fn deref(&self) -> &[T] {
+        let n = self.len * std::mem::size_of::<T>();
+        bytemuck::cast_slice(&self.bytes()[..n])
+    }
+}
+
+impl<T: bytemuck::Pod> std::ops::DerefMut for ZeroBuf<T> {
+    fn deref_mut(&mut self) -> &mut [T] {
+        let n = self.len * std::mem::size_of::<T>();
+        let bytes: &mut [u8] = match &mut self.storage {
+            Storage::Map(m) => &mut m[..],
+            Storage::Heap(v) => bytemuck::cast_slice_mut(v),
+        };
+        bytemuck::cast_slice_mut(&mut bytes[..n])
+    }
+}
+
+impl<T: bytemuck::Pod> Clone for ZeroBuf<T> {
+    fn clone(&self) -> Self {
+        Self::from_slice(self)
+    }
+}
+
+impl<T: bytemuck::Pod> std::fmt::Debug for ZeroBuf<T> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ZeroBuf")
+            .field("len", &self.len)
+            .field("mapped", &self.is_mapped())
+            .finish()
+    }
 }
 
 #[cfg(test)]
@@ -83,32 +180,73 @@ mod tests {
     }
 
     #[test]
+    fn buffers_are_zeros_aligned_and_hold_what_is_written() {
+        for len in [
+            0usize,
+            1,
+            100,
+            HUGE_PAGE / 2 - 3,
+            HUGE_PAGE / 2,
+            5 * HUGE_PAGE / 4 + 7,
+        ] {
+            let mut b: ZeroBuf<u16> = ZeroBuf::zeroed(len);
+            assert_eq!(b.len(), len);
+            assert!(b.iter().all(|&x| x == 0));
+            assert_eq!(b.as_ptr() as usize % 64, 0);
+            for (i, x) in b.iter_mut().enumerate() {
+                *x = i as u16;
+            }
+            let c = b.clone();
+            assert!(c.iter().enumerate().all(|(i, &x)| x == i as u16));
+            assert_eq!(b.is_mapped(), len * 2 >= HUGE_PAGE && enabled());
+        }
+    }
+
+    /// The mapping (and only it) carries the kernel's `hg` flag, and once
+    /// written it is backed by huge pages where the host has them.
+    #[test]
     #[cfg(target_os = "linux")]
-    fn a_large_buffer_is_marked_and_keeps_its_zeros() {
-        let v: Vec<u16> = zeroed_vec(5 * HUGE_PAGE / 2);
-        assert!(v.iter().all(|&x| x == 0));
-        let (start, len) = huge_range(v.as_ptr() as usize, v.len() * 2);
-        assert!(len >= 3 * HUGE_PAGE / 2 && len % HUGE_PAGE == 0);
-        // The kernel lists the marked range with the `hg` flag (when THP is
-        // compiled in and the hint was taken; nothing to check otherwise).
-        if !enabled() || !std::path::Path::new("/sys/kernel/mm/transparent_hugepage").exists() {
+    fn a_large_buffer_is_marked_for_huge_pages() {
+        let mut b: ZeroBuf<u8> = ZeroBuf::zeroed(3 * HUGE_PAGE);
+        if !enabled() {
             return;
         }
+        b.fill(1);
+        let (a0, n) = (b.as_ptr() as usize, b.len());
         let smaps = std::fs::read_to_string("/proc/self/smaps").unwrap_or_default();
-        let mut marked = false;
-        let mut inside = false;
+        let (mut inside, mut marked, mut huge_kb) = (false, false, 0u64);
         for line in smaps.lines() {
             if let Some((range, _)) = line.split_once(' ')
-                && let Some((a, b)) = range.split_once('-')
-                && let (Ok(a), Ok(b)) = (usize::from_str_radix(a, 16), usize::from_str_radix(b, 16))
+                && let Some((a, e)) = range.split_once('-')
+                && let (Ok(a), Ok(e)) = (usize::from_str_radix(a, 16), usize::from_str_radix(e, 16))
             {
-                inside = a <= start && start + len <= b || (a >= start && b <= start + len);
+                inside = a < a0 + n && e > a0;
                 continue;
             }
-            if inside && line.starts_with("VmFlags:") && line.contains(" hg") {
+            if !inside {
+                continue;
+            }
+            if line.starts_with("VmFlags:") && line.contains(" hg") {
                 marked = true;
             }
+            if let Some(kb) = line.strip_prefix("AnonHugePages:") {
+                huge_kb += kb
+                    .trim()
+                    .trim_end_matches(" kB")
+                    .parse::<u64>()
+                    .unwrap_or(0);
+            }
         }
-        assert!(marked, "no mapping inside the buffer carries the hg flag");
+        // Kernels without THP list no flag; then there is nothing to check.
+        if !std::path::Path::new("/sys/kernel/mm/transparent_hugepage").exists() {
+            return;
+        }
+        assert!(marked, "the mapping does not carry the hg flag");
+        let mode = std::fs::read_to_string("/sys/kernel/mm/transparent_hugepage/enabled")
+            .unwrap_or_default();
+        eprintln!(
+            "THP {}: {huge_kb} kB of the buffer on huge pages",
+            mode.trim()
+        );
     }
 }

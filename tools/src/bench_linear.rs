@@ -96,7 +96,7 @@ fn shapes(s: &str) -> Result<Vec<(usize, usize)>> {
 /// GB/s; on huge pages where the host allows them, as the weights and the
 /// KV cache are ([`epserve_core::mem`]).
 pub(crate) fn measure_bandwidth() -> f64 {
-    let mut buf: Vec<u64> = epserve_core::mem::zeroed_vec((256usize << 20) / 8);
+    let mut buf = epserve_core::mem::ZeroBuf::<u64>::zeroed((256usize << 20) / 8);
     for (i, x) in buf.iter_mut().enumerate() {
         *x = i as u64;
     }

@@ -465,7 +465,7 @@ pub fn run(args: &BenchMoeArgs) -> Result<()> {
     // Kept for the whole run: the bandwidth is measured again each round.
     let words = args.bw_mib.max(1) * (1 << 20) / 8;
     // On huge pages where the host allows them, as the packed experts are.
-    let mut buf: Vec<u64> = epserve_core::mem::zeroed_vec(words);
+    let mut buf = epserve_core::mem::ZeroBuf::<u64>::zeroed(words);
     for (i, x) in buf.iter_mut().enumerate() {
         *x = i as u64;
     }

@@ -3,7 +3,7 @@
 //! matrix, a down matrix, optional biases and the activation; each expert is
 //! bf16 or int8 on its own, so a placement may mix precisions.
 
-use bytemuck::{Pod, Zeroable};
+use bytemuck::Pod;
 
 use crate::config::Activation;
 use crate::error::{Error, Result};
@@ -12,6 +12,7 @@ use crate::kernels::layout::{
     i8_index, i8_padded_k, pack_bf16_panel, pack_i8_panel, quantize_row_i8,
 };
 use crate::loader::weights::I8Matrix;
+use crate::mem::ZeroBuf;
 use crate::moe::mlp::GatedMlp;
 use crate::tensor::{Weight, WeightSlice};
 use half::bf16;
@@ -20,34 +21,19 @@ use half::bf16;
 /// packing returns when a weight is not exactly representable in bf16.
 pub(crate) const NOT_BF16_EXACT: &str = "not bf16-exact";
 
-/// One cache line of bytes; backs [`AlignedBuf`].
-#[derive(Clone, Copy)]
-#[repr(C, align(64))]
-struct Line([u8; 64]);
-// SAFETY: `Line` is `repr(C)` around a byte array whose size (64) equals its
-// alignment, so it has no padding, and every bit pattern is valid.
-unsafe impl Zeroable for Line {}
-// SAFETY: as above; it is also `Copy` and `'static`.
-unsafe impl Pod for Line {}
-
-/// A 64-byte aligned buffer of `len` plain values (panels start on cache lines).
+/// A 64-byte aligned buffer of `len` plain values (panels start on cache
+/// lines); one of at least 2 MiB is on huge pages ([`crate::mem::ZeroBuf`]).
 #[derive(Clone)]
 pub struct AlignedBuf<T: Pod> {
-    lines: Vec<Line>,
-    len: usize,
-    _t: std::marker::PhantomData<T>,
+    buf: ZeroBuf<T>,
 }
 
 impl<T: Pod> AlignedBuf<T> {
-    /// `len` zero values, from zeroed memory (no writes: a large buffer is
-    /// fresh zero pages until first touched), marked for huge pages
-    /// ([`crate::mem`]).
+    /// `len` zero values, from fresh zero pages (no writes: a large buffer
+    /// is untouched until packed into).
     fn zeroed(len: usize) -> Self {
-        let bytes = len * std::mem::size_of::<T>();
         AlignedBuf {
-            lines: crate::mem::zeroed_vec(bytes.div_ceil(64)),
-            len,
-            _t: std::marker::PhantomData,
+            buf: ZeroBuf::zeroed(len),
         }
     }
 
@@ -56,11 +42,11 @@ impl<T: Pod> AlignedBuf<T> {
     /// else fresh zeroed memory. A reused buffer is zeroed again unless the
     /// caller overwrites every value (`overwritten`: no padding to keep zero).
     fn take_or_zeroed(len: usize, spare: &mut Vec<AlignedBuf<T>>, overwritten: bool) -> Self {
-        match spare.iter().position(|b| b.len == len) {
+        match spare.iter().position(|b| b.buf.len() == len) {
             Some(i) => {
                 let mut b = spare.swap_remove(i);
                 if !overwritten {
-                    b.lines.fill(Line([0; 64]));
+                    b.buf.fill(T::zeroed());
                 }
                 b
             }
@@ -69,18 +55,18 @@ impl<T: Pod> AlignedBuf<T> {
     }
 
     fn as_mut_slice(&mut self) -> &mut [T] {
-        &mut bytemuck::cast_slice_mut(&mut self.lines)[..self.len]
+        &mut self.buf
     }
 
     fn from_slice(v: &[T]) -> Self {
-        let mut b = Self::zeroed(v.len());
-        b.as_mut_slice().copy_from_slice(v);
-        b
+        AlignedBuf {
+            buf: ZeroBuf::from_slice(v),
+        }
     }
 
     /// The values.
     pub fn as_slice(&self) -> &[T] {
-        &bytemuck::cast_slice(&self.lines)[..self.len]
+        &self.buf
     }
 }
 
@@ -111,17 +97,17 @@ impl Spare {
     #[cfg(test)]
     pub(crate) fn scribble(&mut self) {
         for b in &mut self.bf16 {
-            b.lines.fill(Line([0x5a; 64]));
+            b.buf.fill(0x5a5a);
         }
         for b in &mut self.i8 {
-            b.lines.fill(Line([0x5a; 64]));
+            b.buf.fill(0x5a);
         }
     }
 
     /// Bytes held.
     pub fn bytes(&self) -> usize {
-        self.bf16.iter().map(|b| b.len * 2).sum::<usize>()
-            + self.i8.iter().map(|b| b.len).sum::<usize>()
+        self.bf16.iter().map(|b| b.buf.len() * 2).sum::<usize>()
+            + self.i8.iter().map(|b| b.buf.len()).sum::<usize>()
     }
 }
 
@@ -408,14 +394,10 @@ impl PackedMatrix {
 
     /// Address and length in bytes of the element buffer (mlock).
     pub fn element_buffer(&self) -> (*const u8, usize) {
-        let lines = match &self.data {
-            PackedData::Bf16(d) => &d.lines,
-            PackedData::I8 { data, .. } => &data.lines,
-        };
-        (
-            lines.as_ptr().cast(),
-            std::mem::size_of_val(lines.as_slice()),
-        )
+        match &self.data {
+            PackedData::Bf16(d) => (d.as_slice().as_ptr().cast(), d.as_slice().len() * 2),
+            PackedData::I8 { data, .. } => (data.as_slice().as_ptr().cast(), data.as_slice().len()),
+        }
     }
 
     /// Bytes a full pass over the matrix streams (elements and scales).

@@ -21,6 +21,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use crate::error::{Error, Result};
 use crate::kernels::attention::KvRows;
 use crate::kernels::layout::f32_to_bf16_bits;
+use crate::mem::ZeroBuf;
 
 /// Element type of the cached keys and values.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -94,8 +95,8 @@ impl std::str::FromStr for KvCacheDtype {
 /// Cached elements as stored.
 #[derive(Debug, Clone)]
 pub enum KvData {
-    F32(Vec<f32>),
-    Bf16(Vec<u16>),
+    F32(ZeroBuf<f32>),
+    Bf16(ZeroBuf<u16>),
 }
 
 impl KvData {
@@ -103,8 +104,8 @@ impl KvData {
     /// long context streams the whole cache ([`crate::mem`]).
     fn zeros(dtype: KvDtype, n: usize) -> Self {
         match dtype {
-            KvDtype::F32 => KvData::F32(crate::mem::zeroed_vec(n)),
-            KvDtype::Bf16 => KvData::Bf16(crate::mem::zeroed_vec(n)),
+            KvDtype::F32 => KvData::F32(ZeroBuf::zeroed(n)),
+            KvDtype::Bf16 => KvData::Bf16(ZeroBuf::zeroed(n)),
         }
     }
     /// The elements, for the attention kernels.
