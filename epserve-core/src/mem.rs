@@ -7,12 +7,14 @@
 //! stop at every 4 KiB boundary. Most Linux hosts run transparent huge pages
 //! in `madvise` mode (the kernel default of many distributions, and this
 //! project's machines), where only memory marked with `MADV_HUGEPAGE` gets
-//! 2 MiB pages. [`advise`] marks the whole 2 MiB pages inside a fresh
-//! allocation before it is first touched, so its faults map huge pages.
+//! 2 MiB pages. A [`ZeroBuf`] of at least [`HUGE_PAGE`] bytes is its own
+//! anonymous mapping, marked before it is first touched, so its faults map
+//! huge pages.
 //!
-//! `EPSERVE_HUGEPAGES=0` turns it off (read once); it is a no-op where THP
-//! is `never`, off Linux, and for buffers too small to hold a whole 2 MiB
-//! page. Memory use does not change: only pages inside the buffer are marked.
+//! `EPSERVE_HUGEPAGES=0` turns it off (read once: buffers are then heap
+//! allocations, as before); the mark is a no-op where THP is `never` and
+//! off Linux. Memory use does not change: a huge page is only used where a
+//! whole aligned 2 MiB range lies inside the buffer.
 
 use std::sync::OnceLock;
 
@@ -20,7 +22,7 @@ use std::sync::OnceLock;
 /// with 4 KiB base pages).
 pub const HUGE_PAGE: usize = 2 << 20;
 
-/// Whether [`advise`] marks anything (`EPSERVE_HUGEPAGES` is not `0`/`off`).
+/// Whether large [`ZeroBuf`]s are marked mappings (`EPSERVE_HUGEPAGES` is not `0`/`off`).
 pub fn enabled() -> bool {
     static ON: OnceLock<bool> = OnceLock::new();
     *ON.get_or_init(|| {
@@ -29,36 +31,6 @@ pub fn enabled() -> bool {
             Ok("0" | "off" | "false" | "no")
         )
     })
-}
-
-/// The whole huge pages inside `len` bytes at address `addr`: `(start, len)`,
-/// `len == 0` when there is none.
-pub fn huge_range(addr: usize, len: usize) -> (usize, usize) {
-    let start = addr.next_multiple_of(HUGE_PAGE);
-    let end = (addr + len) / HUGE_PAGE * HUGE_PAGE;
-    if end > start {
-        (start, end - start)
-    } else {
-        (start, 0)
-    }
-}
-
-/// Asks the kernel to back the whole 2 MiB pages inside `buf` with huge
-/// pages (a hint: failures are ignored, the contents are untouched). Only
-/// pages not yet touched fault in as huge pages (on touched memory the kernel
-/// may collapse them later); [`ZeroBuf`] calls it on fresh mappings.
-pub fn advise<T>(buf: &[T]) {
-    let (start, len) = huge_range(buf.as_ptr() as usize, std::mem::size_of_val(buf));
-    if len == 0 || !enabled() {
-        return;
-    }
-    #[cfg(target_os = "linux")]
-    // SAFETY: `start..start + len` lies inside `buf`'s allocation and is
-    // page-aligned; MADV_HUGEPAGE changes how the range is backed, never its
-    // contents or mapping, so no Rust reference is invalidated.
-    unsafe {
-        libc::madvise(start as *mut libc::c_void, len, libc::MADV_HUGEPAGE);
-    }
 }
 
 /// One cache line of bytes: the storage unit of a small [`ZeroBuf`].
@@ -100,7 +72,13 @@ impl<T: bytemuck::Pod> ZeroBuf<T> {
         let storage =
             match (bytes >= HUGE_PAGE && enabled()).then(|| memmap2::MmapMut::map_anon(bytes)) {
                 Some(Ok(map)) => {
-                    advise(&map[..]);
+                    // The whole mapping, so the kernel keeps it one VMA (a
+                    // range inside would split it in three: a process
+                    // holding tens of thousands of experts would near
+                    // `vm.max_map_count`). Huge pages back the aligned 2 MiB
+                    // ranges inside it; a hint: without THP nothing changes.
+                    #[cfg(target_os = "linux")]
+                    let _ = map.advise(memmap2::Advice::HugePage);
                     Storage::Map(map)
                 }
                 _ => Storage::Heap(bytemuck::zeroed_vec(bytes.div_ceil(64))),
@@ -169,15 +147,6 @@ impl<T: bytemuck::Pod> std::fmt::Debug for ZeroBuf<T> {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn the_range_is_the_whole_huge_pages_inside() {
-        assert_eq!(huge_range(0, HUGE_PAGE), (0, HUGE_PAGE));
-        assert_eq!(huge_range(1, HUGE_PAGE).1, 0);
-        assert_eq!(huge_range(4096, 3 * HUGE_PAGE), (HUGE_PAGE, 2 * HUGE_PAGE));
-        assert_eq!(huge_range(HUGE_PAGE - 64, 64).1, 0);
-        assert_eq!(huge_range(10, 100).1, 0);
-    }
 
     #[test]
     fn buffers_are_zeros_aligned_and_hold_what_is_written() {
