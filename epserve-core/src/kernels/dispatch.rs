@@ -445,6 +445,9 @@ impl Kernels {
             Tier::Avx512 | Tier::Avx512Vnni | Tier::Avx512Bf16 | Tier::Amx => unsafe {
                 super::x86::avx512::quantize_bf16_row_i8(row, f, q)
             },
+            #[cfg(target_arch = "x86_64")]
+            // SAFETY: the AVX2 tier requires AVX2 and FMA.
+            Tier::Avx2 => unsafe { super::x86::avx2::quantize_bf16_row_i8(row, f, q) },
             _ => super::layout::quantize_bf16_row_i8(row, f, q),
         }
     }
@@ -460,6 +463,9 @@ impl Kernels {
             Tier::Avx512 | Tier::Avx512Vnni | Tier::Avx512Bf16 | Tier::Amx => unsafe {
                 super::x86::avx512::transpose_pairs(rows, dst)
             },
+            #[cfg(target_arch = "x86_64")]
+            // SAFETY: the AVX2 tier requires AVX2; lengths checked.
+            Tier::Avx2 => unsafe { super::x86::avx2::transpose_pairs(rows, dst) },
             #[cfg(target_arch = "aarch64")]
             // SAFETY: every aarch64 tier requires NEON; lengths checked.
             Tier::Neon | Tier::NeonDot | Tier::NeonI8mm | Tier::NeonBf16 => unsafe {

@@ -229,3 +229,59 @@ pub unsafe fn fma_probe(iters: usize, seed: f32) -> f32 {
     unsafe { _mm256_storeu_ps(l.as_mut_ptr(), s) };
     l.iter().sum()
 }
+
+/// [`crate::kernels::layout::transpose_pairs`] on AVX2: the 16 × 16 block
+/// of 32-bit words (16 channels' next 16 pairs) as four 8 × 8 transposes
+/// (unpack 32, unpack 64, 128-bit lane permutes).
+///
+/// # Safety
+/// AVX2 must be available; every `rows[c]` holds at least 32 values and
+/// `dst` at least 256 words.
+#[target_feature(enable = "avx2")]
+pub unsafe fn transpose_pairs(rows: &[&[u16]; NR], dst: &mut [u32]) {
+    const _: () = assert!(NR == 16);
+    debug_assert!(rows.iter().all(|r| r.len() >= 32) && dst.len() >= 256);
+    // SAFETY: the caller guarantees the features and the extents.
+    unsafe {
+        for cg in 0..2 {
+            for wg in 0..2 {
+                // Words 8·wg.. of channels 8·cg..: r[i] is channel 8·cg + i.
+                let r: [__m256i; 8] = std::array::from_fn(|i| {
+                    _mm256_loadu_si256(rows[8 * cg + i].as_ptr().add(16 * wg) as *const __m256i)
+                });
+                // t[4i + j]: per 128-bit lane L, word 4L + j of channels
+                // 4i..4i + 4 (as the AVX-512 tier's first stage).
+                let mut t = [_mm256_setzero_si256(); 8];
+                for i in 0..2 {
+                    let (a, b, c, d) = (r[4 * i], r[4 * i + 1], r[4 * i + 2], r[4 * i + 3]);
+                    let (ab_lo, ab_hi) = (_mm256_unpacklo_epi32(a, b), _mm256_unpackhi_epi32(a, b));
+                    let (cd_lo, cd_hi) = (_mm256_unpacklo_epi32(c, d), _mm256_unpackhi_epi32(c, d));
+                    t[4 * i] = _mm256_unpacklo_epi64(ab_lo, cd_lo);
+                    t[4 * i + 1] = _mm256_unpackhi_epi64(ab_lo, cd_lo);
+                    t[4 * i + 2] = _mm256_unpacklo_epi64(ab_hi, cd_hi);
+                    t[4 * i + 3] = _mm256_unpackhi_epi64(ab_hi, cd_hi);
+                }
+                // Word 4L + j of the eight channels: lane L of t[j] (channels
+                // 0..4) and of t[4 + j] (4..8).
+                for j in 0..4 {
+                    let lo = _mm256_permute2x128_si256::<0x20>(t[j], t[4 + j]);
+                    let hi = _mm256_permute2x128_si256::<0x31>(t[j], t[4 + j]);
+                    let (q0, q1) = (8 * wg + j, 8 * wg + 4 + j);
+                    _mm256_storeu_si256(dst.as_mut_ptr().add(q0 * NR + 8 * cg) as *mut __m256i, lo);
+                    _mm256_storeu_si256(dst.as_mut_ptr().add(q1 * NR + 8 * cg) as *mut __m256i, hi);
+                }
+            }
+        }
+    }
+}
+
+/// [`crate::kernels::layout::quantize_bf16_row_i8`] compiled for AVX2 (the
+/// same code, vectorized 8 lanes wide: the same IEEE operations, the same
+/// bits).
+///
+/// # Safety
+/// AVX2 and FMA must be available.
+#[target_feature(enable = "avx2,fma")]
+pub unsafe fn quantize_bf16_row_i8(row: &[u16], f: &mut [f32], q: &mut [i8]) -> f32 {
+    crate::kernels::layout::quantize_bf16_row_i8(row, f, q)
+}
