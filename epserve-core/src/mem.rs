@@ -68,7 +68,10 @@ impl<T: bytemuck::Pod> ZeroBuf<T> {
     /// `len` zeros.
     pub fn zeroed(len: usize) -> Self {
         const { assert!(std::mem::align_of::<T>() <= 64) };
-        let bytes = len * std::mem::size_of::<T>();
+        // As `vec![0; len]`: a size past the address space is a bug upstream.
+        let bytes = len
+            .checked_mul(std::mem::size_of::<T>())
+            .expect("buffer size overflows usize");
         let storage =
             match (bytes >= HUGE_PAGE && enabled()).then(|| memmap2::MmapMut::map_anon(bytes)) {
                 Some(Ok(map)) => {
