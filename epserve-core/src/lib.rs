@@ -6,6 +6,7 @@
 //! - [`tensor`]: weights as the model reads them (mmapped or owned)
 //! - [`loader`]: safetensors, where each architecture keeps its tensors,
 //!   tokenizer and chat template, generation defaults
+//! - [`mem`]: huge pages for the large buffers (packed weights, KV cache)
 //! - [`kernels`]: linear, norms, activations; the MoE micro-kernels and their tiers
 //! - [`moe`]: the MoE contracts (`Routing`, the `Dispatcher` and
 //!   `ExpertExecutor` traits, `SKIP_SLOT`, `combine`, `top_k_indices`) and
@@ -15,7 +16,6 @@
 //! - [`model`]: attention, router / shared expert / MoE block, the decoder
 //! - [`sampling`]: logits → tokens
 //! - [`engine`], [`detok`]: the generate loop, streaming detokenization
-//! - [`mem`]: huge pages for the large buffers (packed weights, KV cache)
 //! - [`profile`]: per-phase time of forward passes (`epserve bench step`)
 //! - [`placement`], [`eplb`]: which worker holds which expert, and rebalancing it
 #![deny(clippy::print_stdout)]

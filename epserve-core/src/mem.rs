@@ -3,8 +3,8 @@
 //!
 //! A decode step reads hundreds of megabytes spread over 4 KiB pages: every
 //! page is a TLB entry, the second-level TLB holds a few thousand, so the
-//! stream takes a page walk every few kilobytes, and the hardware prefetchers
-//! stop at every 4 KiB boundary. Most Linux hosts run transparent huge pages
+//! stream takes a page walk every few kilobytes (under a hypervisor's nested
+//! paging a costly one). Most Linux hosts run transparent huge pages
 //! in `madvise` mode (the kernel default of many distributions, and this
 //! project's machines), where only memory marked with `MADV_HUGEPAGE` gets
 //! 2 MiB pages. A [`ZeroBuf`] of at least [`HUGE_PAGE`] bytes is its own
@@ -13,8 +13,9 @@
 //!
 //! `EPSERVE_HUGEPAGES=0` turns it off (read once: buffers are then heap
 //! allocations, as before); the mark is a no-op where THP is `never` and
-//! off Linux. Memory use does not change: a huge page is only used where a
-//! whole aligned 2 MiB range lies inside the buffer.
+//! off Linux. No buffer takes more memory than its size (a huge page is only
+//! used where a whole aligned 2 MiB range lies inside it), but a touched huge
+//! page is committed whole: a KV cache's resident size grows in 2 MiB steps.
 
 use std::sync::OnceLock;
 

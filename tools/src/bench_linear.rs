@@ -92,14 +92,21 @@ fn shapes(s: &str) -> Result<Vec<(usize, usize)>> {
         .collect()
 }
 
-/// Streaming read bandwidth of rayon's threads over 256 MiB, best of three,
-/// GB/s; on huge pages where the host allows them, as the weights and the
-/// KV cache are ([`epserve_core::mem`]).
-pub(crate) fn measure_bandwidth() -> f64 {
-    let mut buf = epserve_core::mem::ZeroBuf::<u64>::zeroed((256usize << 20) / 8);
+/// The `words` the bandwidth probes read (each its index, so none is a
+/// shared zero page), allocated as the weights and the KV cache are: on huge
+/// pages where the host allows them ([`epserve_core::mem`]).
+pub(crate) fn probe_buffer(words: usize) -> epserve_core::mem::ZeroBuf<u64> {
+    let mut buf = epserve_core::mem::ZeroBuf::<u64>::zeroed(words);
     for (i, x) in buf.iter_mut().enumerate() {
         *x = i as u64;
     }
+    buf
+}
+
+/// Streaming read bandwidth of rayon's threads over 256 MiB
+/// ([`probe_buffer`]), best of three, GB/s.
+pub(crate) fn measure_bandwidth() -> f64 {
+    let buf = probe_buffer((256usize << 20) / 8);
     let threads = rayon::current_num_threads().max(1);
     let per = buf.len().div_ceil(threads);
     let mut best = 0.0f64;

@@ -464,11 +464,7 @@ pub fn run(args: &BenchMoeArgs) -> Result<()> {
     let mut machine = Vec::new();
     // Kept for the whole run: the bandwidth is measured again each round.
     let words = args.bw_mib.max(1) * (1 << 20) / 8;
-    // On huge pages where the host allows them, as the packed experts are.
-    let mut buf = epserve_core::mem::ZeroBuf::<u64>::zeroed(words);
-    for (i, x) in buf.iter_mut().enumerate() {
-        *x = i as u64;
-    }
+    let buf = crate::bench_linear::probe_buffer(words);
     {
         log(format!(
             "measuring memory bandwidth ({} MiB buffer) and FMA peak...",
