@@ -265,7 +265,8 @@ pub struct EtcdTls {
 }
 
 impl Etcd {
-    /// Starts etcd and waits up to 20 s for its client port.
+    /// Starts etcd and waits for its client port (60 s; a start that fails
+    /// at once is retried on fresh ports).
     pub fn start() -> Etcd {
         Self::start_opt(None)
     }
@@ -284,20 +285,29 @@ impl Etcd {
                 .expect("free port")
                 .port()
         };
-        let (cport, pport) = (port(), port());
-        let dir =
-            std::env::temp_dir().join(format!("epserve-test-etcd-{}-{cport}", std::process::id()));
-        let addr = format!("127.0.0.1:{cport}");
-        let child = Self::spawn(&addr, pport, &dir, tls.as_ref());
-        let etcd = Etcd {
-            child,
-            addr,
-            peer_port: pport,
-            dir,
-            tls,
-        };
-        etcd.wait_ready();
-        etcd
+        // A port found free can be taken (by a parallel test's server or an
+        // outgoing connection) before etcd binds it; etcd then exits at once.
+        // Such a start is retried on fresh ports; a slow one is waited for.
+        let mut failures = Vec::new();
+        for _ in 0..4 {
+            let (cport, pport) = (port(), port());
+            let dir = std::env::temp_dir()
+                .join(format!("epserve-test-etcd-{}-{cport}", std::process::id()));
+            let addr = format!("127.0.0.1:{cport}");
+            let child = Self::spawn(&addr, pport, &dir, tls.as_ref());
+            let mut etcd = Etcd {
+                child,
+                addr,
+                peer_port: pport,
+                dir,
+                tls: tls.clone(),
+            };
+            match etcd.wait_ready() {
+                Ok(()) => return etcd,
+                Err(e) => failures.push(e),
+            }
+        }
+        panic!("etcd did not start: {}", failures.join("; "))
     }
 
     fn spawn(addr: &str, pport: u16, dir: &std::path::Path, tls: Option<&EtcdTls>) -> Child {
@@ -312,6 +322,11 @@ impl Etcd {
                 .arg(&t.ca)
                 .arg("--client-cert-auth");
         }
+        // etcd's errors go to a file beside its data dir, quoted when a
+        // start fails.
+        let log = std::fs::File::create(Self::log_path(dir))
+            .map(Stdio::from)
+            .unwrap_or_else(|_| Stdio::null());
         cmd.args(["--name", "t", "--data-dir"])
             .arg(dir)
             .args([
@@ -329,15 +344,40 @@ impl Etcd {
                 "error",
             ])
             .stdout(Stdio::null())
-            .stderr(Stdio::null())
+            .stderr(log)
             .spawn()
             .expect("start etcd")
     }
 
-    fn wait_ready(&self) {
-        let deadline = std::time::Instant::now() + Duration::from_secs(20);
-        while std::net::TcpStream::connect(&self.addr).is_err() {
-            assert!(std::time::Instant::now() < deadline, "etcd did not start");
+    fn log_path(dir: &std::path::Path) -> PathBuf {
+        let mut name = dir.as_os_str().to_owned();
+        name.push(".log");
+        PathBuf::from(name)
+    }
+
+    /// Waits up to 60 s for the client port. An etcd that exits first (a
+    /// port taken since it was found free) is an error carrying the end of
+    /// its log; one still silent at the deadline is killed and an error.
+    fn wait_ready(&mut self) -> Result<(), String> {
+        let deadline = std::time::Instant::now() + Duration::from_secs(60);
+        loop {
+            if std::net::TcpStream::connect(&self.addr).is_ok() {
+                return Ok(());
+            }
+            let log = |dir: &std::path::Path| {
+                let text = std::fs::read_to_string(Self::log_path(dir)).unwrap_or_default();
+                let tail: Vec<&str> = text.lines().rev().take(3).collect();
+                tail.into_iter().rev().collect::<Vec<_>>().join(" | ")
+            };
+            if let Ok(Some(status)) = self.child.try_wait() {
+                let log = log(&self.dir);
+                return Err(format!("etcd on {} exited ({status}): {log}", self.addr));
+            }
+            if std::time::Instant::now() >= deadline {
+                self.kill();
+                let log = log(&self.dir);
+                return Err(format!("etcd on {} silent for 60 s: {log}", self.addr));
+            }
             std::thread::sleep(Duration::from_millis(50));
         }
     }
@@ -353,8 +393,18 @@ impl Etcd {
     pub fn restart_after(&mut self, down: Duration) {
         self.kill();
         std::thread::sleep(down);
-        self.child = Self::spawn(&self.addr, self.peer_port, &self.dir, self.tls.as_ref());
-        self.wait_ready();
+        // The same ports are wanted (workers hold this address); one taken
+        // meanwhile is waited out rather than moved.
+        let mut failures = Vec::new();
+        for _ in 0..4 {
+            self.child = Self::spawn(&self.addr, self.peer_port, &self.dir, self.tls.as_ref());
+            match self.wait_ready() {
+                Ok(()) => return,
+                Err(e) => failures.push(e),
+            }
+            std::thread::sleep(Duration::from_millis(500));
+        }
+        panic!("etcd did not restart: {}", failures.join("; "))
     }
 }
 
@@ -362,5 +412,49 @@ impl Drop for Etcd {
     fn drop(&mut self) {
         self.kill();
         let _ = std::fs::remove_dir_all(&self.dir);
+        let _ = std::fs::remove_file(Self::log_path(&self.dir));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// An etcd whose client port is taken exits at once; the wait reports
+    /// that with etcd's own words instead of timing out.
+    #[test]
+    fn a_taken_port_fails_fast_with_etcds_reason() {
+        if !etcd_available() {
+            return;
+        }
+        let held = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+        let addr = held.local_addr().expect("addr").to_string();
+        let port = || {
+            std::net::TcpListener::bind("127.0.0.1:0")
+                .and_then(|l| l.local_addr())
+                .expect("port")
+                .port()
+        };
+        let (pport, idle) = (port(), port());
+        let dir =
+            std::env::temp_dir().join(format!("epserve-test-etcd-taken-{}", std::process::id()));
+        let child = Etcd::spawn(&addr, pport, &dir, None);
+        let mut etcd = Etcd {
+            child,
+            // Connecting to `addr` would reach the holder, so wait on a port
+            // nobody serves: only etcd's exit can end the wait early.
+            addr: format!("127.0.0.1:{idle}"),
+            peer_port: pport,
+            dir,
+            tls: None,
+        };
+        let started = std::time::Instant::now();
+        let err = etcd
+            .wait_ready()
+            .expect_err("etcd cannot serve a taken port");
+        eprintln!("{err}");
+        assert!(err.contains("exited"), "{err}");
+        assert!(started.elapsed() < Duration::from_secs(30), "{err}");
+        drop(held);
     }
 }

@@ -309,6 +309,15 @@ impl Proc {
     }
 
     /// Marks this run ready.
+    /// Kills it (SIGKILL) and reaps it, for a start abandoned before it
+    /// was ready.
+    fn stop_now(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+
     fn set_ready(&mut self) {
         self.ready = true;
         self.ever_ready = true;
@@ -749,51 +758,73 @@ pub fn run(args: &UpArgs) -> Result<()> {
             let etcd_bin = which("etcd").context(
                 "`etcd` is not installed (Debian: apt-get install etcd-server); or pass --etcd HOST:PORT",
             )?;
-            let (cport, pport) = (free_port()?, free_port()?);
-            let dir = std::env::temp_dir().join(format!("epserve-etcd-{}", std::process::id()));
-            kids.tmp.push(dir.clone());
-            let mut etcd_args = os_args(["--name", "epserve-up", "--data-dir"]);
-            etcd_args.push(dir.clone().into_os_string());
-            // --secure: TLS for etcd's clients, who must show a certificate
-            // from the CA (the peer URL stays on loopback, one member).
-            let scheme = match &ca {
-                Some(ca) => {
-                    let server = ca.write_leaf(&tls_dir, "etcd", &["127.0.0.1", "localhost"])?;
-                    for (flag, path) in [
-                        ("--cert-file", &server.tls_cert),
-                        ("--key-file", &server.tls_key),
-                        ("--trusted-ca-file", &server.tls_ca),
-                    ] {
-                        etcd_args.push(flag.into());
-                        etcd_args.extend(path.clone().map(Into::into));
+            // Ports found free can be taken (by another process's server or
+            // an outgoing connection) before etcd binds them; etcd then exits
+            // at once, and is started again on fresh ports.
+            let mut attempt = 0;
+            let (addr, dir) = loop {
+                attempt += 1;
+                let (cport, pport) = (free_port()?, free_port()?);
+                let dir = std::env::temp_dir()
+                    .join(format!("epserve-etcd-{}-{attempt}", std::process::id()));
+                kids.tmp.push(dir.clone());
+                let mut etcd_args = os_args(["--name", "epserve-up", "--data-dir"]);
+                etcd_args.push(dir.clone().into_os_string());
+                // --secure: TLS for etcd's clients, who must show a certificate
+                // from the CA (the peer URL stays on loopback, one member).
+                let scheme = match &ca {
+                    Some(ca) => {
+                        let server =
+                            ca.write_leaf(&tls_dir, "etcd", &["127.0.0.1", "localhost"])?;
+                        for (flag, path) in [
+                            ("--cert-file", &server.tls_cert),
+                            ("--key-file", &server.tls_key),
+                            ("--trusted-ca-file", &server.tls_ca),
+                        ] {
+                            etcd_args.push(flag.into());
+                            etcd_args.extend(path.clone().map(Into::into));
+                        }
+                        etcd_args.push("--client-cert-auth".into());
+                        "https"
                     }
-                    etcd_args.push("--client-cert-auth".into());
-                    "https"
+                    None => "http",
+                };
+                etcd_args.extend(os_args([
+                    "--listen-client-urls".to_string(),
+                    format!("{scheme}://127.0.0.1:{cport}"),
+                    "--advertise-client-urls".to_string(),
+                    format!("{scheme}://127.0.0.1:{cport}"),
+                    "--listen-peer-urls".to_string(),
+                    format!("http://127.0.0.1:{pport}"),
+                    "--initial-advertise-peer-urls".to_string(),
+                    format!("http://127.0.0.1:{pport}"),
+                    "--initial-cluster".to_string(),
+                    format!("epserve-up=http://127.0.0.1:{pport}"),
+                    "--log-level".to_string(),
+                    "error".to_string(),
+                ]));
+                let mut p = Proc::new("etcd", Role::Etcd, &etcd_bin, etcd_args);
+                p.spawn(&tx).context("cannot start etcd")?;
+                kids.list.push(p);
+                let Some(p) = kids.list.last_mut() else {
+                    bail!("etcd was not recorded");
+                };
+                let addr = format!("127.0.0.1:{cport}");
+                match wait_listening(&addr, Duration::from_secs(60), p) {
+                    Ok(()) => {
+                        p.set_ready();
+                        break (addr, dir);
+                    }
+                    Err(e) => {
+                        p.stop_now();
+                        kids.list.pop();
+                        if attempt >= 3 {
+                            return Err(e.context("etcd did not start"));
+                        }
+                        eprintln!("epserve up: etcd did not start ({e:#}); trying other ports");
+                    }
                 }
-                None => "http",
             };
-            etcd_args.extend(os_args([
-                "--listen-client-urls".to_string(),
-                format!("{scheme}://127.0.0.1:{cport}"),
-                "--advertise-client-urls".to_string(),
-                format!("{scheme}://127.0.0.1:{cport}"),
-                "--listen-peer-urls".to_string(),
-                format!("http://127.0.0.1:{pport}"),
-                "--initial-advertise-peer-urls".to_string(),
-                format!("http://127.0.0.1:{pport}"),
-                "--initial-cluster".to_string(),
-                format!("epserve-up=http://127.0.0.1:{pport}"),
-                "--log-level".to_string(),
-                "error".to_string(),
-            ]));
-            let mut p = Proc::new("etcd", Role::Etcd, &etcd_bin, etcd_args);
-            p.spawn(&tx).context("cannot start etcd")?;
-            kids.list.push(p);
-            let addr = format!("127.0.0.1:{cport}");
-            wait_tcp(&addr, Duration::from_secs(20)).context("etcd did not start")?;
-            if let Some(p) = kids.list.last_mut() {
-                p.set_ready();
-            }
             println!("epserve up: etcd at {addr} (data in {})", dir.display());
             addr
         }
@@ -998,15 +1029,20 @@ fn wait_signal(flag: Arc<AtomicBool>) {
     flag.store(true, Ordering::Relaxed);
 }
 
-fn wait_tcp(addr: &str, limit: Duration) -> Result<()> {
+/// Waits up to `limit` for `addr` to accept connections while `p` runs; its
+/// exit ends the wait with an error.
+fn wait_listening(addr: &str, limit: Duration, p: &mut Proc) -> Result<()> {
     let deadline = Instant::now() + limit;
     while Instant::now() < deadline {
         if std::net::TcpStream::connect(addr).is_ok() {
             return Ok(());
         }
+        if let Some(Ok(Some(status))) = p.child.as_mut().map(|c| c.try_wait()) {
+            bail!("{} exited ({status}) before listening on {addr}", p.name);
+        }
         std::thread::sleep(Duration::from_millis(50));
     }
-    bail!("nothing listens on {addr}")
+    bail!("nothing listens on {addr} after {} s", limit.as_secs())
 }
 
 fn which(name: &str) -> Option<PathBuf> {
