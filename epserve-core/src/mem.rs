@@ -34,6 +34,54 @@ pub fn enabled() -> bool {
     })
 }
 
+/// Most bytes glibc's `malloc` serves from its arenas rather than a fresh
+/// mapping ([`tune_malloc`]): its own ceiling for the threshold.
+pub const MALLOC_MMAP_THRESHOLD: usize = 32 << 20;
+/// Free memory at the top of a `malloc` arena kept for reuse before it is
+/// returned to the kernel ([`tune_malloc`]).
+pub const MALLOC_TRIM_THRESHOLD: usize = 512 << 20;
+
+/// Keeps a step's transient buffers (activations, q/k/v, expert inputs and
+/// outputs: megabytes each at prefill) mapped from one step to the next.
+///
+/// By default glibc serves every allocation above 128 KiB (a threshold that
+/// only adapts upwards after such a buffer is freed, and per arena trims
+/// freed memory back to the kernel), so each prefill step mapped its buffers
+/// afresh and paid a page fault and a zeroed page per 4 KiB: about a tenth of
+/// a 2048-token prefill step on the bench model. This raises the mapping
+/// threshold to [`MALLOC_MMAP_THRESHOLD`] and keeps up to
+/// [`MALLOC_TRIM_THRESHOLD`] of freed arena memory, so the buffers are reused
+/// (the weights and the KV cache are [`ZeroBuf`] mappings, not affected).
+/// Skipped when `EPSERVE_MALLOC_TUNING` is `0`/`off` or `GLIBC_TUNABLES` sets
+/// any `glibc.malloc` tunable (the operator's choice wins); a no-op off glibc.
+/// Returns whether it applied. Call once at start, before worker threads.
+pub fn tune_malloc() -> bool {
+    if matches!(
+        std::env::var("EPSERVE_MALLOC_TUNING").as_deref(),
+        Ok("0" | "off" | "false" | "no")
+    ) || std::env::var("GLIBC_TUNABLES").is_ok_and(|t| t.contains("glibc.malloc."))
+    {
+        return false;
+    }
+    apply_malloc_tuning()
+}
+
+#[cfg(all(target_os = "linux", target_env = "gnu"))]
+fn apply_malloc_tuning() -> bool {
+    let int = |v: usize| libc::c_int::try_from(v).unwrap_or(libc::c_int::MAX);
+    // SAFETY: mallopt only sets glibc's allocator parameters (it takes the
+    // arenas' locks itself); any value is valid to pass.
+    unsafe {
+        libc::mallopt(libc::M_MMAP_THRESHOLD, int(MALLOC_MMAP_THRESHOLD)) == 1
+            && libc::mallopt(libc::M_TRIM_THRESHOLD, int(MALLOC_TRIM_THRESHOLD)) == 1
+    }
+}
+
+#[cfg(not(all(target_os = "linux", target_env = "gnu")))]
+fn apply_malloc_tuning() -> bool {
+    false
+}
+
 /// One cache line of bytes: the storage unit of a small [`ZeroBuf`].
 #[derive(Clone, Copy)]
 #[repr(C, align(64))]
@@ -150,6 +198,40 @@ impl<T: bytemuck::Pod> std::fmt::Debug for ZeroBuf<T> {
 
 #[cfg(test)]
 mod tests {
+    /// A freed 16 MiB buffer is reused by the next one of its size without
+    /// a page fault per page (untuned glibc maps it afresh: 4096 faults).
+    #[cfg(all(target_os = "linux", target_env = "gnu"))]
+    #[test]
+    fn tuned_malloc_reuses_a_freed_step_buffer_without_faults() {
+        assert!(super::apply_malloc_tuning());
+        // Faults of this thread only: other tests run beside it.
+        let faults = || {
+            // SAFETY: getrusage writes the zeroed struct we own.
+            unsafe {
+                let mut u: libc::rusage = std::mem::zeroed();
+                libc::getrusage(libc::RUSAGE_THREAD, &mut u);
+                u.ru_minflt
+            }
+        };
+        let n = (16 << 20) / 4;
+        let pages = (n * 4 / 4096) as libc::c_long;
+        let touch = |v: &mut Vec<f32>| {
+            for x in v.iter_mut().step_by(1024) {
+                *x = 1.0;
+            }
+            std::hint::black_box(v.as_ptr());
+        };
+        let mut a = vec![0.0f32; n];
+        touch(&mut a);
+        drop(a);
+        let before = faults();
+        let mut b = vec![0.0f32; n];
+        touch(&mut b);
+        let again = faults() - before;
+        eprintln!("{again} page faults touching a reused 16 MiB buffer ({pages} pages)");
+        assert!(again < pages / 4, "{again} faults of {pages} pages");
+    }
+
     use super::*;
 
     #[test]

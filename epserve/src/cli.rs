@@ -11,6 +11,9 @@ use epserve_cluster::runtime::Status;
 /// one-line error and exit 1 on failure. (A function so that test crates can
 /// build a binary with the same behaviour.)
 pub fn main() {
+    // Before any thread starts: a step's large transient buffers stay
+    // mapped between steps (see mem::tune_malloc).
+    epserve_core::mem::tune_malloc();
     // Spans (step, layer, dispatch, RPC handlers, loads) log their busy and
     // idle time when they close, so `EPSERVE_LOG=debug` shows where a step's
     // time goes.
