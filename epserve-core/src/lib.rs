@@ -6,7 +6,8 @@
 //! - [`tensor`]: weights as the model reads them (mmapped or owned)
 //! - [`loader`]: safetensors, where each architecture keeps its tensors,
 //!   tokenizer and chat template, generation defaults
-//! - [`mem`]: huge pages for the large buffers (packed weights, KV cache)
+//! - [`mem`]: huge pages for the large buffers (packed weights, KV cache),
+//!   glibc malloc tuned for a step's transient buffers
 //! - [`kernels`]: linear, norms, activations; the MoE micro-kernels and their tiers
 //! - [`moe`]: the MoE contracts (`Routing`, the `Dispatcher` and
 //!   `ExpertExecutor` traits, `SKIP_SLOT`, `combine`, `top_k_indices`) and

@@ -1,5 +1,7 @@
 //! Huge pages for the large buffers a forward pass streams: packed weights
-//! (experts, dense linears, the LM head) and the KV cache.
+//! (experts, dense linears, the LM head) and the KV cache; and
+//! [`tune_malloc`], which keeps a step's transient buffers mapped between
+//! steps.
 //!
 //! A decode step reads hundreds of megabytes spread over 4 KiB pages: every
 //! page is a TLB entry, the second-level TLB holds a few thousand, so the
@@ -198,12 +200,14 @@ impl<T: bytemuck::Pod> std::fmt::Debug for ZeroBuf<T> {
 
 #[cfg(test)]
 mod tests {
+    use super::*;
+
     /// A freed 16 MiB buffer is reused by the next one of its size without
     /// a page fault per page (untuned glibc maps it afresh: 4096 faults).
     #[cfg(all(target_os = "linux", target_env = "gnu"))]
     #[test]
     fn tuned_malloc_reuses_a_freed_step_buffer_without_faults() {
-        assert!(super::apply_malloc_tuning());
+        assert!(apply_malloc_tuning());
         // Faults of this thread only: other tests run beside it.
         let faults = || {
             // SAFETY: getrusage writes the zeroed struct we own.
@@ -231,8 +235,6 @@ mod tests {
         eprintln!("{again} page faults touching a reused 16 MiB buffer ({pages} pages)");
         assert!(again < pages / 4, "{again} faults of {pages} pages");
     }
-
-    use super::*;
 
     #[test]
     fn buffers_are_zeros_aligned_and_hold_what_is_written() {

@@ -243,6 +243,15 @@ pub fn etcd_available() -> bool {
     found
 }
 
+/// A loopback port free at the time of asking (the caller binds it later:
+/// another process may take it first).
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .expect("free port")
+        .port()
+}
+
 /// A lone etcd on free loopback ports with a temporary data dir, for tests
 /// that stop or restart it under running workers; killed and its dir
 /// removed on drop.
@@ -279,18 +288,12 @@ impl Etcd {
     }
 
     fn start_opt(tls: Option<EtcdTls>) -> Etcd {
-        let port = || {
-            std::net::TcpListener::bind("127.0.0.1:0")
-                .and_then(|l| l.local_addr())
-                .expect("free port")
-                .port()
-        };
         // A port found free can be taken (by a parallel test's server or an
         // outgoing connection) before etcd binds it; etcd then exits at once.
         // Such a start is retried on fresh ports; a slow one is waited for.
         let mut failures = Vec::new();
         for _ in 0..4 {
-            let (cport, pport) = (port(), port());
+            let (cport, pport) = (free_port(), free_port());
             let dir = std::env::temp_dir()
                 .join(format!("epserve-test-etcd-{}-{cport}", std::process::id()));
             let addr = format!("127.0.0.1:{cport}");
@@ -355,6 +358,13 @@ impl Etcd {
         PathBuf::from(name)
     }
 
+    /// The last three lines etcd logged, joined.
+    fn log_tail(&self) -> String {
+        let text = std::fs::read_to_string(Self::log_path(&self.dir)).unwrap_or_default();
+        let tail: Vec<&str> = text.lines().rev().take(3).collect();
+        tail.into_iter().rev().collect::<Vec<_>>().join(" | ")
+    }
+
     /// Waits up to 60 s for the client port. An etcd that exits first (a
     /// port taken since it was found free) is an error carrying the end of
     /// its log; one still silent at the deadline is killed and an error.
@@ -364,18 +374,13 @@ impl Etcd {
             if std::net::TcpStream::connect(&self.addr).is_ok() {
                 return Ok(());
             }
-            let log = |dir: &std::path::Path| {
-                let text = std::fs::read_to_string(Self::log_path(dir)).unwrap_or_default();
-                let tail: Vec<&str> = text.lines().rev().take(3).collect();
-                tail.into_iter().rev().collect::<Vec<_>>().join(" | ")
-            };
             if let Ok(Some(status)) = self.child.try_wait() {
-                let log = log(&self.dir);
+                let log = self.log_tail();
                 return Err(format!("etcd on {} exited ({status}): {log}", self.addr));
             }
             if std::time::Instant::now() >= deadline {
                 self.kill();
-                let log = log(&self.dir);
+                let log = self.log_tail();
                 return Err(format!("etcd on {} silent for 60 s: {log}", self.addr));
             }
             std::thread::sleep(Duration::from_millis(50));
@@ -429,13 +434,7 @@ mod tests {
         }
         let held = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
         let addr = held.local_addr().expect("addr").to_string();
-        let port = || {
-            std::net::TcpListener::bind("127.0.0.1:0")
-                .and_then(|l| l.local_addr())
-                .expect("port")
-                .port()
-        };
-        let (pport, idle) = (port(), port());
+        let (pport, idle) = (free_port(), free_port());
         let dir =
             std::env::temp_dir().join(format!("epserve-test-etcd-taken-{}", std::process::id()));
         let child = Etcd::spawn(&addr, pport, &dir, None);

@@ -308,7 +308,6 @@ impl Proc {
         Ok(())
     }
 
-    /// Marks this run ready.
     /// Kills it (SIGKILL) and reaps it, for a start abandoned before it
     /// was ready.
     fn stop_now(&mut self) {
@@ -318,6 +317,7 @@ impl Proc {
         }
     }
 
+    /// Marks this run ready.
     fn set_ready(&mut self) {
         self.ready = true;
         self.ever_ready = true;
@@ -761,6 +761,25 @@ pub fn run(args: &UpArgs) -> Result<()> {
             // Ports found free can be taken (by another process's server or
             // an outgoing connection) before etcd binds them; etcd then exits
             // at once, and is started again on fresh ports.
+            // --secure: TLS for etcd's clients, who must show a certificate
+            // from the CA (the peer URL stays on loopback, one member).
+            let mut tls_args: Vec<OsString> = Vec::new();
+            let scheme = match &ca {
+                Some(ca) => {
+                    let server = ca.write_leaf(&tls_dir, "etcd", &["127.0.0.1", "localhost"])?;
+                    for (flag, path) in [
+                        ("--cert-file", &server.tls_cert),
+                        ("--key-file", &server.tls_key),
+                        ("--trusted-ca-file", &server.tls_ca),
+                    ] {
+                        tls_args.push(flag.into());
+                        tls_args.extend(path.clone().map(Into::into));
+                    }
+                    tls_args.push("--client-cert-auth".into());
+                    "https"
+                }
+                None => "http",
+            };
             let mut attempt = 0;
             let (addr, dir) = loop {
                 attempt += 1;
@@ -770,25 +789,7 @@ pub fn run(args: &UpArgs) -> Result<()> {
                 kids.tmp.push(dir.clone());
                 let mut etcd_args = os_args(["--name", "epserve-up", "--data-dir"]);
                 etcd_args.push(dir.clone().into_os_string());
-                // --secure: TLS for etcd's clients, who must show a certificate
-                // from the CA (the peer URL stays on loopback, one member).
-                let scheme = match &ca {
-                    Some(ca) => {
-                        let server =
-                            ca.write_leaf(&tls_dir, "etcd", &["127.0.0.1", "localhost"])?;
-                        for (flag, path) in [
-                            ("--cert-file", &server.tls_cert),
-                            ("--key-file", &server.tls_key),
-                            ("--trusted-ca-file", &server.tls_ca),
-                        ] {
-                            etcd_args.push(flag.into());
-                            etcd_args.extend(path.clone().map(Into::into));
-                        }
-                        etcd_args.push("--client-cert-auth".into());
-                        "https"
-                    }
-                    None => "http",
-                };
+                etcd_args.extend(tls_args.iter().cloned());
                 etcd_args.extend(os_args([
                     "--listen-client-urls".to_string(),
                     format!("{scheme}://127.0.0.1:{cport}"),
