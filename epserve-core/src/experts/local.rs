@@ -169,6 +169,43 @@ impl LocalDispatcher {
     }
 }
 
+/// Most bytes of per-slot outputs a thread keeps for its next
+/// [`execute_combined`]. Below 32 MiB the allocator reuses freed memory by
+/// itself ([`crate::mem::tune_malloc`]); above, every call would map a fresh
+/// buffer and fault it in a zeroed page at a time (a 2048-token prefill step
+/// of a top-8, hidden-2048 model needs 128 MiB: about 6 % of its experts'
+/// time went to those faults).
+const KEPT_SLOT_BYTES: usize = 512 << 20;
+
+thread_local! {
+    /// The per-slot output buffer of this thread's last
+    /// [`execute_combined`], reused by its next.
+    static SLOTS: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
+}
+
+/// This thread's per-slot output buffer, `len` floats long. Only the slots
+/// of `topk_ids` marked [`SKIP_SLOT`] are zeroed: an [`ExpertExecutor`]
+/// overwrites every other slot, so the rest may hold the last call's values
+/// (zeroing them all would cost about as much as the faults it saves).
+fn slot_buffer(len: usize, topk_ids: &[u32], hidden: usize) -> Vec<f32> {
+    let mut out = SLOTS.with_borrow_mut(std::mem::take);
+    if out.len() >= len {
+        out.truncate(len);
+    } else {
+        out.resize(len, 0.0);
+    }
+    for (slot, _) in topk_ids
+        .iter()
+        .enumerate()
+        .filter(|(_, id)| **id == SKIP_SLOT)
+    {
+        if let Some(s) = out.get_mut(slot * hidden..(slot + 1) * hidden) {
+            s.fill(0.0);
+        }
+    }
+    out
+}
+
 /// Runs `routing`'s experts of `layer` on `x` in this process: per-slot
 /// outputs, then [`combine`] in slot order (one vector per token).
 pub fn execute_combined(
@@ -179,7 +216,12 @@ pub fn execute_combined(
     routing: &Routing,
 ) -> Result<Vec<f32>> {
     let rows = routing.num_tokens;
-    let mut out = vec![0.0f32; rows * routing.top_k * hidden];
+    let len = rows * routing.top_k * hidden;
+    let mut out = slot_buffer(
+        len,
+        &routing.topk_ids[..(rows * routing.top_k).min(routing.topk_ids.len())],
+        hidden,
+    );
     {
         let _t = profile::timer(Phase::Experts);
         executor.execute(
@@ -194,6 +236,9 @@ pub fn execute_combined(
     let _t = profile::timer(Phase::Combine);
     let mut y = vec![0.0f32; rows * hidden];
     combine(&out, rows, routing.top_k, hidden, &mut y);
+    if out.capacity() * std::mem::size_of::<f32>() <= KEPT_SLOT_BYTES {
+        SLOTS.with_borrow_mut(|s| *s = out);
+    }
     Ok(y)
 }
 

@@ -881,3 +881,56 @@ fn pack_timing() {
         );
     }
 }
+
+/// [`execute_combined`] reuses its per-slot buffer across calls on a thread
+/// without zeroing it: a call with skipped slots after one that filled every
+/// slot must still combine exactly what fresh zeroed memory gives.
+#[test]
+fn combined_outputs_do_not_leak_between_calls() {
+    let mut rng = StdRng::seed_from_u64(41);
+    let c = Case {
+        hidden: 24,
+        inter: 16,
+        experts: 6,
+        top_k: 2,
+    };
+    let ms = mlps(&mut rng, &c);
+    let ex = portable(&ms, c.hidden);
+    let fresh = |x: &[f32], ids: &[u32], w: &[f32], rows: usize| {
+        let mut out = vec![0.0f32; ids.len() * c.hidden];
+        ex.execute(1, x, ids, w, c.top_k, &mut out)
+            .expect("execute");
+        let mut y = vec![0.0f32; rows * c.hidden];
+        crate::moe::combine(&out, rows, c.top_k, c.hidden, &mut y);
+        y
+    };
+    // Largest first (every slot written), then fewer rows with skipped
+    // slots, then more rows again (the buffer grows), all skipped.
+    for (rows, skip_every) in [(9, 0), (5, 2), (7, 3), (11, 1)] {
+        let x: Vec<f32> = (0..rows * c.hidden)
+            .map(|_| rng.random_range(-1.0f32..1.0))
+            .collect();
+        let mut ids = Vec::new();
+        let mut w = Vec::new();
+        for s in 0..rows * c.top_k {
+            ids.push(if skip_every > 0 && s % skip_every == 0 {
+                SKIP_SLOT
+            } else {
+                1 + (s % (c.experts - 1)) as u32
+            });
+            w.push(rng.random_range(0.1f32..1.0));
+        }
+        let routing = crate::moe::Routing {
+            num_tokens: rows,
+            top_k: c.top_k,
+            topk_ids: ids.clone(),
+            topk_weights: w.clone(),
+        };
+        let got = execute_combined(&ex, 1, &x, c.hidden, &routing).expect("combined");
+        assert_eq!(
+            got,
+            fresh(&x, &ids, &w, rows),
+            "rows {rows}, skip every {skip_every}"
+        );
+    }
+}
