@@ -223,6 +223,74 @@ pub fn log_softmax(logits: &[f32]) -> Vec<f32> {
     logits.iter().map(|l| l - lse).collect()
 }
 
+/// Higher logit (or probability) first; ties to the lower token id.
+fn best_first(a: &(u32, f32), b: &(u32, f32)) -> std::cmp::Ordering {
+    b.1.total_cmp(&a.1).then(a.0.cmp(&b.0))
+}
+
+/// Below this many undecided candidates top-p sorts them; above, it halves
+/// them by a selection.
+const TOP_P_SORT: usize = 64;
+
+/// Keeps the fewest best candidates (by [`best_first`], so ties go to the
+/// lower id) whose probabilities sum to at least `top_p`, in no set order.
+/// A weighted quickselect, linear in the candidates: it never sorts the
+/// vocabulary (a random model's near-flat distribution, or a high
+/// temperature, needs most of it to reach `top_p`).
+fn keep_top_p(cand: &mut Vec<(u32, f32)>, top_p: f32) {
+    // `cand[..lo]` is kept, `cand[hi..]` dropped, `need` the mass still to reach.
+    let (mut lo, mut hi, mut need) = (0, cand.len(), top_p);
+    while hi - lo > TOP_P_SORT {
+        let mid = (hi - lo) / 2;
+        cand[lo..hi].select_nth_unstable_by(mid, best_first);
+        let mass: f32 = cand[lo..=lo + mid].iter().map(|c| c.1).sum();
+        if mass >= need {
+            hi = lo + mid + 1;
+        } else {
+            need -= mass;
+            lo += mid + 1;
+        }
+    }
+    cand[lo..hi].sort_unstable_by(best_first);
+    let mut acc = 0.0f32;
+    for i in lo..hi {
+        acc += cand[i].1;
+        if acc >= need {
+            cand.truncate(i + 1);
+            return;
+        }
+    }
+    cand.truncate(hi);
+}
+
+/// Top-k, softmax, top-p and min-p on non-empty `(token, logit /
+/// temperature)` candidates: leaves the survivors with their probabilities
+/// (in no set order).
+fn keep_candidates(cand: &mut Vec<(u32, f32)>, p: &SamplingParams) {
+    if p.top_k > 0 && p.top_k < cand.len() {
+        cand.select_nth_unstable_by(p.top_k - 1, best_first);
+        cand.truncate(p.top_k);
+    }
+    // Softmax over the survivors.
+    let m = cand.iter().map(|c| c.1).fold(f32::NEG_INFINITY, f32::max);
+    let mut sum = 0.0f32;
+    for c in cand.iter_mut() {
+        c.1 = (c.1 - m).exp();
+        sum += c.1;
+    }
+    for c in cand.iter_mut() {
+        c.1 /= sum;
+    }
+    if p.top_p < 1.0 {
+        keep_top_p(cand, p.top_p);
+    }
+    if p.min_p > 0.0 {
+        let best = cand.iter().map(|c| c.1).fold(0.0f32, f32::max);
+        let thresh = p.min_p * best;
+        cand.retain(|c| c.1 >= thresh);
+    }
+}
+
 impl Sampler {
     /// A sampler seeded from `params.seed`, or from the OS if none is given.
     pub fn new(params: SamplingParams) -> Self {
@@ -272,7 +340,9 @@ impl Sampler {
         if p.is_greedy() {
             return argmax(logits);
         }
-        // Temperature, then a sorted candidate list.
+        // Temperature, then the candidates top-k, top-p and min-p keep, with
+        // their probabilities, found by selection: a full sort of a 150k
+        // vocabulary costs milliseconds per token.
         let cand = &mut self.scratch;
         cand.clear();
         cand.extend(
@@ -285,36 +355,7 @@ impl Sampler {
         if cand.is_empty() {
             return argmax(logits);
         }
-        cand.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
-        if p.top_k > 0 && p.top_k < cand.len() {
-            cand.truncate(p.top_k);
-        }
-        // Softmax over the survivors.
-        let m = cand[0].1;
-        let mut sum = 0.0f32;
-        for c in cand.iter_mut() {
-            c.1 = (c.1 - m).exp();
-            sum += c.1;
-        }
-        for c in cand.iter_mut() {
-            c.1 /= sum;
-        }
-        if p.top_p < 1.0 {
-            let mut acc = 0.0f32;
-            let mut keep = cand.len();
-            for (i, c) in cand.iter().enumerate() {
-                acc += c.1;
-                if acc >= p.top_p {
-                    keep = i + 1;
-                    break;
-                }
-            }
-            cand.truncate(keep.max(1));
-        }
-        if p.min_p > 0.0 {
-            let thresh = p.min_p * cand[0].1;
-            cand.retain(|c| c.1 >= thresh);
-        }
+        keep_candidates(cand, p);
         let total: f32 = cand.iter().map(|c| c.1).sum();
         let mut r = self.rng.random::<f32>() * total;
         for c in cand.iter() {
@@ -377,6 +418,94 @@ mod tests {
         for _ in 0..50 {
             let t = s.sample(&mut logits.clone(), &[], &[]);
             assert!(t == 1 || t == 3, "{t}");
+        }
+    }
+
+    /// The kept candidates and probabilities, against a reference that sorts
+    /// every candidate first: top-k, top-p (reached inside the sorted prefix
+    /// and past it) and min-p, on a vocabulary larger than the prefix.
+    #[test]
+    fn selection_keeps_what_a_full_sort_keeps() {
+        use rand::Rng;
+        let reference = |logits: &[f32], p: &SamplingParams| {
+            let mut c: Vec<(u32, f32)> = logits
+                .iter()
+                .enumerate()
+                .map(|(i, l)| (i as u32, l / p.temperature))
+                .collect();
+            c.sort_by(best_first);
+            if p.top_k > 0 && p.top_k < c.len() {
+                c.truncate(p.top_k);
+            }
+            let m = c[0].1;
+            let sum: f32 = c.iter().map(|x| (x.1 - m).exp()).sum();
+            for x in c.iter_mut() {
+                x.1 = (x.1 - m).exp() / sum;
+            }
+            if p.top_p < 1.0 {
+                let mut acc = 0.0;
+                let keep = c
+                    .iter()
+                    .position(|x| {
+                        acc += x.1;
+                        acc >= p.top_p
+                    })
+                    .map_or(c.len(), |i| i + 1);
+                c.truncate(keep);
+            }
+            if p.min_p > 0.0 {
+                let t = p.min_p * c[0].1;
+                c.retain(|x| x.1 >= t);
+            }
+            c
+        };
+        let mut rng = StdRng::seed_from_u64(5);
+        let mut cases = vec![
+            (5000, 8.0, 0, 1.0, 0.0),
+            (5000, 8.0, 0, 0.5, 0.0),
+            (5000, 0.5, 0, 0.95, 0.0),
+            (5000, 0.01, 0, 0.999, 0.0),
+            (5000, 3.0, 50, 0.9, 0.0),
+            (5000, 3.0, 3000, 0.99, 0.0),
+            (5000, 2.0, 0, 1.0, 0.05),
+            (5000, 2.0, 40, 0.8, 0.1),
+        ];
+        // Many top-p on smaller vocabularies, so that the boundary often
+        // falls on a selection's pivot.
+        for _ in 0..400 {
+            let top_p = rng.random_range(0.05f32..0.999);
+            cases.push((rng.random_range(65..600), 1.0, 0, top_p, 0.0));
+        }
+        for (vocab, spread, top_k, top_p, min_p) in cases {
+            let mut logits: Vec<f32> = (0..vocab)
+                .map(|_| rng.random_range(-spread..spread))
+                .collect();
+            // Ties, to check they go to the lower id.
+            logits[17] = logits[vocab - 3];
+            let p = params(|p| {
+                p.temperature = 0.7;
+                p.top_k = top_k;
+                p.top_p = top_p;
+                p.min_p = min_p;
+            });
+            let mut got: Vec<(u32, f32)> = logits
+                .iter()
+                .enumerate()
+                .map(|(i, l)| (i as u32, l / p.temperature))
+                .collect();
+            keep_candidates(&mut got, &p);
+            got.sort_by_key(|x| x.0);
+            let mut want = reference(&logits, &p);
+            want.sort_by_key(|x| x.0);
+            let ids = |v: &[(u32, f32)]| v.iter().map(|x| x.0).collect::<Vec<_>>();
+            assert_eq!(
+                ids(&got),
+                ids(&want),
+                "vocab {vocab} spread {spread} top_k {top_k} top_p {top_p} min_p {min_p}"
+            );
+            for (g, w) in got.iter().zip(&want) {
+                assert!((g.1 - w.1).abs() <= 1e-6 * (1.0 + w.1), "{g:?} vs {w:?}");
+            }
         }
     }
 
