@@ -395,8 +395,15 @@ impl PackedExperts {
             items,
             ..
         } = wsp;
-        hbuf.clear();
-        hbuf.resize(total * inter, 0.0);
+        // Every row of a held expert is written whole by the gate/up phase
+        // (its panels cover all `inter` columns) before anything reads it,
+        // and rows of experts not held here are never read: no zeroing (a
+        // 2048-token step's buffer is tens of MiB per layer).
+        if hbuf.len() < total * inter {
+            hbuf.resize(total * inter, 0.0);
+        } else {
+            hbuf.truncate(total * inter);
+        }
 
         self.pool.install(|| -> Result<()> {
             // 2. Per-token activation quantization (once per token, shared by
