@@ -13,7 +13,9 @@ use anyhow::{Result, bail};
 use epserve_cluster::runtime::Status as StatusLines;
 use epserve_cluster::state::{Rebalance, desired_experts, desired_int8};
 use epserve_core::config::ModelConfig;
-use epserve_core::experts::{ExpertDtype, LoadOptions, TieredExperts, load_executor_shared};
+use epserve_core::experts::{
+    ExpertDtype, LoadOptions, SlotOutputs, TieredExperts, load_executor_shared,
+};
 use epserve_core::loader::weights::WeightStore;
 use epserve_core::moe::{ExpertExecutor, QuantizedRows, Rows, SKIP_SLOT, combine};
 use epserve_core::placement::Placement;
@@ -401,7 +403,9 @@ impl ExpertService for ExpertWorker {
             let _span = tracing::debug_span!(parent: &parent, "execute").entered();
             let queued = arrived.elapsed();
             let t0 = Instant::now();
-            let mut out = vec![0.0f32; rows * k * hidden];
+            // Reused per blocking thread; only skipped slots are zeroed.
+            let slots = (rows * k).min(r.topk_ids.len());
+            let mut out = SlotOutputs::new(&r.topk_ids[..slots], hidden);
             let rows_in = Rows {
                 f32: &x.values,
                 int8: x.int8.as_ref().map(|q| QuantizedRows {

@@ -148,9 +148,26 @@ impl Up {
                 }
             }
         });
-        let (url, etcd, etcd_data_dir, admin) = rx
-            .recv_timeout(Duration::from_secs(120))
-            .expect("cluster ready");
+        let (url, etcd, etcd_data_dir, admin) = match rx.recv_timeout(Duration::from_secs(120)) {
+            Ok(ready) => ready,
+            Err(e) => {
+                // Say why: up's exit status and its own lines (its workers'
+                // logs went to this test's stderr).
+                let status = child.try_wait();
+                let lines = log
+                    .lock()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .lines
+                    .iter()
+                    .map(|(_, l)| l.clone())
+                    .collect::<Vec<_>>()
+                    .join("\n");
+                let _ = child.kill();
+                panic!(
+                    "epserve up {args:?} was not ready ({e}; exit status {status:?}); its lines:\n{lines}"
+                );
+            }
+        };
         Up {
             child,
             url,

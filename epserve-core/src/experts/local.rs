@@ -170,7 +170,7 @@ impl LocalDispatcher {
 }
 
 /// Most bytes of per-slot outputs a thread keeps for its next
-/// [`execute_combined`]. Below 32 MiB the allocator reuses freed memory by
+/// [`SlotOutputs`]. Below 32 MiB the allocator reuses freed memory by
 /// itself ([`crate::mem::tune_malloc`]); above, every call would map a fresh
 /// buffer and fault it in a zeroed page at a time (a 2048-token prefill step
 /// of a top-8, hidden-2048 model needs 128 MiB: about 6 % of its experts'
@@ -178,32 +178,71 @@ impl LocalDispatcher {
 const KEPT_SLOT_BYTES: usize = 512 << 20;
 
 thread_local! {
-    /// The per-slot output buffer of this thread's last
-    /// [`execute_combined`], reused by its next.
+    /// The buffer of this thread's last [`SlotOutputs`], reused by its next.
     static SLOTS: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
 }
 
-/// This thread's per-slot output buffer, `len` floats long. Only the slots
-/// of `topk_ids` marked [`SKIP_SLOT`] are zeroed: an [`ExpertExecutor`]
-/// overwrites every other slot, so the rest may hold the last call's values
-/// (zeroing them all would cost about as much as the faults it saves).
-fn slot_buffer(len: usize, topk_ids: &[u32], hidden: usize) -> Vec<f32> {
-    let mut out = SLOTS.with_borrow_mut(std::mem::take);
-    if out.len() >= len {
-        out.truncate(len);
-    } else {
-        out.resize(len, 0.0);
+/// The `[rows, top_k, hidden]` per-slot output buffer an
+/// [`ExpertExecutor::execute`] writes, reused per thread: only the slots of
+/// `topk_ids` marked [`SKIP_SLOT`] are zeroed (an executor overwrites every
+/// other slot, so the rest may hold an earlier call's values; zeroing them
+/// all would cost about as much as the faults it saves). Dropping it hands
+/// the buffer back to its thread (up to 512 MiB).
+pub struct SlotOutputs(Vec<f32>);
+
+impl SlotOutputs {
+    /// A buffer of `topk_ids.len() * hidden` floats for these slots.
+    pub fn new(topk_ids: &[u32], hidden: usize) -> Self {
+        let len = topk_ids.len() * hidden;
+        let mut out = SLOTS
+            .try_with(|s| s.try_borrow_mut().map(|mut s| std::mem::take(&mut *s)))
+            .ok()
+            .and_then(|r| r.ok())
+            .unwrap_or_default();
+        if out.len() >= len {
+            out.truncate(len);
+        } else {
+            out.resize(len, 0.0);
+        }
+        for (slot, _) in topk_ids
+            .iter()
+            .enumerate()
+            .filter(|(_, id)| **id == SKIP_SLOT)
+        {
+            out[slot * hidden..(slot + 1) * hidden].fill(0.0);
+        }
+        SlotOutputs(out)
     }
-    for (slot, _) in topk_ids
-        .iter()
-        .enumerate()
-        .filter(|(_, id)| **id == SKIP_SLOT)
-    {
-        if let Some(s) = out.get_mut(slot * hidden..(slot + 1) * hidden) {
-            s.fill(0.0);
+}
+
+impl std::ops::Deref for SlotOutputs {
+    type Target = [f32];
+    fn deref(&self) -> &[f32] {
+        &self.0
+    }
+}
+
+impl std::ops::DerefMut for SlotOutputs {
+    fn deref_mut(&mut self) -> &mut [f32] {
+        &mut self.0
+    }
+}
+
+impl Drop for SlotOutputs {
+    fn drop(&mut self) {
+        let v = std::mem::take(&mut self.0);
+        if v.capacity() * std::mem::size_of::<f32>() <= KEPT_SLOT_BYTES {
+            // A thread being torn down, or a second buffer alive on it,
+            // simply frees this one.
+            let _ = SLOTS.try_with(|s| {
+                if let Ok(mut s) = s.try_borrow_mut()
+                    && s.capacity() < v.capacity()
+                {
+                    *s = v;
+                }
+            });
         }
     }
-    out
 }
 
 /// Runs `routing`'s experts of `layer` on `x` in this process: per-slot
@@ -216,12 +255,8 @@ pub fn execute_combined(
     routing: &Routing,
 ) -> Result<Vec<f32>> {
     let rows = routing.num_tokens;
-    let len = rows * routing.top_k * hidden;
-    let mut out = slot_buffer(
-        len,
-        &routing.topk_ids[..(rows * routing.top_k).min(routing.topk_ids.len())],
-        hidden,
-    );
+    let slots = (rows * routing.top_k).min(routing.topk_ids.len());
+    let mut out = SlotOutputs::new(&routing.topk_ids[..slots], hidden);
     {
         let _t = profile::timer(Phase::Experts);
         executor.execute(
@@ -236,9 +271,6 @@ pub fn execute_combined(
     let _t = profile::timer(Phase::Combine);
     let mut y = vec![0.0f32; rows * hidden];
     combine(&out, rows, routing.top_k, hidden, &mut y);
-    if out.capacity() * std::mem::size_of::<f32>() <= KEPT_SLOT_BYTES {
-        SLOTS.with_borrow_mut(|s| *s = out);
-    }
     Ok(y)
 }
 

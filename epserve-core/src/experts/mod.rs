@@ -35,7 +35,7 @@ use crate::loader::weights::WeightStore;
 use crate::moe::ExpertExecutor;
 
 pub use executor::PackedExperts;
-pub use local::{LayerExperts, LocalDispatcher, LocalExperts, execute_combined};
+pub use local::{LayerExperts, LocalDispatcher, LocalExperts, SlotOutputs, execute_combined};
 pub use packed::{PackedExpert, PackedMatrix};
 pub use pool::ExpertPool;
 pub use tiered::{Tier, TierOptions, TierSnapshot, TieredExperts};
