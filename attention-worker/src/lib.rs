@@ -65,7 +65,8 @@ pub struct AttentionWorkerArgs {
     /// Number of shards N (the coordinator's --attention-workers).
     #[arg(long)]
     pub of: usize,
-    /// Address the gRPC server binds.
+    /// Address the gRPC server binds; port 0 takes a free port (the bound
+    /// one is advertised and printed).
     #[arg(long, default_value = "0.0.0.0:50061")]
     pub listen: SocketAddr,
     /// KV cache of this shard's heads, e.g. `2GiB`, `512MiB`, bytes.
@@ -132,14 +133,15 @@ pub fn run(args: &AttentionWorkerArgs, status: Status) -> Result<()> {
     drop(ws);
     progress.finish();
     let id = w.id_or(|| format!("attention-{}-of-{}", args.shard, args.of));
-    let advertise = w.advertise(args.listen);
     let stats = loaded.stats();
     let rt = io_runtime()?;
     rt.block_on(async move {
+        // Bound first, so `--listen` port 0 advertises the port it got.
+        let (incoming, bound) = bind_grpc(args.listen).await?;
+        let advertise = w.advertise(bound);
         let store = w.connect_etcd().await?;
         let state = ClusterState::new(Arc::new(store), &w.cluster);
         let worker = Arc::new(AttentionWorker::new(id.clone(), loaded));
-        let incoming = bind_grpc(args.listen).await?;
         let info = WorkerInfo {
             id: id.clone(),
             role: "attention".into(),

@@ -32,7 +32,8 @@ pub use service::{EXPERT_SERVICE_NAME, ExpertWorker, Loaded, MAX_DISPATCH_SLOTS,
 pub struct ExpertWorkerArgs {
     #[command(flatten)]
     pub worker: WorkerArgs,
-    /// Address the gRPC server binds.
+    /// Address the gRPC server binds; port 0 takes a free port (the bound
+    /// one is advertised and printed).
     #[arg(long, default_value = "0.0.0.0:50051")]
     pub listen: SocketAddr,
     /// Expert precision: auto (bf16 when exact), bf16, int8 (W8A8).
@@ -71,8 +72,6 @@ pub fn run(args: &ExpertWorkerArgs, status: Status) -> Result<()> {
     let cores = w.pin_cores()?;
     let cfg = ModelConfig::from_dir(&w.model)?;
     let ws = Arc::new(WeightStore::open(&w.model)?);
-    let id = w.id_or(|| format!("expert-{}-{}", hostname(), args.listen.port()));
-    let advertise = w.advertise(args.listen);
     let opts = LoadOptions {
         expert_dtype: args.expert_dtype,
         threads: Some(cores.len()),
@@ -82,12 +81,15 @@ pub fn run(args: &ExpertWorkerArgs, status: Status) -> Result<()> {
     };
     let rt = io_runtime()?;
     rt.block_on(async move {
+        // Bound first, so `--listen` port 0 advertises the port it got.
+        let (incoming, bound) = bind_grpc(args.listen).await?;
+        let id = w.id_or(|| format!("expert-{}-{}", hostname(), bound.port()));
+        let advertise = w.advertise(bound);
         let store = w.connect_etcd().await?;
         let state = ClusterState::new(Arc::new(store), &w.cluster);
         let worker =
             Arc::new(ExpertWorker::new(id.clone(), cfg, ws, opts).with_status(status.clone()));
         let health = worker.health_service().await;
-        let incoming = bind_grpc(args.listen).await?;
         let mut signals = Signals::new()?;
         // Follow the placement and any live rebalance: load what is
         // assigned to us, and report ready for a rebalance once loaded.

@@ -1057,16 +1057,26 @@ impl Worker {
             }
         });
         let mut w = Worker { role, child, lines };
-        w.wait_line("serving", Duration::from_secs(60));
+        let serving = w.wait_line("serving", Duration::from_secs(60));
+        // `--listen 127.0.0.1:0`: the port bound is the one advertised.
+        let port = serving
+            .split_once("at 127.0.0.1:")
+            .and_then(|(_, r)| {
+                r.split(|c: char| !c.is_ascii_digit())
+                    .next()
+                    .and_then(|p| p.parse::<u16>().ok())
+            })
+            .unwrap_or(0);
+        assert_ne!(port, 0, "{role} advertised no bound port: {serving}");
         w
     }
 
-    fn wait_line(&mut self, what: &str, limit: Duration) {
+    fn wait_line(&mut self, what: &str, limit: Duration) -> String {
         let deadline = Instant::now() + limit;
         loop {
             let left = deadline.saturating_duration_since(Instant::now());
             match self.lines.recv_timeout(left) {
-                Ok(line) if line.contains(what) => return,
+                Ok(line) if line.contains(what) => return line,
                 Ok(_) => {}
                 Err(_) => panic!("no '{what}' from the {} within {limit:?}", self.role),
             }

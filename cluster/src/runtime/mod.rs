@@ -384,13 +384,22 @@ pub fn hostname() -> String {
         .unwrap_or_else(|| "localhost".into())
 }
 
-/// Binds `listen` for a gRPC server, with TCP_NODELAY on accepted
+/// Binds `listen` for a gRPC server (and says the address bound: port 0
+/// takes a free one), with TCP_NODELAY on accepted
 /// connections (small unary calls otherwise wait ~40 ms for Nagle).
-pub async fn bind_grpc(listen: SocketAddr) -> Result<tonic::transport::server::TcpIncoming> {
+pub async fn bind_grpc(
+    listen: SocketAddr,
+) -> Result<(tonic::transport::server::TcpIncoming, SocketAddr)> {
     let listener = tokio::net::TcpListener::bind(listen)
         .await
         .with_context(|| format!("cannot listen on {listen}"))?;
-    Ok(tonic::transport::server::TcpIncoming::from(listener).with_nodelay(Some(true)))
+    let bound = listener
+        .local_addr()
+        .with_context(|| format!("the address bound for {listen}"))?;
+    Ok((
+        tonic::transport::server::TcpIncoming::from(listener).with_nodelay(Some(true)),
+        bound,
+    ))
 }
 
 /// Connects to etcd at `endpoints`, retrying for at most `timeout_secs`.
