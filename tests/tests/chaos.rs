@@ -899,14 +899,6 @@ fn c_etcd_unreachable_for_10_s() {
     });
 }
 
-/// A free loopback port (bound, then released).
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .map(|a| a.port())
-        .expect("a free port")
-}
-
 /// `args` of an expert-worker with its `--id` and `--listen` replaced.
 fn as_new_worker(args: &[String], id: &str, listen: &str) -> Vec<String> {
     let mut out = args.to_vec();
@@ -936,11 +928,7 @@ fn g_scale_out_and_in_under_load() {
         );
         tokio::time::sleep(WARM).await;
         let id = "expert-new";
-        let args = as_new_worker(
-            &cmdline(ctx.workers[0].pid),
-            id,
-            &format!("127.0.0.1:{}", free_port()),
-        );
+        let args = as_new_worker(&cmdline(ctx.workers[0].pid), id, "127.0.0.1:0");
         let fault = Instant::now();
         let mut joined = Proc(
             Command::new(env!("CARGO_BIN_EXE_epserve-it"))

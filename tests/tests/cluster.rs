@@ -876,10 +876,6 @@ async fn restarted_attention_worker_is_followed() {
     while pid_alive(old.pid) && Instant::now() < deadline {
         std::thread::sleep(Duration::from_millis(100));
     }
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .expect("free port")
-        .port();
     /// Stops the restarted worker however the test ends.
     struct Kill(Child);
     impl Drop for Kill {
@@ -894,7 +890,7 @@ async fn restarted_attention_worker_is_followed() {
             .arg(&dir)
             .args(["--etcd", &up.etcd, "--cluster", &cluster, "--id", &old.id])
             .args(["--shard", "1", "--of", "2", "--kv-cache-memory", "1GiB"])
-            .args(["--listen", &format!("127.0.0.1:{port}")])
+            .args(["--listen", "127.0.0.1:0"])
             .stdout(Stdio::null())
             .spawn()
             .expect("restart the attention-worker"),

@@ -442,10 +442,6 @@ async fn a_worker_restarted_mid_rebalance_loads_both_sets_and_it_completes() {
     assert_eq!(state["state"], "loading", "{state}");
     // Restart expert-0 (same id, a new port): it reads the active rebalance,
     // loads its old and new experts, and reports ready.
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .expect("free port")
-        .port();
     let _restarted = Proc(
         Command::new(env!("CARGO_BIN_EXE_epserve-it"))
             .arg("expert-worker")
@@ -459,7 +455,7 @@ async fn a_worker_restarted_mid_rebalance_loads_both_sets_and_it_completes() {
                 "--id",
                 "expert-0",
             ])
-            .args(["--listen", &format!("127.0.0.1:{port}")])
+            .args(["--listen", "127.0.0.1:0"])
             .stdout(Stdio::null())
             .spawn()
             .expect("restart expert-0"),
@@ -537,17 +533,13 @@ async fn a_killed_worker_without_replicas_is_replaced_by_the_survivors_after_its
 
     // It restarts with the same id (a new port): it gets a share back.
     let cluster = up.cluster_name().await;
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .expect("free port")
-        .port();
     let _restarted = Proc(
         Command::new(env!("CARGO_BIN_EXE_epserve-it"))
             .arg("expert-worker")
             .arg("--model")
             .arg(fixture_dir("olmoe").join("f32"))
             .args(["--etcd", &up.etcd, "--cluster", &cluster, "--id", gone])
-            .args(["--listen", &format!("127.0.0.1:{port}")])
+            .args(["--listen", "127.0.0.1:0"])
             .stdout(Stdio::null())
             .spawn()
             .expect("restart the worker"),
