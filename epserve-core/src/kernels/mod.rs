@@ -90,16 +90,51 @@ pub fn linear(x: &[f32], rows: usize, w: &Weight, bias: Option<&[f32]>, out: &mu
     }
 }
 
-/// RMSNorm over each `dim`-sized row: `x / sqrt(mean(x²) + eps) * w`.
+/// Below this many values a row-wise pass stays on the calling thread.
+const PAR_ROWS_MIN: usize = 1 << 16;
+
+/// RMSNorm over each `dim`-sized row: `x / sqrt(mean(x²) + eps) * w`. Rows
+/// run in parallel when there are many values; each row's result depends
+/// only on the row.
 pub fn rms_norm(x: &mut [f32], w: &[f32], eps: f32) {
     let dim = w.len();
-    for row in x.chunks_mut(dim) {
-        let ms = row.iter().map(|v| v * v).sum::<f32>() / dim as f32;
+    if dim == 0 {
+        return;
+    }
+    let norm = |row: &mut [f32]| {
+        let ms = sum_squares(row) / dim as f32;
         let inv = 1.0 / (ms + eps).sqrt();
         for (v, g) in row.iter_mut().zip(w) {
             *v = g * (*v * inv);
         }
+    };
+    if x.len() >= PAR_ROWS_MIN && x.len() > dim {
+        x.par_chunks_mut(dim).for_each(norm);
+    } else {
+        x.chunks_mut(dim).for_each(norm);
     }
+}
+
+/// `Σ v²` in 16 independent lanes added pairwise at the end (one sequential
+/// chain of dependent adds cost a latency per value), so the order depends
+/// only on the length.
+fn sum_squares(v: &[f32]) -> f32 {
+    let mut acc = [0.0f32; 16];
+    let mut chunks = v.chunks_exact(16);
+    for c in &mut chunks {
+        for (a, x) in acc.iter_mut().zip(c) {
+            *a += x * x;
+        }
+    }
+    let tail: f32 = chunks.remainder().iter().map(|x| x * x).sum();
+    let mut n = 16;
+    while n > 1 {
+        n /= 2;
+        for i in 0..n {
+            acc[i] += acc[i + n];
+        }
+    }
+    acc[0] + tail
 }
 
 /// Numerically stable softmax in place.
@@ -212,6 +247,35 @@ pub(crate) fn row_ptrs<T, const N: usize>(x: &[&[T]]) -> [*const T; N] {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Rows normalized in parallel (a prefill-sized batch) give the bits of
+    /// each row normalized alone, and match the formula in f64.
+    #[test]
+    fn rms_norm_rows_do_not_depend_on_the_batch() {
+        let dim = 2048 + 5;
+        let rows = 40;
+        let w: Vec<f32> = (0..dim).map(|i| 0.5 + (i % 7) as f32 * 0.1).collect();
+        let x: Vec<f32> = (0..rows * dim)
+            .map(|i| ((i * 2654435761usize) % 1000) as f32 / 250.0 - 2.0)
+            .collect();
+        let mut all = x.clone();
+        rms_norm(&mut all, &w, 1e-6);
+        for (r, got) in all.chunks(dim).enumerate() {
+            let mut one = x[r * dim..(r + 1) * dim].to_vec();
+            rms_norm(&mut one, &w, 1e-6);
+            assert_eq!(got, &one[..], "row {r}");
+            let src = &x[r * dim..(r + 1) * dim];
+            let ms = src.iter().map(|&v| (v as f64) * (v as f64)).sum::<f64>() / dim as f64;
+            let inv = 1.0 / (ms + 1e-6).sqrt();
+            for ((g, &v), &wv) in got.iter().zip(src).zip(&w) {
+                let want = wv as f64 * v as f64 * inv;
+                assert!(
+                    (*g as f64 - want).abs() <= 1e-5 * (1.0 + want.abs()),
+                    "{g} vs {want}"
+                );
+            }
+        }
+    }
 
     #[test]
     fn linear_matches_naive() {

@@ -255,8 +255,11 @@ pub struct RowFault {
 
 /// `y[t] = Σ_k slot_out[t, k]` (weights already applied), in slot order.
 pub fn combine(slot_out: &[f32], rows: usize, top_k: usize, hidden: usize, y: &mut [f32]) {
-    for t in 0..rows {
-        let dst = &mut y[t * hidden..(t + 1) * hidden];
+    use rayon::prelude::*;
+    if hidden == 0 {
+        return;
+    }
+    let token = |(t, dst): (usize, &mut [f32])| {
         dst.fill(0.0);
         for s in 0..top_k {
             let src = &slot_out[(t * top_k + s) * hidden..(t * top_k + s + 1) * hidden];
@@ -264,12 +267,41 @@ pub fn combine(slot_out: &[f32], rows: usize, top_k: usize, hidden: usize, y: &m
                 *d += v;
             }
         }
+    };
+    let y = &mut y[..rows * hidden];
+    // Tokens in parallel when there is much to read (a prefill step's
+    // per-slot outputs are hundreds of MiB); each token's sum keeps slot order.
+    if rows > 1 && rows * top_k * hidden >= 1 << 18 {
+        y.par_chunks_mut(hidden).enumerate().for_each(token);
+    } else {
+        y.chunks_mut(hidden).enumerate().for_each(token);
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Tokens combined in parallel (many tokens) give the bits of each token
+    /// combined alone, summed in slot order.
+    #[test]
+    fn combine_tokens_do_not_depend_on_the_batch() {
+        let (rows, k, h) = (300, 4, 257);
+        let slots: Vec<f32> = (0..rows * k * h)
+            .map(|i| ((i * 40503) % 977) as f32 * 1e-3 - 0.3)
+            .collect();
+        let mut y = vec![f32::NAN; rows * h];
+        combine(&slots, rows, k, h, &mut y);
+        for t in 0..rows {
+            let mut one = vec![f32::NAN; h];
+            combine(&slots[t * k * h..(t + 1) * k * h], 1, k, h, &mut one);
+            assert_eq!(&y[t * h..(t + 1) * h], &one[..], "token {t}");
+            let want: f32 = (0..k)
+                .map(|s| slots[(t * k + s) * h])
+                .fold(0.0, |a, v| a + v);
+            assert_eq!(one[0], want);
+        }
+    }
 
     #[test]
     fn topk_orders_and_breaks_ties_low_first() {
