@@ -341,8 +341,8 @@ impl Sampler {
             return argmax(logits);
         }
         // Temperature, then the candidates top-k, top-p and min-p keep, with
-        // their probabilities, found by selection: a full sort of a 150k
-        // vocabulary costs milliseconds per token.
+        // their probabilities, found by selection (linear in the vocabulary;
+        // a full sort per token was n log n).
         let cand = &mut self.scratch;
         cand.clear();
         cand.extend(

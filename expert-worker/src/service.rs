@@ -403,9 +403,9 @@ impl ExpertService for ExpertWorker {
             let _span = tracing::debug_span!(parent: &parent, "execute").entered();
             let queued = arrived.elapsed();
             let t0 = Instant::now();
-            // Reused per blocking thread; only skipped slots are zeroed.
-            let slots = (rows * k).min(r.topk_ids.len());
-            let mut out = SlotOutputs::new(&r.topk_ids[..slots], hidden);
+            // Reused per blocking thread; only skipped slots are zeroed
+            // (`check_dispatch` made `topk_ids` rows x top_k long).
+            let mut out = SlotOutputs::new(&r.topk_ids, hidden);
             let rows_in = Rows {
                 f32: &x.values,
                 int8: x.int8.as_ref().map(|q| QuantizedRows {

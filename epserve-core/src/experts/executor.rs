@@ -397,13 +397,9 @@ impl PackedExperts {
         } = wsp;
         // Every row of a held expert is written whole by the gate/up phase
         // (its panels cover all `inter` columns) before anything reads it,
-        // and rows of experts not held here are never read: no zeroing (a
-        // 2048-token step's buffer is tens of MiB per layer).
-        if hbuf.len() < total * inter {
-            hbuf.resize(total * inter, 0.0);
-        } else {
-            hbuf.truncate(total * inter);
-        }
+        // and rows of experts not held here are never read: only growth is
+        // zeroed (a 2048-token step's buffer is tens of MiB per layer).
+        hbuf.resize(total * inter, 0.0);
 
         self.pool.install(|| -> Result<()> {
             // 2. Per-token activation quantization (once per token, shared by

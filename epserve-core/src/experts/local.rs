@@ -199,11 +199,8 @@ impl SlotOutputs {
             .ok()
             .and_then(|r| r.ok())
             .unwrap_or_default();
-        if out.len() >= len {
-            out.truncate(len);
-        } else {
-            out.resize(len, 0.0);
-        }
+        // Keeps what is there; only growth is zeroed.
+        out.resize(len, 0.0);
         for (slot, _) in topk_ids
             .iter()
             .enumerate()
@@ -255,8 +252,7 @@ pub fn execute_combined(
     routing: &Routing,
 ) -> Result<Vec<f32>> {
     let rows = routing.num_tokens;
-    let slots = (rows * routing.top_k).min(routing.topk_ids.len());
-    let mut out = SlotOutputs::new(&routing.topk_ids[..slots], hidden);
+    let mut out = SlotOutputs::new(&routing.topk_ids, hidden);
     {
         let _t = profile::timer(Phase::Experts);
         executor.execute(
