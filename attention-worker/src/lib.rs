@@ -153,7 +153,8 @@ pub fn run(args: &AttentionWorkerArgs, status: Status) -> Result<()> {
         };
         let mut lease = state.register_ttl(&info, w.lease_ttl_secs).await?;
         status.say(&format!(
-            "epserve attention-worker '{id}' serving AttentionService at {advertise}: shard {} of {} ({} {} KV blocks of {} positions, cores {cores:?})",
+            "epserve attention-worker '{id}' serving AttentionService at {advertise}{}: shard {} of {} ({} {} KV blocks of {} positions, cores {cores:?})",
+            w.listening_note(bound),
             args.shard, args.of, stats.blocks_total, kv_dtype.name(), stats.block_size
         ));
         let health = HealthServer::new(HealthService::from_health_reporter(serving_health().await));

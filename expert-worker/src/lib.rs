@@ -117,7 +117,8 @@ pub fn run(args: &ExpertWorkerArgs, status: Status) -> Result<()> {
         };
         let mut lease = state.register_ttl(&info, w.lease_ttl_secs).await?;
         status.say(&format!(
-            "epserve expert-worker '{id}' serving ExpertService at {advertise} (cores {cores:?}{})",
+            "epserve expert-worker '{id}' serving ExpertService at {advertise}{} (cores {cores:?}{})",
+            w.listening_note(bound),
             if tls.is_some() { ", mutual TLS" } else { "" }
         ));
         let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();

@@ -410,20 +410,31 @@ async fn emulated_links_keep_the_tokens_and_roles_are_pinned() {
         let pid = up.pid(name).expect("worker pid");
         assert_eq!(cpus_allowed(pid), want.to_string(), "{name}");
     }
-    // Each worker advertises its emulator, which forwards to its own port.
-    let links: Vec<(String, String)> = {
+    // Each worker advertises its emulator, which forwards to the port the
+    // worker bound (`--listen` port 0) once its serving line says which.
+    let links_now = || -> Vec<(String, String, String)> {
         let log = up.log.lock().unwrap_or_else(|e| e.into_inner());
         log.lines
             .iter()
             .filter_map(|(_, l)| l.strip_prefix("epserve up: link emulator for "))
             .filter_map(|rest| {
                 let (name, rest) = rest.split_once(": ")?;
-                let addr = rest.split_whitespace().next()?;
-                Some((name.to_string(), addr.to_string()))
+                let (addr, to) = rest.split_once(" -> ")?;
+                Some((name.to_string(), addr.to_string(), to.to_string()))
             })
             .collect()
     };
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+    let mut links = links_now();
+    while links.len() < 3 && std::time::Instant::now() < deadline {
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+        links = links_now();
+    }
     assert_eq!(links.len(), 3, "{links:?}");
+    for (name, addr, to) in &links {
+        assert_ne!(addr, to, "{name}");
+    }
+    let links: Vec<(String, String)> = links.into_iter().map(|(n, a, _)| (n, a)).collect();
     let store = EtcdStore::connect(&up.etcd).await.expect("etcd");
     let keys = store.list("/epserve/").await.expect("list");
     for (name, addr) in &links {

@@ -46,6 +46,42 @@ const MIN_CHUNK: usize = 1500;
 const QUEUE: usize = 1024;
 /// How long a proxy tries to reach its upstream for a new connection.
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
+/// How long a new connection waits for an upstream not yet known.
+pub const UPSTREAM_WAIT: Duration = Duration::from_secs(30);
+
+/// Where a proxy forwards, once known; and whether the proxy stopped (which
+/// ends a wait for the address).
+#[derive(Default)]
+struct Upstream {
+    state: Mutex<(Option<SocketAddr>, bool)>,
+    changed: std::sync::Condvar,
+}
+
+impl Upstream {
+    fn update(&self, f: impl FnOnce(&mut (Option<SocketAddr>, bool))) {
+        let mut st = self.state.lock().unwrap_or_else(|p| p.into_inner());
+        f(&mut st);
+        self.changed.notify_all();
+    }
+
+    fn set(&self, addr: SocketAddr) {
+        self.update(|st| st.0 = Some(addr));
+    }
+
+    fn stop(&self) {
+        self.update(|st| st.1 = true);
+    }
+
+    /// The address, waiting up to `limit` for it to be set (None on a stop).
+    fn get(&self, limit: Duration) -> Option<SocketAddr> {
+        let st = self.state.lock().unwrap_or_else(|p| p.into_inner());
+        let (st, _) = self
+            .changed
+            .wait_timeout_while(st, limit, |st| st.0.is_none() && !st.1)
+            .unwrap_or_else(|p| p.into_inner());
+        st.0
+    }
+}
 
 /// What `--emulate-link` asks for: a one-way delay and an optional rate cap.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -185,6 +221,7 @@ struct Stats {
 /// accepting and cuts the open connections.
 pub struct LinkProxy {
     addr: SocketAddr,
+    upstream: Arc<Upstream>,
     stop: Arc<AtomicBool>,
     conns: Arc<Mutex<Vec<Open>>>,
     stats: Arc<Stats>,
@@ -195,14 +232,26 @@ impl LinkProxy {
     /// Listens on `listen` (e.g. `127.0.0.1:0`) and forwards to `upstream`,
     /// which need not listen yet: it is dialled for each new connection.
     pub fn start(listen: SocketAddr, upstream: SocketAddr, spec: LinkSpec) -> Result<LinkProxy> {
+        let proxy = LinkProxy::start_pending(listen, spec)?;
+        proxy.set_upstream(upstream);
+        Ok(proxy)
+    }
+
+    /// Listens on `listen` before the upstream's address is known (a server
+    /// that binds port 0 and says which port it got): a connection that
+    /// arrives before [`LinkProxy::set_upstream`] waits up to
+    /// [`UPSTREAM_WAIT`] for it, then is closed.
+    pub fn start_pending(listen: SocketAddr, spec: LinkSpec) -> Result<LinkProxy> {
         let listener = TcpListener::bind(listen)
             .with_context(|| format!("link emulator: cannot listen on {listen}"))?;
         let addr = listener.local_addr()?;
         let stop = Arc::new(AtomicBool::new(false));
         let conns: Arc<Mutex<Vec<Open>>> = Arc::default();
         let stats: Arc<Stats> = Arc::default();
+        let upstream: Arc<Upstream> = Arc::default();
         let accept = {
-            let (stop, conns, stats) = (stop.clone(), conns.clone(), stats.clone());
+            let (stop, conns, stats, upstream) =
+                (stop.clone(), conns.clone(), stats.clone(), upstream.clone());
             std::thread::Builder::new()
                 .name(format!("link-{}", addr.port()))
                 .spawn(move || accept_loop(listener, upstream, spec, stop, conns, stats))
@@ -210,6 +259,7 @@ impl LinkProxy {
         };
         Ok(LinkProxy {
             addr,
+            upstream,
             stop,
             conns,
             stats,
@@ -220,6 +270,12 @@ impl LinkProxy {
     /// Where clients connect.
     pub fn addr(&self) -> SocketAddr {
         self.addr
+    }
+
+    /// Sets (or changes) where new connections are forwarded; open ones
+    /// keep theirs.
+    pub fn set_upstream(&self, upstream: SocketAddr) {
+        self.upstream.set(upstream);
     }
 
     /// Connections accepted so far.
@@ -237,6 +293,7 @@ impl LinkProxy {
 impl Drop for LinkProxy {
     fn drop(&mut self) {
         self.stop.store(true, Ordering::SeqCst);
+        self.upstream.stop();
         // Wake the accept loop (it checks `stop` after each accept).
         let _ = TcpStream::connect_timeout(&self.addr, Duration::from_secs(1));
         if let Some(h) = self.accept.take() {
@@ -252,7 +309,7 @@ impl Drop for LinkProxy {
 
 fn accept_loop(
     listener: TcpListener,
-    upstream: SocketAddr,
+    upstream: Arc<Upstream>,
     spec: LinkSpec,
     stop: Arc<AtomicBool>,
     conns: Arc<Mutex<Vec<Open>>>,
@@ -268,10 +325,14 @@ fn accept_loop(
             std::thread::sleep(Duration::from_millis(10));
             continue;
         };
-        let upstream = match TcpStream::connect_timeout(&upstream, CONNECT_TIMEOUT) {
+        let Some(to) = upstream.get(UPSTREAM_WAIT) else {
+            tracing::debug!("link emulator: no upstream yet; closing a connection");
+            continue;
+        };
+        let upstream = match TcpStream::connect_timeout(&to, CONNECT_TIMEOUT) {
             Ok(u) => u,
             Err(e) => {
-                tracing::debug!(%upstream, error = %e, "link emulator: upstream unreachable");
+                tracing::debug!(upstream = %to, error = %e, "link emulator: upstream unreachable");
                 continue; // dropping the client closes it
             }
         };
@@ -678,5 +739,33 @@ mod tests {
         drop(proxy);
         assert!(matches!(s.read(&mut buf), Ok(0) | Err(_)));
         server.join().expect("echo server");
+    }
+
+    #[test]
+    fn a_connection_waits_for_an_upstream_set_later() {
+        let (echo, server) = echo_server(1);
+        let proxy = LinkProxy::start_pending(loopback(), LinkSpec::parse("1ms").expect("spec"))
+            .expect("proxy");
+        let mut s = TcpStream::connect(proxy.addr()).expect("connect");
+        s.set_read_timeout(Some(Duration::from_secs(30)))
+            .expect("timeout");
+        s.write_all(b"y").expect("write");
+        std::thread::sleep(Duration::from_millis(200));
+        proxy.set_upstream(echo);
+        let mut buf = [0u8; 1];
+        s.read_exact(&mut buf).expect("echo");
+        assert_eq!(&buf, b"y");
+        drop(proxy);
+        server.join().expect("echo server");
+
+        // A proxy dropped while a connection waits for its upstream stops
+        // at once, not after the wait.
+        let proxy = LinkProxy::start_pending(loopback(), LinkSpec::parse("1ms").expect("spec"))
+            .expect("proxy");
+        let _s = TcpStream::connect(proxy.addr()).expect("connect");
+        std::thread::sleep(Duration::from_millis(100));
+        let t = Instant::now();
+        drop(proxy);
+        assert!(t.elapsed() < Duration::from_secs(10), "{:?}", t.elapsed());
     }
 }

@@ -447,6 +447,16 @@ impl Drop for Children {
     }
 }
 
+/// The address a worker's serving line says it listens on (` (listening on
+/// ADDR)`, printed when it advertises another).
+fn listening_addr(line: &str) -> Option<std::net::SocketAddr> {
+    if !line.contains(" serving ") {
+        return None;
+    }
+    let (_, rest) = line.split_once("(listening on ")?;
+    rest.split(')').next()?.parse().ok()
+}
+
 fn free_port() -> Result<u16> {
     let l = TcpListener::bind("127.0.0.1:0").context("cannot find a free port")?;
     Ok(l.local_addr()?.port())
@@ -710,22 +720,23 @@ pub fn run(args: &UpArgs) -> Result<()> {
     let exe = std::env::current_exe().context("cannot find the epserve binary")?;
     // Declared before the children, so they stop first and the links after.
     let mut links: Vec<LinkProxy> = Vec::new();
-    // `--advertise ADDR` of the worker `name` that listens on `port`: a link
-    // emulator in front of it, when asked for.
-    let mut link_for = |name: &str, port: u16| -> Result<Vec<OsString>> {
+    // Which proxy stands in front of which worker (by name).
+    let mut link_of: Vec<String> = Vec::new();
+    // `--advertise ADDR` of the worker `name`: a link emulator in front of
+    // it, when asked for. The worker takes a free port itself (`--listen`
+    // port 0: a port found free here and released could be taken before the
+    // worker binds it) and says which in its serving line; the proxy is
+    // pointed there then, and holds connections that come before.
+    let mut link_for = |name: &str| -> Result<Vec<OsString>> {
         let Some(spec) = args.emulate_link else {
             return Ok(Vec::new());
         };
-        let upstream = std::net::SocketAddr::from(([127, 0, 0, 1], port));
-        let proxy = LinkProxy::start(
-            std::net::SocketAddr::from(([127, 0, 0, 1], 0)),
-            upstream,
-            spec,
-        )
-        .with_context(|| format!("cannot start the link emulator for {name}"))?;
+        let proxy = LinkProxy::start_pending(std::net::SocketAddr::from(([127, 0, 0, 1], 0)), spec)
+            .with_context(|| format!("cannot start the link emulator for {name}"))?;
         let addr = proxy.addr();
-        println!("epserve up: link emulator for {name}: {addr} -> {upstream} ({spec})");
+        println!("epserve up: link emulator for {name}: {addr} ({spec})");
         links.push(proxy);
+        link_of.push(name.to_string());
         Ok(os_args(["--advertise".to_string(), addr.to_string()]))
     };
     let mut kids = Children {
@@ -836,7 +847,6 @@ pub fn run(args: &UpArgs) -> Result<()> {
         _ => args.etcd_security.to_args(),
     };
     for i in 0..args.expert_workers {
-        let port = free_port()?;
         let name = format!("expert-{i}");
         let mut a = os_args(["expert-worker", "--model"]);
         a.push(args.model.clone().into_os_string());
@@ -848,7 +858,7 @@ pub fn run(args: &UpArgs) -> Result<()> {
             "--id",
             &name,
             "--listen",
-            &format!("127.0.0.1:{port}"),
+            "127.0.0.1:0",
         ]));
         a.extend(etcd_security.iter().cloned());
         a.extend(lease_ttl_arg(args.lease_ttl_secs));
@@ -856,14 +866,13 @@ pub fn run(args: &UpArgs) -> Result<()> {
             a.extend(os_args(["--expert-memory".to_string(), m.to_string()]));
         }
         a.extend(cores_arg(i));
-        a.extend(link_for(&name, port)?);
+        a.extend(link_for(&name)?);
         a.extend(tls_for(&name)?);
         let mut p = Proc::new(&name, Role::ExpertWorker, &exe, a);
         p.spawn(&tx)?;
         kids.list.push(p);
     }
     for i in 0..args.attention_workers {
-        let port = free_port()?;
         let name = format!("attention-{i}");
         let mut a = os_args(["attention-worker", "--model"]);
         a.push(args.model.clone().into_os_string());
@@ -879,7 +888,7 @@ pub fn run(args: &UpArgs) -> Result<()> {
             "--of".to_string(),
             args.attention_workers.to_string(),
             "--listen".to_string(),
-            format!("127.0.0.1:{port}"),
+            "127.0.0.1:0".to_string(),
             "--kv-cache-memory".to_string(),
             args.attention_kv_cache_memory.clone(),
         ]));
@@ -898,7 +907,7 @@ pub fn run(args: &UpArgs) -> Result<()> {
         a.extend(etcd_security.iter().cloned());
         a.extend(lease_ttl_arg(args.lease_ttl_secs));
         a.extend(cores_arg(args.expert_workers + i));
-        a.extend(link_for(&name, port)?);
+        a.extend(link_for(&name)?);
         a.extend(tls_for(&name)?);
         let mut p = Proc::new(&name, Role::AttentionWorker, &exe, a);
         p.spawn(&tx)?;
@@ -978,6 +987,16 @@ pub fn run(args: &UpArgs) -> Result<()> {
     }
     loop {
         while let Ok((who, line)) = rx.try_recv() {
+            if let Some(bound) = listening_addr(&line)
+                && let Some(i) = link_of.iter().position(|n| *n == who)
+            {
+                links[i].set_upstream(bound);
+                println!(
+                    "epserve up: link emulator for {who}: {} -> {bound}",
+                    links[i].addr()
+                );
+                continue;
+            }
             if who != "coordinator" || !line.contains("serving") {
                 continue;
             }
@@ -1058,7 +1077,7 @@ fn which(name: &str) -> Option<PathBuf> {
 mod tests {
     use super::{
         MAX_RESTARTS, Role, UpArgs, allowed_cores, backoff, block_size_arg, checked_cores,
-        core_list, flag_arg, lease_ttl_arg, parse_core_list, worker_core_lists,
+        core_list, flag_arg, lease_ttl_arg, listening_addr, parse_core_list, worker_core_lists,
     };
     use clap::Parser;
     use std::time::Duration;
@@ -1155,6 +1174,24 @@ mod tests {
         assert_eq!(Role::Etcd.stop_signal(), libc::SIGTERM);
         assert!(Role::Etcd.restarted() && Role::Coordinator.restarted());
         assert!(!Role::ExpertWorker.restarted() && !Role::AttentionWorker.restarted());
+    }
+
+    #[test]
+    fn a_workers_bound_port_is_read_from_its_serving_line() {
+        let line = "epserve expert-worker 'expert-0' serving ExpertService at 127.0.0.1:4000 (listening on 127.0.0.1:36001) (cores [0])";
+        assert_eq!(
+            listening_addr(line),
+            Some(std::net::SocketAddr::from(([127, 0, 0, 1], 36001)))
+        );
+        let line = "epserve attention-worker 'attention-0' serving AttentionService at 127.0.0.1:4001 (listening on 127.0.0.1:36002): shard 0 of 1 (...)";
+        assert_eq!(listening_addr(line).map(|a| a.port()), Some(36002));
+        assert_eq!(
+            listening_addr(
+                "epserve expert-worker 'e' serving ExpertService at 127.0.0.1:4000 (cores [0])"
+            ),
+            None
+        );
+        assert_eq!(listening_addr("loading (listening on 127.0.0.1:1)"), None);
     }
 
     #[test]

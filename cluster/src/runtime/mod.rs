@@ -322,6 +322,18 @@ impl WorkerArgs {
         }
     }
 
+    /// What a worker's serving line adds after the advertised address when
+    /// it listens elsewhere (behind a proxy or NAT): ` (listening on ADDR)`,
+    /// which `epserve up` reads to point its link emulator at the port a
+    /// `--listen` port 0 got.
+    pub fn listening_note(&self, listen: SocketAddr) -> String {
+        if self.advertise(listen) == listen.to_string() {
+            String::new()
+        } else {
+            format!(" (listening on {listen})")
+        }
+    }
+
     /// `--id`, or `default` when the flag is absent.
     pub fn id_or(&self, default: impl FnOnce() -> String) -> String {
         self.id.clone().unwrap_or_else(default)
