@@ -269,6 +269,13 @@ struct Proc {
     ready: bool,
     /// Some run of it was ready.
     ever_ready: bool,
+    /// Flags whose port `up` found free and released (the coordinator's
+    /// `--port 0` and `--admin-port`): if it exits before it first serves
+    /// while another process holds one of them, it is started again on
+    /// fresh ones.
+    free_ports: Vec<&'static str>,
+    /// Such fresh starts so far.
+    port_retries: u32,
 }
 
 impl Proc {
@@ -285,6 +292,8 @@ impl Proc {
             restart_at: None,
             ready: false,
             ever_ready: false,
+            free_ports: Vec::new(),
+            port_retries: 0,
         }
     }
 
@@ -315,6 +324,15 @@ impl Proc {
             let _ = c.kill();
             let _ = c.wait();
         }
+    }
+
+    /// Whether a port of [`Proc::free_ports`] can no longer be bound here.
+    fn lost_a_port(&self) -> bool {
+        self.free_ports.iter().any(|flag| {
+            flag_value(&self.args, flag)
+                .and_then(|v| v.parse::<u16>().ok())
+                .is_some_and(|port| TcpListener::bind(("127.0.0.1", port)).is_err())
+        })
     }
 
     /// Marks this run ready.
@@ -383,6 +401,21 @@ impl Proc {
             return Ok(());
         }
         if self.role == Role::Coordinator && !self.ever_ready {
+            if self.port_retries < 3 && self.lost_a_port() {
+                self.port_retries += 1;
+                let mut fresh = Vec::new();
+                for flag in self.free_ports.clone() {
+                    let port = free_port()?.to_string();
+                    set_flag(&mut self.args, flag, &port);
+                    fresh.push(format!("{flag} {port}"));
+                }
+                println!(
+                    "epserve up: {} exited ({status}) and another process holds a port found free for it; starting it again with {}",
+                    self.name,
+                    fresh.join(" ")
+                );
+                return self.spawn(tx);
+            }
             bail!(
                 "{} exited ({status}) before it served; stopping the cluster",
                 self.name
@@ -455,6 +488,21 @@ fn listening_addr(line: &str) -> Option<std::net::SocketAddr> {
     }
     let (_, rest) = line.split_once("(listening on ")?;
     rest.split(')').next()?.parse().ok()
+}
+
+/// The value after `flag` in `args`.
+fn flag_value(args: &[OsString], flag: &str) -> Option<String> {
+    let i = args.iter().position(|a| a == flag)?;
+    args.get(i + 1).map(|v| v.to_string_lossy().into_owned())
+}
+
+/// Sets the value after `flag` in `args` (which holds it).
+fn set_flag(args: &mut [OsString], flag: &str, value: &str) {
+    if let Some(i) = args.iter().position(|a| a == flag)
+        && let Some(v) = args.get_mut(i + 1)
+    {
+        *v = value.into();
+    }
 }
 
 fn free_port() -> Result<u16> {
@@ -972,6 +1020,11 @@ pub fn run(args: &UpArgs) -> Result<()> {
         );
     }
     let mut p = Proc::new("coordinator", Role::Coordinator, &exe, a);
+    p.free_ports = if args.port == 0 {
+        vec!["--port", "--admin-port"]
+    } else {
+        vec!["--admin-port"]
+    };
     if let Some(c) = &coordinator_cores {
         p.affinity = Some(cpu_set(c));
         println!("epserve up: coordinator pinned to cores {}", core_list(c));
@@ -1077,7 +1130,8 @@ fn which(name: &str) -> Option<PathBuf> {
 mod tests {
     use super::{
         MAX_RESTARTS, Role, UpArgs, allowed_cores, backoff, block_size_arg, checked_cores,
-        core_list, flag_arg, lease_ttl_arg, listening_addr, parse_core_list, worker_core_lists,
+        core_list, flag_arg, flag_value, lease_ttl_arg, listening_addr, parse_core_list, set_flag,
+        worker_core_lists,
     };
     use clap::Parser;
     use std::time::Duration;
@@ -1192,6 +1246,19 @@ mod tests {
             None
         );
         assert_eq!(listening_addr("loading (listening on 127.0.0.1:1)"), None);
+    }
+
+    #[test]
+    fn a_port_flag_is_read_and_replaced() {
+        let mut a: Vec<std::ffi::OsString> = ["coordinator", "--port", "80", "--admin-port", "81"]
+            .iter()
+            .map(Into::into)
+            .collect();
+        assert_eq!(flag_value(&a, "--port").as_deref(), Some("80"));
+        set_flag(&mut a, "--admin-port", "9");
+        assert_eq!(flag_value(&a, "--admin-port").as_deref(), Some("9"));
+        assert_eq!(flag_value(&a, "--port").as_deref(), Some("80"));
+        assert_eq!(flag_value(&a, "--host"), None);
     }
 
     #[test]
