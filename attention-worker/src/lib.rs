@@ -80,10 +80,11 @@ pub struct AttentionWorkerArgs {
     /// This worker's own setting (the coordinator's flag does not reach it).
     #[arg(long, default_value = "auto")]
     pub kv_cache_dtype: epserve_core::model::kv_cache::KvCacheDtype,
-    /// Precision of this shard's attention projections: bf16, or int8 (W8A8,
-    /// quantized at load), as the coordinator's `--dense-dtype` (`epserve up`
-    /// passes the coordinator's flag on).
-    #[arg(long, default_value = "bf16")]
+    /// Precision of this shard's attention projections: auto (exact f32
+    /// activations), bf16 (bf16 activations), or int8 (W8A8, quantized at
+    /// load), as the coordinator's `--dense-dtype` (`epserve up` passes the
+    /// coordinator's flag on).
+    #[arg(long, default_value = "auto")]
     pub dense_dtype: epserve_core::experts::DenseDtype,
 }
 

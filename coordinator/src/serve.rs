@@ -70,8 +70,10 @@ pub struct ServeArgs {
     #[command(flatten)]
     pub expert_memory: epserve_cluster::runtime::ExpertMemoryArgs,
     /// Precision of the dense projections outside the experts (attention,
-    /// dense MLPs, shared experts, LM head): bf16, or int8 (W8A8, quantized at load).
-    #[arg(long, default_value = "bf16")]
+    /// dense MLPs, shared experts, LM head): auto (bf16 weights, exact f32
+    /// activations), bf16 (activations rounded to bf16: the bf16 dot
+    /// instructions where the CPU has them), or int8 (W8A8, quantized at load).
+    #[arg(long, default_value = "auto")]
     pub dense_dtype: epserve_core::experts::DenseDtype,
     /// KV cache element type: auto (the model's declared dtype: bf16 for
     /// bfloat16 checkpoints, else f32), bf16 (half the memory per block), f32. With

@@ -50,8 +50,10 @@ pub struct BenchStepArgs {
     #[arg(long, default_value = "auto")]
     pub expert_dtype: ExpertDtype,
     /// Precision of the dense projections outside the experts (attention,
-    /// dense MLPs, shared experts, LM head): bf16, or int8 (W8A8, quantized at load).
-    #[arg(long, default_value = "bf16")]
+    /// dense MLPs, shared experts, LM head): auto (bf16 weights, exact f32
+    /// activations), bf16 (activations rounded to bf16: the bf16 dot
+    /// instructions where the CPU has them), or int8 (W8A8, quantized at load).
+    #[arg(long, default_value = "auto")]
     pub dense_dtype: DenseDtype,
     /// KV cache element type: auto (the model's declared dtype), bf16, f32.
     #[arg(long, default_value = "auto")]
@@ -404,19 +406,29 @@ pub fn measure(args: &BenchStepArgs) -> Result<(f64, f64, Vec<StepRow>)> {
 pub fn run(args: &BenchStepArgs) -> Result<()> {
     let (bw, peak, rows) = measure(args)?;
     let tier = kernels().tier().name();
+    let dot_prefill = kernels().bf16x_prefill();
     let threads = rayon::current_num_threads();
     if args.json {
         let v = serde_json::json!({
             "model": args.model, "tier": tier, "threads": threads,
+            "bf16_dot_prefill": dot_prefill,
+            "expert_dtype": args.expert_dtype.name(), "dense_dtype": args.dense_dtype.name(),
             "bandwidth_gbps": bw, "fma_peak_gflops": peak, "rows": rows,
         });
         println!("{v}");
         return Ok(());
     }
     println!(
-        "one forward step of {}: tier {tier}, {threads} threads, read bandwidth {bw:.1} GB/s, \
-         f32 FMA peak {peak:.0} GFLOP/s",
-        args.model.display()
+        "one forward step of {}: tier {tier}{}, {threads} threads, read bandwidth {bw:.1} GB/s, \
+         f32 FMA peak {peak:.0} GFLOP/s; --expert-dtype {} --dense-dtype {}",
+        args.model.display(),
+        if dot_prefill {
+            " (bf16 activations: dot tile on prefill)"
+        } else {
+            ""
+        },
+        args.expert_dtype.name(),
+        args.dense_dtype.name()
     );
     for r in &rows {
         println!();

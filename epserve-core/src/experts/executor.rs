@@ -607,7 +607,7 @@ fn uses_bf16x(k: &Kernels, ex: &PackedExpert) -> bool {
 
 /// Rounds `src` to bf16 into `dst` (round to nearest even), zero-padding the
 /// rest of `dst`.
-fn to_bf16_row(src: &[f32], dst: &mut [u16]) {
+pub(crate) fn to_bf16_row(src: &[f32], dst: &mut [u16]) {
     for (d, &v) in dst.iter_mut().zip(src) {
         *d = f32_to_bf16_bits(v);
     }

@@ -92,22 +92,40 @@ impl std::str::FromStr for ExpertDtype {
 /// head; routers stay exact).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub enum DenseDtype {
-    /// bf16 panels when the weights are bf16-exact (f32 activations), the
-    /// plain path otherwise.
+    /// bf16 panels when the weights are bf16-exact, with f32 activations
+    /// (exact); the plain path otherwise.
     #[default]
+    Auto,
+    /// bf16 panels with activations rounded to bf16 (as `--expert-dtype
+    /// bf16`): the bf16 dot tile where the CPU has one (the decode path, and
+    /// prefill where [`Kernels::bf16x_prefill`](crate::kernels::dispatch::Kernels::bf16x_prefill)
+    /// or AMX), f32 activations elsewhere; f32 accumulation. Weights that
+    /// are not bf16-exact stay as `auto` keeps them.
     Bf16,
     /// int8 W8A8: weights requantized per output channel at load,
     /// activations per row at each call.
     Int8,
 }
 
+impl DenseDtype {
+    /// The name `--dense-dtype` takes.
+    pub fn name(self) -> &'static str {
+        match self {
+            DenseDtype::Auto => "auto",
+            DenseDtype::Bf16 => "bf16",
+            DenseDtype::Int8 => "int8",
+        }
+    }
+}
+
 impl std::str::FromStr for DenseDtype {
     type Err = String;
     fn from_str(s: &str) -> std::result::Result<Self, String> {
         match s.trim().to_ascii_lowercase().as_str() {
-            "bf16" | "bfloat16" | "auto" => Ok(DenseDtype::Bf16),
+            "auto" => Ok(DenseDtype::Auto),
+            "bf16" | "bfloat16" => Ok(DenseDtype::Bf16),
             "int8" | "i8" | "w8a8" => Ok(DenseDtype::Int8),
-            _ => Err(format!("unknown dense dtype '{s}' (bf16, int8)")),
+            _ => Err(format!("unknown dense dtype '{s}' (auto, bf16, int8)")),
         }
     }
 }

@@ -17,7 +17,7 @@ use crate::kernels::amx_plan::run_panels_amx;
 use crate::kernels::dispatch::{Kernels, MAX_MR};
 use crate::kernels::layout::{
     BF16_MM_KC, BF16_PAIR_KC, DataView, I8_GROUP_BYTES, KG, NR, Src, as_row, bf16_padded_k,
-    dequant, i8_padded_k, mm_padded_k, pack_mm_bf16, pack_pairs_f32,
+    dequant, i8_padded_k, mm_padded_k, pack_mm_bf16, pack_pairs_b16, pack_pairs_f32,
 };
 
 /// `k` per block on the bf16 prefill path (a 16 KiB panel chunk).
@@ -59,6 +59,10 @@ thread_local! {
     /// Two-panel prefill path: the packed activation stream and the two
     /// panels' accumulators.
     static PAIRS_F32: RefCell<(Vec<f32>, Vec<f32>)> =
+        const { RefCell::new((Vec::new(), Vec::new())) };
+    /// Two-panel bf16 dot prefill path: the packed bf16 activation stream
+    /// and both panels' accumulators.
+    static PAIRS_B16: RefCell<(Vec<u16>, Vec<f32>)> =
         const { RefCell::new((Vec::new(), Vec::new())) };
     /// BFMMLA prefill path: the packed bf16 activation stream and the
     /// accumulators.
@@ -123,11 +127,13 @@ pub(crate) fn run_panels(
         DataView::Bf16(_) if !bf16x && k.amx() && n >= AMX_MIN_ROWS => {
             run_panels_amx(k, data, kdim, n, it.panels(), row, src, true, epi)
         }
-        // bf16 activations: the dot-product tile on the decode path only. On
-        // the prefill path the widening f32 FMA tile runs instead (with the f32
-        // activations, which are only more exact): measured on Sapphire-Rapids
-        // class x86, `vdpbf16ps` retires at half the FLOP rate of zmm FMA, so
-        // it only pays where weights stream (decode).
+        // bf16 activations: the dot-product tile on the decode path. On the
+        // prefill path the two-panel dot tile where the CPU runs it faster
+        // than the FMA tile (`Kernels::bf16x_prefill`: AMD Zen 4+, below);
+        // elsewhere the widening f32 FMA tile (with the f32 activations,
+        // which are only more exact): measured on Sapphire-Rapids class x86,
+        // `vdpbf16ps` retires at half the FLOP rate of zmm FMA, so it only
+        // pays where weights stream (decode).
         DataView::Bf16(w) if bf16x && n <= k.bf16x_mr().unwrap_or(0) => {
             ACC_F32.with_borrow_mut(|acc| {
                 acc.resize(n * NR, 0.0);
@@ -166,6 +172,11 @@ pub(crate) fn run_panels(
         // `neon-bf16`): twice BFDOT's multiply-adds per instruction.
         DataView::Bf16(w) if bf16x && n > k.bf16x_mr().unwrap_or(0) && k.bf16mm_mr().is_some() => {
             run_bf16mm(k, w, kdim, n, it, row, src, epi)
+        }
+        // Prefill with bf16 activations on the two-panel bf16 dot tile, where
+        // it out-runs the FMA tile (AMD Zen 4+; see README, `bench moe`).
+        DataView::Bf16(w) if bf16x && n > k.bf16x_mr().unwrap_or(0) && k.bf16x_prefill() => {
+            run_pairs_b16(k, w, kdim, n, it, row, src, epi)
         }
         // Prefill on tiers with a two-panel tile.
         DataView::Bf16(w) if n > k.bf16_mr() && k.bf16_pair_mr().is_some() => {
@@ -313,6 +324,85 @@ fn run_bf16mm(
 /// the tile's stream (token tiles of equal size, each K block contiguous),
 /// then every panel pair runs over K blocks of [`BF16_PAIR_KC`] (two panel
 /// chunks and one packed tile stay in L1).
+/// The prefill path of bf16 activations on the two-panel bf16 dot tile: as
+/// [`run_pairs_f32`], over the rows' bf16 copies (each pair of `k`s one
+/// 32-bit word of the packed stream, K blocks of [`BF16_PAIR_KC`]).
+#[allow(clippy::too_many_arguments)]
+fn run_pairs_b16(
+    k: &Kernels,
+    w: &[u16],
+    kdim: usize,
+    n: usize,
+    it: &Item,
+    row: &dyn Fn(usize) -> usize,
+    src: &Src<'_>,
+    mut epi: impl FnMut(usize, usize, &[f32; NR]),
+) {
+    let mr = k.bf16x_pair_mr().unwrap_or(MAX_MR);
+    // Token tiles of equal size (16 tokens: 8 + 8, not 12 + 4).
+    let tn_max = n.div_ceil(n.div_ceil(mr));
+    let kp = bf16_padded_k(kdim);
+    let panel_len = kp * NR;
+    PAIRS_B16.with_borrow_mut(|(xp, acc)| {
+        // The tile at token `t0` (`tn` rows) holds `tn · kp` values from
+        // `t0 · kp`; its K block at `k0` starts `k0 · tn` values in. The
+        // rows are zero-padded to `kp`, so every block is whole pairs.
+        xp.clear();
+        let mut t0 = 0;
+        while t0 < n {
+            let tn = tn_max.min(n - t0);
+            let mut rows: [&[u16]; MAX_MR] = [&[]; MAX_MR];
+            for (i, r) in rows.iter_mut().enumerate().take(tn) {
+                let base = row(t0 + i) * src.b16_stride;
+                *r = &src.b16_rows[base..base + kp];
+            }
+            let mut k0 = 0;
+            while k0 < kp {
+                let kc = BF16_PAIR_KC.min(kp - k0);
+                pack_pairs_b16(&rows[..tn], k0, kc, xp);
+                k0 += kc;
+            }
+            t0 += tn;
+        }
+        acc.resize(2 * n * NR, 0.0);
+        let (p0, p1) = (it.p0 as usize, it.p1 as usize);
+        let mut p = p0;
+        while p < p1 {
+            // An odd last panel runs as a pair with itself (one result kept).
+            let q = if p + 1 < p1 { p + 1 } else { p };
+            acc.fill(0.0);
+            let (acc0, acc1) = acc.split_at_mut(n * NR);
+            let mut k0 = 0;
+            while k0 < kp {
+                let kc = BF16_PAIR_KC.min(kp - k0);
+                let chunk = |j: usize| &w[j * panel_len + k0 * NR..][..kc * NR];
+                let mut t0 = 0;
+                while t0 < n {
+                    let tn = tn_max.min(n - t0);
+                    let span = t0 * NR..(t0 + tn) * NR;
+                    k.bf16x_pair_tile(
+                        [chunk(p), chunk(q)],
+                        tn,
+                        &xp[t0 * kp + k0 * tn..],
+                        [&mut acc0[span.clone()], &mut acc1[span]],
+                    );
+                    t0 += tn;
+                }
+                k0 += kc;
+            }
+            for i in 0..n {
+                epi(i, p, as_row(&acc0[i * NR..(i + 1) * NR]));
+            }
+            if q != p {
+                for i in 0..n {
+                    epi(i, q, as_row(&acc1[i * NR..(i + 1) * NR]));
+                }
+            }
+            p = q + 1;
+        }
+    })
+}
+
 #[allow(clippy::too_many_arguments)]
 fn run_pairs_f32(
     k: &Kernels,

@@ -258,8 +258,14 @@ fn experts_bf16_activation_prefill_matches_decode() {
     let (ids, w) = routing(&mut rng, rows, &c);
     let want = run(&reference, &x, &ids, &w, &c);
     let mut compared = false;
-    for tier in Tier::available() {
-        let k = Kernels::for_tier(tier).expect("tier");
+    // Each tier as detected, and with the bf16 dot tile on prefill forced
+    // on (AMD's choice; a no-op on tiers without the tile).
+    let tiers = Tier::available().into_iter().flat_map(|t| {
+        let k = Kernels::for_tier(t).expect("tier");
+        [k, k.with_bf16x_prefill(true)]
+    });
+    for k in tiers {
+        let tier = k.tier();
         let experts = ms
             .iter()
             .map(|m| {
@@ -272,7 +278,8 @@ fn experts_bf16_activation_prefill_matches_decode() {
             .expect("executor")
             .with_kernels(k);
         let prefill = run(&ex, &x, &ids, &w, &c);
-        let bf16_prefill = k.bf16x_mr().is_some() && (k.bf16mm_mr().is_some() || k.amx());
+        let bf16_prefill =
+            k.bf16x_mr().is_some() && (k.bf16mm_mr().is_some() || k.amx() || k.bf16x_prefill());
         let mut decode = vec![7.0f32; prefill.len()];
         if bf16_prefill {
             compared = true;
@@ -318,7 +325,7 @@ fn experts_bf16_activation_prefill_matches_decode() {
     }
     if !compared {
         eprintln!(
-            "SKIPPED: no tier here runs the prefill path on bf16 activations (BFMMLA, AMX); \
+            "SKIPPED: no tier here runs the prefill path on bf16 activations (BFMMLA, AMX, a bf16 dot tile); \
              prefill vs decode not compared"
         );
     }

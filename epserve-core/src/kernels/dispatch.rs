@@ -157,6 +157,7 @@ impl Tier {
 type Bf16Tile = unsafe fn(&[u16], usize, &[&[f32]], &mut [f32]);
 type Bf16PairTile = unsafe fn([&[u16]; 2], usize, usize, &[f32], [&mut [f32]; 2]);
 type Bf16xTile = unsafe fn(&[u16], &[&[u16]], &mut [f32]);
+type Bf16xPairTile = unsafe fn([&[u16]; 2], usize, &[u16], [&mut [f32]; 2]);
 type Bf16mmTile = unsafe fn(&[u16], usize, &[u16], &mut [f32]);
 type I8Tile = unsafe fn(&[i8], &[&[i8]], &mut [i32]);
 type AttnScores = unsafe fn(&[f32], usize, *const u8, usize, usize, f32, &mut [f32], usize);
@@ -184,6 +185,9 @@ pub struct Kernels {
     bf16_pair: Option<(usize, Bf16PairTile)>,
     /// A native bf16 × bf16 dot-product tile, where the tier has one.
     bf16x: Option<(usize, Bf16xTile)>,
+    /// Its two-panel form over packed activations (the prefill path where
+    /// `bf16x_prefill`), where the tier has one.
+    bf16x_pair: Option<(usize, Bf16xPairTile)>,
     /// A bf16 × bf16 matrix-multiply tile over packed activations for the
     /// prefill path (BFMMLA), where the tier has one.
     bf16mm: Option<(usize, Bf16mmTile)>,
@@ -191,6 +195,10 @@ pub struct Kernels {
     i8: I8Tile,
     /// AMX tiles for the prefill path (bf16 activations and int8).
     amx: bool,
+    /// The native bf16 dot tile also on the prefill path (bf16 activations),
+    /// where it out-runs the widening f32 FMA tile (see
+    /// [`Kernels::bf16x_prefill`]).
+    bf16x_prefill: bool,
     /// Attention's inner loops (`None`: the scalar twins).
     attn: Option<AttnFns>,
 }
@@ -202,11 +210,26 @@ impl std::fmt::Debug for Kernels {
             .field("bf16_mr", &self.bf16_mr)
             .field("bf16_pair_mr", &self.bf16_pair.map(|b| b.0))
             .field("bf16x_mr", &self.bf16x.map(|b| b.0))
+            .field("bf16x_pair_mr", &self.bf16x_pair.map(|b| b.0))
             .field("bf16mm_mr", &self.bf16mm.map(|b| b.0))
             .field("i8_mr", &self.i8_mr)
             .field("amx", &self.amx)
+            .field("bf16x_prefill", &self.bf16x_prefill)
             .finish()
     }
+}
+
+/// Whether this x86 CPU's zmm bf16 dot instruction out-runs its zmm FMA in
+/// multiply-adds (AMD: Zen 4 is the first with AVX-512 BF16, and each zmm
+/// `vdpbf16ps` does twice an FMA's work at the same rate).
+#[cfg(target_arch = "x86_64")]
+fn dot_beats_fma_on_prefill() -> bool {
+    let r = std::arch::x86_64::__cpuid(0);
+    let mut vendor = [0u8; 12];
+    vendor[..4].copy_from_slice(&r.ebx.to_le_bytes());
+    vendor[4..8].copy_from_slice(&r.edx.to_le_bytes());
+    vendor[8..].copy_from_slice(&r.ecx.to_le_bytes());
+    &vendor == b"AuthenticAMD"
 }
 
 /// Most tokens any tier takes per tile (sizes stack arrays of row slices).
@@ -238,10 +261,12 @@ impl Kernels {
                     bf16: avx2::bf16_tile,
                     bf16_pair: None,
                     bf16x: None,
+                    bf16x_pair: None,
                     bf16mm: None,
                     i8_mr: avx2::I8_MR,
                     i8: avx2::i8_tile,
                     amx: false,
+                    bf16x_prefill: false,
                     attn: Some(AttnFns {
                         scores: [attn::scores256::<false>, attn::scores256::<true>],
                         accum: [attn::accum256::<false>, attn::accum256::<true>],
@@ -263,10 +288,15 @@ impl Kernels {
                     bf16_pair: Some((avx512::BF16_PAIR_MR, avx512::bf16_pair_tile as Bf16PairTile)),
                     bf16x: matches!(tier, Tier::Avx512Bf16 | Tier::Amx)
                         .then_some((avx512::BF16X_MR, avx512::bf16x_tile as Bf16xTile)),
+                    bf16x_pair: matches!(tier, Tier::Avx512Bf16 | Tier::Amx).then_some((
+                        avx512::BF16X_PAIR_MR,
+                        avx512::bf16x_pair_tile as Bf16xPairTile,
+                    )),
                     bf16mm: None,
                     i8_mr,
                     i8,
                     amx: tier == Tier::Amx,
+                    bf16x_prefill: tier == Tier::Avx512Bf16 && dot_beats_fma_on_prefill(),
                     attn: Some(AttnFns {
                         scores: [attn::scores512::<false>, attn::scores512::<true>],
                         accum: [attn::accum512::<false>, attn::accum512::<true>],
@@ -289,11 +319,13 @@ impl Kernels {
                     bf16_pair: Some((neon::BF16_MR, neon::bf16_pair_tile as Bf16PairTile)),
                     bf16x: (tier == Tier::NeonBf16)
                         .then_some((neon::BF16_MR, neon::bf16x_tile_bfdot as Bf16xTile)),
+                    bf16x_pair: None,
                     bf16mm: (tier == Tier::NeonBf16)
                         .then_some((neon::BF16MM_MR, neon::bf16mm_tile_bfmmla as Bf16mmTile)),
                     i8_mr,
                     i8,
                     amx: false,
+                    bf16x_prefill: false,
                     attn: Some(AttnFns {
                         scores: [attn::scores::<false>, attn::scores::<true>],
                         accum: [attn::accum::<false>, attn::accum::<true>],
@@ -306,6 +338,7 @@ impl Kernels {
         };
         debug_assert!(k.bf16_mr <= MAX_MR && k.i8_mr <= MAX_MR);
         debug_assert!(k.bf16x.is_none_or(|b| b.0 <= MAX_MR));
+        debug_assert!(k.bf16x_pair.is_none_or(|b| b.0 <= MAX_MR));
         debug_assert!(k.bf16_pair.is_none_or(|b| b.0 <= MAX_MR));
         debug_assert!(
             k.bf16mm
@@ -322,10 +355,12 @@ impl Kernels {
             bf16: generic_bf16,
             bf16_pair: None,
             bf16x: None,
+            bf16x_pair: None,
             bf16mm: None,
             i8_mr: 4,
             i8: generic_i8,
             amx: false,
+            bf16x_prefill: false,
             attn: None,
         }
     }
@@ -399,6 +434,28 @@ impl Kernels {
     /// Most tokens per bf16 × bf16 tile, if this tier has a native one.
     pub fn bf16x_mr(&self) -> Option<usize> {
         self.bf16x.map(|b| b.0)
+    }
+
+    /// Most tokens per two-panel bf16 × bf16 tile, if this tier has one.
+    pub fn bf16x_pair_mr(&self) -> Option<usize> {
+        self.bf16x_pair.map(|b| b.0)
+    }
+
+    /// `acc[j][r·16 + c] += Σ_k x[r][k] · Wj[k, c]` with **bf16** activations
+    /// over two bf16 panel chunks `w[j]` (`pairs · 32` words each) for `t`
+    /// rows packed by [`super::layout::pack_pairs_b16`] into `xp`; `1 ≤ t ≤
+    /// bf16x_pair_mr`. On a tier without the tile this is the scalar twin.
+    #[inline]
+    pub fn bf16x_pair_tile(&self, w: [&[u16]; 2], t: usize, xp: &[u16], acc: [&mut [f32]; 2]) {
+        let len = w[0].len();
+        let mr = self.bf16x_pair_mr().unwrap_or(MAX_MR);
+        assert!(len.is_multiple_of(2 * NR) && w[1].len() == len && t >= 1 && t <= mr);
+        assert!(xp.len() >= len / NR * t && acc.iter().all(|a| a.len() >= t * NR));
+        match self.bf16x_pair {
+            // SAFETY: as in `bf16_tile`.
+            Some((_, f)) => unsafe { f(w, t, xp, acc) },
+            None => generic::bf16x_pair_tile(w, t, xp, acc),
+        }
     }
 
     /// `acc[t·16 + c] += Σ_k x[t][k] · W[k, c]` with **bf16** activations over
@@ -602,6 +659,25 @@ impl Kernels {
     /// Whether this tier runs the prefill path on AMX tiles.
     pub fn amx(&self) -> bool {
         self.amx
+    }
+
+    /// Whether bf16 activations run the native bf16 dot tile on the prefill
+    /// path too (K blocks kept in L1, tiles of [`bf16x_mr`](Self::bf16x_mr)
+    /// rows) rather than the widening f32 FMA tile on their f32 originals.
+    /// On AMD Zen 4 and later a zmm `vdpbf16ps` retires as fast as a zmm
+    /// FMA with twice its multiply-adds; on Intel (Sapphire Rapids class,
+    /// measured with `EPSERVE_KERNEL=avx512-bf16`) it runs at half the FMA
+    /// rate, and the `amx` tier has tiles. Decided by the CPU's vendor, not
+    /// by a timing, so a machine always computes the same bits.
+    pub fn bf16x_prefill(&self) -> bool {
+        self.bf16x_prefill && self.bf16x.is_some()
+    }
+
+    /// This tier with the bf16 dot tile on the prefill path forced on or off
+    /// (tests; it is a no-op on tiers without the tile).
+    pub fn with_bf16x_prefill(mut self, on: bool) -> Kernels {
+        self.bf16x_prefill = on && self.bf16x.is_some();
+        self
     }
 
     /// Runs `f` with this thread's AMX tiles configured (released again
@@ -827,24 +903,43 @@ impl Kernels {
 pub fn kernels() -> &'static Kernels {
     static K: OnceLock<Kernels> = OnceLock::new();
     K.get_or_init(|| {
-        let forced = std::env::var("EPSERVE_KERNEL").ok();
-        if let Some(name) = forced.as_deref().filter(|s| !s.is_empty()) {
-            match Tier::parse(name) {
-                Some(t) => match Kernels::for_tier(t) {
-                    Some(k) => return k,
-                    None => tracing::warn!(tier = name, "EPSERVE_KERNEL tier not supported by this CPU; using the best supported tier"),
-                },
-                None => tracing::warn!(
-                    value = name,
-                    accepted = %Tier::names(),
-                    "unknown EPSERVE_KERNEL; using the best supported tier"
-                ),
+        let k = forced_or_best();
+        // `EPSERVE_BF16_DOT_PREFILL=0|1`: the bf16 dot tile on the prefill
+        // path off or on, whatever the vendor says (A/B runs).
+        match std::env::var("EPSERVE_BF16_DOT_PREFILL").ok().as_deref() {
+            None | Some("") => k,
+            Some("0") => k.with_bf16x_prefill(false),
+            Some("1") => k.with_bf16x_prefill(true),
+            Some(v) => {
+                tracing::warn!(value = v, "EPSERVE_BF16_DOT_PREFILL is 0 or 1; ignored");
+                k
             }
         }
-        let k = Kernels::best();
-        tracing::debug!(tier = k.tier().name(), "MoE kernel tier");
-        k
     })
+}
+
+/// `EPSERVE_KERNEL`'s tier if set and supported, else the best one.
+fn forced_or_best() -> Kernels {
+    let forced = std::env::var("EPSERVE_KERNEL").ok();
+    if let Some(name) = forced.as_deref().filter(|s| !s.is_empty()) {
+        match Tier::parse(name) {
+            Some(t) => match Kernels::for_tier(t) {
+                Some(k) => return k,
+                None => tracing::warn!(
+                    tier = name,
+                    "EPSERVE_KERNEL tier not supported by this CPU; using the best supported tier"
+                ),
+            },
+            None => tracing::warn!(
+                value = name,
+                accepted = %Tier::names(),
+                "unknown EPSERVE_KERNEL; using the best supported tier"
+            ),
+        }
+    }
+    let k = Kernels::best();
+    tracing::debug!(tier = k.tier().name(), "MoE kernel tier");
+    k
 }
 
 #[cfg(test)]

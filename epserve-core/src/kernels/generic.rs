@@ -59,6 +59,26 @@ pub fn bf16x_tile(w: &[u16], x: &[&[u16]], acc: &mut [f32]) {
     }
 }
 
+/// `acc[j][r·16 + c] += Σ_k x[r][k] · Wj[k, c]` over two bf16 panel chunks
+/// (`pairs · 32` words each) for `t` rows of **bf16** activations packed by
+/// [`super::layout::pack_pairs_b16`] into `xp`: the twin of the two-panel
+/// bf16 dot tile, the same arithmetic as [`bf16x_tile`].
+pub fn bf16x_pair_tile(w: [&[u16]; 2], t: usize, xp: &[u16], acc: [&mut [f32]; 2]) {
+    let kp = w[0].len() / NR;
+    debug_assert!(xp.len() >= kp * t);
+    for (wj, aj) in w.into_iter().zip(acc) {
+        for r in 0..t {
+            let a = &mut aj[r * NR..(r + 1) * NR];
+            for k in 0..kp {
+                let xv = bf16_bits_to_f32(xp[pair_index(k, r, t)]);
+                for (c, av) in a.iter_mut().enumerate() {
+                    *av += xv * bf16_bits_to_f32(wj[bf16_index(k, c)]);
+                }
+            }
+        }
+    }
+}
+
 /// `acc[r·16 + c] += Σ_k x[r][k] · W[k, c]` for a bf16 panel chunk `w`
 /// (`pairs · 32` words) and `t` rows of **bf16** activations packed by
 /// [`super::layout::pack_mm_bf16`] into `xa` (the chunk's `2 · pairs` `k`s,

@@ -172,9 +172,20 @@ pub const fn pair_index(k: usize, r: usize, t: usize) -> usize {
 /// of every row in turn ([`pair_index`]), zero past `kc`;
 /// `bf16_padded_k(kc) · x.len()` values in all, appended to `dst`.
 pub fn pack_pairs_f32(x: &[&[f32]], k0: usize, kc: usize, dst: &mut Vec<f32>) {
+    pack_pairs(x, k0, kc, dst)
+}
+
+/// [`pack_pairs_f32`] for bf16 activations: each row's `k = 2i, 2i + 1`
+/// values are one 32-bit word of the stream, the operand `vdpbf16ps`
+/// broadcasts (the two-panel bf16 dot tile).
+pub fn pack_pairs_b16(x: &[&[u16]], k0: usize, kc: usize, dst: &mut Vec<u16>) {
+    pack_pairs(x, k0, kc, dst)
+}
+
+fn pack_pairs<T: Copy + Default>(x: &[&[T]], k0: usize, kc: usize, dst: &mut Vec<T>) {
     let t = x.len();
     let start = dst.len();
-    dst.resize(start + bf16_padded_k(kc) * t, 0.0);
+    dst.resize(start + bf16_padded_k(kc) * t, T::default());
     let d = &mut dst[start..];
     for (r, row) in x.iter().enumerate() {
         for (k, &v) in row[k0..k0 + kc].iter().enumerate() {

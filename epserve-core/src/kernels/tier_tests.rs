@@ -331,6 +331,66 @@ fn bf16x_tiles_match_twin_on_random_shapes() {
     }
 }
 
+/// The two-panel bf16 dot tile (packed activations) against its twin and
+/// against the one-panel twin on the unpacked rows: the same sums, so the
+/// same bound as [`check_bf16x`].
+#[test]
+fn bf16x_pair_tiles_match_twin_on_random_shapes() {
+    let mut rng = StdRng::seed_from_u64(14);
+    let mut ran = false;
+    for k in tiers() {
+        let mr = k.bf16x_pair_mr().unwrap_or(MAX_MR_TEST);
+        ran |= k.bf16x_pair_mr().is_some();
+        for &kc in KCS {
+            let kp = bf16_padded_k(kc);
+            let w: [Vec<u16>; 2] = [rand_bf16(&mut rng, kp * NR), rand_bf16(&mut rng, kp * NR)];
+            for t in 1..=mr {
+                let rows: Vec<Vec<u16>> = (0..t)
+                    .map(|_| {
+                        let mut r = rand_bf16(&mut rng, kp);
+                        r[kc..].fill(0);
+                        r
+                    })
+                    .collect();
+                let x: Vec<&[u16]> = rows.iter().map(|r| &r[..]).collect();
+                let mut xp = Vec::new();
+                pack_pairs_b16(&x, 0, kp, &mut xp);
+                let init: Vec<f32> = (0..t * NR).map(|i| i as f32 * 0.25).collect();
+                let (mut g0, mut g1) = (init.clone(), init.clone());
+                k.bf16x_pair_tile([&w[0], &w[1]], t, &xp, [&mut g0, &mut g1]);
+                for (j, got) in [g0, g1].iter().enumerate() {
+                    let mut want = init.clone();
+                    generic::bf16x_tile(&w[j], &x, &mut want);
+                    for (i, (a, b)) in got.iter().zip(&want).enumerate() {
+                        let (r, c) = (i / NR, i % NR);
+                        let mag: f32 = (0..kp)
+                            .map(|kk| {
+                                (bf16_bits_to_f32(x[r][kk])
+                                    * bf16_bits_to_f32(w[j][bf16_index(kk, c)]))
+                                .abs()
+                            })
+                            .sum::<f32>()
+                            + init[i].abs();
+                        assert!(
+                            (a - b).abs() <= 1e-5 * mag + 1e-30,
+                            "{:?} bf16x pair kc={kc} t={t} panel {j} row {r} ch {c}: {a} vs {b}",
+                            k.tier()
+                        );
+                    }
+                }
+            }
+        }
+    }
+    if !ran {
+        eprintln!(
+            "SKIPPED: no tier with a native two-panel bf16 dot tile on this CPU (twins only)"
+        );
+    }
+}
+
+/// Rows the twins are tested with on tiers without a native tile.
+const MAX_MR_TEST: usize = 5;
+
 #[test]
 fn bf16mm_tiles_match_twin_on_random_shapes() {
     let mut rng = StdRng::seed_from_u64(6);

@@ -142,9 +142,9 @@ impl AttentionShard {
     /// stack, `q_b_proj`, its columns of `o_proj`) to `dtype`, as
     /// [`Model::set_dense_dtype`](crate::model::Model::set_dense_dtype) does
     /// in one process (int8: W8A8, per-channel scales over this shard's
-    /// slice). bf16 is how they load, so only int8 changes them.
+    /// slice; bf16: bf16 activations). `auto` is how they load.
     pub fn set_dense_dtype(&mut self, dtype: crate::experts::DenseDtype) {
-        if dtype != crate::experts::DenseDtype::Int8 {
+        if dtype == crate::experts::DenseDtype::Auto {
             return;
         }
         let mut all: Vec<&mut crate::model::linear::Linear> = Vec::new();
@@ -155,7 +155,7 @@ impl AttentionShard {
             }
         }
         use rayon::prelude::*;
-        all.into_par_iter().for_each(|l| l.to_int8());
+        all.into_par_iter().for_each(|l| l.set_dtype(dtype));
     }
 
     /// Loads shard `shard` of every attention layer of `cfg` from `ws`, with

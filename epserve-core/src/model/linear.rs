@@ -15,6 +15,7 @@
 use rayon::prelude::*;
 
 use crate::config::Activation;
+use crate::experts::executor::to_bf16_row;
 use crate::experts::packed::{PackedData, PackedDtype, PackedMatrix};
 use crate::experts::run::{Item, run_panels};
 use crate::kernels::dispatch::{Kernels, kernels};
@@ -44,6 +45,8 @@ pub struct Linear {
     /// Output rows of each part, in order (sums to `shape[0]`).
     parts: Vec<usize>,
     form: Form,
+    /// bf16 panels take bf16-rounded activations (`--dense-dtype bf16`).
+    bf16_activations: bool,
 }
 
 enum Form {
@@ -98,6 +101,7 @@ impl Linear {
         Linear {
             shape: [n, k],
             parts,
+            bf16_activations: false,
             form: match packed {
                 Some(p) => Form::Packed(p),
                 None => Form::Plain(ws),
@@ -131,6 +135,27 @@ impl Linear {
         }
     }
 
+    /// Applies `--dense-dtype`: int8 requantizes, bf16 rounds the
+    /// activations of bf16 panels, auto leaves it as loaded.
+    pub fn set_dtype(&mut self, dtype: crate::experts::DenseDtype) {
+        match dtype {
+            crate::experts::DenseDtype::Auto => {}
+            crate::experts::DenseDtype::Bf16 => self.to_bf16_activations(),
+            crate::experts::DenseDtype::Int8 => self.to_int8(),
+        }
+    }
+
+    /// bf16 panels take their activations rounded to bf16 from now on (the
+    /// bf16 dot tile where the tier has one); a no-op on other forms.
+    pub fn to_bf16_activations(&mut self) {
+        self.bf16_activations = self.dtype() == Some(PackedDtype::Bf16);
+    }
+
+    /// Whether calls round the activations to bf16.
+    pub fn bf16_activations(&self) -> bool {
+        self.bf16_activations
+    }
+
     /// Requantizes the weights to int8 panels (per-output-channel symmetric
     /// scales; activations are quantized per row at each call: W8A8).
     pub fn to_int8(&mut self) {
@@ -150,6 +175,7 @@ impl Linear {
             });
         if let Ok(p) = packed {
             self.form = Form::Packed(p);
+            self.bf16_activations = false;
         }
     }
 
@@ -269,14 +295,32 @@ impl Linear {
                     .for_each(quant);
             }
         }
+        // bf16 activations: each row rounded once per call, zero-padded to
+        // an even length (the dot tile takes pairs).
+        let bf16x =
+            self.bf16_activations && pm.dtype() == PackedDtype::Bf16 && kern.bf16x_mr().is_some();
+        let kp2 = bf16_padded_k(k);
+        let mut xb = Vec::new();
+        if bf16x {
+            xb.resize(rows * kp2, 0u16);
+            if parallel {
+                xb.par_chunks_mut(kp2)
+                    .zip(x.par_chunks(k))
+                    .for_each(|(d, xr)| to_bf16_row(xr, d));
+            } else {
+                xb.chunks_mut(kp2)
+                    .zip(x.chunks(k))
+                    .for_each(|(d, xr)| to_bf16_row(xr, d));
+            }
+        }
         let src = Src {
             f32_rows: x,
             f32_stride: k,
             i8_rows: &xq,
             i8_stride: i8_padded_k(k),
             i8_scales: &xs,
-            b16_rows: &[],
-            b16_stride: 0,
+            b16_rows: &xb,
+            b16_stride: kp2,
         };
         let view = pm.data_view();
         let panels = pm.panels();
@@ -316,7 +360,7 @@ impl Linear {
             };
             run_panels(
                 kern,
-                false,
+                bf16x,
                 &view,
                 k,
                 rb,
@@ -463,6 +507,71 @@ mod tests {
                 }
             }
         }
+    }
+
+    /// `--dense-dtype bf16`: on tiers with a bf16 dot tile the activations
+    /// are rounded to bf16 (the twin: the plain linear on rounded rows), on
+    /// the decode and on the prefill path, with the dot tile on prefill
+    /// forced on and off; tiers without the tile keep f32 activations.
+    #[test]
+    fn bf16_activations_match_the_twin_on_rounded_rows() {
+        let mut rng = rand::rngs::StdRng::seed_from_u64(11);
+        for &(n, k) in &[(37, 1031), (100, 64), (3, 7)] {
+            let w = bf16_weight(n, k, &mut rng);
+            let mut lin = Linear::fused(vec![w.clone()]).expect("one part");
+            lin.set_dtype(crate::experts::DenseDtype::Bf16);
+            assert!(lin.bf16_activations());
+            for rows in [1usize, 5, 13, MB + 6] {
+                let x: Vec<f32> = (0..rows * k).map(|_| rng.random_range(-1.0..1.0)).collect();
+                let xr: Vec<f32> = x
+                    .iter()
+                    .map(|&v| crate::kernels::layout::bf16_bits_to_f32(f32_to_bf16_bits(v)))
+                    .collect();
+                let (mut want_f32, mut want_b16) = (vec![0.0f32; rows * n], vec![0.0f32; rows * n]);
+                linear(&x, rows, &w, None, &mut want_f32);
+                linear(&xr, rows, &w, None, &mut want_b16);
+                for tier in Tier::available() {
+                    for prefill_dot in [false, true] {
+                        let Some(kern) = Kernels::for_tier(tier) else {
+                            continue;
+                        };
+                        let kern = kern.with_bf16x_prefill(prefill_dot);
+                        // Rounded where a dot tile runs: always on the
+                        // decode path (a block of at most one tile of rows)
+                        // and on AMX; on the prefill path of the other tiers
+                        // only with the dot tile on prefill.
+                        let mb = if rows <= kern.bf16_mr().max(kern.i8_mr()) {
+                            rows
+                        } else {
+                            MB
+                        };
+                        let rounded = |r: usize| {
+                            let rb = mb.min(rows - r / mb * mb);
+                            kern.bf16x_mr()
+                                .is_some_and(|mr| rb <= mr || kern.amx() || kern.bf16x_prefill())
+                        };
+                        let mut got = vec![f32::NAN; rows * n];
+                        lin.forward_with(&kern, &x, rows, None, &mut got);
+                        for (i, a) in got.iter().enumerate() {
+                            let rounded = rounded(i / n);
+                            let b = if rounded { &want_b16[i] } else { &want_f32[i] };
+                            assert!(
+                                (a - b).abs() <= 1e-4 * (1.0 + b.abs()),
+                                "tier {} (dot on prefill: {prefill_dot}) n {n} k {k} rows {rows} out {i}: {a} vs {b} (rounded twin: {rounded})",
+                                tier.name()
+                            );
+                        }
+                    }
+                }
+            }
+        }
+        // int8 afterwards drops the flag; auto leaves a linear as loaded.
+        let mut lin = Linear::new(bf16_weight(16, 32, &mut rng));
+        lin.set_dtype(crate::experts::DenseDtype::Auto);
+        assert!(!lin.bf16_activations());
+        lin.set_dtype(crate::experts::DenseDtype::Bf16);
+        lin.set_dtype(crate::experts::DenseDtype::Int8);
+        assert!(!lin.bf16_activations() && lin.dtype() == Some(PackedDtype::Int8));
     }
 
     /// f32 activations on AMX tiles (each row as three bf16 terms) are as

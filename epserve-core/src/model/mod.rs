@@ -172,11 +172,12 @@ impl Model {
         Ok(model)
     }
 
-    /// Requantizes the dense projections outside the experts (attention and
-    /// MLA projections, dense MLPs, shared experts, the LM head; not the
-    /// routers) to `dtype`. bf16 is how they load, so only int8 changes them.
+    /// Sets the precision of the dense projections outside the experts
+    /// (attention and MLA projections, dense MLPs, shared experts, the LM
+    /// head; not the routers) to `dtype`: int8 requantizes them, bf16 rounds
+    /// their activations; `auto` is how they load.
     pub fn set_dense_dtype(&mut self, dtype: crate::experts::DenseDtype) {
-        if dtype != crate::experts::DenseDtype::Int8 {
+        if dtype == crate::experts::DenseDtype::Auto {
             return;
         }
         let mut all: Vec<&mut Linear> = vec![&mut self.lm_head];
@@ -201,7 +202,7 @@ impl Model {
                 }
             }
         }
-        all.into_par_iter().for_each(|l| l.to_int8());
+        all.into_par_iter().for_each(|l| l.set_dtype(dtype));
     }
 
     /// Loads the non-expert weights and uses `dispatcher` for the experts.

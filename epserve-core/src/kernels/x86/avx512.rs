@@ -312,6 +312,80 @@ unsafe fn bf16x_t<const T: usize, const S: usize>(
     }
 }
 
+/// Most tokens per two-panel bf16 dot tile.
+pub const BF16X_PAIR_MR: usize = 12;
+
+/// bf16 dot tile over **two** panels at once with bf16 activations packed
+/// by [`crate::kernels::layout::pack_pairs_b16`] (one sequential stream;
+/// each row's pair of `k`s is one 32-bit word), any `t` in
+/// `1..=BF16X_PAIR_MR`: each broadcast feeds two `vdpbf16ps` (one per
+/// panel), `2·t` accumulators (24 of the 32 zmm at `t = 12`). The prefill
+/// path of bf16 activations where the CPU runs `vdpbf16ps` faster than FMA
+/// ([`crate::kernels::dispatch::Kernels::bf16x_prefill`]).
+///
+/// # Safety
+/// The CPU must support AVX-512 F, BW and BF16; `w[0]` and `w[1]` have the
+/// same length, a multiple of 32 words; `xp` holds `w[0].len() / 16 · t`
+/// values and `acc[0]`, `acc[1]` at least `16 · t`.
+pub unsafe fn bf16x_pair_tile(w: [&[u16]; 2], t: usize, xp: &[u16], acc: [&mut [f32]; 2]) {
+    let pairs = w[0].len() / (2 * NR);
+    let (w, xp) = ([w[0].as_ptr(), w[1].as_ptr()], xp.as_ptr() as *const i32);
+    let [a0, a1] = acc;
+    let acc = [a0.as_mut_ptr(), a1.as_mut_ptr()];
+    // SAFETY: the caller guarantees the features and the lengths above.
+    unsafe {
+        match t {
+            1 => bf16x_pair_t::<1>(w, pairs, xp, acc),
+            2 => bf16x_pair_t::<2>(w, pairs, xp, acc),
+            3 => bf16x_pair_t::<3>(w, pairs, xp, acc),
+            4 => bf16x_pair_t::<4>(w, pairs, xp, acc),
+            5 => bf16x_pair_t::<5>(w, pairs, xp, acc),
+            6 => bf16x_pair_t::<6>(w, pairs, xp, acc),
+            7 => bf16x_pair_t::<7>(w, pairs, xp, acc),
+            8 => bf16x_pair_t::<8>(w, pairs, xp, acc),
+            9 => bf16x_pair_t::<9>(w, pairs, xp, acc),
+            10 => bf16x_pair_t::<10>(w, pairs, xp, acc),
+            11 => bf16x_pair_t::<11>(w, pairs, xp, acc),
+            12 => bf16x_pair_t::<12>(w, pairs, xp, acc),
+            _ => {}
+        }
+    }
+}
+
+#[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
+unsafe fn bf16x_pair_t<const T: usize>(
+    w: [*const u16; 2],
+    pairs: usize,
+    xp: *const i32,
+    acc: [*mut f32; 2],
+) {
+    let mut a = [[_mm512_setzero_ps(); 2]; T];
+    // SAFETY: pair `i < pairs` reads words `32i..32i+32` of each panel and
+    // the 32-bit words `T·i .. T·(i+1)` of `xp`.
+    unsafe {
+        for i in 0..pairs {
+            let (pa, pb) = (w[0].add(i * 2 * NR), w[1].add(i * 2 * NR));
+            prefetch!(pa);
+            prefetch!(pb);
+            _mm_prefetch::<_MM_HINT_T1>((pa as *const i8).wrapping_add(PAIR_L2_PREFETCH));
+            _mm_prefetch::<_MM_HINT_T1>((pb as *const i8).wrapping_add(PAIR_L2_PREFETCH));
+            let wa: __m512bh = std::mem::transmute(_mm512_loadu_si512(pa as *const __m512i));
+            let wb: __m512bh = std::mem::transmute(_mm512_loadu_si512(pb as *const __m512i));
+            let x = xp.add(i * T);
+            for t in 0..T {
+                let xv: __m512bh =
+                    std::mem::transmute(_mm512_set1_epi32(x.add(t).read_unaligned()));
+                a[t][0] = _mm512_dpbf16_ps(a[t][0], xv, wa);
+                a[t][1] = _mm512_dpbf16_ps(a[t][1], xv, wb);
+            }
+        }
+        for t in 0..T {
+            store_add!(acc[0].add(t * NR), a[t][0]);
+            store_add!(acc[1].add(t * NR), a[t][1]);
+        }
+    }
+}
+
 /// int8 tile through VNNI, any `x.len()` in `1..=I8_MR`.
 ///
 /// # Safety
