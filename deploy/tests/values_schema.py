@@ -49,7 +49,7 @@ ENUMS = {
     "*.adminService.type": ["ClusterIP", "NodePort", "LoadBalancer"],
     "coordinator.updateStrategy": ["Recreate", "RollingUpdate"],
     "coordinator.kvCacheDtype": ["", "auto", "bf16", "f32"],
-    "coordinator.denseDtype": ["", "bf16", "int8"],
+    "coordinator.denseDtype": ["", "auto", "bf16", "int8"],
     "coordinator.dispatchDtype": ["", "bf16", "f32", "int8"],
     "coordinator.expertPrecisionPolicy": ["", "fixed", "load"],
     "expertWorkers.expertDtype": ["", "bf16", "int8"],
