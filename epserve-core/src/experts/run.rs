@@ -324,85 +324,11 @@ fn run_bf16mm(
 /// the tile's stream (token tiles of equal size, each K block contiguous),
 /// then every panel pair runs over K blocks of [`BF16_PAIR_KC`] (two panel
 /// chunks and one packed tile stay in L1).
-/// The prefill path of bf16 activations on the two-panel bf16 dot tile: as
-/// [`run_pairs_f32`], over the rows' bf16 copies (each pair of `k`s one
-/// 32-bit word of the packed stream, K blocks of [`BF16_PAIR_KC`]).
-#[allow(clippy::too_many_arguments)]
-fn run_pairs_b16(
-    k: &Kernels,
-    w: &[u16],
-    kdim: usize,
-    n: usize,
-    it: &Item,
-    row: &dyn Fn(usize) -> usize,
-    src: &Src<'_>,
-    mut epi: impl FnMut(usize, usize, &[f32; NR]),
-) {
-    let mr = k.bf16x_pair_mr().unwrap_or(MAX_MR);
-    // Token tiles of equal size (16 tokens: 8 + 8, not 12 + 4).
-    let tn_max = n.div_ceil(n.div_ceil(mr));
-    let kp = bf16_padded_k(kdim);
-    let panel_len = kp * NR;
-    PAIRS_B16.with_borrow_mut(|(xp, acc)| {
-        // The tile at token `t0` (`tn` rows) holds `tn · kp` values from
-        // `t0 · kp`; its K block at `k0` starts `k0 · tn` values in. The
-        // rows are zero-padded to `kp`, so every block is whole pairs.
-        xp.clear();
-        let mut t0 = 0;
-        while t0 < n {
-            let tn = tn_max.min(n - t0);
-            let mut rows: [&[u16]; MAX_MR] = [&[]; MAX_MR];
-            for (i, r) in rows.iter_mut().enumerate().take(tn) {
-                let base = row(t0 + i) * src.b16_stride;
-                *r = &src.b16_rows[base..base + kp];
-            }
-            let mut k0 = 0;
-            while k0 < kp {
-                let kc = BF16_PAIR_KC.min(kp - k0);
-                pack_pairs_b16(&rows[..tn], k0, kc, xp);
-                k0 += kc;
-            }
-            t0 += tn;
-        }
-        acc.resize(2 * n * NR, 0.0);
-        let (p0, p1) = (it.p0 as usize, it.p1 as usize);
-        let mut p = p0;
-        while p < p1 {
-            // An odd last panel runs as a pair with itself (one result kept).
-            let q = if p + 1 < p1 { p + 1 } else { p };
-            acc.fill(0.0);
-            let (acc0, acc1) = acc.split_at_mut(n * NR);
-            let mut k0 = 0;
-            while k0 < kp {
-                let kc = BF16_PAIR_KC.min(kp - k0);
-                let chunk = |j: usize| &w[j * panel_len + k0 * NR..][..kc * NR];
-                let mut t0 = 0;
-                while t0 < n {
-                    let tn = tn_max.min(n - t0);
-                    let span = t0 * NR..(t0 + tn) * NR;
-                    k.bf16x_pair_tile(
-                        [chunk(p), chunk(q)],
-                        tn,
-                        &xp[t0 * kp + k0 * tn..],
-                        [&mut acc0[span.clone()], &mut acc1[span]],
-                    );
-                    t0 += tn;
-                }
-                k0 += kc;
-            }
-            for i in 0..n {
-                epi(i, p, as_row(&acc0[i * NR..(i + 1) * NR]));
-            }
-            if q != p {
-                for i in 0..n {
-                    epi(i, q, as_row(&acc1[i * NR..(i + 1) * NR]));
-                }
-            }
-            p = q + 1;
-        }
-    })
-}
-
+/// The prefill path on a two-panel tile (f32 activations, or bf16 ones on
+/// the bf16 dot tile): each expert row's activations packed once per work
+/// item into one stream of token tiles (K blocks of [`BF16_PAIR_KC`],
+/// [`pack_pairs_f32`] / [`pack_pairs_b16`]), then every pair of panels runs
+/// over K blocks and token tiles.
 #[allow(clippy::too_many_arguments)]
 fn run_pairs_f32(
     k: &Kernels,
@@ -412,71 +338,153 @@ fn run_pairs_f32(
     it: &Item,
     row: &dyn Fn(usize) -> usize,
     src: &Src<'_>,
-    mut epi: impl FnMut(usize, usize, &[f32; NR]),
+    epi: impl FnMut(usize, usize, &[f32; NR]),
 ) {
     // Tiers without a two-panel tile run its twin (up to `MAX_MR` rows).
     let mr = k.bf16_pair_mr().unwrap_or(MAX_MR);
+    let rows = |i: usize| {
+        let base = i * src.f32_stride;
+        &src.f32_rows[base..base + kdim]
+    };
+    PAIRS_F32.with_borrow_mut(|(xp, acc)| {
+        let tile = |w: [&[u16]; 2], kc: usize, tn: usize, x: &[f32], a: [&mut [f32]; 2]| {
+            k.bf16_pair_tile(w, kc, tn, x, a)
+        };
+        run_pairs(
+            w,
+            kdim,
+            n,
+            mr,
+            it,
+            row,
+            rows,
+            pack_pairs_f32,
+            tile,
+            xp,
+            acc,
+            epi,
+        )
+    })
+}
+
+/// [`run_pairs_f32`] over the rows' bf16 copies on the two-panel bf16 dot
+/// tile (each pair of `k`s one 32-bit word of the stream; the copies are
+/// zero-padded to whole pairs, so every K block is whole pairs).
+#[allow(clippy::too_many_arguments)]
+fn run_pairs_b16(
+    k: &Kernels,
+    w: &[u16],
+    kdim: usize,
+    n: usize,
+    it: &Item,
+    row: &dyn Fn(usize) -> usize,
+    src: &Src<'_>,
+    epi: impl FnMut(usize, usize, &[f32; NR]),
+) {
+    let mr = k.bf16x_pair_mr().unwrap_or(MAX_MR);
+    let kp = bf16_padded_k(kdim);
+    let rows = |i: usize| {
+        let base = i * src.b16_stride;
+        &src.b16_rows[base..base + kp]
+    };
+    PAIRS_B16.with_borrow_mut(|(xp, acc)| {
+        let tile = |w: [&[u16]; 2], _kc: usize, tn: usize, x: &[u16], a: [&mut [f32]; 2]| {
+            k.bf16x_pair_tile(w, tn, x, a)
+        };
+        run_pairs(
+            w,
+            kp,
+            n,
+            mr,
+            it,
+            row,
+            rows,
+            pack_pairs_b16,
+            tile,
+            xp,
+            acc,
+            epi,
+        )
+    })
+}
+
+/// The loop both two-panel paths share. `kext` is how many `k`s each row
+/// holds (the real `K` for f32 rows, `K` padded to pairs for bf16 copies),
+/// `rows(i)` source row `i`, `pack` appends a K block of a token tile to the
+/// stream `xp` and `tile(panels, kc, tn, stream, accs)` runs one tile.
+#[allow(clippy::too_many_arguments)]
+fn run_pairs<'a, T: Copy + 'a>(
+    w: &[u16],
+    kext: usize,
+    n: usize,
+    mr: usize,
+    it: &Item,
+    row: &dyn Fn(usize) -> usize,
+    rows: impl Fn(usize) -> &'a [T],
+    pack: fn(&[&[T]], usize, usize, &mut Vec<T>),
+    tile: impl Fn([&[u16]; 2], usize, usize, &[T], [&mut [f32]; 2]),
+    xp: &mut Vec<T>,
+    acc: &mut Vec<f32>,
+    mut epi: impl FnMut(usize, usize, &[f32; NR]),
+) {
     // Token tiles of equal size (16 tokens: 8 + 8, not 12 + 4).
     let tn_max = n.div_ceil(n.div_ceil(mr));
-    let kp = bf16_padded_k(kdim);
+    let kp = bf16_padded_k(kext);
     let panel_len = kp * NR;
-    PAIRS_F32.with_borrow_mut(|(xp, acc)| {
-        // The tile at token `t0` (`tn` rows) holds `tn · kp` values from
-        // `t0 · kp`; its K block at `k0` starts `k0 · tn` values in.
-        xp.clear();
-        let mut t0 = 0;
-        while t0 < n {
-            let tn = tn_max.min(n - t0);
-            let mut rows: [&[f32]; MAX_MR] = [&[]; MAX_MR];
-            for (i, r) in rows.iter_mut().enumerate().take(tn) {
-                let base = row(t0 + i) * src.f32_stride;
-                *r = &src.f32_rows[base..base + kdim];
-            }
-            let mut k0 = 0;
-            while k0 < kdim {
-                let kc = BF16_PAIR_KC.min(kdim - k0);
-                pack_pairs_f32(&rows[..tn], k0, kc, xp);
-                k0 += kc;
-            }
-            t0 += tn;
+    // The tile at token `t0` (`tn` rows) holds `tn · kp` values from
+    // `t0 · kp`; its K block at `k0` starts `k0 · tn` values in.
+    xp.clear();
+    let mut t0 = 0;
+    while t0 < n {
+        let tn = tn_max.min(n - t0);
+        let mut tile_rows: [&[T]; MAX_MR] = [&[]; MAX_MR];
+        for (i, r) in tile_rows.iter_mut().enumerate().take(tn) {
+            *r = rows(row(t0 + i));
         }
-        acc.resize(2 * n * NR, 0.0);
-        let (p0, p1) = (it.p0 as usize, it.p1 as usize);
-        let mut p = p0;
-        while p < p1 {
-            // An odd last panel runs as a pair with itself (one result kept).
-            let q = if p + 1 < p1 { p + 1 } else { p };
-            acc.fill(0.0);
-            let (acc0, acc1) = acc.split_at_mut(n * NR);
-            let mut k0 = 0;
-            while k0 < kdim {
-                let kc = BF16_PAIR_KC.min(kdim - k0);
-                let len = bf16_padded_k(kc) * NR;
-                let chunk = |j: usize| &w[j * panel_len + k0 * NR..][..len];
-                let mut t0 = 0;
-                while t0 < n {
-                    let tn = tn_max.min(n - t0);
-                    let span = t0 * NR..(t0 + tn) * NR;
-                    k.bf16_pair_tile(
-                        [chunk(p), chunk(q)],
-                        kc,
-                        tn,
-                        &xp[t0 * kp + k0 * tn..],
-                        [&mut acc0[span.clone()], &mut acc1[span]],
-                    );
-                    t0 += tn;
-                }
-                k0 += kc;
+        let mut k0 = 0;
+        while k0 < kext {
+            let kc = BF16_PAIR_KC.min(kext - k0);
+            pack(&tile_rows[..tn], k0, kc, xp);
+            k0 += kc;
+        }
+        t0 += tn;
+    }
+    acc.resize(2 * n * NR, 0.0);
+    let (p0, p1) = (it.p0 as usize, it.p1 as usize);
+    let mut p = p0;
+    while p < p1 {
+        // An odd last panel runs as a pair with itself (one result kept).
+        let q = if p + 1 < p1 { p + 1 } else { p };
+        acc.fill(0.0);
+        let (acc0, acc1) = acc.split_at_mut(n * NR);
+        let mut k0 = 0;
+        while k0 < kext {
+            let kc = BF16_PAIR_KC.min(kext - k0);
+            let len = bf16_padded_k(kc) * NR;
+            let chunk = |j: usize| &w[j * panel_len + k0 * NR..][..len];
+            let mut t0 = 0;
+            while t0 < n {
+                let tn = tn_max.min(n - t0);
+                let span = t0 * NR..(t0 + tn) * NR;
+                tile(
+                    [chunk(p), chunk(q)],
+                    kc,
+                    tn,
+                    &xp[t0 * kp + k0 * tn..],
+                    [&mut acc0[span.clone()], &mut acc1[span]],
+                );
+                t0 += tn;
             }
+            k0 += kc;
+        }
+        for i in 0..n {
+            epi(i, p, as_row(&acc0[i * NR..(i + 1) * NR]));
+        }
+        if q != p {
             for i in 0..n {
-                epi(i, p, as_row(&acc0[i * NR..(i + 1) * NR]));
+                epi(i, q, as_row(&acc1[i * NR..(i + 1) * NR]));
             }
-            if q != p {
-                for i in 0..n {
-                    epi(i, q, as_row(&acc1[i * NR..(i + 1) * NR]));
-                }
-            }
-            p = q + 1;
         }
-    })
+        p = q + 1;
+    }
 }

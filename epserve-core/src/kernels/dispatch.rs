@@ -662,8 +662,8 @@ impl Kernels {
     }
 
     /// Whether bf16 activations run the native bf16 dot tile on the prefill
-    /// path too (K blocks kept in L1, tiles of [`bf16x_mr`](Self::bf16x_mr)
-    /// rows) rather than the widening f32 FMA tile on their f32 originals.
+    /// path too (its two-panel form, [`bf16x_pair_tile`](Self::bf16x_pair_tile))
+    /// rather than the widening f32 FMA tile on their f32 originals.
     /// On AMD Zen 4 and later a zmm `vdpbf16ps` retires as fast as a zmm
     /// FMA with twice its multiply-adds; on Intel (Sapphire Rapids class,
     /// measured with `EPSERVE_KERNEL=avx512-bf16`) it runs at half the FMA
@@ -674,7 +674,8 @@ impl Kernels {
     }
 
     /// This tier with the bf16 dot tile on the prefill path forced on or off
-    /// (tests; it is a no-op on tiers without the tile).
+    /// (tests, `EPSERVE_BF16_DOT_PREFILL`; on stays off on tiers without the
+    /// tile).
     pub fn with_bf16x_prefill(mut self, on: bool) -> Kernels {
         self.bf16x_prefill = on && self.bf16x.is_some();
         self
