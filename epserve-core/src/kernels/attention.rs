@@ -649,6 +649,70 @@ mod tests {
     use crate::kernels::dispatch::Tier;
     use crate::kernels::layout::f32_to_bf16_bits;
 
+    /// A score's bits do not depend on how many keys or queries share its
+    /// kernel call (the tiers block 16 keys × 8 queries, pairs of keys, or
+    /// one key at a time): one call over every key equals one call per key,
+    /// and a query alone equals the same query inside a group.
+    #[test]
+    fn scores_do_not_depend_on_the_call_shape() {
+        let mut rng = StdRng::seed_from_u64(11);
+        for (dk, m) in [(128usize, 8usize), (128, 19), (40, 16), (13, 9), (64, 1)] {
+            let (n, stride) = (37usize, dk + 5);
+            let q: Vec<f32> = (0..m * dk)
+                .map(|_| rng.random_range(-1.0f32..1.0))
+                .collect();
+            let kf: Vec<f32> = (0..n * stride)
+                .map(|_| rng.random_range(-1.0f32..1.0))
+                .collect();
+            let kb: Vec<u16> = kf.iter().map(|&x| f32_to_bf16_bits(x)).collect();
+            for rows in [KvRows::F32(&kf), KvRows::Bf16(&kb)] {
+                for tier in Tier::available() {
+                    let Some(kern) = Kernels::for_tier(tier) else {
+                        continue;
+                    };
+                    let ldo = n + 3;
+                    let mut whole = vec![0.0f32; m * ldo];
+                    kern.attn_scores(&q, dk, rows, stride, n, 0.7, &mut whole, ldo);
+                    let mut by_key = vec![0.0f32; m * ldo];
+                    for i in 0..n {
+                        kern.attn_scores(
+                            &q,
+                            dk,
+                            rows.slice_from(i * stride),
+                            stride,
+                            1,
+                            0.7,
+                            &mut by_key[i..],
+                            ldo,
+                        );
+                    }
+                    let mut alone = vec![0.0f32; ldo];
+                    let last = m - 1;
+                    kern.attn_scores(&q[last * dk..], dk, rows, stride, n, 0.7, &mut alone, ldo);
+                    for mi in 0..m {
+                        for i in 0..n {
+                            let (a, b) = (whole[mi * ldo + i], by_key[mi * ldo + i]);
+                            assert_eq!(
+                                a.to_bits(),
+                                b.to_bits(),
+                                "{} dk={dk} m={m} bf16={} query {mi} key {i}",
+                                tier.name(),
+                                rows.is_bf16()
+                            );
+                        }
+                    }
+                    let got = &whole[last * ldo..last * ldo + n];
+                    assert_eq!(
+                        got,
+                        &alone[..n],
+                        "{} dk={dk} m={m}: query alone",
+                        tier.name()
+                    );
+                }
+            }
+        }
+    }
+
     #[test]
     fn sink_takes_mass() {
         let mut s = vec![0.0, 0.0];

@@ -5,7 +5,10 @@
 //! - `scores`: `out[m·ldo + i] = scale · q_m · k_i` for `M` query vectors
 //!   against `n` key rows `stride` elements apart. Up to eight queries share
 //!   each key load (eight independent FMA chains); one horizontal sum per
-//!   (query, key).
+//!   (query, key), always in the same order. On AVX-512 a run of 16 keys
+//!   for eight queries reduces each pair of keys' 16 sums in one tree and
+//!   transposes the eight pairs, so each query's 16 scores leave in one
+//!   vector store (a decode step's whole GQA group against a KV block).
 //! - `accum`: `acc[m·dv + c] += Σ_i p[m·ldp + i] · v_i[c]`: per chunk of
 //!   value columns, up to eight queries' accumulators stay in registers over
 //!   all `n` rows, each value load feeding eight FMAs.
@@ -168,6 +171,120 @@ fn reduce8(a: &[__m512; 8]) -> __m256 {
     )
 }
 
+/// The sixteen horizontal sums of `a[0..16]`, in order, as one vector,
+/// each in exactly [`reduce1`]'s order (four [`quad_sums`], then the
+/// 128-bit lanes added as `(l0 + l1) + (l2 + l3)`: 45 instructions).
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx2,fma")]
+fn reduce16(a: &[__m512; 16]) -> __m512 {
+    let x = [
+        quad_sums(&a[..4]),
+        quad_sums(&a[4..8]),
+        quad_sums(&a[8..12]),
+        quad_sums(&a[12..]),
+    ];
+    // Per 128-bit lane: [x.l0 + x.l1, x.l2 + x.l3, y.l0 + y.l1, y.l2 + y.l3].
+    let halves = |x: __m512, y: __m512| {
+        _mm512_add_ps(
+            _mm512_shuffle_f32x4::<0b10_00_10_00>(x, y),
+            _mm512_shuffle_f32x4::<0b11_01_11_01>(x, y),
+        )
+    };
+    halves(halves(x[0], x[1]), halves(x[2], x[3]))
+}
+
+/// The 8×8 transpose of 64-bit elements: `out[c]` element `r` is `r[r]`
+/// element `c` (unpack, two-source permute, 128-bit shuffle: 24 instructions).
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx2,fma")]
+fn transpose8x8_64(r: &[__m512d; 8]) -> [__m512d; 8] {
+    let a: [__m512d; 8] = std::array::from_fn(|i| {
+        let (x, y) = (r[i / 2 * 2], r[i / 2 * 2 + 1]);
+        if i % 2 == 0 {
+            _mm512_unpacklo_pd(x, y)
+        } else {
+            _mm512_unpackhi_pd(x, y)
+        }
+    });
+    // a[2k] = [r2k[0], r2k+1[0], r2k[2], r2k+1[2], ...], a[2k+1] the odd columns.
+    let lo = _mm512_setr_epi64(0, 1, 8, 9, 4, 5, 12, 13);
+    let hi = _mm512_setr_epi64(2, 3, 10, 11, 6, 7, 14, 15);
+    let mut b = [_mm512_setzero_pd(); 8];
+    for base in [0usize, 4] {
+        // Rows base..base + 4: columns {0,4}, {2,6}, {1,5}, {3,7}.
+        b[base] = _mm512_permutex2var_pd(a[base], lo, a[base + 2]);
+        b[base + 1] = _mm512_permutex2var_pd(a[base], hi, a[base + 2]);
+        b[base + 2] = _mm512_permutex2var_pd(a[base + 1], lo, a[base + 3]);
+        b[base + 3] = _mm512_permutex2var_pd(a[base + 1], hi, a[base + 3]);
+    }
+    // b[j] (rows 0..4) and b[4 + j] (rows 4..8) hold columns c and c + 4,
+    // c = [0, 2, 1, 3][j], as 128-bit lanes [c: r0r1, r2r3 | c+4: r0r1, r2r3].
+    let mut out = [_mm512_setzero_pd(); 8];
+    for (j, c) in [0usize, 2, 1, 3].into_iter().enumerate() {
+        out[c] = _mm512_shuffle_f64x2::<0b01_00_01_00>(b[j], b[4 + j]);
+        out[c + 4] = _mm512_shuffle_f64x2::<0b11_10_11_10>(b[j], b[4 + j]);
+    }
+    out
+}
+
+/// Eight queries (rows `dk` apart at `q`) against 16 key rows `rb` bytes
+/// apart: pairs of keys as [`dots512x2`], each pair's 16 sums reduced in one
+/// [`reduce16`] (query-major, key-minor lanes), scaled, and the eight pairs
+/// transposed so each query's 16 scores are one vector store at `out`, rows
+/// `ldo` apart. The bits equal [`dots512x2`]'s.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx2,fma")]
+unsafe fn scores8x16<const BF: bool>(
+    q: *const f32,
+    dk: usize,
+    k: *const u8,
+    rb: usize,
+    scale: f32,
+    out: *mut f32,
+    ldo: usize,
+) {
+    let (full, rem) = (dk / 16, dk % 16);
+    let mask = ((1u32 << rem) - 1) as u16;
+    let sv = _mm512_set1_ps(scale);
+    let mut pairs = [_mm512_setzero_pd(); 8];
+    // SAFETY: `q` holds 8 rows of `dk`, `k` 16 rows `rb` bytes apart, `out`
+    // 8 rows of 16 at `ldo`.
+    unsafe {
+        for (p, pair) in pairs.iter_mut().enumerate() {
+            let k0 = k.add(2 * p * rb);
+            let k1 = k0.add(rb);
+            prefetch_row(k0, rb, dk * esize(BF));
+            prefetch_row(k1, rb, dk * esize(BF));
+            // a[2g + j]: query g against key j of the pair.
+            let mut a = [_mm512_setzero_ps(); 16];
+            for c in 0..full {
+                let kv = [ld16::<BF>(k0, c * 16), ld16::<BF>(k1, c * 16)];
+                for g in 0..8 {
+                    let qv = _mm512_loadu_ps(q.add(g * dk + c * 16));
+                    a[2 * g] = _mm512_fmadd_ps(qv, kv[0], a[2 * g]);
+                    a[2 * g + 1] = _mm512_fmadd_ps(qv, kv[1], a[2 * g + 1]);
+                }
+            }
+            if rem > 0 {
+                let kv = [
+                    ld16_tail::<BF>(k0, full * 16, rem),
+                    ld16_tail::<BF>(k1, full * 16, rem),
+                ];
+                for g in 0..8 {
+                    let qv = _mm512_maskz_loadu_ps(mask, q.add(g * dk + full * 16));
+                    a[2 * g] = _mm512_fmadd_ps(qv, kv[0], a[2 * g]);
+                    a[2 * g + 1] = _mm512_fmadd_ps(qv, kv[1], a[2 * g + 1]);
+                }
+            }
+            *pair = _mm512_castps_pd(_mm512_mul_ps(reduce16(&a), sv));
+        }
+        let cols = transpose8x8_64(&pairs);
+        for (g, c) in cols.iter().enumerate() {
+            _mm512_storeu_ps(out.add(g * ldo), _mm512_castpd_ps(*c));
+        }
+    }
+}
+
 /// Eight queries (rows `dk` apart at `q`) against two key rows: each query
 /// chunk loaded once feeds both keys (16 accumulators).
 #[inline]
@@ -230,6 +347,20 @@ pub unsafe fn scores512<const BF: bool>(
         // Pairs of keys for each group of eight queries.
         let m8 = m / 8 * 8;
         let mut i = 0;
+        while m8 > 0 && i + 16 <= n {
+            for mi in (0..m8).step_by(8) {
+                scores8x16::<BF>(
+                    q.as_ptr().add(mi * dk),
+                    dk,
+                    k.add(i * rb),
+                    rb,
+                    scale,
+                    out.as_mut_ptr().add(mi * ldo + i),
+                    ldo,
+                );
+            }
+            i += 16;
+        }
         while m8 > 0 && i + 2 <= n {
             let kr = [k.add(i * rb), k.add((i + 1) * rb)];
             prefetch_row(kr[0], rb, dk * esize(BF));
