@@ -244,6 +244,33 @@ fn int8_dense_agrees_with_bf16_on_fixtures_and_reports_kl() {
     );
 }
 
+/// `--dense-dtype bf16`: bf16 activations on the dense projections (and
+/// bf16 queries in attention, as llama.cpp rounds them to its cache's type),
+/// against the exact default: the first greedy token always agrees and at
+/// least 90% of the rest, KL printed.
+#[test]
+fn bf16_dense_activations_agree_with_exact_on_fixtures() {
+    let (mut agree_all, mut total_all, mut kl_all) = (0usize, 0usize, 0.0f64);
+    for name in fixture_names() {
+        let exact = load(&name, ExecutorKind::Packed, ExpertDtype::Auto);
+        let opts = LoadOptions {
+            dense_dtype: DenseDtype::Bf16,
+            ..LoadOptions::default()
+        };
+        let dir = fixture_dir(&name).join("bf16");
+        let b = Model::load_with(&dir, &opts).unwrap_or_else(|e| panic!("{name}: {e}"));
+        let (a, t, k) = agreement(&name, "bf16 dense activations vs exact", &exact, &b);
+        agree_all += a;
+        total_all += t;
+        kl_all += k;
+    }
+    eprintln!(
+        "all fixtures: bf16 dense activations vs exact greedy agreement {agree_all}/{total_all} ({:.1}%), mean KL {:.2e} nats/token",
+        100.0 * agree_all as f64 / total_all.max(1) as f64,
+        kl_all / total_all.max(1) as f64
+    );
+}
+
 /// `--expert-dtype bf16`: bf16 activations on tiers with a bf16 dot
 /// instruction (f32 elsewhere, where this is exact), against f32 activations.
 #[test]

@@ -47,6 +47,11 @@ pub struct BenchAttentionArgs {
     /// Least time per row and path, milliseconds (at least 3 passes).
     #[arg(long, default_value_t = 200)]
     pub min_ms: u64,
+    /// Round the queries to bf16, as a model with bf16 activations
+    /// (`--dense-dtype bf16`) does: the scores against bf16 keys then run on
+    /// the native bf16 dot where the tier has one.
+    #[arg(long)]
+    pub bf16_queries: bool,
     /// Print one JSON object instead of the table.
     #[arg(long)]
     pub json: bool,
@@ -136,6 +141,7 @@ pub fn measure(args: &BenchAttentionArgs) -> Result<(f64, Vec<AttentionRow>)> {
         window: None,
         sinks: None,
         block_size: args.block_size,
+        bf16_queries: args.bf16_queries,
     };
     let mut cases: Vec<(&'static str, usize, usize)> =
         contexts.iter().map(|&c| ("decode", c, 1)).collect();
@@ -209,15 +215,20 @@ pub fn run(args: &BenchAttentionArgs) -> Result<()> {
     let threads = rayon::current_num_threads();
     if args.json {
         let v = serde_json::json!({
-            "tier": tier, "threads": threads, "bandwidth_gbps": bw, "rows": rows,
+            "tier": tier, "threads": threads, "bandwidth_gbps": bw,
+            "bf16_queries": args.bf16_queries, "rows": rows,
         });
         println!("{v}");
         return Ok(());
     }
     println!(
-        "flash attention, {} query heads / {} KV heads, head_dim {}, blocks of {}: tier {tier}, \
-         {threads} threads, measured read bandwidth {bw:.1} GB/s",
-        args.heads, args.kv_heads, args.head_dim, args.block_size
+        "flash attention, {} query heads / {} KV heads, head_dim {}, blocks of {}, {} queries: \
+         tier {tier}, {threads} threads, measured read bandwidth {bw:.1} GB/s",
+        args.heads,
+        args.kv_heads,
+        args.head_dim,
+        args.block_size,
+        if args.bf16_queries { "bf16" } else { "f32" }
     );
     println!(
         "{:>8} {:>5} {:>7} {:>5} {:>9} {:>9} {:>8} {:>7} {:>5} {:>8}",
@@ -256,12 +267,18 @@ mod tests {
             block_size: 4,
             working_set_mib: 0,
             min_ms: 1,
+            bf16_queries: false,
             json: false,
         };
         let (bw, rows) = measure(&args)?;
         assert!(bw > 0.0);
         assert_eq!(rows.len(), 6);
         assert!(rows.iter().all(|r| r.fast_ms > 0.0 && r.speedup > 0.0));
+        let bq = BenchAttentionArgs {
+            bf16_queries: true,
+            ..args.clone()
+        };
+        assert_eq!(measure(&bq)?.1.len(), 6);
         let bad = BenchAttentionArgs {
             contexts: "5,x".into(),
             ..args.clone()

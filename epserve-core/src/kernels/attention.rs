@@ -30,7 +30,7 @@ use rayon::prelude::*;
 
 use super::dispatch::Kernels;
 use super::fast_exp;
-use super::layout::bf16_bits_to_f32;
+use super::layout::{bf16_bits_to_f32, f32_to_bf16_bits};
 
 /// Key positions per online-softmax step.
 pub const KEY_BLOCK: usize = 64;
@@ -121,6 +121,12 @@ pub struct AttnShape<'a> {
     pub sinks: Option<&'a [f32]>,
     /// Positions per cache block.
     pub block_size: usize,
+    /// Round the queries to bf16 before the scores (the model runs with
+    /// bf16 activations, `--dense-dtype bf16`): against bf16 keys the tiers
+    /// with a native bf16 dot then take half the instructions for the
+    /// scores ([`Kernels::attn_scores_b16`]). Values and probabilities stay
+    /// f32.
+    pub bf16_queries: bool,
 }
 
 /// One sequence of the flattened batch.
@@ -411,6 +417,8 @@ fn runs(s: &AttnSeq<'_>, bs: usize, j0: usize, j1: usize, mut f: impl FnMut(usiz
 /// output per query vector.
 struct HeadState {
     q: Vec<f32>,
+    /// `q` as bf16 bits when the queries are rounded (else empty).
+    qb: Vec<u16>,
     mx: Vec<f32>,
     sum: Vec<f32>,
     acc: Vec<f32>,
@@ -438,8 +446,17 @@ fn run_item(
                 let row = s.start + it.r0 + ri;
                 qb.extend_from_slice(&q[(row * heads + h0) * dk..(row * heads + h0 + nh) * dk]);
             }
+            let mut qv = qb;
+            let mut qbits = Vec::new();
+            if shape.bf16_queries {
+                qbits = qv.iter().map(|&x| f32_to_bf16_bits(x)).collect();
+                for (x, &b) in qv.iter_mut().zip(&qbits) {
+                    *x = bf16_bits_to_f32(b);
+                }
+            }
             HeadState {
-                q: qb,
+                q: qv,
+                qb: qbits,
                 mx: vec![f32::NEG_INFINITY; m],
                 sum: vec![0.0f32; m],
                 acc: vec![0.0f32; m * dv],
@@ -489,16 +506,23 @@ fn run_item(
             let (koff, voff) = (kvh * k.head_stride, kvh * v.head_stride);
             runs(s, bs, j0, j1, |j, len, row0| {
                 hint(&k, koff, j - j0, j - j0 + len);
-                kern.attn_scores(
-                    &h.q,
-                    dk,
-                    k.rows.slice_from(row0 * k.stride + koff),
-                    k.stride,
-                    len,
-                    shape.scale,
-                    &mut sc[j - j0..],
-                    KEY_BLOCK,
-                );
+                let rows = k.rows.slice_from(row0 * k.stride + koff);
+                let out = &mut sc[j - j0..];
+                if shape.bf16_queries {
+                    kern.attn_scores_b16(
+                        &h.q,
+                        &h.qb,
+                        dk,
+                        rows,
+                        k.stride,
+                        len,
+                        shape.scale,
+                        out,
+                        KEY_BLOCK,
+                    );
+                } else {
+                    kern.attn_scores(&h.q, dk, rows, k.stride, len, shape.scale, out, KEY_BLOCK);
+                }
             });
             for mi in 0..m {
                 let srow = &mut sc[mi * KEY_BLOCK..mi * KEY_BLOCK + n];
@@ -708,6 +732,45 @@ mod tests {
                         "{} dk={dk} m={m}: query alone",
                         tier.name()
                     );
+                    // bf16 queries: blocks, single keys and a query alone
+                    // agree bit for bit, and match the f32 scores of the
+                    // rounded queries closely.
+                    let qb: Vec<u16> = q.iter().map(|&x| f32_to_bf16_bits(x)).collect();
+                    let qr: Vec<f32> = qb.iter().map(|&b| bf16_bits_to_f32(b)).collect();
+                    let mut bw = vec![0.0f32; m * ldo];
+                    kern.attn_scores_b16(&qr, &qb, dk, rows, stride, n, 0.7, &mut bw, ldo);
+                    let mut bk = vec![0.0f32; m * ldo];
+                    for i in 0..n {
+                        let r = rows.slice_from(i * stride);
+                        kern.attn_scores_b16(&qr, &qb, dk, r, stride, 1, 0.7, &mut bk[i..], ldo);
+                    }
+                    let mut ba = vec![0.0f32; ldo];
+                    let (ql, qbl) = (&qr[last * dk..], &qb[last * dk..]);
+                    kern.attn_scores_b16(ql, qbl, dk, rows, stride, n, 0.7, &mut ba, ldo);
+                    let mut fr = vec![0.0f32; m * ldo];
+                    kern.attn_scores(&qr, dk, rows, stride, n, 0.7, &mut fr, ldo);
+                    for mi in 0..m {
+                        for i in 0..n {
+                            let x = bw[mi * ldo + i];
+                            assert_eq!(
+                                x.to_bits(),
+                                bk[mi * ldo + i].to_bits(),
+                                "{} b16",
+                                tier.name()
+                            );
+                            assert!(
+                                (x - fr[mi * ldo + i]).abs() < 1e-4,
+                                "{} b16 vs f32",
+                                tier.name()
+                            );
+                        }
+                    }
+                    assert_eq!(
+                        &bw[last * ldo..last * ldo + n],
+                        &ba[..n],
+                        "{} b16 alone",
+                        tier.name()
+                    );
                 }
             }
         }
@@ -802,30 +865,43 @@ mod tests {
             .map(|_| rng.random_range(-1.0f32..1.0))
             .collect();
         let sink_v: Vec<f32> = (0..heads).map(|_| rng.random_range(-2.0f32..2.0)).collect();
-        let shape = AttnShape {
+        let mut shape = AttnShape {
             heads,
             kv_heads,
             scale: (dk as f32).powf(-0.5) * 2.0,
             window,
             sinks: sinks.then_some(&sink_v[..]),
             block_size: bs,
+            bf16_queries: false,
         };
         let mut want = vec![0.0f32; t * heads * dv];
         reference(&shape, &batch, &q, k, v, &mut want);
-        for tier in Tier::available() {
+        // bf16 queries: the reference on the rounded queries.
+        let qr: Vec<f32> = q
+            .iter()
+            .map(|&x| bf16_bits_to_f32(f32_to_bf16_bits(x)))
+            .collect();
+        let mut want_r = vec![0.0f32; t * heads * dv];
+        reference(&shape, &batch, &qr, k, v, &mut want_r);
+        for (tier, bq) in Tier::available()
+            .into_iter()
+            .flat_map(|t| [(t, false), (t, true)])
+        {
             let Some(kern) = Kernels::for_tier(tier) else {
                 continue;
             };
+            shape.bf16_queries = bq;
+            let want = if bq { &want_r } else { &want };
             let mut got = vec![f32::NAN; t * heads * dv];
             attention(&kern, &shape, &batch, &q, k, v, &mut got);
             let worst = got
                 .iter()
-                .zip(&want)
+                .zip(want)
                 .map(|(a, b)| (a - b).abs())
                 .fold(0.0f32, f32::max);
             assert!(
                 worst <= 2e-5,
-                "{} heads={heads}/{kv_heads} dk={dk} dv={dv} mla={mla} window={window:?} sinks={sinks} bs={bs} seqs={seqs:?} bf16={bf16}: max diff {worst}",
+                "{} heads={heads}/{kv_heads} dk={dk} dv={dv} mla={mla} window={window:?} sinks={sinks} bs={bs} seqs={seqs:?} bf16={bf16} bf16 queries={bq}: max diff {worst}",
                 tier.name()
             );
         }
@@ -836,15 +912,20 @@ mod tests {
     /// bit for bit (attention-workers retry a step and must agree).
     #[test]
     fn rows_are_bit_identical_in_any_tile() {
-        // Short, and crossing key splits (SPLIT_KEYS) inside the tile.
-        for (past, len) in [(150usize, 21usize), (SPLIT_KEYS * 2 - 20, 40)] {
-            bit_identical_case(past, len);
+        // Short, and crossing key splits (SPLIT_KEYS) inside the tile; runs
+        // of 4 keys, and of 16 (the AVX-512 16-key score blocks).
+        for (past, len, bs) in [
+            (150usize, 21usize, 4usize),
+            (SPLIT_KEYS * 2 - 20, 40, 4),
+            (150, 21, 16),
+        ] {
+            bit_identical_case(past, len, bs);
         }
     }
 
-    fn bit_identical_case(past: usize, len: usize) {
+    fn bit_identical_case(past: usize, len: usize, bs: usize) {
         let mut rng = StdRng::seed_from_u64(3);
-        let (heads, kv_heads, d, bs) = (16usize, 2usize, 40usize, 4usize);
+        let (heads, kv_heads, d) = (16usize, 2usize, 40usize);
         let total = past + len;
         let w = kv_heads * d;
         let blocks: Vec<u32> = (0..total.div_ceil(bs) as u32).rev().collect();
@@ -861,7 +942,18 @@ mod tests {
             .map(|_| rng.random_range(-1.0f32..1.0))
             .collect();
         let sinks: Vec<f32> = (0..heads).map(|h| h as f32 * 0.1).collect();
-        for window in [None, Some(37)] {
+        let kvb: Vec<u16> = kv.iter().map(|&x| f32_to_bf16_bits(x)).collect();
+        let bview = KvView {
+            rows: KvRows::Bf16(&kvb),
+            ..view
+        };
+        for (window, bf16) in [
+            (None, false),
+            (Some(37), false),
+            (None, true),
+            (Some(37), true),
+        ] {
+            let view = if bf16 { bview } else { view };
             let shape = AttnShape {
                 heads,
                 kv_heads,
@@ -869,6 +961,7 @@ mod tests {
                 window,
                 sinks: Some(&sinks),
                 block_size: bs,
+                bf16_queries: bf16,
             };
             for tier in Tier::available() {
                 let Some(kern) = Kernels::for_tier(tier) else {
@@ -902,7 +995,7 @@ mod tests {
                 assert_eq!(
                     &a[(len - tail) * heads * d..],
                     &b[..],
-                    "{} window {window:?}",
+                    "{} window {window:?} bf16 {bf16}",
                     tier.name()
                 );
             }
@@ -923,6 +1016,7 @@ mod tests {
             window: None,
             sinks: None,
             block_size: 16,
+            bf16_queries: false,
         };
         for past in [10, 2000, 8000, 16000] {
             let seqs = [AttnSeq {
@@ -972,8 +1066,9 @@ mod tests {
             .map(|_| rng.random_range(-1.0f32..1.0))
             .collect();
         let kvb: Vec<u16> = kv.iter().map(|&x| f32_to_bf16_bits(x)).collect();
+        // bf16 values, so the runs with bf16 queries match the reference too.
         let q: Vec<f32> = (0..row * heads * d)
-            .map(|_| rng.random_range(-1.0f32..1.0))
+            .map(|_| bf16_bits_to_f32(f32_to_bf16_bits(rng.random_range(-1.0f32..1.0))))
             .collect();
         let seqs: Vec<AttnSeq<'_>> = lens
             .iter()
@@ -1001,6 +1096,7 @@ mod tests {
                     window,
                     sinks,
                     block_size: bs,
+                    bf16_queries: window.is_some(),
                 };
                 for tier in Tier::available() {
                     let Some(kern) = Kernels::for_tier(tier) else {

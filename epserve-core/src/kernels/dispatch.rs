@@ -161,6 +161,7 @@ type Bf16xPairTile = unsafe fn([&[u16]; 2], usize, &[u16], [&mut [f32]; 2]);
 type Bf16mmTile = unsafe fn(&[u16], usize, &[u16], &mut [f32]);
 type I8Tile = unsafe fn(&[i8], &[&[i8]], &mut [i32]);
 type AttnScores = unsafe fn(&[f32], usize, *const u8, usize, usize, f32, &mut [f32], usize);
+type AttnScoresB16 = unsafe fn(&[u16], usize, *const u8, usize, usize, f32, &mut [f32], usize);
 type AttnAccum = unsafe fn(&[f32], usize, *const u8, usize, usize, &mut [f32], usize);
 type AttnSoftmax = unsafe fn(&mut [f32], f32) -> (f32, f32);
 
@@ -170,6 +171,9 @@ type AttnSoftmax = unsafe fn(&mut [f32], f32) -> (f32, f32);
 #[derive(Clone, Copy)]
 struct AttnFns {
     scores: [AttnScores; 2],
+    /// bf16 queries against bf16 keys with a native bf16 dot, where the
+    /// tier has one (see [`Kernels::attn_scores_b16`]).
+    scores_b16: Option<AttnScoresB16>,
     accum: [AttnAccum; 2],
     softmax: AttnSoftmax,
 }
@@ -269,6 +273,7 @@ impl Kernels {
                     bf16x_prefill: false,
                     attn: Some(AttnFns {
                         scores: [attn::scores256::<false>, attn::scores256::<true>],
+                        scores_b16: None,
                         accum: [attn::accum256::<false>, attn::accum256::<true>],
                         softmax: attn::softmax256,
                     }),
@@ -299,6 +304,8 @@ impl Kernels {
                     bf16x_prefill: tier == Tier::Avx512Bf16 && dot_beats_fma_on_prefill(),
                     attn: Some(AttnFns {
                         scores: [attn::scores512::<false>, attn::scores512::<true>],
+                        scores_b16: matches!(tier, Tier::Avx512Bf16 | Tier::Amx)
+                            .then_some(attn::scores512_b16 as AttnScoresB16),
                         accum: [attn::accum512::<false>, attn::accum512::<true>],
                         softmax: attn::softmax512,
                     }),
@@ -328,6 +335,7 @@ impl Kernels {
                     bf16x_prefill: false,
                     attn: Some(AttnFns {
                         scores: [attn::scores::<false>, attn::scores::<true>],
+                        scores_b16: None,
                         accum: [attn::accum::<false>, attn::accum::<true>],
                         softmax: attn::softmax,
                     }),
@@ -602,6 +610,41 @@ impl Kernels {
                 (f.scores[k.is_bf16() as usize])(q, dk, k.as_ptr(), stride, n, scale, out, ldo)
             },
             None => generic::attn_scores(q, dk, k, stride, n, scale, out, ldo),
+        }
+    }
+
+    /// [`Kernels::attn_scores`] with the queries rounded to bf16: `qb` holds
+    /// them as bf16 bits and `q` as their f32 values (the same numbers).
+    /// Against bf16 keys on a tier with a native bf16 dot (`vdpbf16ps`) the
+    /// dots take half the instructions and no widening; elsewhere this is
+    /// [`Kernels::attn_scores`] on `q`. Either way a score's bits depend only
+    /// on its query and key, never on the call's shape. Panics as
+    /// [`Kernels::attn_scores`].
+    #[allow(clippy::too_many_arguments)]
+    #[inline]
+    pub fn attn_scores_b16(
+        &self,
+        q: &[f32],
+        qb: &[u16],
+        dk: usize,
+        k: KvRows<'_>,
+        stride: usize,
+        n: usize,
+        scale: f32,
+        out: &mut [f32],
+        ldo: usize,
+    ) {
+        match self.attn.and_then(|f| f.scores_b16) {
+            Some(f) if k.is_bf16() && n > 0 && !qb.is_empty() => {
+                let m = qb.len() / dk.max(1);
+                assert!(dk > 0 && qb.len() == m * dk && q.len() == qb.len());
+                assert!(ldo >= n && stride >= dk);
+                assert!(k.len() >= (n - 1) * stride + dk && out.len() >= (m - 1) * ldo + n);
+                // SAFETY: this tier was checked as supported when `self` was
+                // built, and the extents were just asserted.
+                unsafe { f(qb, dk, k.as_ptr(), stride, n, scale, out, ldo) }
+            }
+            _ => self.attn_scores(q, dk, k, stride, n, scale, out, ldo),
         }
     }
 

@@ -356,6 +356,9 @@ impl Attention {
                 window: self.sliding_window,
                 sinks: self.sinks.as_deref(),
                 block_size: pool.block_size(),
+                // bf16 activations (`--dense-dtype bf16`) round the queries
+                // too, as llama.cpp rounds them to its K cache's type.
+                bf16_queries: self.qkv.bf16_activations(),
             },
             &seqs,
             &q,

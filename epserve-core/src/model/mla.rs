@@ -333,6 +333,9 @@ impl Mla {
                 window: None,
                 sinks: None,
                 block_size: pool.block_size(),
+                // The absorbed queries stay f32 (the latent is shared by
+                // every head; not measured with bf16 queries).
+                bf16_queries: false,
             },
             &seqs,
             &qf,

@@ -408,6 +408,147 @@ pub unsafe fn scores512<const BF: bool>(
     }
 }
 
+// ------------------------------------------------- AVX-512 BF16 queries
+
+/// Words `i..i + 32` of the bf16 row at `p` (`rem` of them, zero-filled,
+/// when `rem` is non-zero) as 16 bf16 pairs.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512bf16,avx2,fma")]
+unsafe fn ld32b(p: *const u16, i: usize, rem: usize) -> __m512bh {
+    // SAFETY: the caller guarantees `rem` (32 when 0) words at `i`; masked
+    // lanes are never read.
+    unsafe {
+        let v = if rem == 0 {
+            _mm512_loadu_si512(p.add(i) as *const __m512i)
+        } else {
+            _mm512_maskz_loadu_epi16(((1u64 << rem) - 1) as u32, p.add(i) as *const i16)
+        };
+        std::mem::transmute::<__m512i, __m512bh>(v)
+    }
+}
+
+/// One bf16 query (`dk` words at `q`) against one bf16 key row: `vdpbf16ps`
+/// over 32-word chunks in order, then [`reduce1`].
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512bf16,avx2,fma")]
+unsafe fn dot1_b16(q: *const u16, dk: usize, k: *const u16) -> f32 {
+    let (full, rem) = (dk / 32, dk % 32);
+    let mut a = _mm512_setzero_ps();
+    // SAFETY: `q` and `k` hold `dk` words each.
+    unsafe {
+        for c in 0..full {
+            a = _mm512_dpbf16_ps(a, ld32b(q, c * 32, 0), ld32b(k, c * 32, 0));
+        }
+        if rem > 0 {
+            a = _mm512_dpbf16_ps(a, ld32b(q, full * 32, rem), ld32b(k, full * 32, rem));
+        }
+    }
+    reduce1(a)
+}
+
+/// [`scores8x16`] with bf16 queries: eight queries (rows `dk` words apart at
+/// `q`) against 16 bf16 key rows `rb` bytes apart, each dot as
+/// [`dot1_b16`]'s (same bits), each query's 16 scores one vector store.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512bf16,avx2,fma")]
+unsafe fn scores8x16_b16(
+    q: *const u16,
+    dk: usize,
+    k: *const u8,
+    rb: usize,
+    scale: f32,
+    out: *mut f32,
+    ldo: usize,
+) {
+    let (full, rem) = (dk / 32, dk % 32);
+    let sv = _mm512_set1_ps(scale);
+    let mut pairs = [_mm512_setzero_pd(); 8];
+    // SAFETY: `q` holds 8 rows of `dk` words, `k` 16 rows `rb` bytes apart,
+    // `out` 8 rows of 16 at `ldo`.
+    unsafe {
+        for (p, pair) in pairs.iter_mut().enumerate() {
+            let k0 = k.add(2 * p * rb);
+            let k1 = k0.add(rb);
+            prefetch_row(k0, rb, dk * 2);
+            prefetch_row(k1, rb, dk * 2);
+            let (k0, k1) = (k0 as *const u16, k1 as *const u16);
+            // a[2g + j]: query g against key j of the pair.
+            let mut a = [_mm512_setzero_ps(); 16];
+            let mut chunk = |c0: usize, r: usize| {
+                let kv = [ld32b(k0, c0, r), ld32b(k1, c0, r)];
+                for g in 0..8 {
+                    let qv = ld32b(q.add(g * dk), c0, r);
+                    a[2 * g] = _mm512_dpbf16_ps(a[2 * g], qv, kv[0]);
+                    a[2 * g + 1] = _mm512_dpbf16_ps(a[2 * g + 1], qv, kv[1]);
+                }
+            };
+            for c in 0..full {
+                chunk(c * 32, 0);
+            }
+            if rem > 0 {
+                chunk(full * 32, rem);
+            }
+            *pair = _mm512_castps_pd(_mm512_mul_ps(reduce16(&a), sv));
+        }
+        let cols = transpose8x8_64(&pairs);
+        for (g, c) in cols.iter().enumerate() {
+            _mm512_storeu_ps(out.add(g * ldo), _mm512_castpd_ps(*c));
+        }
+    }
+}
+
+/// Scores of `qb.len() / dk` bf16 queries against `n` bf16 key rows
+/// (`vdpbf16ps`: half the instructions of the widening f32 FMA path, and no
+/// widening): 16-key runs of eight queries as [`scores8x16_b16`], the rest
+/// one dot at a time, every dot with the same bits.
+///
+/// # Safety
+/// AVX-512 F/BW/BF16 and FMA; `k` holds `(n - 1) · stride + dk` bf16
+/// elements, `out` row `m` at `m · ldo` has `n`.
+#[target_feature(enable = "avx512f,avx512bw,avx512bf16,avx2,fma")]
+pub unsafe fn scores512_b16(
+    qb: &[u16],
+    dk: usize,
+    k: *const u8,
+    stride: usize,
+    n: usize,
+    scale: f32,
+    out: &mut [f32],
+    ldo: usize,
+) {
+    let m = qb.len() / dk;
+    let rb = stride * 2;
+    let m8 = m / 8 * 8;
+    // SAFETY: the caller guarantees the features and the extents.
+    unsafe {
+        let mut i = 0;
+        while m8 > 0 && i + 16 <= n {
+            for mi in (0..m8).step_by(8) {
+                scores8x16_b16(
+                    qb.as_ptr().add(mi * dk),
+                    dk,
+                    k.add(i * rb),
+                    rb,
+                    scale,
+                    out.as_mut_ptr().add(mi * ldo + i),
+                    ldo,
+                );
+            }
+            i += 16;
+        }
+        let done = i;
+        for i in 0..n {
+            let kr = k.add(i * rb);
+            prefetch_row(kr, rb, dk * 2);
+            let m0 = if i < done { m8 } else { 0 };
+            for mi in m0..m {
+                out[mi * ldo + i] =
+                    dot1_b16(qb.as_ptr().add(mi * dk), dk, kr as *const u16) * scale;
+            }
+        }
+    }
+}
+
 /// `G` queries' accumulators for columns `c0..c0 + 16` (`rem` of them when
 /// non-zero) over `n` value rows.
 #[inline]
