@@ -16,8 +16,8 @@ use std::cell::RefCell;
 use crate::kernels::amx_plan::run_panels_amx;
 use crate::kernels::dispatch::{Kernels, MAX_MR};
 use crate::kernels::layout::{
-    BF16_MM_KC, BF16_PAIR_KC, DataView, I8_GROUP_BYTES, KG, NR, Src, as_row, bf16_padded_k,
-    dequant, i8_padded_k, mm_padded_k, pack_mm_bf16, pack_pairs_b16, pack_pairs_f32,
+    BF16_MM_KC, BF16_PAIR_KC, DataView, I8_GROUP_BYTES, KG, NR, Src, as_row, bf16_bits_to_f32,
+    bf16_padded_k, dequant, i8_padded_k, mm_padded_k, pack_mm_bf16, pack_pairs_b16, pack_pairs_f32,
 };
 
 /// `k` per block on the bf16 prefill path (a 16 KiB panel chunk).
@@ -68,6 +68,9 @@ thread_local! {
     /// accumulators.
     static MM_BF16: RefCell<(Vec<u16>, Vec<f32>)> =
         const { RefCell::new((Vec::new(), Vec::new())) };
+    /// bf16 activations on a widening FMA path: the rows rounded to bf16,
+    /// widened back to f32 (see [`run_panels`]).
+    static ROUNDED_F32: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
 }
 
 /// Splits each active expert's `panels(e)` into runs so that every thread
@@ -111,6 +114,34 @@ pub(crate) fn run_panels(
     src: &Src<'_>,
     mut epi: impl FnMut(usize, usize, &[f32; NR]),
 ) {
+    // bf16 activations on more rows than a dot tile takes, where no bf16
+    // prefill tile runs them (AMX, BFMMLA, the dot prefill tile): the
+    // widening FMA tiles read the rows rounded to bf16, so every row of a
+    // call, in any batch, sees the same activations (before, such blocks
+    // read the f32 rows while the rows of small blocks were rounded).
+    if bf16x
+        && matches!(data, DataView::Bf16(_))
+        && n > k.bf16x_mr().unwrap_or(usize::MAX)
+        && !(k.amx() && n >= AMX_MIN_ROWS)
+        && k.bf16mm_mr().is_none()
+        && !k.bf16x_prefill()
+    {
+        return ROUNDED_F32.with_borrow_mut(|buf| {
+            buf.clear();
+            buf.reserve(n * kdim);
+            for i in 0..n {
+                let base = row(i) * src.b16_stride;
+                let r = &src.b16_rows[base..base + kdim];
+                buf.extend(r.iter().map(|&b| bf16_bits_to_f32(b)));
+            }
+            let rounded = Src {
+                f32_rows: buf,
+                f32_stride: kdim,
+                ..*src
+            };
+            run_panels(k, false, data, kdim, n, it, &|i| i, &rounded, epi)
+        });
+    }
     match *data {
         // Two rows or more on AMX tiles: bf16 activations with bf16 weights,
         // and int8.
@@ -130,8 +161,8 @@ pub(crate) fn run_panels(
         // bf16 activations: the dot-product tile on the decode path. On the
         // prefill path the two-panel dot tile where the CPU runs it faster
         // than the FMA tile (`Kernels::bf16x_prefill`: AMD Zen 4+, below);
-        // elsewhere the widening f32 FMA tile (with the f32 activations,
-        // which are only more exact): measured on Sapphire-Rapids class x86,
+        // elsewhere the widening f32 FMA tile on the rounded rows (above):
+        // measured on Sapphire-Rapids class x86,
         // `vdpbf16ps` retires at half the FLOP rate of zmm FMA, so it only
         // pays where weights stream (decode).
         DataView::Bf16(w) if bf16x && n <= k.bf16x_mr().unwrap_or(0) => {

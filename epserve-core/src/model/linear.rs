@@ -512,7 +512,8 @@ mod tests {
     /// `--dense-dtype bf16`: on tiers with a bf16 dot tile the activations
     /// are rounded to bf16 (the twin: the plain linear on rounded rows), on
     /// the decode and on the prefill path, with the dot tile on prefill
-    /// forced on and off; tiers without the tile keep f32 activations.
+    /// forced on and off (off: the FMA tiles on the rounded rows); tiers
+    /// without the tile keep f32 activations.
     #[test]
     fn bf16_activations_match_the_twin_on_rounded_rows() {
         let mut rng = rand::rngs::StdRng::seed_from_u64(11);
@@ -536,20 +537,10 @@ mod tests {
                             continue;
                         };
                         let kern = kern.with_bf16x_prefill(prefill_dot);
-                        // Rounded where a dot tile runs: always on the
-                        // decode path (a block of at most one tile of rows)
-                        // and on AMX; on the prefill path of the other tiers
-                        // only with the dot tile on prefill.
-                        let mb = if rows <= kern.bf16_mr().max(kern.i8_mr()) {
-                            rows
-                        } else {
-                            MB
-                        };
-                        let rounded = |r: usize| {
-                            let rb = mb.min(rows - r / mb * mb);
-                            kern.bf16x_mr()
-                                .is_some_and(|mr| rb <= mr || kern.amx() || kern.bf16x_prefill())
-                        };
+                        // Rounded on every tier with a bf16 dot, on the
+                        // decode and the prefill path alike (where no bf16
+                        // tile runs a block, the FMA tiles read it rounded).
+                        let rounded = |_: usize| kern.bf16x_mr().is_some();
                         let mut got = vec![f32::NAN; rows * n];
                         lin.forward_with(&kern, &x, rows, None, &mut got);
                         for (i, a) in got.iter().enumerate() {
