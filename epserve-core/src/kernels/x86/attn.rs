@@ -227,6 +227,39 @@ fn transpose8x8_64(r: &[__m512d; 8]) -> [__m512d; 8] {
     out
 }
 
+/// Eight key pairs' scaled scores (lanes `2g + j`: query `g`, key `j` of
+/// the pair) transposed, so query `g`'s 16 scores are one store at
+/// `out + g · ldo`.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx2,fma")]
+unsafe fn store_pairs(pairs: &[__m512d; 8], out: *mut f32, ldo: usize) {
+    // SAFETY: the caller guarantees 8 rows of 16 at `ldo`.
+    unsafe {
+        for (g, c) in transpose8x8_64(pairs).iter().enumerate() {
+            _mm512_storeu_ps(out.add(g * ldo), _mm512_castpd_ps(*c));
+        }
+    }
+}
+
+/// Calls `f(mi, i)` for each whole run of 16 keys `i..i + 16` and each
+/// group of eight queries `mi..mi + 8` (the 16-key score blocks); returns
+/// the keys so covered (0 when there are fewer than eight queries).
+#[inline]
+fn blocks16(m: usize, n: usize, mut f: impl FnMut(usize, usize)) -> usize {
+    let m8 = m / 8 * 8;
+    if m8 == 0 {
+        return 0;
+    }
+    let mut i = 0;
+    while i + 16 <= n {
+        for mi in (0..m8).step_by(8) {
+            f(mi, i);
+        }
+        i += 16;
+    }
+    i
+}
+
 /// Eight queries (rows `dk` apart at `q`) against 16 key rows `rb` bytes
 /// apart: pairs of keys as [`dots512x2`], each pair's 16 sums reduced in one
 /// [`reduce16`] (query-major, key-minor lanes), scaled, and the eight pairs
@@ -278,10 +311,7 @@ unsafe fn scores8x16<const BF: bool>(
             }
             *pair = _mm512_castps_pd(_mm512_mul_ps(reduce16(&a), sv));
         }
-        let cols = transpose8x8_64(&pairs);
-        for (g, c) in cols.iter().enumerate() {
-            _mm512_storeu_ps(out.add(g * ldo), _mm512_castpd_ps(*c));
-        }
+        store_pairs(&pairs, out, ldo);
     }
 }
 
@@ -346,21 +376,11 @@ pub unsafe fn scores512<const BF: bool>(
     unsafe {
         // Pairs of keys for each group of eight queries.
         let m8 = m / 8 * 8;
-        let mut i = 0;
-        while m8 > 0 && i + 16 <= n {
-            for mi in (0..m8).step_by(8) {
-                scores8x16::<BF>(
-                    q.as_ptr().add(mi * dk),
-                    dk,
-                    k.add(i * rb),
-                    rb,
-                    scale,
-                    out.as_mut_ptr().add(mi * ldo + i),
-                    ldo,
-                );
-            }
-            i += 16;
-        }
+        let op = out.as_mut_ptr();
+        let mut i = blocks16(m, n, |mi, i| {
+            let (qp, kp, o) = (q.as_ptr().add(mi * dk), k.add(i * rb), op.add(mi * ldo + i));
+            scores8x16::<BF>(qp, dk, kp, rb, scale, o, ldo);
+        });
         while m8 > 0 && i + 2 <= n {
             let kr = [k.add(i * rb), k.add((i + 1) * rb)];
             prefetch_row(kr[0], rb, dk * esize(BF));
@@ -490,10 +510,7 @@ unsafe fn scores8x16_b16(
             }
             *pair = _mm512_castps_pd(_mm512_mul_ps(reduce16(&a), sv));
         }
-        let cols = transpose8x8_64(&pairs);
-        for (g, c) in cols.iter().enumerate() {
-            _mm512_storeu_ps(out.add(g * ldo), _mm512_castpd_ps(*c));
-        }
+        store_pairs(&pairs, out, ldo);
     }
 }
 
@@ -521,22 +538,15 @@ pub unsafe fn scores512_b16(
     let m8 = m / 8 * 8;
     // SAFETY: the caller guarantees the features and the extents.
     unsafe {
-        let mut i = 0;
-        while m8 > 0 && i + 16 <= n {
-            for mi in (0..m8).step_by(8) {
-                scores8x16_b16(
-                    qb.as_ptr().add(mi * dk),
-                    dk,
-                    k.add(i * rb),
-                    rb,
-                    scale,
-                    out.as_mut_ptr().add(mi * ldo + i),
-                    ldo,
-                );
-            }
-            i += 16;
-        }
-        let done = i;
+        let op = out.as_mut_ptr();
+        let done = blocks16(m, n, |mi, i| {
+            let (qp, kp, o) = (
+                qb.as_ptr().add(mi * dk),
+                k.add(i * rb),
+                op.add(mi * ldo + i),
+            );
+            scores8x16_b16(qp, dk, kp, rb, scale, o, ldo);
+        });
         for i in 0..n {
             let kr = k.add(i * rb);
             prefetch_row(kr, rb, dk * 2);
