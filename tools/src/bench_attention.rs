@@ -68,9 +68,14 @@ pub struct AttentionRow {
     /// Query rows.
     pub rows: usize,
     pub twin_ms: f64,
+    /// The fast path with the keys stored by row (before keys by column).
+    pub rows_ms: f64,
+    /// The fast path with the keys stored by column (the model's layout).
     pub fast_ms: f64,
     /// Twin time over fast time.
     pub speedup: f64,
+    /// Keys-by-row time over fast time.
+    pub vs_rows: f64,
     /// KV bytes read per second by the fast path (each cached row once), GB/s.
     pub kv_gbps: f64,
     /// `kv_gbps` as a percentage of the measured read bandwidth.
@@ -85,10 +90,12 @@ fn filled_pool(
     len: usize,
     copies: usize,
     dtype: KvDtype,
+    key_columns: bool,
 ) -> Result<(KvPool, Vec<SeqCache>)> {
     let w = args.kv_heads * args.head_dim;
     let bs = args.block_size;
-    let mut pool = KvPool::new(&[(w, w)], bs, copies * len.div_ceil(bs), dtype);
+    let nb = copies * len.div_ceil(bs);
+    let mut pool = KvPool::with_key_columns(&[(w, w)], bs, nb, dtype, key_columns);
     let mut seqs = Vec::with_capacity(copies);
     let mut row = vec![0.0f32; w];
     let mut state = 0x9E37_79B9_7F4A_7C15u64;
@@ -107,15 +114,40 @@ fn filled_pool(
                 }
                 let lp = pool.layer_mut(0);
                 if kv == 0 {
-                    lp.k.write(r * w, &row);
+                    lp.write_k(r, &row);
                 } else {
-                    lp.v.write(r * w, &row);
+                    lp.write_v(r, &row);
                 }
             }
         }
         seqs.push(s);
     }
     Ok((pool, seqs))
+}
+
+/// The key and value views of a bench pool's one layer.
+fn views(pool: &KvPool, hd: usize) -> (KvView<'_>, KvView<'_>) {
+    let lp = pool.layer(0);
+    let view = |rows, by_column| KvView {
+        rows,
+        stride: lp.k_width,
+        head_stride: hd,
+        width: hd,
+        by_column,
+    };
+    (view(lp.k.rows(), lp.k_by_column), view(lp.v.rows(), false))
+}
+
+/// One `nq`-row query of each sequence at context `ctx`.
+fn batches(seqs: &[SeqCache], ctx: usize, nq: usize) -> Vec<AttnSeq<'_>> {
+    seqs.iter()
+        .map(|s| AttnSeq {
+            blocks: s.blocks(),
+            start: 0,
+            len: nq,
+            past: ctx - nq,
+        })
+        .collect()
 }
 
 /// Measures every decode context and the prefill, f32 and bf16 KV.
@@ -157,36 +189,26 @@ pub fn measure(args: &BenchAttentionArgs) -> Result<(f64, Vec<AttentionRow>)> {
             } else {
                 1
             };
-            let (pool, seqs) = filled_pool(args, ctx, copies, dtype)?;
-            let lp = pool.layer(0);
-            let view = |rows| KvView {
-                rows,
-                stride: w,
-                head_stride: hd,
-                width: hd,
-            };
-            let (k, v) = (view(lp.k.rows()), view(lp.v.rows()));
+            // Keys by column (what the model stores) and, to compare, by row.
+            let (pool, seqs) = filled_pool(args, ctx, copies, dtype, true)?;
+            let (rpool, rseqs) = filled_pool(args, ctx, copies, dtype, false)?;
+            let (k, v) = views(&pool, hd);
+            let (rk, rv) = views(&rpool, hd);
             let q: Vec<f32> = (0..nq * heads * hd)
                 .map(|i| ((i % 89) as f32 - 44.0) / 89.0)
                 .collect();
             let mut out = vec![0.0f32; nq * heads * hd];
-            let batches: Vec<AttnSeq<'_>> = seqs
-                .iter()
-                .map(|s| AttnSeq {
-                    blocks: s.blocks(),
-                    start: 0,
-                    len: nq,
-                    past: ctx - nq,
-                })
-                .collect();
-            let mut run = |kern: &Kernels| {
+            let (cb, rb) = (batches(&seqs, ctx, nq), batches(&rseqs, ctx, nq));
+            let mut run = |kern: &Kernels, bs: &[AttnSeq<'_>], k, v| {
                 time(min, || {
-                    for b in &batches {
+                    for b in bs {
                         attention(kern, &shape, std::slice::from_ref(b), &q, k, v, &mut out);
                     }
                 }) / copies as f64
             };
-            let (t_twin, t_fast) = (run(&twin), run(fast));
+            let t_twin = run(&twin, &cb, k, v);
+            let t_rows = run(fast, &rb, rk, rv);
+            let t_fast = run(fast, &cb, k, v);
             // Score and value multiply-adds: each query row sees `past + i + 1` keys.
             let pairs: usize = (0..nq).map(|i| ctx - nq + i + 1).sum();
             let flops = 2.0 * (heads * pairs * 2 * hd) as f64;
@@ -197,8 +219,10 @@ pub fn measure(args: &BenchAttentionArgs) -> Result<(f64, Vec<AttentionRow>)> {
                 context: ctx,
                 rows: nq,
                 twin_ms: t_twin * 1e3,
+                rows_ms: t_rows * 1e3,
                 fast_ms: t_fast * 1e3,
                 speedup: t_twin / t_fast,
+                vs_rows: t_rows / t_fast,
                 kv_gbps: gbps,
                 pct_bandwidth: 100.0 * gbps / bw,
                 gflops: flops / t_fast / 1e9,
@@ -231,19 +255,32 @@ pub fn run(args: &BenchAttentionArgs) -> Result<()> {
         if args.bf16_queries { "bf16" } else { "f32" }
     );
     println!(
-        "{:>8} {:>5} {:>7} {:>5} {:>9} {:>9} {:>8} {:>7} {:>5} {:>8}",
-        "kind", "KV", "context", "rows", "twin ms", "fast ms", "speedup", "GB/s", "% bw", "GFLOP/s"
+        "{:>8} {:>5} {:>7} {:>5} {:>9} {:>9} {:>9} {:>8} {:>8} {:>7} {:>5} {:>8}",
+        "kind",
+        "KV",
+        "context",
+        "rows",
+        "twin ms",
+        "K-rows ms",
+        "fast ms",
+        "speedup",
+        "vs rows",
+        "GB/s",
+        "% bw",
+        "GFLOP/s"
     );
     for r in &rows {
         println!(
-            "{:>8} {:>5} {:>7} {:>5} {:>9.3} {:>9.3} {:>7.2}x {:>7.1} {:>5.0} {:>8.1}",
+            "{:>8} {:>5} {:>7} {:>5} {:>9.3} {:>9.3} {:>9.3} {:>7.2}x {:>7.2}x {:>7.1} {:>5.0} {:>8.1}",
             r.kind,
             r.kv_dtype,
             r.context,
             r.rows,
             r.twin_ms,
+            r.rows_ms,
             r.fast_ms,
             r.speedup,
+            r.vs_rows,
             r.kv_gbps,
             r.pct_bandwidth,
             r.gflops

@@ -97,13 +97,34 @@ impl<'a> KvRows<'a> {
 }
 
 /// Where the keys (or values) of each KV head sit in a layer's storage:
-/// pool row `r`, KV head `h` is `width` elements at `r·stride + h·head_stride`.
+/// pool row `r`, KV head `h` is `width` elements at `r·stride + h·head_stride`
+/// (element `c` of row `r` at `r·stride + c`), unless `by_column`.
 #[derive(Debug, Clone, Copy)]
 pub struct KvView<'a> {
     pub rows: KvRows<'a>,
     pub stride: usize,
     pub head_stride: usize,
     pub width: usize,
+    /// Keys only: each cache block stored column by column, so a block's
+    /// positions lie across a vector's lanes and a score needs no
+    /// horizontal sum. Element `c` of position `t` of block `b` (pool row
+    /// `b·bs + t`, `bs` = [`AttnShape::block_size`]) is at
+    /// `b·bs·stride + c·bs + t`: KV head `h`'s keys in block `b` are the
+    /// `width · bs` elements from `b·bs·stride + h·head_stride·bs`.
+    pub by_column: bool,
+}
+
+impl KvView<'_> {
+    /// Element `c` of pool row `r` (`bs` positions per block).
+    #[inline]
+    pub fn at(&self, r: usize, c: usize, bs: usize) -> f32 {
+        if self.by_column {
+            let (b, t) = (r / bs, r % bs);
+            self.rows.get(b * bs * self.stride + c * bs + t)
+        } else {
+            self.rows.get(r * self.stride + c)
+        }
+    }
 }
 
 /// The attention's shape and options.
@@ -263,6 +284,7 @@ pub fn attention(
     assert!(dk > 0 && dv > 0 && q.len().is_multiple_of(heads * dk));
     assert_eq!(out.len() / (heads * dv), q.len() / (heads * dk));
     assert!(shape.sinks.is_none_or(|s| s.len() >= heads));
+    assert!(!v.by_column, "values are read by row");
     run_items(kern, shape, seqs, &plan(shape, seqs), q, k, v, out);
 }
 
@@ -499,15 +521,68 @@ fn run_item(
                 }
             }
         };
+        // Keys by column: a run's KV head is `width` columns of the block,
+        // `bs` elements apart; the next run's columns are hinted whole.
+        let hint_cols = |off: usize, a: usize, b: usize| {
+            let mut i = a;
+            while i < b {
+                let r = next[i];
+                if r == usize::MAX {
+                    break;
+                }
+                let (t0, len) = (r % bs, (bs - r % bs).min(b - i));
+                let base = (r - t0) * k.stride + off * bs;
+                if len == bs {
+                    prefetch_l2(k.rows, base, k.width * bs * esize(k.rows));
+                } else {
+                    for c in 0..k.width {
+                        prefetch_l2(k.rows, base + c * bs + t0, len * esize(k.rows));
+                    }
+                }
+                i += len;
+            }
+        };
         let masked = j0 < all_lo || j1 > all_hi;
         debug_assert!(j1 > lo);
         for (t, h) in st.iter_mut().enumerate() {
             let kvh = it.kvh + t;
             let (koff, voff) = (kvh * k.head_stride, kvh * v.head_stride);
             runs(s, bs, j0, j1, |j, len, row0| {
+                let out = &mut sc[j - j0..];
+                if k.by_column {
+                    hint_cols(koff, j - j0, j - j0 + len);
+                    let t0 = row0 % bs;
+                    let cols = k.rows.slice_from((row0 - t0) * k.stride + koff * bs);
+                    if shape.bf16_queries {
+                        kern.attn_scores_cols_b16(
+                            &h.q,
+                            &h.qb,
+                            dk,
+                            cols,
+                            bs,
+                            t0,
+                            len,
+                            shape.scale,
+                            out,
+                            KEY_BLOCK,
+                        );
+                    } else {
+                        kern.attn_scores_cols(
+                            &h.q,
+                            dk,
+                            cols,
+                            bs,
+                            t0,
+                            len,
+                            shape.scale,
+                            out,
+                            KEY_BLOCK,
+                        );
+                    }
+                    return;
+                }
                 hint(&k, koff, j - j0, j - j0 + len);
                 let rows = k.rows.slice_from(row0 * k.stride + koff);
-                let out = &mut sc[j - j0..];
                 if shape.bf16_queries {
                     kern.attn_scores_b16(
                         &h.q,
@@ -638,9 +713,8 @@ pub fn reference(
                 scores.clear();
                 for j in first..=pos {
                     let r = s.blocks[j / bs] as usize * bs + j % bs;
-                    let base = r * k.stride + kvh * k.head_stride;
                     for (c, x) in kr.iter_mut().enumerate() {
-                        *x = k.rows.get(base + c);
+                        *x = k.at(r, kvh * k.head_stride + c, bs);
                     }
                     scores.push(super::dot(qh, &kr) * shape.scale);
                 }
@@ -776,6 +850,144 @@ mod tests {
         }
     }
 
+    /// Rows of `stride` elements (whole blocks of `bs`) stored by column
+    /// inside each block, as [`KvView::by_column`] reads them.
+    fn by_column<T: Copy + Default>(rows: &[T], stride: usize, bs: usize) -> Vec<T> {
+        let mut out = vec![T::default(); rows.len()];
+        for (r, row) in rows.chunks_exact(stride).enumerate() {
+            let (b, t) = (r / bs, r % bs);
+            for (c, &x) in row.iter().enumerate() {
+                out[b * bs * stride + c * bs + t] = x;
+            }
+        }
+        out
+    }
+
+    /// Scores against keys stored by column: one call over a block's run of
+    /// positions equals one call per position and a query alone equals the
+    /// same query in a group, bit for bit; every SIMD tier gives the same
+    /// bits (two FMA chains per score); they match the row-layout scores
+    /// (and the scalar twin, unfused) closely; bf16 queries likewise.
+    #[test]
+    fn scores_by_column_do_not_depend_on_the_call_shape() {
+        let mut rng = StdRng::seed_from_u64(12);
+        for (dk, m, bs, t0, n) in [
+            (128usize, 8usize, 16usize, 0usize, 16usize),
+            (128, 19, 16, 3, 13),
+            (40, 16, 32, 5, 27),
+            (13, 9, 5, 1, 4),
+            (64, 1, 64, 0, 64),
+            (7, 4, 24, 2, 21),
+        ] {
+            let stride = dk + 3;
+            let q: Vec<f32> = (0..m * dk)
+                .map(|_| rng.random_range(-1.0f32..1.0))
+                .collect();
+            let qb: Vec<u16> = q.iter().map(|&x| f32_to_bf16_bits(x)).collect();
+            let qr: Vec<f32> = qb.iter().map(|&b| bf16_bits_to_f32(b)).collect();
+            let kf: Vec<f32> = (0..bs * stride)
+                .map(|_| rng.random_range(-1.0f32..1.0))
+                .collect();
+            let kb: Vec<u16> = kf.iter().map(|&x| f32_to_bf16_bits(x)).collect();
+            let (cf, cb) = (by_column(&kf, stride, bs), by_column(&kb, stride, bs));
+            let ldo = n + 3;
+            let mut simd_bits: Vec<Option<Vec<u32>>> = vec![None, None, None, None];
+            for (slot, (rows, cols)) in [
+                (KvRows::F32(&kf), KvRows::F32(&cf)),
+                (KvRows::Bf16(&kb), KvRows::Bf16(&cb)),
+            ]
+            .into_iter()
+            .enumerate()
+            {
+                for tier in Tier::available() {
+                    let Some(kern) = Kernels::for_tier(tier) else {
+                        continue;
+                    };
+                    let what = format!(
+                        "{} dk={dk} m={m} bs={bs} t0={t0} n={n} bf16={slot}",
+                        tier.name()
+                    );
+                    let mut whole = vec![0.0f32; m * ldo];
+                    kern.attn_scores_cols(&q, dk, cols, bs, t0, n, 0.7, &mut whole, ldo);
+                    let mut by_key = vec![0.0f32; m * ldo];
+                    for i in 0..n {
+                        let o = &mut by_key[i..];
+                        kern.attn_scores_cols(&q, dk, cols, bs, t0 + i, 1, 0.7, o, ldo);
+                    }
+                    let last = m - 1;
+                    let mut alone = vec![0.0f32; ldo];
+                    kern.attn_scores_cols(
+                        &q[last * dk..],
+                        dk,
+                        cols,
+                        bs,
+                        t0,
+                        n,
+                        0.7,
+                        &mut alone,
+                        ldo,
+                    );
+                    let mut want = vec![0.0f32; m * ldo];
+                    let rk = rows.slice_from(t0 * stride);
+                    kern.attn_scores(&q, dk, rk, stride, n, 0.7, &mut want, ldo);
+                    for mi in 0..m {
+                        for i in 0..n {
+                            let x = whole[mi * ldo + i];
+                            assert_eq!(
+                                x.to_bits(),
+                                by_key[mi * ldo + i].to_bits(),
+                                "{what} query {mi} key {i}"
+                            );
+                            assert!(
+                                (x - want[mi * ldo + i]).abs() < 1e-4,
+                                "{what}: by column vs by row"
+                            );
+                        }
+                    }
+                    assert_eq!(
+                        &whole[last * ldo..last * ldo + n],
+                        &alone[..n],
+                        "{what}: query alone"
+                    );
+                    let bits: Vec<u32> = (0..m)
+                        .flat_map(|mi| whole[mi * ldo..mi * ldo + n].iter().map(|x| x.to_bits()))
+                        .collect();
+                    if tier != Tier::Generic {
+                        match &simd_bits[slot] {
+                            None => simd_bits[slot] = Some(bits),
+                            Some(b) => assert_eq!(b, &bits, "{what}: SIMD tiers differ"),
+                        }
+                    }
+                    // bf16 queries.
+                    let mut bw = vec![0.0f32; m * ldo];
+                    kern.attn_scores_cols_b16(&qr, &qb, dk, cols, bs, t0, n, 0.7, &mut bw, ldo);
+                    let mut bk = vec![0.0f32; m * ldo];
+                    for i in 0..n {
+                        let o = &mut bk[i..];
+                        kern.attn_scores_cols_b16(&qr, &qb, dk, cols, bs, t0 + i, 1, 0.7, o, ldo);
+                    }
+                    let mut ba = vec![0.0f32; ldo];
+                    let (ql, qbl) = (&qr[last * dk..], &qb[last * dk..]);
+                    kern.attn_scores_cols_b16(ql, qbl, dk, cols, bs, t0, n, 0.7, &mut ba, ldo);
+                    let mut fr = vec![0.0f32; m * ldo];
+                    kern.attn_scores_cols(&qr, dk, cols, bs, t0, n, 0.7, &mut fr, ldo);
+                    for mi in 0..m {
+                        for i in 0..n {
+                            let x = bw[mi * ldo + i];
+                            assert_eq!(x.to_bits(), bk[mi * ldo + i].to_bits(), "{what} b16");
+                            assert!((x - fr[mi * ldo + i]).abs() < 1e-4, "{what} b16 vs f32");
+                        }
+                    }
+                    assert_eq!(
+                        &bw[last * ldo..last * ldo + n],
+                        &ba[..n],
+                        "{what} b16 alone"
+                    );
+                }
+            }
+        }
+    }
+
     #[test]
     fn sink_takes_mass() {
         let mut s = vec![0.0, 0.0];
@@ -826,6 +1038,7 @@ mod tests {
             stride: kstride,
             head_stride: if mla { 0 } else { dk },
             width: dk,
+            by_column: false,
         };
         let v = if mla {
             KvView {
@@ -833,6 +1046,7 @@ mod tests {
                 stride: kstride,
                 head_stride: 0,
                 width: dv,
+                by_column: false,
             }
         } else {
             KvView {
@@ -840,6 +1054,7 @@ mod tests {
                 stride: vstride,
                 head_stride: dv,
                 width: dv,
+                by_column: false,
             }
         };
         let mut tables = Vec::new();
@@ -874,8 +1089,25 @@ mod tests {
             block_size: bs,
             bf16_queries: false,
         };
+        // Keys stored by column (as the pool stores a GQA layer's), read
+        // by the flash kernel and the reference alike.
+        let (kfc, kbc) = (by_column(&kf, kstride, bs), by_column(&kb, kstride, bs));
+        let kc = KvView {
+            rows: if bf16 {
+                KvRows::Bf16(&kbc[..])
+            } else {
+                KvRows::F32(&kfc[..])
+            },
+            by_column: true,
+            ..k
+        };
         let mut want = vec![0.0f32; t * heads * dv];
         reference(&shape, &batch, &q, k, v, &mut want);
+        if !mla {
+            let mut again = vec![0.0f32; t * heads * dv];
+            reference(&shape, &batch, &q, kc, v, &mut again);
+            assert_eq!(want, again, "the reference reads keys by column");
+        }
         // bf16 queries: the reference on the rounded queries.
         let qr: Vec<f32> = q
             .iter()
@@ -892,18 +1124,21 @@ mod tests {
             };
             shape.bf16_queries = bq;
             let want = if bq { &want_r } else { &want };
-            let mut got = vec![f32::NAN; t * heads * dv];
-            attention(&kern, &shape, &batch, &q, k, v, &mut got);
-            let worst = got
-                .iter()
-                .zip(want)
-                .map(|(a, b)| (a - b).abs())
-                .fold(0.0f32, f32::max);
-            assert!(
-                worst <= 2e-5,
-                "{} heads={heads}/{kv_heads} dk={dk} dv={dv} mla={mla} window={window:?} sinks={sinks} bs={bs} seqs={seqs:?} bf16={bf16} bf16 queries={bq}: max diff {worst}",
-                tier.name()
-            );
+            for kview in [k, kc].into_iter().take(if mla { 1 } else { 2 }) {
+                let mut got = vec![f32::NAN; t * heads * dv];
+                attention(&kern, &shape, &batch, &q, kview, v, &mut got);
+                let worst = got
+                    .iter()
+                    .zip(want)
+                    .map(|(a, b)| (a - b).abs())
+                    .fold(0.0f32, f32::max);
+                assert!(
+                    worst <= 2e-5,
+                    "{} heads={heads}/{kv_heads} dk={dk} dv={dv} mla={mla} window={window:?} sinks={sinks} bs={bs} seqs={seqs:?} bf16={bf16} bf16 queries={bq} keys by column={}: max diff {worst}",
+                    tier.name(),
+                    kview.by_column
+                );
+            }
         }
     }
 
@@ -937,6 +1172,7 @@ mod tests {
             stride: w,
             head_stride: d,
             width: d,
+            by_column: false,
         };
         let q: Vec<f32> = (0..len * heads * d)
             .map(|_| rng.random_range(-1.0f32..1.0))
@@ -947,13 +1183,29 @@ mod tests {
             rows: KvRows::Bf16(&kvb),
             ..view
         };
-        for (window, bf16) in [
-            (None, false),
-            (Some(37), false),
-            (None, true),
-            (Some(37), true),
+        let (kvc, kvbc) = (by_column(&kv, w, bs), by_column(&kvb, w, bs));
+        for (window, bf16, cols) in [
+            (None, false, false),
+            (Some(37), false, false),
+            (None, true, false),
+            (Some(37), true, false),
+            (None, false, true),
+            (Some(37), true, true),
         ] {
             let view = if bf16 { bview } else { view };
+            let kview = match (cols, bf16) {
+                (false, _) => view,
+                (true, false) => KvView {
+                    rows: KvRows::F32(&kvc),
+                    by_column: true,
+                    ..view
+                },
+                (true, true) => KvView {
+                    rows: KvRows::Bf16(&kvbc),
+                    by_column: true,
+                    ..view
+                },
+            };
             let shape = AttnShape {
                 heads,
                 kv_heads,
@@ -974,7 +1226,7 @@ mod tests {
                     past,
                 };
                 let mut a = vec![0.0f32; len * heads * d];
-                attention(&kern, &shape, &[whole], &q, view, view, &mut a);
+                attention(&kern, &shape, &[whole], &q, kview, view, &mut a);
                 let tail = 3;
                 let part = AttnSeq {
                     blocks: &blocks,
@@ -988,14 +1240,14 @@ mod tests {
                     &shape,
                     &[part],
                     &q[(len - tail) * heads * d..],
-                    view,
+                    kview,
                     view,
                     &mut b,
                 );
                 assert_eq!(
                     &a[(len - tail) * heads * d..],
                     &b[..],
-                    "{} window {window:?} bf16 {bf16}",
+                    "{} window {window:?} bf16 {bf16} keys by column {cols}",
                     tier.name()
                 );
             }
@@ -1087,6 +1339,7 @@ mod tests {
                 stride: w,
                 head_stride: d,
                 width: d,
+                by_column: false,
             };
             for (window, sinks) in [(None, None), (Some(45), Some(&sinks[..]))] {
                 let shape = AttnShape {

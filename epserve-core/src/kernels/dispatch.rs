@@ -162,6 +162,10 @@ type Bf16mmTile = unsafe fn(&[u16], usize, &[u16], &mut [f32]);
 type I8Tile = unsafe fn(&[i8], &[&[i8]], &mut [i32]);
 type AttnScores = unsafe fn(&[f32], usize, *const u8, usize, usize, f32, &mut [f32], usize);
 type AttnScoresB16 = unsafe fn(&[u16], usize, *const u8, usize, usize, f32, &mut [f32], usize);
+type AttnScoresCols =
+    unsafe fn(&[f32], usize, *const u8, usize, usize, usize, f32, &mut [f32], usize);
+type AttnScoresColsB16 =
+    unsafe fn(&[u16], usize, *const u8, usize, usize, usize, f32, &mut [f32], usize);
 type AttnAccum = unsafe fn(&[f32], usize, *const u8, usize, usize, &mut [f32], usize);
 type AttnSoftmax = unsafe fn(&mut [f32], f32) -> (f32, f32);
 
@@ -174,6 +178,11 @@ struct AttnFns {
     /// bf16 queries against bf16 keys with a native bf16 dot, where the
     /// tier has one (see [`Kernels::attn_scores_b16`]).
     scores_b16: Option<AttnScoresB16>,
+    /// The scores against a block's keys stored by column (see
+    /// [`Kernels::attn_scores_cols`]), `[f32, bf16]`.
+    scores_cols: [AttnScoresCols; 2],
+    /// bf16 queries against bf16 columns with a native bf16 dot.
+    scores_cols_b16: Option<AttnScoresColsB16>,
     accum: [AttnAccum; 2],
     softmax: AttnSoftmax,
 }
@@ -274,6 +283,8 @@ impl Kernels {
                     attn: Some(AttnFns {
                         scores: [attn::scores256::<false>, attn::scores256::<true>],
                         scores_b16: None,
+                        scores_cols: [attn::scores_cols256::<false>, attn::scores_cols256::<true>],
+                        scores_cols_b16: None,
                         accum: [attn::accum256::<false>, attn::accum256::<true>],
                         softmax: attn::softmax256,
                     }),
@@ -306,6 +317,9 @@ impl Kernels {
                         scores: [attn::scores512::<false>, attn::scores512::<true>],
                         scores_b16: matches!(tier, Tier::Avx512Bf16 | Tier::Amx)
                             .then_some(attn::scores512_b16 as AttnScoresB16),
+                        scores_cols: [attn::scores_cols512::<false>, attn::scores_cols512::<true>],
+                        scores_cols_b16: matches!(tier, Tier::Avx512Bf16 | Tier::Amx)
+                            .then_some(attn::scores_cols512_b16 as AttnScoresColsB16),
                         accum: [attn::accum512::<false>, attn::accum512::<true>],
                         softmax: attn::softmax512,
                     }),
@@ -336,6 +350,8 @@ impl Kernels {
                     attn: Some(AttnFns {
                         scores: [attn::scores::<false>, attn::scores::<true>],
                         scores_b16: None,
+                        scores_cols: [attn::scores_cols::<false>, attn::scores_cols::<true>],
+                        scores_cols_b16: None,
                         accum: [attn::accum::<false>, attn::accum::<true>],
                         softmax: attn::softmax,
                     }),
@@ -645,6 +661,77 @@ impl Kernels {
                 unsafe { f(qb, dk, k.as_ptr(), stride, n, scale, out, ldo) }
             }
             _ => self.attn_scores(q, dk, k, stride, n, scale, out, ldo),
+        }
+    }
+
+    /// Attention scores of `q.len() / dk` query vectors against positions
+    /// `t0..t0 + n` of one KV head's keys in a cache block stored by column
+    /// (see [`super::attention::KvView::by_column`]): `k` starts at the
+    /// block's column 0, position 0, columns `bs` apart; `out[m·ldo + i] =
+    /// scale · q_m · k_{t0+i}`. Each score is two FMA chains (even and odd
+    /// elements) added at the end, with the same bits for any call shape on
+    /// every SIMD tier. Panics unless every element touched is inside the
+    /// slices.
+    #[allow(clippy::too_many_arguments)]
+    #[inline]
+    pub fn attn_scores_cols(
+        &self,
+        q: &[f32],
+        dk: usize,
+        k: KvRows<'_>,
+        bs: usize,
+        t0: usize,
+        n: usize,
+        scale: f32,
+        out: &mut [f32],
+        ldo: usize,
+    ) {
+        if n == 0 || q.is_empty() {
+            return;
+        }
+        let m = q.len() / dk.max(1);
+        assert!(dk > 0 && q.len() == m * dk && ldo >= n && t0 + n <= bs);
+        assert!(k.len() >= (dk - 1) * bs + t0 + n && out.len() >= (m - 1) * ldo + n);
+        match self.attn {
+            // SAFETY: this tier was checked as supported when `self` was
+            // built, and the extents were just asserted.
+            Some(f) => unsafe {
+                (f.scores_cols[k.is_bf16() as usize])(q, dk, k.as_ptr(), bs, t0, n, scale, out, ldo)
+            },
+            None => generic::attn_scores_cols(q, dk, k, bs, t0, n, scale, out, ldo),
+        }
+    }
+
+    /// [`Kernels::attn_scores_cols`] with the queries rounded to bf16 (`qb`
+    /// their bits, `q` their values): against bf16 columns on a tier with a
+    /// native bf16 dot, `vdpbf16ps` on interleaved pairs of columns;
+    /// elsewhere [`Kernels::attn_scores_cols`] on `q`.
+    #[allow(clippy::too_many_arguments)]
+    #[inline]
+    pub fn attn_scores_cols_b16(
+        &self,
+        q: &[f32],
+        qb: &[u16],
+        dk: usize,
+        k: KvRows<'_>,
+        bs: usize,
+        t0: usize,
+        n: usize,
+        scale: f32,
+        out: &mut [f32],
+        ldo: usize,
+    ) {
+        match self.attn.and_then(|f| f.scores_cols_b16) {
+            Some(f) if k.is_bf16() && n > 0 && !qb.is_empty() => {
+                let m = qb.len() / dk.max(1);
+                assert!(dk > 0 && qb.len() == m * dk && q.len() == qb.len());
+                assert!(ldo >= n && t0 + n <= bs);
+                assert!(k.len() >= (dk - 1) * bs + t0 + n && out.len() >= (m - 1) * ldo + n);
+                // SAFETY: this tier was checked as supported when `self` was
+                // built, and the extents were just asserted.
+                unsafe { f(qb, dk, k.as_ptr(), bs, t0, n, scale, out, ldo) }
+            }
+            _ => self.attn_scores_cols(q, dk, k, bs, t0, n, scale, out, ldo),
         }
     }
 

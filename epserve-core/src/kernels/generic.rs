@@ -151,6 +151,50 @@ pub fn attn_scores(
     }
 }
 
+/// Attention scores against one KV head's keys in a cache block stored by
+/// column (the twin of the tiers' `scores_cols`): `k` at the block's column
+/// 0, position 0, columns `bs` apart; `out[m·ldo + i] = scale · q_m ·
+/// k_{t0+i}` for the `q.len() / dk` query vectors, each score as the tiers
+/// sum it (two chains, the even and the odd elements, added at the end),
+/// with separate multiplies and adds.
+#[allow(clippy::too_many_arguments)]
+pub fn attn_scores_cols(
+    q: &[f32],
+    dk: usize,
+    k: super::attention::KvRows<'_>,
+    bs: usize,
+    t0: usize,
+    n: usize,
+    scale: f32,
+    out: &mut [f32],
+    ldo: usize,
+) {
+    use super::attention::KvRows;
+    let mut acc = vec![0.0f32; 2 * n];
+    let mut col = vec![0.0f32; n];
+    for (m, qm) in q.chunks_exact(dk).enumerate() {
+        acc.fill(0.0);
+        for (d, &qd) in qm.iter().enumerate() {
+            let at = d * bs + t0;
+            match k {
+                KvRows::F32(s) => col.copy_from_slice(&s[at..at + n]),
+                KvRows::Bf16(s) => {
+                    for (c, &b) in col.iter_mut().zip(&s[at..at + n]) {
+                        *c = bf16_bits_to_f32(b);
+                    }
+                }
+            }
+            let a = &mut acc[(d % 2) * n..(d % 2 + 1) * n];
+            for (a, &kv) in a.iter_mut().zip(&col) {
+                *a += qd * kv;
+            }
+        }
+        for i in 0..n {
+            out[m * ldo + i] = (acc[i] + acc[n + i]) * scale;
+        }
+    }
+}
+
 /// Weighted sum of values (the twin of the tiers' `accum`):
 /// `acc[m·dv + c] += Σ_{i<n} p[m·ldp + i] · v_i[c]` for the `acc.len() / dv`
 /// query vectors, rows in order.

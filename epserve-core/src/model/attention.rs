@@ -323,8 +323,8 @@ impl Attention {
                 let r = pool.row(cache, sp.past + i);
                 let src = sp.start + i;
                 let lp = pool.layer_mut(layer);
-                lp.k.write(r * w, &k[src * w..(src + 1) * w]);
-                lp.v.write(r * w, &v[src * w..(src + 1) * w]);
+                lp.write_k(r, &k[src * w..(src + 1) * w]);
+                lp.write_v(r, &v[src * w..(src + 1) * w]);
             }
         }
         // Flash attention over the paged cache, all heads of a KV group together.
@@ -340,11 +340,12 @@ impl Attention {
                 past: sp.past,
             })
             .collect();
-        let view = |rows| KvView {
+        let view = |rows, by_column| KvView {
             rows,
             stride: w,
             head_stride: hd,
             width: hd,
+            by_column,
         };
         let mut attn = vec![0.0f32; t * nh * hd];
         attention::attention(
@@ -362,8 +363,8 @@ impl Attention {
             },
             &seqs,
             &q,
-            view(kv.k.rows()),
-            view(kv.v.rows()),
+            view(kv.k.rows(), kv.k_by_column),
+            view(kv.v.rows(), false),
             &mut attn,
         );
         let mut out = vec![0.0f32; t * hidden];

@@ -134,15 +134,81 @@ impl KvData {
             }
         }
     }
+    /// Writes `src` as one position of a block stored by column: element `c`
+    /// at `base + c·step` (bf16 rounded to nearest even).
+    fn write_strided(&mut self, base: usize, step: usize, src: &[f32]) {
+        match self {
+            KvData::F32(v) => {
+                for (c, &x) in src.iter().enumerate() {
+                    v[base + c * step] = x;
+                }
+            }
+            KvData::Bf16(v) => {
+                for (c, &x) in src.iter().enumerate() {
+                    v[base + c * step] = f32_to_bf16_bits(x);
+                }
+            }
+        }
+    }
 }
 
-/// Storage of one layer: keys and values, `[num_blocks * block_size, width]`.
+/// Whether layers with separate values store their keys by column
+/// (`EPSERVE_KEY_COLUMNS` is not `0`/`off`; read once).
+fn key_columns_enabled() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| {
+        !matches!(
+            std::env::var("EPSERVE_KEY_COLUMNS").as_deref(),
+            Ok("0" | "off" | "false" | "no")
+        )
+    })
+}
+
+/// Storage of one layer: keys and values, `[num_blocks * block_size, width]`
+/// each; the keys of a layer with separate values are stored by column
+/// inside each block (`k_by_column`, see
+/// [`crate::kernels::attention::KvView::by_column`]).
 #[derive(Debug, Clone)]
 pub struct LayerPool {
     pub k: KvData,
     pub v: KvData,
     pub k_width: usize,
     pub v_width: usize,
+    /// Keys stored by column inside each block: position `t` of block `b`,
+    /// element `c` at `b·bs·k_width + c·bs + t`. Set for every layer with
+    /// separate values (not MLA, whose latent rows are keys and values at
+    /// once) unless `EPSERVE_KEY_COLUMNS=0`.
+    pub k_by_column: bool,
+    block_size: usize,
+}
+
+impl LayerPool {
+    /// Writes pool row `r`'s key (`k_width` elements).
+    pub fn write_k(&mut self, r: usize, src: &[f32]) {
+        debug_assert_eq!(src.len(), self.k_width);
+        if self.k_by_column {
+            let bs = self.block_size;
+            let t = r % bs;
+            self.k.write_strided((r - t) * self.k_width + t, bs, src);
+        } else {
+            self.k.write(r * self.k_width, src);
+        }
+    }
+    /// Writes pool row `r`'s value (`v_width` elements).
+    pub fn write_v(&mut self, r: usize, src: &[f32]) {
+        debug_assert_eq!(src.len(), self.v_width);
+        self.v.write(r * self.v_width, src);
+    }
+    /// Element `c` of pool row `r`'s key, as stored (widened to f32).
+    pub fn key(&self, r: usize, c: usize) -> f32 {
+        if self.k_by_column {
+            let bs = self.block_size;
+            let t = r % bs;
+            self.k.rows().get((r - t) * self.k_width + c * bs + t)
+        } else {
+            self.k.rows().get(r * self.k_width + c)
+        }
+    }
 }
 
 /// The shared block pool.
@@ -266,6 +332,24 @@ impl KvPool {
         num_blocks: usize,
         dtype: KvDtype,
     ) -> Self {
+        Self::with_key_columns(
+            layer_widths,
+            block_size,
+            num_blocks,
+            dtype,
+            key_columns_enabled(),
+        )
+    }
+
+    /// [`KvPool::new`] with keys stored by column in the layers with separate
+    /// values when `key_columns`, by row otherwise (benchmarks compare both).
+    pub fn with_key_columns(
+        layer_widths: &[(usize, usize)],
+        block_size: usize,
+        num_blocks: usize,
+        dtype: KvDtype,
+        key_columns: bool,
+    ) -> Self {
         let block_size = block_size.max(1);
         let rows = block_size * num_blocks;
         KvPool {
@@ -279,6 +363,8 @@ impl KvPool {
                     v: KvData::zeros(dtype, rows * vw),
                     k_width: kw,
                     v_width: vw,
+                    k_by_column: vw > 0 && key_columns,
+                    block_size,
                 })
                 .collect(),
             free: (0..num_blocks as u32).rev().collect(),
@@ -558,7 +644,11 @@ impl KvPool {
             let dst = self.take_block()?;
             for l in &mut self.layers {
                 let (kw, vw) = (l.k_width, l.v_width);
-                l.k.copy_rows(src as usize * bs, dst as usize * bs, partial, kw);
+                // Keys by column interleave the block's positions: the
+                // whole block is copied (positions past `partial` are
+                // rewritten before they are read).
+                let krows = if l.k_by_column { bs } else { partial };
+                l.k.copy_rows(src as usize * bs, dst as usize * bs, krows, kw);
                 l.v.copy_rows(src as usize * bs, dst as usize * bs, partial, vw);
             }
             child.blocks.extend_from_slice(&seq.blocks[..full]);
@@ -892,6 +982,55 @@ mod tests {
         assert_eq!(p.cached_free_blocks(), 0);
         let mut b = SeqCache::new();
         assert_eq!(p.match_prefix(&mut b, &toks), 0);
+    }
+
+    /// Keys of layers with separate values are stored by column inside each
+    /// block (MLA's latent rows stay rows); a fork's copied partial block
+    /// keeps them.
+    #[test]
+    fn keys_are_stored_by_column_and_forks_copy_them() {
+        let (bs, kw) = (4usize, 3usize);
+        let mut p = KvPool::with_key_columns(&[(kw, kw), (kw, 0)], bs, 4, KvDtype::F32, true);
+        assert!(p.layer(0).k_by_column && !p.layer(1).k_by_column);
+        let mut s = SeqCache::new();
+        p.reserve(&mut s, 6).expect("blocks");
+        let key = |pos: usize, c: usize| (pos * 10 + c) as f32;
+        for pos in 0..6 {
+            let r = p.row(&s, pos);
+            let k: Vec<f32> = (0..kw).map(|c| key(pos, c)).collect();
+            for l in 0..2 {
+                p.layer_mut(l).write_k(r, &k);
+            }
+            p.layer_mut(0).write_v(r, &[-1.0; 3]);
+        }
+        s.len = 6;
+        for pos in 0..6 {
+            let r = p.row(&s, pos);
+            let (b, t) = (r / bs, r % bs);
+            for c in 0..kw {
+                assert_eq!(p.layer(0).key(r, c), key(pos, c));
+                assert_eq!(p.layer(1).key(r, c), key(pos, c));
+                assert_eq!(
+                    p.layer(0).k.rows().get(b * bs * kw + c * bs + t),
+                    key(pos, c)
+                );
+                assert_eq!(p.layer(1).k.rows().get(r * kw + c), key(pos, c));
+            }
+        }
+        let child = p.fork(&s).expect("a free block");
+        assert_ne!(child.blocks()[1], s.blocks()[1]);
+        for pos in 0..6 {
+            for c in 0..kw {
+                for l in 0..2 {
+                    let (a, b) = (p.row(&s, pos), p.row(&child, pos));
+                    assert_eq!(
+                        p.layer(l).key(a, c),
+                        p.layer(l).key(b, c),
+                        "layer {l} pos {pos}"
+                    );
+                }
+            }
+        }
     }
 
     #[test]

@@ -275,8 +275,7 @@ impl Mla {
                 let r = pool.row(cache, sp.past + i);
                 let src = sp.start + i;
                 pool.layer_mut(layer)
-                    .k
-                    .write(r * w, &ckv[src * w..(src + 1) * w]);
+                    .write_k(r, &ckv[src * w..(src + 1) * w]);
             }
         }
         // Absorb each head's no-RoPE query into latent space: q_lat = q_nope · W_uk.
@@ -322,6 +321,7 @@ impl Mla {
             stride: w,
             head_stride: 0,
             width,
+            by_column: false,
         };
         let mut o_tok = vec![0.0f32; t * nh * rank]; // [token][head][rank]
         attention::attention(

@@ -315,3 +315,124 @@ pub unsafe fn softmax(row: &mut [f32], prev_max: f32) -> (f32, f32) {
         (cmax, vaddvq_f32(s))
     }
 }
+
+// ------------------------------------------------------- keys by column
+
+/// One score over columns `0..dk` (`k` at the key's first column, columns
+/// `bs` apart): two fused chains, the even and the odd elements, added at the
+/// end (each lane of [`cols`] computes exactly this).
+#[inline]
+#[target_feature(enable = "neon")]
+unsafe fn col_score<const BF: bool>(q: *const f32, dk: usize, k: *const u8, bs: usize) -> f32 {
+    let (mut a0, mut a1) = (0.0f32, 0.0f32);
+    // SAFETY: the caller guarantees `dk` query elements and `dk` columns.
+    unsafe {
+        for d in 0..dk {
+            let kv = if BF {
+                f32::from_bits((*(k as *const u16).add(d * bs) as u32) << 16)
+            } else {
+                *(k as *const f32).add(d * bs)
+            };
+            if d % 2 == 0 {
+                a0 = (*q.add(d)).mul_add(kv, a0);
+            } else {
+                a1 = (*q.add(d)).mul_add(kv, a1);
+            }
+        }
+    }
+    a0 + a1
+}
+
+/// `G` queries (rows `dk` apart at `q`) against 8 positions at `k` of a
+/// block's columns (`bs` apart): scaled scores to `out`, rows `ldo` apart.
+#[inline]
+#[target_feature(enable = "neon")]
+unsafe fn cols<const G: usize, const BF: bool>(
+    q: *const f32,
+    dk: usize,
+    k: *const u8,
+    bs: usize,
+    scale: f32,
+    out: *mut f32,
+    ldo: usize,
+) {
+    let mut a = [[[vdupq_n_f32(0.0); 2]; G]; 2];
+    // SAFETY: `q` holds `G` rows of `dk`, `k` `dk` columns with 8 positions,
+    // `out` `G` rows of 8.
+    unsafe {
+        let mut d = 0;
+        while d < dk {
+            for (j, aj) in a.iter_mut().enumerate().take(dk - d) {
+                let c = (d + j) * bs;
+                let kv = [ld4::<BF>(k, c), ld4::<BF>(k, c + 4)];
+                for g in 0..G {
+                    let qv = *q.add(g * dk + d + j);
+                    for h in 0..2 {
+                        aj[g][h] = vfmaq_n_f32(aj[g][h], kv[h], qv);
+                    }
+                }
+            }
+            d += 2;
+        }
+        for g in 0..G {
+            for h in 0..2 {
+                let s = vmulq_n_f32(vaddq_f32(a[0][g][h], a[1][g][h]), scale);
+                vst1q_f32(out.add(g * ldo + 4 * h), s);
+            }
+        }
+    }
+}
+
+/// Scores of `q.len() / dk` queries against positions `t0..t0 + n` of one
+/// KV head's keys in a cache block stored by column (`k` at its column 0,
+/// position 0; columns `bs` apart): runs of 8 positions for groups of
+/// eight, four, then one query; the last positions one score at a time.
+///
+/// # Safety
+/// NEON; `k` holds `(dk - 1) · bs + t0 + n` elements (`2` bytes each when
+/// `BF`, else `4`), `out` row `m` at `m · ldo` has `n`.
+#[target_feature(enable = "neon")]
+pub unsafe fn scores_cols<const BF: bool>(
+    q: &[f32],
+    dk: usize,
+    k: *const u8,
+    bs: usize,
+    t0: usize,
+    n: usize,
+    scale: f32,
+    out: &mut [f32],
+    ldo: usize,
+) {
+    let m = q.len() / dk;
+    let (qp, op) = (q.as_ptr(), out.as_mut_ptr());
+    // SAFETY: the caller guarantees NEON and the extents.
+    unsafe {
+        let mut i0 = 0;
+        while i0 + 8 <= n {
+            let kc = k.add((t0 + i0) * esize(BF));
+            let mut mi = 0;
+            while mi + 8 <= m {
+                let o = op.add(mi * ldo + i0);
+                cols::<8, BF>(qp.add(mi * dk), dk, kc, bs, scale, o, ldo);
+                mi += 8;
+            }
+            while mi + 4 <= m {
+                let o = op.add(mi * ldo + i0);
+                cols::<4, BF>(qp.add(mi * dk), dk, kc, bs, scale, o, ldo);
+                mi += 4;
+            }
+            while mi < m {
+                let o = op.add(mi * ldo + i0);
+                cols::<1, BF>(qp.add(mi * dk), dk, kc, bs, scale, o, ldo);
+                mi += 1;
+            }
+            i0 += 8;
+        }
+        for i in i0..n {
+            let kc = k.add((t0 + i) * esize(BF));
+            for mi in 0..m {
+                *op.add(mi * ldo + i) = col_score::<BF>(qp.add(mi * dk), dk, kc, bs) * scale;
+            }
+        }
+    }
+}

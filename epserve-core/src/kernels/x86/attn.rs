@@ -1138,3 +1138,352 @@ pub unsafe fn softmax256(row: &mut [f32], prev_max: f32) -> (f32, f32) {
         (cmax, hsum256(s))
     }
 }
+
+// ------------------------------------------- keys by column (all x86 tiers)
+//
+// A cache block's keys stored column by column (`k[c·bs + t]`, see
+// `crate::kernels::attention::KvView::by_column`) put consecutive positions
+// in a vector's lanes: one query element broadcast against a column of keys
+// is one FMA for 16 (8) scores, with no horizontal sums at all. Each score
+// is two chains over the key's elements, the even and the odd ones (FMA
+// order), added at the end and scaled: the same bits for any query group,
+// lane or call shape, on every tier (the scalar tails use `mul_add`).
+
+/// The two chains of one score over columns `0..dk` (`k` at the key's first
+/// column, columns `bs` apart), as the vector kernels compute each lane.
+#[inline]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn col_score<const BF: bool>(q: *const f32, dk: usize, k: *const u8, bs: usize) -> f32 {
+    let (mut a0, mut a1) = (0.0f32, 0.0f32);
+    // SAFETY: the caller guarantees `dk` query elements and `dk` columns.
+    unsafe {
+        for d in 0..dk {
+            let kv = if BF {
+                f32::from_bits((*(k as *const u16).add(d * bs) as u32) << 16)
+            } else {
+                *(k as *const f32).add(d * bs)
+            };
+            if d % 2 == 0 {
+                a0 = (*q.add(d)).mul_add(kv, a0);
+            } else {
+                a1 = (*q.add(d)).mul_add(kv, a1);
+            }
+        }
+    }
+    a0 + a1
+}
+
+/// 16 positions (`mask` of them) of a column at `p` (element `i`), widened.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx2,fma")]
+unsafe fn ldm16<const BF: bool>(p: *const u8, i: usize, mask: u16) -> __m512 {
+    // SAFETY: the caller guarantees the `mask`ed elements at `i`; masked-off
+    // lanes are never read.
+    unsafe {
+        if BF {
+            let raw = _mm512_maskz_loadu_epi16(mask as u32, (p as *const i16).add(i));
+            let w = _mm512_cvtepu16_epi32(_mm512_castsi512_si256(raw));
+            _mm512_castsi512_ps(_mm512_slli_epi32::<16>(w))
+        } else {
+            _mm512_maskz_loadu_ps(mask, (p as *const f32).add(i))
+        }
+    }
+}
+
+/// `G` queries (rows `dk` apart at `q`) against the (`mask`ed) 16 positions
+/// at `k` of a block's columns (`bs` apart): scaled scores to `out`, rows
+/// `ldo` apart.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx2,fma")]
+unsafe fn cols512<const G: usize, const BF: bool>(
+    q: *const f32,
+    dk: usize,
+    k: *const u8,
+    bs: usize,
+    mask: u16,
+    scale: f32,
+    out: *mut f32,
+    ldo: usize,
+) {
+    let mut a = [[_mm512_setzero_ps(); G]; 2];
+    // SAFETY: `q` holds `G` rows of `dk`, `k` `dk` columns with the masked
+    // positions, `out` `G` rows with them.
+    unsafe {
+        let mut d = 0;
+        while d < dk {
+            for (j, aj) in a.iter_mut().enumerate().take(dk - d) {
+                let kv = ldm16::<BF>(k, (d + j) * bs, mask);
+                for g in 0..G {
+                    let qv = _mm512_set1_ps(*q.add(g * dk + d + j));
+                    aj[g] = _mm512_fmadd_ps(qv, kv, aj[g]);
+                }
+            }
+            d += 2;
+        }
+        let sv = _mm512_set1_ps(scale);
+        for g in 0..G {
+            let s = _mm512_mul_ps(_mm512_add_ps(a[0][g], a[1][g]), sv);
+            _mm512_mask_storeu_ps(out.add(g * ldo), mask, s);
+        }
+    }
+}
+
+/// Scores of `q.len() / dk` queries against positions `t0..t0 + n` of one
+/// KV head's keys in a cache block stored by column (`k` at its column 0,
+/// position 0; columns `bs` apart): `out[m·ldo + i] = scale · q_m · k_{t0+i}`.
+///
+/// # Safety
+/// AVX-512 F/BW and FMA; `k` holds `(dk - 1) · bs + t0 + n` elements (`2`
+/// bytes each when `BF`, else `4`), `out` row `m` at `m · ldo` has `n`.
+#[target_feature(enable = "avx512f,avx512bw,avx2,fma")]
+pub unsafe fn scores_cols512<const BF: bool>(
+    q: &[f32],
+    dk: usize,
+    k: *const u8,
+    bs: usize,
+    t0: usize,
+    n: usize,
+    scale: f32,
+    out: &mut [f32],
+    ldo: usize,
+) {
+    let m = q.len() / dk;
+    let (qp, op) = (q.as_ptr(), out.as_mut_ptr());
+    // SAFETY: the caller guarantees the features and the extents.
+    unsafe {
+        let mut i0 = 0;
+        while i0 < n {
+            let w = (n - i0).min(16);
+            let mask = ((1u32 << w) - 1) as u16;
+            let kc = k.add((t0 + i0) * esize(BF));
+            let mut mi = 0;
+            while mi + 8 <= m {
+                let o = op.add(mi * ldo + i0);
+                cols512::<8, BF>(qp.add(mi * dk), dk, kc, bs, mask, scale, o, ldo);
+                mi += 8;
+            }
+            while mi + 4 <= m {
+                let o = op.add(mi * ldo + i0);
+                cols512::<4, BF>(qp.add(mi * dk), dk, kc, bs, mask, scale, o, ldo);
+                mi += 4;
+            }
+            while mi < m {
+                let o = op.add(mi * ldo + i0);
+                cols512::<1, BF>(qp.add(mi * dk), dk, kc, bs, mask, scale, o, ldo);
+                mi += 1;
+            }
+            i0 += 16;
+        }
+    }
+}
+
+/// bf16 query pair `p` of the query at `q` (`dk` words), the missing odd
+/// element of an odd `dk` zero, as one 32-bit lane.
+#[inline]
+unsafe fn qpair(q: *const u16, dk: usize, p: usize) -> i32 {
+    // SAFETY: the caller guarantees `dk` words at `q` and `2p < dk`.
+    unsafe {
+        let lo = *q.add(2 * p) as u32;
+        let hi = if 2 * p + 1 < dk {
+            *q.add(2 * p + 1) as u32
+        } else {
+            0
+        };
+        (lo | (hi << 16)) as i32
+    }
+}
+
+/// [`cols512`] with bf16 queries (rows `dk` words apart at `q`) against bf16
+/// columns: each pair of columns interleaved into 16 key pairs (one
+/// permute) feeds `vdpbf16ps` with the query's pair broadcast; the chains
+/// are the even and odd pairs.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512bf16,avx2,fma")]
+unsafe fn cols512_b16<const G: usize>(
+    q: *const u16,
+    dk: usize,
+    k: *const u16,
+    bs: usize,
+    mask: u16,
+    scale: f32,
+    out: *mut f32,
+    ldo: usize,
+) {
+    // Word 2j of the result is position j of the first column, word 2j + 1
+    // position j of the second (index 32 + j).
+    let idx = _mm512_set_epi16(
+        47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8, 39, 7, 38, 6, 37, 5, 36, 4,
+        35, 3, 34, 2, 33, 1, 32, 0,
+    );
+    let mut a = [[_mm512_setzero_ps(); G]; 2];
+    // SAFETY: as in `cols512`, bf16 words.
+    unsafe {
+        let np = dk.div_ceil(2);
+        let mut p0 = 0;
+        while p0 < np {
+            for (j, aj) in a.iter_mut().enumerate().take(np - p0) {
+                let p = p0 + j;
+                let c0 = _mm512_maskz_loadu_epi16(mask as u32, k.add(2 * p * bs) as *const i16);
+                let c1 = if 2 * p + 1 < dk {
+                    _mm512_maskz_loadu_epi16(mask as u32, k.add((2 * p + 1) * bs) as *const i16)
+                } else {
+                    _mm512_setzero_si512()
+                };
+                let kp: __m512bh = std::mem::transmute(_mm512_permutex2var_epi16(c0, idx, c1));
+                for g in 0..G {
+                    let qv: __m512bh =
+                        std::mem::transmute(_mm512_set1_epi32(qpair(q.add(g * dk), dk, p)));
+                    aj[g] = _mm512_dpbf16_ps(aj[g], kp, qv);
+                }
+            }
+            p0 += 2;
+        }
+        let sv = _mm512_set1_ps(scale);
+        for g in 0..G {
+            let s = _mm512_mul_ps(_mm512_add_ps(a[0][g], a[1][g]), sv);
+            _mm512_mask_storeu_ps(out.add(g * ldo), mask, s);
+        }
+    }
+}
+
+/// [`scores_cols512`] with bf16 queries (`qb`, bf16 bits) against bf16
+/// columns, on `vdpbf16ps`.
+///
+/// # Safety
+/// AVX-512 F/BW/BF16 and FMA; extents as [`scores_cols512`] with `BF`.
+#[target_feature(enable = "avx512f,avx512bw,avx512bf16,avx2,fma")]
+pub unsafe fn scores_cols512_b16(
+    qb: &[u16],
+    dk: usize,
+    k: *const u8,
+    bs: usize,
+    t0: usize,
+    n: usize,
+    scale: f32,
+    out: &mut [f32],
+    ldo: usize,
+) {
+    let m = qb.len() / dk;
+    let (qp, op) = (qb.as_ptr(), out.as_mut_ptr());
+    // SAFETY: the caller guarantees the features and the extents.
+    unsafe {
+        let mut i0 = 0;
+        while i0 < n {
+            let w = (n - i0).min(16);
+            let mask = ((1u32 << w) - 1) as u16;
+            let kc = (k as *const u16).add(t0 + i0);
+            let mut mi = 0;
+            while mi + 8 <= m {
+                let o = op.add(mi * ldo + i0);
+                cols512_b16::<8>(qp.add(mi * dk), dk, kc, bs, mask, scale, o, ldo);
+                mi += 8;
+            }
+            while mi + 4 <= m {
+                let o = op.add(mi * ldo + i0);
+                cols512_b16::<4>(qp.add(mi * dk), dk, kc, bs, mask, scale, o, ldo);
+                mi += 4;
+            }
+            while mi < m {
+                let o = op.add(mi * ldo + i0);
+                cols512_b16::<1>(qp.add(mi * dk), dk, kc, bs, mask, scale, o, ldo);
+                mi += 1;
+            }
+            i0 += 16;
+        }
+    }
+}
+
+/// 8 positions of a column at `p` (element `i`), widened.
+#[inline]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn ldc8<const BF: bool>(p: *const u8, i: usize) -> __m256 {
+    // SAFETY: the caller guarantees 8 elements at `i`.
+    unsafe {
+        if BF {
+            let raw = _mm_loadu_si128((p as *const u16).add(i) as *const __m128i);
+            _mm256_castsi256_ps(_mm256_slli_epi32::<16>(_mm256_cvtepu16_epi32(raw)))
+        } else {
+            _mm256_loadu_ps((p as *const f32).add(i))
+        }
+    }
+}
+
+/// [`cols512`] on AVX2: `G` queries against 8 whole positions.
+#[inline]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn cols256<const G: usize, const BF: bool>(
+    q: *const f32,
+    dk: usize,
+    k: *const u8,
+    bs: usize,
+    scale: f32,
+    out: *mut f32,
+    ldo: usize,
+) {
+    let mut a = [[_mm256_setzero_ps(); G]; 2];
+    // SAFETY: as in `cols512`, 8 positions.
+    unsafe {
+        let mut d = 0;
+        while d < dk {
+            for (j, aj) in a.iter_mut().enumerate().take(dk - d) {
+                let kv = ldc8::<BF>(k, (d + j) * bs);
+                for g in 0..G {
+                    let qv = _mm256_set1_ps(*q.add(g * dk + d + j));
+                    aj[g] = _mm256_fmadd_ps(qv, kv, aj[g]);
+                }
+            }
+            d += 2;
+        }
+        let sv = _mm256_set1_ps(scale);
+        for g in 0..G {
+            let s = _mm256_mul_ps(_mm256_add_ps(a[0][g], a[1][g]), sv);
+            _mm256_storeu_ps(out.add(g * ldo), s);
+        }
+    }
+}
+
+/// [`scores_cols512`] on AVX2 + FMA: runs of 8 positions for groups of four
+/// queries (then one), the last positions one score at a time.
+///
+/// # Safety
+/// AVX2 and FMA; extents as [`scores_cols512`].
+#[target_feature(enable = "avx2,fma")]
+pub unsafe fn scores_cols256<const BF: bool>(
+    q: &[f32],
+    dk: usize,
+    k: *const u8,
+    bs: usize,
+    t0: usize,
+    n: usize,
+    scale: f32,
+    out: &mut [f32],
+    ldo: usize,
+) {
+    let m = q.len() / dk;
+    let (qp, op) = (q.as_ptr(), out.as_mut_ptr());
+    // SAFETY: the caller guarantees the features and the extents.
+    unsafe {
+        let mut i0 = 0;
+        while i0 + 8 <= n {
+            let kc = k.add((t0 + i0) * esize(BF));
+            let mut mi = 0;
+            while mi + 4 <= m {
+                let o = op.add(mi * ldo + i0);
+                cols256::<4, BF>(qp.add(mi * dk), dk, kc, bs, scale, o, ldo);
+                mi += 4;
+            }
+            while mi < m {
+                let o = op.add(mi * ldo + i0);
+                cols256::<1, BF>(qp.add(mi * dk), dk, kc, bs, scale, o, ldo);
+                mi += 1;
+            }
+            i0 += 8;
+        }
+        for i in i0..n {
+            let kc = k.add((t0 + i) * esize(BF));
+            for mi in 0..m {
+                *op.add(mi * ldo + i) = col_score::<BF>(qp.add(mi * dk), dk, kc, bs) * scale;
+            }
+        }
+    }
+}
