@@ -607,48 +607,6 @@ unsafe fn axpys512<const G: usize, const BF: bool>(
     }
 }
 
-/// Eight queries' accumulators for the two full column chunks at `c0` and
-/// `c0 + 16` over `n` value rows: each broadcast probability feeds two FMAs.
-#[inline]
-#[target_feature(enable = "avx512f,avx512bw,avx2,fma")]
-unsafe fn axpys512x2<const BF: bool>(
-    p: *const f32,
-    ldp: usize,
-    v: *const u8,
-    stride: usize,
-    n: usize,
-    acc: *mut f32,
-    dv: usize,
-    c0: usize,
-    prefetch: bool,
-) {
-    // SAFETY: as in `axpys512`, with columns `c0..c0 + 32` inside `dv`.
-    unsafe {
-        let mut a = [[_mm512_setzero_ps(); 8]; 2];
-        for g in 0..8 {
-            a[0][g] = _mm512_loadu_ps(acc.add(g * dv + c0));
-            a[1][g] = _mm512_loadu_ps(acc.add(g * dv + c0 + 16));
-        }
-        for i in 0..n {
-            let vr = v.add(i * stride * esize(BF));
-            if prefetch {
-                prefetch_row(vr, stride * esize(BF), dv * esize(BF));
-            }
-            let v0 = ld16::<BF>(vr, c0);
-            let v1 = ld16::<BF>(vr, c0 + 16);
-            for g in 0..8 {
-                let pv = _mm512_set1_ps(*p.add(g * ldp + i));
-                a[0][g] = _mm512_fmadd_ps(pv, v0, a[0][g]);
-                a[1][g] = _mm512_fmadd_ps(pv, v1, a[1][g]);
-            }
-        }
-        for g in 0..8 {
-            _mm512_storeu_ps(acc.add(g * dv + c0), a[0][g]);
-            _mm512_storeu_ps(acc.add(g * dv + c0 + 16), a[1][g]);
-        }
-    }
-}
-
 /// `acc[m·dv + c] += Σ_i p[m·ldp + i] · v_i[c]` for `acc.len() / dv` queries.
 ///
 /// # Safety
@@ -668,27 +626,12 @@ pub unsafe fn accum512<const BF: bool>(
     let (pp, ap) = (p.as_ptr(), acc.as_mut_ptr());
     // SAFETY: as documented above.
     unsafe {
-        // Groups of eight queries over pairs of full column chunks.
-        let (m8, c32) = (m / 8 * 8, dv / 32 * 32);
-        for mi in (0..m8).step_by(8) {
-            for c0 in (0..c32).step_by(32) {
-                axpys512x2::<BF>(
-                    pp.add(mi * ldp),
-                    ldp,
-                    v,
-                    stride,
-                    n,
-                    ap.add(mi * dv),
-                    dv,
-                    c0,
-                    c0 == 0 && mi == 0,
-                );
-            }
-        }
+        // One 16-column chunk at a time for up to eight queries: each
+        // probability feeds one FMA, as an embedded broadcast operand.
         let mut c0 = 0;
         while c0 < dv {
             let rem = if dv - c0 >= 16 { 0 } else { dv - c0 };
-            let mut mi = if c0 < c32 { m8 } else { 0 };
+            let mut mi = 0;
             while mi + 8 <= m {
                 axpys512::<8, BF>(
                     pp.add(mi * ldp),
