@@ -195,6 +195,40 @@ pub fn attn_scores_cols(
     }
 }
 
+/// One score over columns `0..dk` (`k` at the key's first column, columns
+/// `bs` apart; bf16 when `BF`, else f32): two fused chains, the even and the
+/// odd elements, added at the end, as each lane of the SIMD tiers'
+/// `scores_cols` computes it (their scalar tails). Inlined into its caller,
+/// so `mul_add` is the caller's FMA instruction.
+///
+/// # Safety
+/// `q` holds `dk` elements and `k` the `dk` columns.
+#[inline(always)]
+pub(crate) unsafe fn col_score_fused<const BF: bool>(
+    q: *const f32,
+    dk: usize,
+    k: *const u8,
+    bs: usize,
+) -> f32 {
+    let (mut a0, mut a1) = (0.0f32, 0.0f32);
+    // SAFETY: as documented above.
+    unsafe {
+        for d in 0..dk {
+            let kv = if BF {
+                f32::from_bits((*(k as *const u16).add(d * bs) as u32) << 16)
+            } else {
+                *(k as *const f32).add(d * bs)
+            };
+            if d % 2 == 0 {
+                a0 = (*q.add(d)).mul_add(kv, a0);
+            } else {
+                a1 = (*q.add(d)).mul_add(kv, a1);
+            }
+        }
+    }
+    a0 + a1
+}
+
 /// Weighted sum of values (the twin of the tiers' `accum`):
 /// `acc[m·dv + c] += Σ_{i<n} p[m·ldp + i] · v_i[c]` for the `acc.len() / dv`
 /// query vectors, rows in order.

@@ -318,31 +318,6 @@ pub unsafe fn softmax(row: &mut [f32], prev_max: f32) -> (f32, f32) {
 
 // ------------------------------------------------------- keys by column
 
-/// One score over columns `0..dk` (`k` at the key's first column, columns
-/// `bs` apart): two fused chains, the even and the odd elements, added at the
-/// end (each lane of [`cols`] computes exactly this).
-#[inline]
-#[target_feature(enable = "neon")]
-unsafe fn col_score<const BF: bool>(q: *const f32, dk: usize, k: *const u8, bs: usize) -> f32 {
-    let (mut a0, mut a1) = (0.0f32, 0.0f32);
-    // SAFETY: the caller guarantees `dk` query elements and `dk` columns.
-    unsafe {
-        for d in 0..dk {
-            let kv = if BF {
-                f32::from_bits((*(k as *const u16).add(d * bs) as u32) << 16)
-            } else {
-                *(k as *const f32).add(d * bs)
-            };
-            if d % 2 == 0 {
-                a0 = (*q.add(d)).mul_add(kv, a0);
-            } else {
-                a1 = (*q.add(d)).mul_add(kv, a1);
-            }
-        }
-    }
-    a0 + a1
-}
-
 /// `G` queries (rows `dk` apart at `q`) against 8 positions at `k` of a
 /// block's columns (`bs` apart): scaled scores to `out`, rows `ldo` apart.
 #[inline]
@@ -431,7 +406,9 @@ pub unsafe fn scores_cols<const BF: bool>(
         for i in i0..n {
             let kc = k.add((t0 + i) * esize(BF));
             for mi in 0..m {
-                *op.add(mi * ldo + i) = col_score::<BF>(qp.add(mi * dk), dk, kc, bs) * scale;
+                *op.add(mi * ldo + i) =
+                    crate::kernels::generic::col_score_fused::<BF>(qp.add(mi * dk), dk, kc, bs)
+                        * scale;
             }
         }
     }

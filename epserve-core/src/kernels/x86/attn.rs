@@ -1092,28 +1092,23 @@ pub unsafe fn softmax256(row: &mut [f32], prev_max: f32) -> (f32, f32) {
 // order), added at the end and scaled: the same bits for any query group,
 // lane or call shape, on every tier (the scalar tails use `mul_add`).
 
-/// The two chains of one score over columns `0..dk` (`k` at the key's first
-/// column, columns `bs` apart), as the vector kernels compute each lane.
+/// Calls `f(g, mi, i0, mask)` for each run of up to 16 positions `i0..`
+/// (`mask` of them) and each group of `g` ∈ {8, 4, 1} queries from `mi`
+/// (the AVX-512 column kernels' blocking).
 #[inline]
-#[target_feature(enable = "avx2,fma")]
-unsafe fn col_score<const BF: bool>(q: *const f32, dk: usize, k: *const u8, bs: usize) -> f32 {
-    let (mut a0, mut a1) = (0.0f32, 0.0f32);
-    // SAFETY: the caller guarantees `dk` query elements and `dk` columns.
-    unsafe {
-        for d in 0..dk {
-            let kv = if BF {
-                f32::from_bits((*(k as *const u16).add(d * bs) as u32) << 16)
-            } else {
-                *(k as *const f32).add(d * bs)
-            };
-            if d % 2 == 0 {
-                a0 = (*q.add(d)).mul_add(kv, a0);
-            } else {
-                a1 = (*q.add(d)).mul_add(kv, a1);
+fn col_groups16(m: usize, n: usize, mut f: impl FnMut(usize, usize, usize, u16)) {
+    let mut i0 = 0;
+    while i0 < n {
+        let mask = ((1u32 << (n - i0).min(16)) - 1) as u16;
+        let mut mi = 0;
+        for g in [8, 4, 1] {
+            while mi + g <= m {
+                f(g, mi, i0, mask);
+                mi += g;
             }
         }
+        i0 += 16;
     }
-    a0 + a1
 }
 
 /// 16 positions (`mask` of them) of a column at `p` (element `i`), widened.
@@ -1192,32 +1187,16 @@ pub unsafe fn scores_cols512<const BF: bool>(
 ) {
     let m = q.len() / dk;
     let (qp, op) = (q.as_ptr(), out.as_mut_ptr());
+    let kc = |i0: usize| k.wrapping_add((t0 + i0) * esize(BF));
     // SAFETY: the caller guarantees the features and the extents.
-    unsafe {
-        let mut i0 = 0;
-        while i0 < n {
-            let w = (n - i0).min(16);
-            let mask = ((1u32 << w) - 1) as u16;
-            let kc = k.add((t0 + i0) * esize(BF));
-            let mut mi = 0;
-            while mi + 8 <= m {
-                let o = op.add(mi * ldo + i0);
-                cols512::<8, BF>(qp.add(mi * dk), dk, kc, bs, mask, scale, o, ldo);
-                mi += 8;
-            }
-            while mi + 4 <= m {
-                let o = op.add(mi * ldo + i0);
-                cols512::<4, BF>(qp.add(mi * dk), dk, kc, bs, mask, scale, o, ldo);
-                mi += 4;
-            }
-            while mi < m {
-                let o = op.add(mi * ldo + i0);
-                cols512::<1, BF>(qp.add(mi * dk), dk, kc, bs, mask, scale, o, ldo);
-                mi += 1;
-            }
-            i0 += 16;
+    col_groups16(m, n, |g, mi, i0, mask| unsafe {
+        let (qg, o) = (qp.add(mi * dk), op.add(mi * ldo + i0));
+        match g {
+            8 => cols512::<8, BF>(qg, dk, kc(i0), bs, mask, scale, o, ldo),
+            4 => cols512::<4, BF>(qg, dk, kc(i0), bs, mask, scale, o, ldo),
+            _ => cols512::<1, BF>(qg, dk, kc(i0), bs, mask, scale, o, ldo),
         }
-    }
+    });
 }
 
 /// bf16 query pair `p` of the query at `q` (`dk` words), the missing odd
@@ -1308,32 +1287,16 @@ pub unsafe fn scores_cols512_b16(
 ) {
     let m = qb.len() / dk;
     let (qp, op) = (qb.as_ptr(), out.as_mut_ptr());
+    let kc = |i0: usize| (k as *const u16).wrapping_add(t0 + i0);
     // SAFETY: the caller guarantees the features and the extents.
-    unsafe {
-        let mut i0 = 0;
-        while i0 < n {
-            let w = (n - i0).min(16);
-            let mask = ((1u32 << w) - 1) as u16;
-            let kc = (k as *const u16).add(t0 + i0);
-            let mut mi = 0;
-            while mi + 8 <= m {
-                let o = op.add(mi * ldo + i0);
-                cols512_b16::<8>(qp.add(mi * dk), dk, kc, bs, mask, scale, o, ldo);
-                mi += 8;
-            }
-            while mi + 4 <= m {
-                let o = op.add(mi * ldo + i0);
-                cols512_b16::<4>(qp.add(mi * dk), dk, kc, bs, mask, scale, o, ldo);
-                mi += 4;
-            }
-            while mi < m {
-                let o = op.add(mi * ldo + i0);
-                cols512_b16::<1>(qp.add(mi * dk), dk, kc, bs, mask, scale, o, ldo);
-                mi += 1;
-            }
-            i0 += 16;
+    col_groups16(m, n, |g, mi, i0, mask| unsafe {
+        let (qg, o) = (qp.add(mi * dk), op.add(mi * ldo + i0));
+        match g {
+            8 => cols512_b16::<8>(qg, dk, kc(i0), bs, mask, scale, o, ldo),
+            4 => cols512_b16::<4>(qg, dk, kc(i0), bs, mask, scale, o, ldo),
+            _ => cols512_b16::<1>(qg, dk, kc(i0), bs, mask, scale, o, ldo),
         }
-    }
+    });
 }
 
 /// 8 positions of a column at `p` (element `i`), widened.
@@ -1425,7 +1388,9 @@ pub unsafe fn scores_cols256<const BF: bool>(
         for i in i0..n {
             let kc = k.add((t0 + i) * esize(BF));
             for mi in 0..m {
-                *op.add(mi * ldo + i) = col_score::<BF>(qp.add(mi * dk), dk, kc, bs) * scale;
+                *op.add(mi * ldo + i) =
+                    crate::kernels::generic::col_score_fused::<BF>(qp.add(mi * dk), dk, kc, bs)
+                        * scale;
             }
         }
     }
