@@ -25,15 +25,19 @@ use std::sync::OnceLock;
 /// with 4 KiB base pages).
 pub const HUGE_PAGE: usize = 2 << 20;
 
+/// Whether the environment variable `var` switches something off (`0`,
+/// `off`, `false` or `no`; unset or anything else leaves it on).
+pub fn switched_off(var: &str) -> bool {
+    matches!(
+        std::env::var(var).as_deref(),
+        Ok("0" | "off" | "false" | "no")
+    )
+}
+
 /// Whether large [`ZeroBuf`]s are marked mappings (`EPSERVE_HUGEPAGES` is not `0`/`off`).
 pub fn enabled() -> bool {
     static ON: OnceLock<bool> = OnceLock::new();
-    *ON.get_or_init(|| {
-        !matches!(
-            std::env::var("EPSERVE_HUGEPAGES").as_deref(),
-            Ok("0" | "off" | "false" | "no")
-        )
-    })
+    *ON.get_or_init(|| !switched_off("EPSERVE_HUGEPAGES"))
 }
 
 /// Most bytes glibc's `malloc` serves from its arenas rather than a fresh
@@ -58,10 +62,8 @@ pub const MALLOC_TRIM_THRESHOLD: usize = 512 << 20;
 /// any `glibc.malloc` tunable (the operator's choice wins); a no-op off glibc.
 /// Returns whether it applied. Call once at start, before worker threads.
 pub fn tune_malloc() -> bool {
-    if matches!(
-        std::env::var("EPSERVE_MALLOC_TUNING").as_deref(),
-        Ok("0" | "off" | "false" | "no")
-    ) || std::env::var("GLIBC_TUNABLES").is_ok_and(|t| t.contains("glibc.malloc."))
+    if switched_off("EPSERVE_MALLOC_TUNING")
+        || std::env::var("GLIBC_TUNABLES").is_ok_and(|t| t.contains("glibc.malloc."))
     {
         return false;
     }

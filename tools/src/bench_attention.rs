@@ -12,7 +12,7 @@ use std::time::Duration;
 
 use anyhow::{Result, bail};
 use clap::Args;
-use epserve_core::kernels::attention::{AttnSeq, AttnShape, KvView, attention};
+use epserve_core::kernels::attention::{AttnSeq, AttnShape, attention};
 use epserve_core::kernels::dispatch::{Kernels, kernels};
 use epserve_core::model::kv_cache::{KvDtype, KvPool, SeqCache};
 use serde::Serialize;
@@ -125,19 +125,6 @@ fn filled_pool(
     Ok((pool, seqs))
 }
 
-/// The key and value views of a bench pool's one layer.
-fn views(pool: &KvPool, hd: usize) -> (KvView<'_>, KvView<'_>) {
-    let lp = pool.layer(0);
-    let view = |rows, by_column| KvView {
-        rows,
-        stride: lp.k_width,
-        head_stride: hd,
-        width: hd,
-        by_column,
-    };
-    (view(lp.k.rows(), lp.k_by_column), view(lp.v.rows(), false))
-}
-
 /// One `nq`-row query of each sequence at context `ctx`.
 fn batches(seqs: &[SeqCache], ctx: usize, nq: usize) -> Vec<AttnSeq<'_>> {
     seqs.iter()
@@ -192,8 +179,8 @@ pub fn measure(args: &BenchAttentionArgs) -> Result<(f64, Vec<AttentionRow>)> {
             // Keys by column (what the model stores) and, to compare, by row.
             let (pool, seqs) = filled_pool(args, ctx, copies, dtype, true)?;
             let (rpool, rseqs) = filled_pool(args, ctx, copies, dtype, false)?;
-            let (k, v) = views(&pool, hd);
-            let (rk, rv) = views(&rpool, hd);
+            let (k, v) = pool.layer(0).views(hd);
+            let (rk, rv) = rpool.layer(0).views(hd);
             let q: Vec<f32> = (0..nq * heads * hd)
                 .map(|i| ((i % 89) as f32 - 44.0) / 89.0)
                 .collect();

@@ -114,13 +114,21 @@ pub struct KvView<'a> {
     pub by_column: bool,
 }
 
+/// The index of element `c` of pool row `r` in storage holding rows of
+/// `stride` elements by column inside blocks of `bs` positions (the layout
+/// of [`KvView::by_column`]: `b·bs·stride + c·bs + t` for row `b·bs + t`).
+#[inline]
+pub fn column_index(r: usize, c: usize, bs: usize, stride: usize) -> usize {
+    let t = r % bs;
+    (r - t) * stride + c * bs + t
+}
+
 impl KvView<'_> {
     /// Element `c` of pool row `r` (`bs` positions per block).
     #[inline]
     pub fn at(&self, r: usize, c: usize, bs: usize) -> f32 {
         if self.by_column {
-            let (b, t) = (r / bs, r % bs);
-            self.rows.get(b * bs * self.stride + c * bs + t)
+            self.rows.get(column_index(r, c, bs, self.stride))
         } else {
             self.rows.get(r * self.stride + c)
         }
@@ -531,7 +539,7 @@ fn run_item(
                     break;
                 }
                 let (t0, len) = (r % bs, (bs - r % bs).min(b - i));
-                let base = (r - t0) * k.stride + off * bs;
+                let base = column_index(r - t0, off, bs, k.stride);
                 if len == bs {
                     prefetch_l2(k.rows, base, k.width * bs * esize(k.rows));
                 } else {
@@ -552,7 +560,9 @@ fn run_item(
                 if k.by_column {
                     hint_cols(koff, j - j0, j - j0 + len);
                     let t0 = row0 % bs;
-                    let cols = k.rows.slice_from((row0 - t0) * k.stride + koff * bs);
+                    let cols = k
+                        .rows
+                        .slice_from(column_index(row0 - t0, koff, bs, k.stride));
                     if shape.bf16_queries {
                         kern.attn_scores_cols_b16(
                             &h.q,
@@ -855,9 +865,8 @@ mod tests {
     fn by_column<T: Copy + Default>(rows: &[T], stride: usize, bs: usize) -> Vec<T> {
         let mut out = vec![T::default(); rows.len()];
         for (r, row) in rows.chunks_exact(stride).enumerate() {
-            let (b, t) = (r / bs, r % bs);
             for (c, &x) in row.iter().enumerate() {
-                out[b * bs * stride + c * bs + t] = x;
+                out[column_index(r, c, bs, stride)] = x;
             }
         }
         out
@@ -891,7 +900,7 @@ mod tests {
             let kb: Vec<u16> = kf.iter().map(|&x| f32_to_bf16_bits(x)).collect();
             let (cf, cb) = (by_column(&kf, stride, bs), by_column(&kb, stride, bs));
             let ldo = n + 3;
-            let mut simd_bits: Vec<Option<Vec<u32>>> = vec![None, None, None, None];
+            let mut simd_bits: [Option<Vec<u32>>; 2] = [None, None];
             for (slot, (rows, cols)) in [
                 (KvRows::F32(&kf), KvRows::F32(&cf)),
                 (KvRows::Bf16(&kb), KvRows::Bf16(&cb)),

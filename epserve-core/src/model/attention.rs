@@ -9,7 +9,7 @@
 
 use crate::config::{ModelConfig, QkNorm};
 use crate::error::{Error, Result};
-use crate::kernels::attention::{self, AttnSeq, AttnShape, KvView};
+use crate::kernels::attention::{self, AttnSeq, AttnShape};
 use crate::kernels::dispatch::kernels;
 use crate::kernels::rms_norm;
 use crate::loader::weights::WeightStore;
@@ -340,13 +340,7 @@ impl Attention {
                 past: sp.past,
             })
             .collect();
-        let view = |rows, by_column| KvView {
-            rows,
-            stride: w,
-            head_stride: hd,
-            width: hd,
-            by_column,
-        };
+        let (kv_k, kv_v) = kv.views(hd);
         let mut attn = vec![0.0f32; t * nh * hd];
         attention::attention(
             kernels(),
@@ -363,8 +357,8 @@ impl Attention {
             },
             &seqs,
             &q,
-            view(kv.k.rows(), kv.k_by_column),
-            view(kv.v.rows(), false),
+            kv_k,
+            kv_v,
             &mut attn,
         );
         let mut out = vec![0.0f32; t * hidden];

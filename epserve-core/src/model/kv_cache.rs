@@ -19,7 +19,7 @@ use std::hash::{Hash, Hasher};
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use crate::error::{Error, Result};
-use crate::kernels::attention::KvRows;
+use crate::kernels::attention::{KvRows, KvView, column_index};
 use crate::kernels::layout::f32_to_bf16_bits;
 use crate::mem::ZeroBuf;
 
@@ -156,12 +156,7 @@ impl KvData {
 /// (`EPSERVE_KEY_COLUMNS` is not `0`/`off`; read once).
 fn key_columns_enabled() -> bool {
     static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *ON.get_or_init(|| {
-        !matches!(
-            std::env::var("EPSERVE_KEY_COLUMNS").as_deref(),
-            Ok("0" | "off" | "false" | "no")
-        )
-    })
+    *ON.get_or_init(|| !crate::mem::switched_off("EPSERVE_KEY_COLUMNS"))
 }
 
 /// Storage of one layer: keys and values, `[num_blocks * block_size, width]`
@@ -188,8 +183,8 @@ impl LayerPool {
         debug_assert_eq!(src.len(), self.k_width);
         if self.k_by_column {
             let bs = self.block_size;
-            let t = r % bs;
-            self.k.write_strided((r - t) * self.k_width + t, bs, src);
+            let base = column_index(r, 0, bs, self.k_width);
+            self.k.write_strided(base, bs, src);
         } else {
             self.k.write(r * self.k_width, src);
         }
@@ -199,15 +194,30 @@ impl LayerPool {
         debug_assert_eq!(src.len(), self.v_width);
         self.v.write(r * self.v_width, src);
     }
+    /// The key and value views of a layer with separate values whose rows
+    /// hold KV heads of `head_width` elements side by side (GQA / MHA), in
+    /// the layout this pool stores them.
+    pub fn views(&self, head_width: usize) -> (KvView<'_>, KvView<'_>) {
+        let view = |rows, stride, by_column| KvView {
+            rows,
+            stride,
+            head_stride: head_width,
+            width: head_width,
+            by_column,
+        };
+        (
+            view(self.k.rows(), self.k_width, self.k_by_column),
+            view(self.v.rows(), self.v_width, false),
+        )
+    }
     /// Element `c` of pool row `r`'s key, as stored (widened to f32).
     pub fn key(&self, r: usize, c: usize) -> f32 {
-        if self.k_by_column {
-            let bs = self.block_size;
-            let t = r % bs;
-            self.k.rows().get((r - t) * self.k_width + c * bs + t)
+        let i = if self.k_by_column {
+            column_index(r, c, self.block_size, self.k_width)
         } else {
-            self.k.rows().get(r * self.k_width + c)
-        }
+            r * self.k_width + c
+        };
+        self.k.rows().get(i)
     }
 }
 
