@@ -554,7 +554,14 @@ fn no_connection_reuse_opens_a_connection_per_request() {
         );
         conns.load(Ordering::SeqCst)
     };
-    assert_eq!(run(&[]), 1, "one request at a time reuses one connection");
+    // With reuse, the three sequential requests share connections: one,
+    // or two when the pooled connection had not been handed back yet as the
+    // next request started (seen on a loaded CI host); never one each.
+    let reused = run(&[]);
+    assert!(
+        (1..3).contains(&reused),
+        "one request at a time reuses a connection: {reused} for 3 requests"
+    );
     assert_eq!(run(&["--no-connection-reuse"]), 3);
 }
 
