@@ -20,6 +20,8 @@ use std::arch::x86_64::*;
 
 use crate::kernels::layout::{I8_GROUP_BYTES, KG, NR};
 
+use super::l2_ahead;
+
 /// Most tokens per bf16 tile.
 pub const BF16_MR: usize = 6;
 /// Most tokens per int8 tile.
@@ -101,6 +103,7 @@ unsafe fn bf16_t<const T: usize, const S: usize>(
         for i in 0..kc / 2 {
             let wp = w.add(i * 2 * NR);
             prefetch!(wp);
+            l2_ahead(wp as *const u8, T, 1);
             let (l0, l1) = widen!(wp, mask);
             let (h0, h1) = widen!(wp.add(NR), mask);
             for t in 0..T {
@@ -171,6 +174,7 @@ unsafe fn i8_t<const T: usize>(w: *const i8, groups: usize, x: &[*const i8; I8_M
             let wp = w.add(g * I8_GROUP_BYTES) as *const __m256i;
             prefetch!(wp);
             prefetch!(wp.add(2));
+            l2_ahead(wp as *const u8, T, 2);
             let wv = [
                 _mm256_loadu_si256(wp),
                 _mm256_loadu_si256(wp.add(1)),

@@ -30,6 +30,8 @@ use std::arch::x86_64::*;
 use crate::kernels::layout::{BF16_PAIR_KC, I8_GROUP_BYTES, KG, NR};
 use crate::kernels::row_ptrs as ptrs;
 
+use super::l2_ahead;
+
 /// Most tokens per bf16 tile (f32 activations).
 pub const BF16_MR: usize = 12;
 /// Most tokens per bf16 tile with bf16 activations.
@@ -103,6 +105,7 @@ unsafe fn bf16_t<const T: usize, const S: usize>(
         for i in 0..kc / 2 {
             let wp = w.add(i * 2 * NR);
             prefetch!(wp);
+            l2_ahead(wp as *const u8, T, 1);
             let raw = _mm512_loadu_si512(wp as *const __m512i);
             let w0 = _mm512_castsi512_ps(_mm512_slli_epi32::<16>(raw));
             let w1 = _mm512_castsi512_ps(_mm512_and_si512(raw, mask));
@@ -283,6 +286,7 @@ unsafe fn bf16x_t<const T: usize, const S: usize>(
                 let i = $i;
                 let wp = w.add(i * 2 * NR);
                 prefetch!(wp);
+                l2_ahead(wp as *const u8, T, 1);
                 let wv: __m512bh = std::mem::transmute(_mm512_loadu_si512(wp as *const __m512i));
                 for t in 0..T {
                     let pair = std::ptr::read_unaligned(x[t].add(2 * i) as *const i32);
@@ -433,6 +437,7 @@ unsafe fn i8_vnni_t<const T: usize>(
             let wp = w.add(g * I8_GROUP_BYTES);
             prefetch!(wp);
             prefetch!(wp.add(64));
+            l2_ahead(wp as *const u8, T, 2);
             let w0 = _mm512_loadu_si512(wp as *const __m512i);
             let w1 = _mm512_loadu_si512(wp.add(64) as *const __m512i);
             ws[0] = _mm512_dpbusd_epi32(ws[0], ones, w0);
