@@ -375,18 +375,31 @@ impl Linear {
         } else {
             work.into_iter().for_each(go);
         }
+        // Each output row gathers its panels' runs of 16 (fewer where a
+        // part starts or ends inside a panel), in parallel over rows.
         let mut j0 = 0;
         for ((&np, bias), out) in self.parts.iter().zip(biases).zip(outs.iter_mut()) {
             debug_assert_eq!(out.len(), rows * np);
-            for (t, row) in out.chunks_exact_mut(np).enumerate() {
+            let tmp = &tmp;
+            let gather = |(t, row): (usize, &mut [f32])| {
                 let (b, i) = (t / mb, t % mb);
                 let rb = mb.min(rows - b * mb);
                 let block = &tmp[b * mb * panels * NR..];
-                for (jj, o) in row.iter_mut().enumerate() {
-                    let j = j0 + jj;
-                    let (p, c) = (j / NR, j % NR);
-                    *o = block[(p * rb + i) * NR + c] + bias.map_or(0.0, |b| b[jj]);
+                let mut jj = 0;
+                while jj < np {
+                    let (p, c) = ((j0 + jj) / NR, (j0 + jj) % NR);
+                    let len = (NR - c).min(np - jj);
+                    row[jj..jj + len].copy_from_slice(&block[(p * rb + i) * NR + c..][..len]);
+                    jj += len;
                 }
+                if let Some(b) = bias {
+                    row.iter_mut().zip(*b).for_each(|(o, b)| *o += b);
+                }
+            };
+            if parallel {
+                out.par_chunks_exact_mut(np).enumerate().for_each(gather);
+            } else {
+                out.chunks_exact_mut(np).enumerate().for_each(gather);
             }
             j0 += np;
         }
@@ -628,7 +641,8 @@ mod tests {
         let fused = Linear::fused(ws.clone()).expect("same input width");
         assert!(fused.is_packed());
         assert_eq!(fused.parts(), &widths);
-        for rows in [1usize, 6, 17] {
+        // 70 rows: two row blocks of `MB` (the gather's block arithmetic).
+        for rows in [1usize, 6, 17, 70] {
             let x: Vec<f32> = (0..rows * k).map(|_| rng.random_range(-1.0..1.0)).collect();
             let want: Vec<Vec<f32>> = ws
                 .iter()
