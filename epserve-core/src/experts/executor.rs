@@ -456,6 +456,7 @@ impl PackedExperts {
                     i8_scales: xs_r,
                     b16_rows: xb_r,
                     b16_stride: hp2,
+                    f32_packed: &[],
                 };
                 run_panels(
                     k,
@@ -568,6 +569,7 @@ impl PackedExperts {
                     i8_scales: hs_r,
                     b16_rows: hb16_r,
                     b16_stride: ip2,
+                    f32_packed: &[],
                 };
                 run_panels(
                     k,

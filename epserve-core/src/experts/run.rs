@@ -137,6 +137,7 @@ pub(crate) fn run_panels(
             let rounded = Src {
                 f32_rows: buf,
                 f32_stride: kdim,
+                f32_packed: &[],
                 ..*src
             };
             run_panels(k, false, data, kdim, n, it, &|i| i, &rounded, epi)
@@ -381,21 +382,46 @@ fn run_pairs_f32(
         let tile = |w: [&[u16]; 2], kc: usize, tn: usize, x: &[f32], a: [&mut [f32]; 2]| {
             k.bf16_pair_tile(w, kc, tn, x, a)
         };
-        run_pairs(
-            w,
-            kdim,
-            n,
-            mr,
-            it,
-            row,
-            rows,
-            pack_pairs_f32,
-            tile,
-            xp,
-            acc,
-            epi,
-        )
+        // The caller's stream when it packed the rows once for all its items.
+        let stream: &[f32] = if src.f32_packed.is_empty() {
+            pack_stream(kdim, n, mr, row, rows, pack_pairs_f32, xp);
+            xp
+        } else {
+            debug_assert_eq!(src.f32_packed.len(), n * bf16_padded_k(kdim));
+            src.f32_packed
+        };
+        run_pairs(w, kdim, n, mr, it, stream, tile, acc, epi)
     })
+}
+
+/// Whether [`run_panels`] runs `n` rows of `data` with f32 activations
+/// (`bf16x` false) on the two-panel tile, reading the stream that
+/// [`pack_pairs_f32_stream`] packs.
+pub(crate) fn takes_pairs_f32(k: &Kernels, data: &DataView<'_>, n: usize) -> bool {
+    matches!(data, DataView::Bf16(_))
+        && !(k.amx() && n >= AMX_MIN_ROWS)
+        && n > k.bf16_mr()
+        && k.bf16_pair_mr().is_some()
+}
+
+/// Packs rows `row(0..n)` of `src`'s f32 rows (`kdim` values each) into the
+/// stream the two-panel tile reads, for a caller that runs several items
+/// over the same rows (`Src::f32_packed`): each item then skips its own
+/// packing of all the rows.
+pub(crate) fn pack_pairs_f32_stream(
+    k: &Kernels,
+    kdim: usize,
+    n: usize,
+    row: &dyn Fn(usize) -> usize,
+    src: &Src<'_>,
+    xp: &mut Vec<f32>,
+) {
+    let mr = k.bf16_pair_mr().unwrap_or(MAX_MR);
+    let rows = |i: usize| {
+        let base = i * src.f32_stride;
+        &src.f32_rows[base..base + kdim]
+    };
+    pack_stream(kdim, n, mr, row, rows, pack_pairs_f32, xp);
 }
 
 /// [`run_pairs_f32`] over the rows' bf16 copies on the two-panel bf16 dot
@@ -422,48 +448,32 @@ fn run_pairs_b16(
         let tile = |w: [&[u16]; 2], _kc: usize, tn: usize, x: &[u16], a: [&mut [f32]; 2]| {
             k.bf16x_pair_tile(w, tn, x, a)
         };
-        run_pairs(
-            w,
-            kp,
-            n,
-            mr,
-            it,
-            row,
-            rows,
-            pack_pairs_b16,
-            tile,
-            xp,
-            acc,
-            epi,
-        )
+        pack_stream(kp, n, mr, row, rows, pack_pairs_b16, xp);
+        run_pairs(w, kp, n, mr, it, xp, tile, acc, epi)
     })
 }
 
-/// The loop both two-panel paths share. `kext` is how many `k`s each row
-/// holds (the real `K` for f32 rows, `K` padded to pairs for bf16 copies),
-/// `rows(i)` source row `i`, `pack` appends a K block of a token tile to the
-/// stream `xp` and `tile(panels, kc, tn, stream, accs)` runs one tile.
-#[allow(clippy::too_many_arguments)]
-fn run_pairs<'a, T: Copy + 'a>(
-    w: &[u16],
+/// Rows per token tile of the two-panel paths: tiles of equal size (16
+/// tokens: 8 + 8, not 12 + 4).
+fn pair_tile_rows(n: usize, mr: usize) -> usize {
+    n.div_ceil(n.div_ceil(mr))
+}
+
+/// Packs the two-panel paths' activation stream into `xp`: `kext` is how
+/// many `k`s each row holds (the real `K` for f32 rows, `K` padded to pairs
+/// for bf16 copies), `rows(i)` source row `i`, and `pack` appends a K block
+/// of a token tile. The tile at token `t0` (`tn` rows) holds `tn · kp`
+/// values from `t0 · kp`; its K block at `k0` starts `k0 · tn` values in.
+fn pack_stream<'a, T: Copy + 'a>(
     kext: usize,
     n: usize,
     mr: usize,
-    it: &Item,
     row: &dyn Fn(usize) -> usize,
     rows: impl Fn(usize) -> &'a [T],
     pack: fn(&[&[T]], usize, usize, &mut Vec<T>),
-    tile: impl Fn([&[u16]; 2], usize, usize, &[T], [&mut [f32]; 2]),
     xp: &mut Vec<T>,
-    acc: &mut Vec<f32>,
-    mut epi: impl FnMut(usize, usize, &[f32; NR]),
 ) {
-    // Token tiles of equal size (16 tokens: 8 + 8, not 12 + 4).
-    let tn_max = n.div_ceil(n.div_ceil(mr));
-    let kp = bf16_padded_k(kext);
-    let panel_len = kp * NR;
-    // The tile at token `t0` (`tn` rows) holds `tn · kp` values from
-    // `t0 · kp`; its K block at `k0` starts `k0 · tn` values in.
+    let tn_max = pair_tile_rows(n, mr);
     xp.clear();
     let mut t0 = 0;
     while t0 < n {
@@ -480,6 +490,26 @@ fn run_pairs<'a, T: Copy + 'a>(
         }
         t0 += tn;
     }
+}
+
+/// The loop both two-panel paths share, over the stream `xp` that
+/// [`pack_stream`] packed: `tile(panels, kc, tn, stream, accs)` runs one
+/// tile.
+#[allow(clippy::too_many_arguments)]
+fn run_pairs<T: Copy>(
+    w: &[u16],
+    kext: usize,
+    n: usize,
+    mr: usize,
+    it: &Item,
+    xp: &[T],
+    tile: impl Fn([&[u16]; 2], usize, usize, &[T], [&mut [f32]; 2]),
+    acc: &mut Vec<f32>,
+    mut epi: impl FnMut(usize, usize, &[f32; NR]),
+) {
+    let tn_max = pair_tile_rows(n, mr);
+    let kp = bf16_padded_k(kext);
+    let panel_len = kp * NR;
     acc.resize(2 * n * NR, 0.0);
     let (p0, p1) = (it.p0 as usize, it.p1 as usize);
     let mut p = p0;

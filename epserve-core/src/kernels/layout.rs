@@ -351,6 +351,10 @@ pub(crate) struct Src<'a> {
     /// bf16 copies (zero-padded to an even length), for bf16 × bf16 tiles.
     pub(crate) b16_rows: &'a [u16],
     pub(crate) b16_stride: usize,
+    /// The call's rows already packed for the two-panel f32 tile
+    /// (`experts::run::pack_pairs_f32_stream`), or empty: each item packs
+    /// its own.
+    pub(crate) f32_packed: &'a [f32],
 }
 
 /// One accumulator row of a panel (16 channels).

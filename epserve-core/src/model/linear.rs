@@ -17,7 +17,7 @@ use rayon::prelude::*;
 use crate::config::Activation;
 use crate::experts::executor::to_bf16_row;
 use crate::experts::packed::{PackedData, PackedDtype, PackedMatrix};
-use crate::experts::run::{Item, run_panels};
+use crate::experts::run::{Item, pack_pairs_f32_stream, run_panels, takes_pairs_f32};
 use crate::kernels::dispatch::{Kernels, kernels};
 use crate::kernels::layout::{
     NR, Src, bf16_bits_to_f32, bf16_index, bf16_padded_k, i8_padded_k, quantize_row_i8,
@@ -321,6 +321,7 @@ impl Linear {
             i8_scales: &xs,
             b16_rows: &xb,
             b16_stride: kp2,
+            f32_packed: &[],
         };
         let view = pm.data_view();
         let panels = pm.panels();
@@ -351,12 +352,35 @@ impl Linear {
                 work.push((b * mb, rb, ri * run, dst));
             }
         }
+        // Row blocks that run on the two-panel f32 tile are packed once here,
+        // not once by each of their items (the router's 8 panels made that
+        // packing cost as much as its multiply-adds).
+        let mut packed: Vec<Vec<f32>> = Vec::new();
+        if !bf16x && runs_per_block > 1 {
+            let need = |b: usize| takes_pairs_f32(kern, &view, mb.min(rows - b * mb));
+            packed.resize_with(blocks, Vec::new);
+            let pack = |(b, xp): (usize, &mut Vec<f32>)| {
+                if need(b) {
+                    let rb = mb.min(rows - b * mb);
+                    pack_pairs_f32_stream(kern, k, rb, &|i| b * mb + i, &src, xp);
+                }
+            };
+            if parallel {
+                packed.par_iter_mut().enumerate().for_each(pack);
+            } else {
+                packed.iter_mut().enumerate().for_each(pack);
+            }
+        }
         let go = |(r0, rb, p0, dst): (usize, usize, usize, &mut [f32])| {
             let p1 = p0 + dst.len() / (rb * NR);
             let it = Item {
                 e: 0,
                 p0: p0 as u32,
                 p1: p1 as u32,
+            };
+            let src = Src {
+                f32_packed: packed.get(r0 / mb).map_or(&[][..], |p| &p[..]),
+                ..src
             };
             run_panels(
                 kern,
