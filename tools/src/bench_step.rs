@@ -3,7 +3,9 @@
 //! projection, router, experts, combine, shared expert, dense MLP, LM head,
 //! sampling), each against its own roofline measured in the same run: the
 //! bytes it must read over the machine's streaming bandwidth, or its
-//! multiply-adds over the FMA peak, whichever is longer. A phase far from its
+//! multiply-adds over the FMA peak, whichever is longer (for the experts,
+//! per expert touched, then summed: a skewed router leaves experts with one
+//! or two rows that wait on memory while others wait on FMAs). A phase far from its
 //! roofline is the next thing to make fast, without a profiler.
 //!
 //! Rows: decode steps of B sequences (one new token each, `--context`
@@ -76,7 +78,8 @@ pub struct PhaseRow {
     pub roofline_ms: Option<f64>,
     /// `roofline_ms / ms`, percent.
     pub pct_roofline: Option<f64>,
-    /// What bounds it: "bw" or "fma".
+    /// What bounds it: "bw" or "fma"; for the experts "mix" when some are
+    /// bound by memory and others by FMA.
     pub bound: Option<&'static str>,
 }
 
@@ -115,7 +118,7 @@ fn attn_macs_per_pos(cfg: &ModelConfig) -> usize {
         .sum()
 }
 
-/// A roofline time in seconds and what bounds it ("bw" or "fma").
+/// A roofline time in seconds and what bounds it ("bw", "fma" or "mix").
 type Roof = (f64, &'static str);
 
 /// What the median pass of a row did.
@@ -123,10 +126,9 @@ struct Measured {
     step: f64,
     sampling: f64,
     profile: Profile,
-    /// Distinct experts touched per step, summed over layers.
-    experts: usize,
-    /// Routed (token, expert) pairs per step, summed over layers.
-    pairs: usize,
+    /// Rows routed to each expert a step touched, over all layers (one
+    /// entry per (layer, expert) with at least one row).
+    expert_rows: Vec<usize>,
     /// KV bytes attention read per step.
     kv_bytes: usize,
     /// Attention multiply-adds per step.
@@ -203,7 +205,7 @@ fn measure_row(
     prefill_context(&mut caches, &mut pool, &mut seed)?;
     // (step seconds, sampling seconds, profile) of each counted pass.
     let mut passes: Vec<(f64, f64, Profile)> = Vec::new();
-    let (mut experts, mut pairs, mut attended) = (0usize, 0usize, 0usize);
+    let (mut expert_rows, mut attended) = (Vec::new(), 0usize);
     let start = Instant::now();
     // The first pass warms caches and threads and is not counted.
     let mut pass = 0;
@@ -243,13 +245,11 @@ fn measure_row(
         let sampling = t1.elapsed().as_secs_f64();
         if pass > 0 {
             passes.push((step, sampling, prof));
-            (experts, pairs) = (0, 0);
+            expert_rows.clear();
             for t in &out.router {
                 let mut ids = t.routing.topk_ids.clone();
-                pairs += ids.len();
                 ids.sort_unstable();
-                ids.dedup();
-                experts += ids.len();
+                expert_rows.extend(ids.chunk_by(|a, b| a == b).map(|c| c.len()));
             }
             // Each new token attends to what was cached and to the new ones
             // before it (causal).
@@ -268,8 +268,7 @@ fn measure_row(
         step,
         sampling,
         profile,
-        experts,
-        pairs,
+        expert_rows,
         // Every position attended to is read once per step (per KV head group).
         kv_bytes: (attended / new.max(1)) * kv_per_pos,
         attn_macs: attended * macs_per_pos,
@@ -360,7 +359,23 @@ pub fn measure(args: &BenchStepArgs) -> Result<(f64, f64, Vec<StepRow>)> {
         phases.push((
             Phase::Experts.name().into(),
             secs(Phase::Experts),
-            (m.experts > 0).then(|| roof(m.experts * e_bytes, m.pairs * e_macs)),
+            (!m.expert_rows.is_empty()).then(|| {
+                // Per expert: its weights streamed once, or its rows' FMAs,
+                // whichever takes longer (an expert with two rows waits on
+                // memory however idle the FMA units are), summed.
+                let (mut t, mut n_bw) = (0.0, 0);
+                for &r in &m.expert_rows {
+                    let (secs, bound) = roof(e_bytes, r * e_macs);
+                    t += secs;
+                    n_bw += usize::from(bound == "bw");
+                }
+                let bound = match n_bw {
+                    0 => "fma",
+                    n if n == m.expert_rows.len() => "bw",
+                    _ => "mix",
+                };
+                (t, bound)
+            }),
         ));
         for ph in [
             Phase::Combine,
