@@ -499,6 +499,11 @@ fn run_item(
     let (k0, k1) = (it.part * SPLIT_KEYS, (it.part + 1) * SPLIT_KEYS);
     let (lo, hi) = (first(0).max(k0), (pos(nr - 1) + 1).min(k1));
     let (all_lo, all_hi) = (first(nr - 1), pos(0) + 1);
+    // Hints run past this split's end into the next split's first block:
+    // the next item on this thread is most often that split of the same
+    // rows (items are ordered by split), which would otherwise start on
+    // keys no one hinted.
+    let hint_hi = pos(nr - 1) + 1;
     let mut sc = vec![0.0f32; m * KEY_BLOCK];
     // Key blocks at multiples of KEY_BLOCK (not at `lo`): a row then sees
     // the same blocks, and gets the same bits, in any tile or batch.
@@ -513,7 +518,7 @@ fn run_item(
         // (values) of that head: one burst of hundreds of prefetches fills
         // the line-fill queues and stalls the core until memory answers.
         let mut next = [usize::MAX; KEY_BLOCK];
-        runs(s, bs, j1, (j1 + KEY_BLOCK).min(hi), |j, len, row0| {
+        runs(s, bs, j1, (j1 + KEY_BLOCK).min(hint_hi), |j, len, row0| {
             for (t, r) in (row0..row0 + len).enumerate() {
                 next[j - j1 + t] = r;
             }
