@@ -211,7 +211,7 @@ pub(crate) fn run_panels(
             run_pairs_b16(k, w, kdim, n, it, row, src, epi)
         }
         // Prefill on tiers with a two-panel tile.
-        DataView::Bf16(w) if n > k.bf16_mr() && k.bf16_pair_mr().is_some() => {
+        DataView::Bf16(w) if takes_pairs_f32(k, data, n) => {
             run_pairs_f32(k, w, kdim, n, it, row, src, epi)
         }
         DataView::Bf16(w) => ACC_F32.with_borrow_mut(|acc| {
@@ -374,17 +374,13 @@ fn run_pairs_f32(
 ) {
     // Tiers without a two-panel tile run its twin (up to `MAX_MR` rows).
     let mr = k.bf16_pair_mr().unwrap_or(MAX_MR);
-    let rows = |i: usize| {
-        let base = i * src.f32_stride;
-        &src.f32_rows[base..base + kdim]
-    };
     PAIRS_F32.with_borrow_mut(|(xp, acc)| {
         let tile = |w: [&[u16]; 2], kc: usize, tn: usize, x: &[f32], a: [&mut [f32]; 2]| {
             k.bf16_pair_tile(w, kc, tn, x, a)
         };
         // The caller's stream when it packed the rows once for all its items.
         let stream: &[f32] = if src.f32_packed.is_empty() {
-            pack_stream(kdim, n, mr, row, rows, pack_pairs_f32, xp);
+            pack_pairs_f32_stream(k, kdim, n, row, src, xp);
             xp
         } else {
             debug_assert_eq!(src.f32_packed.len(), n * bf16_padded_k(kdim));
@@ -416,6 +412,7 @@ pub(crate) fn pack_pairs_f32_stream(
     src: &Src<'_>,
     xp: &mut Vec<f32>,
 ) {
+    // Tiers without a two-panel tile run its twin (up to `MAX_MR` rows).
     let mr = k.bf16_pair_mr().unwrap_or(MAX_MR);
     let rows = |i: usize| {
         let base = i * src.f32_stride;
