@@ -77,34 +77,39 @@ struct Workspace {
 
 /// A shared output buffer that work items write disjoint parts of.
 #[derive(Clone, Copy)]
-struct Out {
+pub(crate) struct Out {
     ptr: *mut f32,
     len: usize,
 }
 // SAFETY: `Out` is only used inside one `execute` call while the buffer it
 // points to is exclusively borrowed by that call, and every work item writes
-// a disjoint set of indices (distinct (row, column) pairs, see `write`).
+// a disjoint set of indices (distinct (row, column) pairs, see `run_mut`).
 unsafe impl Send for Out {}
 // SAFETY: as above.
 unsafe impl Sync for Out {}
 
 impl Out {
-    fn new(v: &mut [f32]) -> Self {
+    pub(crate) fn new(v: &mut [f32]) -> Self {
         Out {
             ptr: v.as_mut_ptr(),
             len: v.len(),
         }
     }
 
-    /// Writes `v` at indices `i..i + v.len()`.
+    /// Indices `i..i + n` to write in place. Results are computed straight
+    /// into them: a copy through a stack array cost a stall per run (its
+    /// wide reload of the array's narrow stores cannot be forwarded), and a
+    /// `memcpy` call per 8 or 16 values.
     ///
     /// # Safety
-    /// No other thread may read or write those indices during the phase.
+    /// No other thread may read or write those indices during the phase;
+    /// the slice must be dropped before the phase ends.
     #[inline]
-    unsafe fn write_run(&self, i: usize, v: &[f32]) {
-        assert!(i <= self.len && v.len() <= self.len - i);
+    #[allow(clippy::mut_from_ref)]
+    pub(crate) unsafe fn run_mut(&self, i: usize, n: usize) -> &mut [f32] {
+        assert!(i <= self.len && n <= self.len - i);
         // SAFETY: in bounds (asserted); exclusivity is the caller's contract.
-        unsafe { std::ptr::copy_nonoverlapping(v.as_ptr(), self.ptr.add(i), v.len()) }
+        unsafe { std::slice::from_raw_parts_mut(self.ptr.add(i), n) }
     }
 }
 
@@ -480,23 +485,23 @@ impl PackedExperts {
                         if let Some(b) = up_bias {
                             u.iter_mut().zip(&b[j0..j0 + m]).for_each(|(v, b)| *v += b);
                         }
-                        let mut o = [0.0f32; NR / 2];
-                        match ex.activation {
-                            // SiLU (most models) as one vectorizable loop.
-                            Activation::Silu => {
+                        // SAFETY: row `row` belongs to expert `e` alone and
+                        // columns `8p..8p+8` to this item's panels alone.
+                        let dst = unsafe { hout.run_mut(row * inter + j0, m) };
+                        match (ex.activation, <&mut [f32; NR / 2]>::try_from(&mut *dst)) {
+                            // SiLU (most models) on a whole panel as one
+                            // vectorizable loop.
+                            (Activation::Silu, Ok(d)) => {
                                 for c in 0..NR / 2 {
-                                    o[c] = crate::kernels::silu(g[c]) * u[c];
+                                    d[c] = crate::kernels::silu(g[c]) * u[c];
                                 }
                             }
-                            a => {
-                                for c in 0..m {
-                                    o[c] = glu(a, g[c], u[c]);
+                            (a, _) => {
+                                for (c, d) in dst.iter_mut().enumerate() {
+                                    *d = glu(a, g[c], u[c]);
                                 }
                             }
                         }
-                        // SAFETY: row `row` belongs to expert `e` alone and
-                        // columns `8p..8p+8` to this item's panels alone.
-                        unsafe { hout.write_run(row * inter + j0, &o[..m]) };
                     },
                 );
             });
@@ -585,14 +590,21 @@ impl PackedExperts {
                         let wgt = topk_weights[slot];
                         let j0 = p * NR;
                         let m = NR.min(h.saturating_sub(j0));
-                        let mut o = [0.0f32; NR];
-                        for (c, d) in o.iter_mut().enumerate().take(m) {
-                            let y = val[c] + down_bias.map_or(0.0, |b| b[j0 + c]);
-                            *d = wgt * y;
-                        }
                         // SAFETY: slot `slot` is routed to expert `e` once
                         // and columns `16p..16p+16` belong to this item alone.
-                        unsafe { yout.write_run(slot * h + j0, &o[..m]) };
+                        let dst = unsafe { yout.run_mut(slot * h + j0, m) };
+                        match (down_bias, <&mut [f32; NR]>::try_from(&mut *dst)) {
+                            (None, Ok(d)) => {
+                                for (d, v) in d.iter_mut().zip(val) {
+                                    *d = wgt * v;
+                                }
+                            }
+                            _ => {
+                                for (c, d) in dst.iter_mut().enumerate() {
+                                    *d = wgt * (val[c] + down_bias.map_or(0.0, |b| b[j0 + c]));
+                                }
+                            }
+                        }
                     },
                 );
             });

@@ -15,7 +15,7 @@
 use rayon::prelude::*;
 
 use crate::config::Activation;
-use crate::experts::executor::to_bf16_row;
+use crate::experts::executor::{Out, to_bf16_row};
 use crate::experts::packed::{PackedData, PackedDtype, PackedMatrix};
 use crate::experts::run::{Item, pack_pairs_f32_stream, run_panels, takes_pairs_f32};
 use crate::kernels::dispatch::{Kernels, kernels};
@@ -342,16 +342,34 @@ impl Linear {
             .div_ceil(blocks)
             .clamp(1, panels);
         let run = panels.div_ceil(runs_per_block);
-        // [row block][panel][row in block][16]: each item's outputs are one
-        // contiguous chunk.
-        let mut tmp = vec![0.0f32; rows * panels * NR];
-        let mut work: Vec<(usize, usize, usize, &mut [f32])> = Vec::new();
-        for (b, block) in tmp.chunks_mut(mb * panels * NR).enumerate() {
-            let rb = block.len() / (panels * NR);
-            for (ri, dst) in block.chunks_mut(run * rb * NR).enumerate() {
-                work.push((b * mb, rb, ri * run, dst));
+        // Items of (row block, run of panels): each writes its rows' columns
+        // of its panels straight into the outputs (disjoint between items).
+        let mut work: Vec<(usize, usize, usize, usize)> = Vec::new();
+        for b in 0..blocks {
+            let rb = mb.min(rows - b * mb);
+            for p0 in (0..panels).step_by(run) {
+                work.push((b * mb, rb, p0, (p0 + run).min(panels)));
             }
         }
+        // Where each part starts among the stacked output columns.
+        let starts: Vec<usize> = self
+            .parts
+            .iter()
+            .scan(0, |acc, &np| {
+                let s = *acc;
+                *acc += np;
+                Some(s)
+            })
+            .collect();
+        let total = self.shape[0];
+        let dsts: Vec<Out> = outs
+            .iter_mut()
+            .zip(&self.parts)
+            .map(|(o, &np)| {
+                assert_eq!(o.len(), rows * np, "output part of the wrong length");
+                Out::new(o)
+            })
+            .collect();
         // Row blocks that run on the two-panel f32 tile are packed once here,
         // not once by each of their items (the router's 8 panels made that
         // packing cost as much as its multiply-adds).
@@ -371,8 +389,25 @@ impl Linear {
                 packed.iter_mut().enumerate().for_each(pack);
             }
         }
-        let go = |(r0, rb, p0, dst): (usize, usize, usize, &mut [f32])| {
-            let p1 = p0 + dst.len() / (rb * NR);
+        let (parts, dsts, starts) = (&self.parts[..], &dsts[..], &starts[..]);
+        // Row `row`'s stacked columns `j..j + val.len()` (inside one part
+        // `q`), plus that part's bias.
+        let put = |row: usize, q: usize, j: usize, val: &[f32]| {
+            let (np, c) = (parts[q], j - starts[q]);
+            // SAFETY: (row, column) pairs belong to one item alone.
+            let dst = unsafe { dsts[q].run_mut(row * np + c, val.len()) };
+            match (biases[q], <&mut [f32; NR]>::try_from(&mut *dst)) {
+                // A whole panel: a fixed-size copy (no `memcpy` call).
+                (None, Ok(d)) => d.copy_from_slice(&val[..NR]),
+                (None, Err(_)) => dst.copy_from_slice(val),
+                (Some(b), _) => {
+                    for ((d, v), b) in dst.iter_mut().zip(val).zip(&b[c..]) {
+                        *d = v + b;
+                    }
+                }
+            }
+        };
+        let go = |(r0, rb, p0, p1): (usize, usize, usize, usize)| {
             let it = Item {
                 e: 0,
                 p0: p0 as u32,
@@ -391,41 +426,32 @@ impl Linear {
                 &it,
                 &|i| r0 + i,
                 &src,
-                |i, p, val| dst[((p - p0) * rb + i) * NR..][..NR].copy_from_slice(val),
+                |i, p, val| {
+                    let row = r0 + i;
+                    let (j0, j1) = (p * NR, (p * NR + NR).min(total));
+                    // The part holding column j0 (parts are few).
+                    let mut q = starts.partition_point(|&s| s <= j0) - 1;
+                    if j1 <= starts[q] + parts[q] {
+                        put(row, q, j0, &val[..j1 - j0]);
+                        return;
+                    }
+                    // A panel straddling parts (widths not multiples of 16).
+                    let mut j = j0;
+                    while j < j1 {
+                        while j >= starts[q] + parts[q] {
+                            q += 1;
+                        }
+                        let e = (starts[q] + parts[q]).min(j1);
+                        put(row, q, j, &val[j - j0..e - j0]);
+                        j = e;
+                    }
+                },
             );
         };
         if parallel {
             work.into_par_iter().for_each(go);
         } else {
             work.into_iter().for_each(go);
-        }
-        // Each output row gathers its panels' runs of 16 (fewer where a
-        // part starts or ends inside a panel), in parallel over rows.
-        let mut j0 = 0;
-        for ((&np, bias), out) in self.parts.iter().zip(biases).zip(outs.iter_mut()) {
-            debug_assert_eq!(out.len(), rows * np);
-            let tmp = &tmp;
-            let gather = |(t, row): (usize, &mut [f32])| {
-                let (b, i) = (t / mb, t % mb);
-                let rb = mb.min(rows - b * mb);
-                let block = &tmp[b * mb * panels * NR..];
-                let mut jj = 0;
-                while jj < np {
-                    let (p, c) = ((j0 + jj) / NR, (j0 + jj) % NR);
-                    let len = (NR - c).min(np - jj);
-                    row[jj..jj + len].copy_from_slice(&block[(p * rb + i) * NR + c..][..len]);
-                    jj += len;
-                }
-                if let Some(b) = bias {
-                    row.iter_mut().zip(*b).for_each(|(o, b)| *o += b);
-                }
-            };
-            if parallel {
-                out.par_chunks_exact_mut(np).enumerate().for_each(gather);
-            } else {
-                out.chunks_exact_mut(np).enumerate().for_each(gather);
-            }
-            j0 += np;
         }
     }
 }
@@ -665,15 +691,21 @@ mod tests {
         let fused = Linear::fused(ws.clone()).expect("same input width");
         assert!(fused.is_packed());
         assert_eq!(fused.parts(), &widths);
-        // 70 rows: two row blocks of `MB` (the gather's block arithmetic).
+        // The middle part has no bias: panels straddling parts are written
+        // with and without one. 70 rows: two row blocks of `MB`.
+        let bs: Vec<Option<&[f32]>> = biases
+            .iter()
+            .enumerate()
+            .map(|(i, b)| (i != 1).then_some(&b[..]))
+            .collect();
         for rows in [1usize, 6, 17, 70] {
             let x: Vec<f32> = (0..rows * k).map(|_| rng.random_range(-1.0..1.0)).collect();
             let want: Vec<Vec<f32>> = ws
                 .iter()
-                .zip(&biases)
+                .zip(&bs)
                 .map(|(w, b)| {
                     let mut o = vec![0.0f32; rows * w.shape()[0]];
-                    linear(&x, rows, w, Some(b), &mut o);
+                    linear(&x, rows, w, *b, &mut o);
                     o
                 })
                 .collect();
@@ -686,7 +718,6 @@ mod tests {
                 let [a, b, c] = &mut got[..] else {
                     unreachable!("three parts")
                 };
-                let bs: Vec<Option<&[f32]>> = biases.iter().map(|b| Some(&b[..])).collect();
                 fused.forward_parts_with(&kern, &x, rows, &bs, &mut [a, b, c]);
                 for (p, (g, w)) in got.iter().zip(&want).enumerate() {
                     for (i, (a, b)) in g.iter().zip(w).enumerate() {
