@@ -309,3 +309,42 @@ mod tests {
         );
     }
 }
+
+/// A shared output buffer that work items write disjoint parts of.
+#[derive(Clone, Copy)]
+pub(crate) struct Out {
+    ptr: *mut f32,
+    len: usize,
+}
+// SAFETY: an `Out` is only used inside the call that exclusively borrows the
+// buffer it points to (an expert or linear phase, an attention merge), and
+// every work item writes a disjoint set of indices (see `run_mut`).
+unsafe impl Send for Out {}
+// SAFETY: as above.
+unsafe impl Sync for Out {}
+
+impl Out {
+    /// Points at `v` (which the caller keeps borrowed while this is used).
+    pub(crate) fn new(v: &mut [f32]) -> Self {
+        Out {
+            ptr: v.as_mut_ptr(),
+            len: v.len(),
+        }
+    }
+
+    /// Indices `i..i + n` to write in place. Results are computed straight
+    /// into them: a copy through a stack array cost a stall per run (its
+    /// wide reload of the array's narrow stores cannot be forwarded), and a
+    /// `memcpy` call per 8 or 16 values.
+    ///
+    /// # Safety
+    /// No other thread may read or write those indices during the phase;
+    /// the slice must be dropped before the phase ends.
+    #[inline]
+    #[allow(clippy::mut_from_ref)]
+    pub(crate) unsafe fn run_mut(&self, i: usize, n: usize) -> &mut [f32] {
+        assert!(i <= self.len && n <= self.len - i);
+        // SAFETY: in bounds (asserted); exclusivity is the caller's contract.
+        unsafe { std::slice::from_raw_parts_mut(self.ptr.add(i), n) }
+    }
+}

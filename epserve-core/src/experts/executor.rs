@@ -42,6 +42,7 @@ use crate::kernels::dispatch::{Kernels, kernels};
 use crate::kernels::layout::{
     NR, Src, bf16_padded_k, f32_to_bf16_bits, i8_padded_k, quantize_row_i8,
 };
+use crate::mem::Out;
 use crate::moe::{ExpertExecutor, ExpertState, Rows, SKIP_SLOT};
 
 /// The gated nonlinearity applied to one (gate, up) pair.
@@ -73,44 +74,6 @@ struct Workspace {
     hb: Vec<u16>,
     row_b16: Vec<bool>,
     items: Vec<Item>,
-}
-
-/// A shared output buffer that work items write disjoint parts of.
-#[derive(Clone, Copy)]
-pub(crate) struct Out {
-    ptr: *mut f32,
-    len: usize,
-}
-// SAFETY: `Out` is only used inside one `execute` call while the buffer it
-// points to is exclusively borrowed by that call, and every work item writes
-// a disjoint set of indices (distinct (row, column) pairs, see `run_mut`).
-unsafe impl Send for Out {}
-// SAFETY: as above.
-unsafe impl Sync for Out {}
-
-impl Out {
-    pub(crate) fn new(v: &mut [f32]) -> Self {
-        Out {
-            ptr: v.as_mut_ptr(),
-            len: v.len(),
-        }
-    }
-
-    /// Indices `i..i + n` to write in place. Results are computed straight
-    /// into them: a copy through a stack array cost a stall per run (its
-    /// wide reload of the array's narrow stores cannot be forwarded), and a
-    /// `memcpy` call per 8 or 16 values.
-    ///
-    /// # Safety
-    /// No other thread may read or write those indices during the phase;
-    /// the slice must be dropped before the phase ends.
-    #[inline]
-    #[allow(clippy::mut_from_ref)]
-    pub(crate) unsafe fn run_mut(&self, i: usize, n: usize) -> &mut [f32] {
-        assert!(i <= self.len && n <= self.len - i);
-        // SAFETY: in bounds (asserted); exclusivity is the caller's contract.
-        unsafe { std::slice::from_raw_parts_mut(self.ptr.add(i), n) }
-    }
 }
 
 /// Experts repacked for the SIMD kernels, run on a pinned pool.

@@ -31,6 +31,7 @@ use rayon::prelude::*;
 use super::dispatch::Kernels;
 use super::fast_exp;
 use super::layout::{bf16_bits_to_f32, f32_to_bf16_bits};
+use crate::mem::Out;
 
 /// Key positions per online-softmax step.
 pub const KEY_BLOCK: usize = 64;
@@ -313,25 +314,43 @@ fn run_items(
         .par_iter()
         .map(|it| run_item(kern, shape, &seqs[it.seq], it, q, k, v))
         .collect();
+    // The splits of one (seq, kvh, h0, r0) are items[i..=e]; each group
+    // writes its own rows' heads of `out`, so groups merge in parallel.
+    let mut groups = Vec::new();
     let mut i = 0;
     while i < items.len() {
-        // The splits of one (seq, kvh, h0, r0): items[i..=e].
         let mut e = i;
         while !items[e].last {
             e += 1;
         }
-        let it = &items[i];
-        let acc = merge(shape, it, dv, &results[i..=e]);
-        let s = &seqs[it.seq];
-        let w = it.nkv * it.nh;
-        for ri in 0..it.nr {
-            let row = s.start + it.r0 + ri;
-            let dst = &mut out[(row * heads + it.h0) * dv..(row * heads + it.h0 + w) * dv];
-            dst.copy_from_slice(&acc[ri * w * dv..(ri + 1) * w * dv]);
-        }
+        groups.push((i, e));
         i = e + 1;
     }
+    let dst = Out::new(out);
+    let write = |&(i, e): &(usize, usize)| {
+        let it = &items[i];
+        let s = &seqs[it.seq];
+        let w = it.nkv * it.nh;
+        merge(shape, it, dv, &results[i..=e], |mi, acc, norm| {
+            let row = s.start + it.r0 + mi / w;
+            // SAFETY: (row, head) pairs belong to this group alone, and
+            // the slice is dropped before `out` is used again.
+            let d = unsafe { dst.run_mut((row * heads + it.h0 + mi % w) * dv, dv) };
+            for (d, a) in d.iter_mut().zip(acc) {
+                *d = a * norm;
+            }
+        });
+    };
+    if groups.len() >= PAR_MERGE_GROUPS {
+        groups.par_iter().for_each(write);
+    } else {
+        groups.iter().for_each(write);
+    }
 }
+
+/// Row groups from which the merge runs in parallel (a decode step's few
+/// are not worth a fork).
+const PAR_MERGE_GROUPS: usize = 8;
 
 /// One work item's unnormalized result: per query vector `mi` (row-major
 /// `[rows, heads]`), `acc[mi·dv..]` = `Σ_j e^(s_j − mx[mi]) · v_j` and
@@ -343,55 +362,63 @@ struct Partial {
     sum: Vec<f32>,
 }
 
-/// The normalized `[rows, heads, dv]` output of one item's splits, merged
-/// in split order (log-sum-exp), with the attention sinks.
-fn merge(shape: &AttnShape<'_>, it: &Item, dv: usize, parts: &[Partial]) -> Vec<f32> {
+/// One item's splits merged in split order (log-sum-exp), with the
+/// attention sinks: `put(mi, acc, norm)` for each query vector `mi`
+/// (row-major `[rows, heads]`), its output being `acc · norm`.
+fn merge(
+    shape: &AttnShape<'_>,
+    it: &Item,
+    dv: usize,
+    parts: &[Partial],
+    mut put: impl FnMut(usize, &[f32], f32),
+) {
     let w = it.nkv * it.nh;
     let m = it.nr * w;
-    let (mut acc, mut mx, mut sum);
-    if let [one] = parts {
-        (acc, mx, sum) = (one.acc.clone(), one.mx.clone(), one.sum.clone());
-    } else {
-        acc = vec![0.0f32; m * dv];
-        sum = vec![0.0f32; m];
-        mx = vec![f32::NEG_INFINITY; m];
-        for (mi, top) in mx.iter_mut().enumerate() {
-            *top = parts
-                .iter()
-                .map(|p| p.mx[mi])
-                .fold(f32::NEG_INFINITY, f32::max);
+    let norm = |mi: usize, mx: f32, sum: f32| {
+        let h = it.h0 + mi % w;
+        match shape.sinks {
+            Some(sinks) => {
+                let top = mx.max(sinks[h]);
+                let a = (mx - top).exp();
+                a / (sum * a + (sinks[h] - top).exp())
+            }
+            None => 1.0 / sum,
         }
-        for p in parts {
-            for mi in 0..m {
-                if p.mx[mi] == f32::NEG_INFINITY {
-                    continue;
-                }
-                let w = fast_exp(p.mx[mi] - mx[mi]);
-                sum[mi] += p.sum[mi] * w;
-                for (a, x) in acc[mi * dv..(mi + 1) * dv]
-                    .iter_mut()
-                    .zip(&p.acc[mi * dv..(mi + 1) * dv])
-                {
-                    *a += w * x;
-                }
+    };
+    if let [one] = parts {
+        for mi in 0..m {
+            let n = norm(mi, one.mx[mi], one.sum[mi]);
+            put(mi, &one.acc[mi * dv..(mi + 1) * dv], n);
+        }
+        return;
+    }
+    let mut acc = vec![0.0f32; m * dv];
+    let mut sum = vec![0.0f32; m];
+    let mut mx = vec![f32::NEG_INFINITY; m];
+    for (mi, top) in mx.iter_mut().enumerate() {
+        *top = parts
+            .iter()
+            .map(|p| p.mx[mi])
+            .fold(f32::NEG_INFINITY, f32::max);
+    }
+    for p in parts {
+        for mi in 0..m {
+            if p.mx[mi] == f32::NEG_INFINITY {
+                continue;
+            }
+            let w = fast_exp(p.mx[mi] - mx[mi]);
+            sum[mi] += p.sum[mi] * w;
+            for (a, x) in acc[mi * dv..(mi + 1) * dv]
+                .iter_mut()
+                .zip(&p.acc[mi * dv..(mi + 1) * dv])
+            {
+                *a += w * x;
             }
         }
     }
     for mi in 0..m {
-        let h = it.h0 + mi % w;
-        let norm = match shape.sinks {
-            Some(sinks) => {
-                let top = mx[mi].max(sinks[h]);
-                let a = (mx[mi] - top).exp();
-                a / (sum[mi] * a + (sinks[h] - top).exp())
-            }
-            None => 1.0 / sum[mi],
-        };
-        for a in &mut acc[mi * dv..(mi + 1) * dv] {
-            *a *= norm;
-        }
+        put(mi, &acc[mi * dv..(mi + 1) * dv], norm(mi, mx[mi], sum[mi]));
     }
-    acc
 }
 
 /// Hints the cache lines of `bytes` bytes at element `off` of `rows` into

@@ -7,6 +7,8 @@
 //! model's (a tensor-parallel shard): the output projection then yields a
 //! partial sum that the caller adds across shards.
 
+use rayon::prelude::*;
+
 use crate::config::{ModelConfig, QkNorm};
 use crate::error::{Error, Result};
 use crate::kernels::attention::{self, AttnSeq, AttnShape};
@@ -305,16 +307,43 @@ impl Attention {
                 *val = val.clamp(-c, c);
             }
         }
-        // Rotary embeddings at each token's absolute position.
-        let half = rope.half();
-        let (mut cos, mut sin) = (vec![0.0f32; half], vec![0.0f32; half]);
+        // Rotary embeddings at each token's absolute position (rows in
+        // parallel at prefill: a row's bits do not depend on the others).
+        let mut pos = vec![usize::MAX; t];
         for sp in spans {
             for i in 0..sp.len {
-                let row = sp.start + i;
-                rope.cos_sin(sp.past + i, &mut cos, &mut sin);
-                rope.apply(&mut q[row * nh * hd..(row + 1) * nh * hd], hd, &cos, &sin);
-                rope.apply(&mut k[row * nkv * hd..(row + 1) * nkv * hd], hd, &cos, &sin);
+                pos[sp.start + i] = sp.past + i;
             }
+        }
+        let half = rope.half();
+        let rotate = |((qr, kr), &p): ((&mut [f32], &mut [f32]), &usize)| {
+            if p == usize::MAX {
+                return;
+            }
+            let (mut cos, mut sin) = ([0.0f32; ROPE_STACK], [0.0f32; ROPE_STACK]);
+            let (mut cv, mut sv) = (Vec::new(), Vec::new());
+            let (cos, sin) = if half <= ROPE_STACK {
+                (&mut cos[..half], &mut sin[..half])
+            } else {
+                cv.resize(half, 0.0);
+                sv.resize(half, 0.0);
+                (&mut cv[..], &mut sv[..])
+            };
+            rope.cos_sin(p, cos, sin);
+            rope.apply(qr, hd, cos, sin);
+            rope.apply(kr, hd, cos, sin);
+        };
+        let (qw, kw) = (nh * hd, nkv * hd);
+        if t >= PAR_ROPE_ROWS {
+            q.par_chunks_mut(qw)
+                .zip(k.par_chunks_mut(kw))
+                .zip(pos.par_iter())
+                .for_each(rotate);
+        } else {
+            q.chunks_mut(qw)
+                .zip(k.chunks_mut(kw))
+                .zip(pos.iter())
+                .for_each(rotate);
         }
         // Write the new keys/values into each sequence's blocks (reserved by the caller).
         let w = nkv * hd;
@@ -367,6 +396,12 @@ impl Attention {
         out
     }
 }
+
+/// Rows from which RoPE runs in parallel (a decode step's few rows are not
+/// worth a fork).
+const PAR_ROPE_ROWS: usize = 16;
+/// Rotary half-dimensions whose cos/sin tables live on the stack.
+const ROPE_STACK: usize = 256;
 
 /// Columns `keep` of a row-major `[rows, _]` matrix.
 fn keep_columns(m: &[f32], rows: usize, keep: &std::ops::Range<usize>) -> Vec<f32> {

@@ -15,7 +15,7 @@
 use rayon::prelude::*;
 
 use crate::config::Activation;
-use crate::experts::executor::{Out, to_bf16_row};
+use crate::experts::executor::to_bf16_row;
 use crate::experts::packed::{PackedData, PackedDtype, PackedMatrix};
 use crate::experts::run::{Item, pack_pairs_f32_stream, run_panels, takes_pairs_f32};
 use crate::kernels::dispatch::{Kernels, kernels};
@@ -23,6 +23,7 @@ use crate::kernels::layout::{
     NR, Src, bf16_bits_to_f32, bf16_index, bf16_padded_k, i8_padded_k, quantize_row_i8,
 };
 use crate::kernels::linear;
+use crate::mem::Out;
 use crate::moe::mlp::{GatedMlp, gated_forward};
 use crate::tensor::Weight;
 
