@@ -115,6 +115,56 @@ pub fn rms_norm(x: &mut [f32], w: &[f32], eps: f32) {
     }
 }
 
+/// The residual step between two blocks in one pass over the rows:
+/// `x += a`, then `out` = [`rms_norm`] of the new `x` (`x` itself stays
+/// unnormalized). Same bits as the add, a copy and [`rms_norm`]; rows run in
+/// parallel when there are many values (the add and the copy ran on one
+/// thread before).
+pub fn add_rms_norm(x: &mut [f32], a: &[f32], w: &[f32], eps: f32, out: &mut [f32]) {
+    assert!(x.len() == a.len() && x.len() == out.len());
+    let dim = w.len();
+    if dim == 0 {
+        for (xv, av) in x.iter_mut().zip(a) {
+            *xv += av;
+        }
+        out.copy_from_slice(x);
+        return;
+    }
+    let row = |((xr, ar), or): ((&mut [f32], &[f32]), &mut [f32])| {
+        for (xv, av) in xr.iter_mut().zip(ar) {
+            *xv += av;
+        }
+        let ms = sum_squares(xr) / dim as f32;
+        let inv = 1.0 / (ms + eps).sqrt();
+        for ((o, v), g) in or.iter_mut().zip(xr.iter()).zip(w) {
+            *o = g * (*v * inv);
+        }
+    };
+    if x.len() >= PAR_ROWS_MIN && x.len() > dim {
+        x.par_chunks_mut(dim)
+            .zip(a.par_chunks(dim))
+            .zip(out.par_chunks_mut(dim))
+            .for_each(row);
+    } else {
+        x.chunks_mut(dim)
+            .zip(a.chunks(dim))
+            .zip(out.chunks_mut(dim))
+            .for_each(row);
+    }
+}
+
+/// `x += a`, rows in parallel when there are many values.
+pub fn add_assign(x: &mut [f32], a: &[f32]) {
+    assert_eq!(x.len(), a.len());
+    if x.len() >= PAR_ROWS_MIN {
+        x.par_chunks_mut(1 << 14)
+            .zip(a.par_chunks(1 << 14))
+            .for_each(|(xr, ar)| xr.iter_mut().zip(ar).for_each(|(x, a)| *x += a));
+    } else {
+        x.iter_mut().zip(a).for_each(|(x, a)| *x += a);
+    }
+}
+
 /// `Σ v²` in 16 independent lanes added pairwise at the end (one sequential
 /// chain of dependent adds cost a latency per value), so the order depends
 /// only on the length.
@@ -247,6 +297,36 @@ pub(crate) fn row_ptrs<T, const N: usize>(x: &[&[T]]) -> [*const T; N] {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The fused residual step gives the bits of the add, then the norm, on
+    /// one thread and in parallel.
+    #[test]
+    fn add_rms_norm_equals_the_add_then_the_norm() {
+        let dim = 2048 + 5;
+        // 3 rows stay on the calling thread, 40 run in parallel.
+        for rows in [3usize, 40] {
+            let w: Vec<f32> = (0..dim).map(|i| 0.5 + (i % 7) as f32 * 0.1).collect();
+            let x: Vec<f32> = (0..rows * dim)
+                .map(|i| ((i * 2654435761usize) % 1000) as f32 / 250.0 - 2.0)
+                .collect();
+            let a: Vec<f32> = (0..rows * dim)
+                .map(|i| ((i * 40503usize) % 997) as f32 / 500.0 - 1.0)
+                .collect();
+            let mut want_x = x.clone();
+            for (xv, av) in want_x.iter_mut().zip(&a) {
+                *xv += av;
+            }
+            let mut want = want_x.clone();
+            rms_norm(&mut want, &w, 1e-6);
+            let (mut got_x, mut got) = (x.clone(), vec![f32::NAN; rows * dim]);
+            add_rms_norm(&mut got_x, &a, &w, 1e-6, &mut got);
+            assert_eq!(got_x, want_x, "{rows} rows: the residual");
+            assert_eq!(got, want, "{rows} rows: the norm");
+            let mut sum = x.clone();
+            add_assign(&mut sum, &a);
+            assert_eq!(sum, want_x, "{rows} rows: add_assign");
+        }
+    }
 
     /// Rows normalized in parallel (a prefill-sized batch) give the bits of
     /// each row normalized alone, and match the formula in f64.

@@ -20,7 +20,7 @@ use crate::config::{Arch, FfnKind, ModelConfig};
 use crate::error::{Error, Result};
 pub use crate::experts::LoadOptions;
 use crate::experts::LocalDispatcher;
-use crate::kernels::rms_norm;
+use crate::kernels::{add_assign, add_rms_norm, rms_norm};
 use crate::loader::names;
 use crate::loader::weights::WeightStore;
 use crate::moe::mlp::GatedMlp;
@@ -716,11 +716,13 @@ impl Model {
         if let Some(n) = &layer.attn_out_norm {
             rms_norm(&mut a, n, cfg.rms_norm_eps);
         }
-        for (xv, av) in m.x.iter_mut().zip(&a) {
-            *xv += av;
-        }
-        normed.copy_from_slice(&m.x);
-        rms_norm(&mut normed, &layer.post_norm, cfg.rms_norm_eps);
+        add_rms_norm(
+            &mut m.x,
+            &a,
+            &layer.post_norm,
+            cfg.rms_norm_eps,
+            &mut normed,
+        );
         let _ffn = tracing::trace_span!("ffn").entered();
         let dispatcher = self.dispatcher.as_ref();
         m.pending = Some(match &layer.ffn {
@@ -815,9 +817,7 @@ impl Model {
         if let Some(n) = &layer.ffn_out_norm {
             rms_norm(&mut ffn_out, n, cfg.rms_norm_eps);
         }
-        for (xv, fv) in m.x.iter_mut().zip(&ffn_out) {
-            *xv += fv;
-        }
+        add_assign(&mut m.x, &ffn_out);
         if let Some(s) = layer.layer_scalar {
             for xv in m.x.iter_mut() {
                 *xv *= s;
