@@ -125,20 +125,37 @@ impl SamplingParams {
 pub struct Sampler {
     params: SamplingParams,
     rng: StdRng,
-    scratch: Vec<(u32, f32)>,
+    scratch: Scratch,
     /// `allowed_token_ids` as a mask over the vocabulary (built on first use).
     allowed: Option<Vec<bool>>,
 }
 
 /// Index of the largest value; the first one on ties (as `torch.argmax`).
 pub fn argmax(v: &[f32]) -> u32 {
-    let mut best = 0usize;
-    for (i, x) in v.iter().enumerate() {
-        if *x > v[best] {
-            best = i;
+    // The largest non-NaN value over 16 lanes (a loop that vectorizes), then
+    // its first position: two streaming passes instead of a serial compare
+    // chain (a 152k vocabulary each step).
+    first_eq(v, max_of(v)).unwrap_or(0) as u32
+}
+
+/// Folds `v` into `N` lane accumulators with `f`, then the lanes into one
+/// (in order: `N` dependent steps): the shape of loop the compiler
+/// vectorizes; 64 lanes are four independent registers of 16. `f` must be
+/// associative and commutative up to the caller's needs (a max, a sum).
+#[inline(always)]
+fn lanes_fold<const N: usize>(v: &[f32], init: f32, f: impl Fn(f32, f32) -> f32) -> f32 {
+    let mut acc = [init; N];
+    let mut chunks = v.chunks_exact(N);
+    for c in &mut chunks {
+        for j in 0..N {
+            acc[j] = f(acc[j], c[j]);
         }
     }
-    best as u32
+    let mut r = init;
+    for &x in chunks.remainder().iter().chain(&acc) {
+        r = f(r, x);
+    }
+    r
 }
 
 /// Applies the repetition penalty of transformers / vLLM: each token already
@@ -223,27 +240,36 @@ pub fn log_softmax(logits: &[f32]) -> Vec<f32> {
     logits.iter().map(|l| l - lse).collect()
 }
 
-/// Higher logit (or probability) first; ties to the lower token id.
-fn best_first(a: &(u32, f32), b: &(u32, f32)) -> std::cmp::Ordering {
-    b.1.total_cmp(&a.1).then(a.0.cmp(&b.0))
-}
-
 /// Below this many undecided candidates top-p sorts them; above, it halves
 /// them by a selection.
 const TOP_P_SORT: usize = 64;
 
-/// Keeps the fewest best candidates (by [`best_first`], so ties go to the
-/// lower id) whose probabilities sum to at least `top_p`, in no set order.
-/// A weighted quickselect, linear in the candidates: it never sorts the
-/// vocabulary (a random model's near-flat distribution, or a high
-/// temperature, needs most of it to reach `top_p`).
-fn keep_top_p(cand: &mut Vec<(u32, f32)>, top_p: f32) {
+/// Keeps the fewest best candidates (by `best`: higher logit first, ties to
+/// the lower id) whose weights sum to at least `need`, in no set order. A
+/// weighted quickselect, linear in the candidates: it never sorts them (a
+/// near-flat distribution, or a high temperature, needs most of them).
+fn keep_top_p(
+    cand: &mut Vec<(u32, f32)>,
+    need: f64,
+    best_first: impl Fn(&(u32, f32), &(u32, f32)) -> std::cmp::Ordering + Copy,
+) {
+    let n = top_p_prefix(cand, need, best_first);
+    cand.truncate(n);
+}
+
+/// [`keep_top_p`] on a slice: moves the kept candidates to its front and
+/// returns how many.
+fn top_p_prefix(
+    cand: &mut [(u32, f32)],
+    mut need: f64,
+    best_first: impl Fn(&(u32, f32), &(u32, f32)) -> std::cmp::Ordering + Copy,
+) -> usize {
     // `cand[..lo]` is kept, `cand[hi..]` dropped, `need` the mass still to reach.
-    let (mut lo, mut hi, mut need) = (0, cand.len(), top_p);
+    let (mut lo, mut hi) = (0, cand.len());
     while hi - lo > TOP_P_SORT {
         let mid = (hi - lo) / 2;
         cand[lo..hi].select_nth_unstable_by(mid, best_first);
-        let mass: f32 = cand[lo..=lo + mid].iter().map(|c| c.1).sum();
+        let mass: f64 = cand[lo..=lo + mid].iter().map(|c| c.1 as f64).sum();
         if mass >= need {
             hi = lo + mid + 1;
         } else {
@@ -252,43 +278,399 @@ fn keep_top_p(cand: &mut Vec<(u32, f32)>, top_p: f32) {
         }
     }
     cand[lo..hi].sort_unstable_by(best_first);
-    let mut acc = 0.0f32;
-    for i in lo..hi {
-        acc += cand[i].1;
+    let mut acc = 0.0f64;
+    for (i, c) in cand[lo..hi].iter().enumerate() {
+        acc += c.1 as f64;
         if acc >= need {
-            cand.truncate(i + 1);
-            return;
+            return lo + i + 1;
         }
     }
-    cand.truncate(hi);
+    hi
 }
 
-/// Top-k, softmax, top-p and min-p on non-empty `(token, logit /
-/// temperature)` candidates: leaves the survivors with their probabilities
-/// (in no set order).
-fn keep_candidates(cand: &mut Vec<(u32, f32)>, p: &SamplingParams) {
-    if p.top_k > 0 && p.top_k < cand.len() {
-        cand.select_nth_unstable_by(p.top_k - 1, best_first);
-        cand.truncate(p.top_k);
+/// Below `exp(-87)` a weight is 0 (about `f32::MIN_POSITIVE`, where
+/// [`fast_exp`](crate::kernels::fast_exp) stops).
+const EXP_FLOOR: f32 = -87.0;
+
+/// Histogram buckets of a weight in `[0, 1]`: its bits' top part (exponent
+/// and 4 mantissa bits, 16 buckets per octave), monotone in the weight.
+const BUCKET_SHIFT: u32 = 19;
+const BUCKETS: usize = (0x3F80_0000 >> BUCKET_SHIFT) + 1;
+
+#[inline(always)]
+fn bucket(w: f32) -> usize {
+    (w.to_bits() >> BUCKET_SHIFT) as usize
+}
+
+/// Reused buffers of a [`Sampler`].
+#[derive(Default)]
+struct Scratch {
+    /// Each token's weight `exp(l/T - max)` (0 for masked, non-finite ones,
+    /// and for those a filter dropped).
+    w: Vec<f32>,
+    /// Per-block sums of the weights, for the draw.
+    sums: Vec<f32>,
+    /// Top-k's `(token, weight)` survivors.
+    cand: Vec<(u32, f32)>,
+    /// The tokens of the bucket a filter's boundary falls in.
+    edge: Vec<(u32, f32)>,
+    /// Top-p's histogram of mass, in fixed point ([`FIX`]). Two interleaved
+    /// copies (even and odd tokens), so that runs of tokens in one bucket
+    /// do not chain each add on the previous one's store.
+    mass: Vec<u64>,
+}
+
+/// Top-p's histogram adds weights as integers of `2^-40`: exact sums in any
+/// order, each weight off by under `1e-12`.
+const FIX: f32 = (1u64 << 40) as f32;
+
+/// What [`keep`] left to draw from.
+#[derive(Debug, PartialEq)]
+enum Kept {
+    /// No finite logit.
+    Nothing,
+    /// Every token with its weight in `Scratch::w` (0 where dropped); their sum.
+    All(f64),
+    /// The top-k survivors in `Scratch::cand`; their weights' sum.
+    List(f64),
+}
+
+/// The streaming passes over the vocabulary, compiled for the widest x86
+/// vector extension of the selected kernel tier (`EPSERVE_KERNEL=generic`
+/// runs the baseline build of the same code; NEON is aarch64's baseline).
+macro_rules! widest {
+    ($($(#[$doc:meta])* fn $name:ident($($arg:ident: $ty:ty),*) -> $ret:ty $body:block)*) => {$(
+        $(#[$doc])*
+        fn $name($($arg: $ty),*) -> $ret {
+            #[inline(always)]
+            fn body($($arg: $ty),*) -> $ret $body
+            #[cfg(target_arch = "x86_64")]
+            {
+                #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma")]
+                fn avx512($($arg: $ty),*) -> $ret {
+                    body($($arg),*)
+                }
+                #[target_feature(enable = "avx2,fma")]
+                fn avx2($($arg: $ty),*) -> $ret {
+                    body($($arg),*)
+                }
+                use crate::kernels::dispatch::Tier;
+                match crate::kernels::dispatch::kernels().tier() {
+                    // SAFETY: the tier is only selected where the CPU has
+                    // these extensions (`Tier::supported`).
+                    Tier::Avx512 | Tier::Avx512Vnni | Tier::Avx512Bf16 | Tier::Amx => unsafe {
+                        return avx512($($arg),*);
+                    },
+                    Tier::Avx2 => unsafe {
+                        return avx2($($arg),*);
+                    },
+                    _ => {}
+                }
+            }
+            body($($arg),*)
+        }
+    )*};
+}
+
+/// Lanes of the streaming passes (a multiple of every vector width).
+const L: usize = 16;
+
+widest! {
+    /// The largest value, NaN ignored (`-inf` if none).
+    fn max_of(v: &[f32]) -> f32 {
+        lanes_fold::<64>(v, f32::NEG_INFINITY, |acc, x| if x > acc { x } else { acc })
     }
-    // Softmax over the survivors.
-    let m = cand.iter().map(|c| c.1).fold(f32::NEG_INFINITY, f32::max);
-    let mut sum = 0.0f32;
-    for c in cand.iter_mut() {
-        c.1 = (c.1 - m).exp();
-        sum += c.1;
+
+    /// The first position holding `m`: blocks of 16 compared at once.
+    fn first_eq(v: &[f32], m: f32) -> Option<usize> {
+        for (c, block) in v.chunks(L).enumerate() {
+            let mut hit = false;
+            for &x in block {
+                hit |= x == m;
+            }
+            if hit {
+                return block.iter().position(|&x| x == m).map(|i| c * L + i);
+            }
+        }
+        None
     }
-    for c in cand.iter_mut() {
-        c.1 /= sum;
+
+    /// Each block of [`DRAW_BLOCK`] weights' sum, into `sums`; returns how
+    /// many blocks.
+    fn block_sums(w: &[f32], sums: &mut Vec<f32>) -> usize {
+        // A plain loop: an iterator adapter's fold is not inlined here, so
+        // it would run without this function's vector extensions.
+        sums.clear();
+        for b in w.chunks(DRAW_BLOCK) {
+            sums.push(lanes_fold::<16>(b, 0.0, |a, x| a + x));
+        }
+        sums.len()
+    }
+
+    /// The largest finite logit (`-inf` if none).
+    fn max_finite(logits: &[f32]) -> f32 {
+        lanes_fold::<64>(logits, f32::NEG_INFINITY, |acc, l| {
+            if l > acc && l < f32::INFINITY { l } else { acc }
+        })
+    }
+
+    /// `w = exp(l / t - m)` per token (0 for NaN and infinite logits, and
+    /// below [`EXP_FLOOR`]); returns the weights' sum and how many are positive.
+    fn weights(logits: &[f32], t: f32, m: f32, w: &mut [f32]) -> (f64, usize) {
+        let weight = |l: f32| {
+            let d = l / t - m;
+            // NaN, +inf and -inf logits fail the tests and weigh 0.
+            if l < f32::INFINITY && d >= EXP_FLOOR {
+                crate::kernels::fast_exp(d)
+            } else {
+                0.0
+            }
+        };
+        let mut sums = [0.0f32; L];
+        let mut counts = [0u32; L];
+        let mut wc = w.chunks_exact_mut(L);
+        let mut lc = logits.chunks_exact(L);
+        for (w, l) in (&mut wc).zip(&mut lc) {
+            for j in 0..L {
+                w[j] = weight(l[j]);
+                sums[j] += w[j];
+                counts[j] += (w[j] > 0.0) as u32;
+            }
+        }
+        let (mut sum, mut positive) = (0.0f64, 0usize);
+        for (w, &l) in wc.into_remainder().iter_mut().zip(lc.remainder()) {
+            *w = weight(l);
+            sum += *w as f64;
+            positive += (*w > 0.0) as usize;
+        }
+        sum += sums.iter().map(|&x| x as f64).sum::<f64>();
+        positive += counts.iter().map(|&c| c as usize).sum::<usize>();
+        (sum, positive)
+    }
+
+    /// Zeroes every weight below `min_w` and every token after the cut: the
+    /// tokens kept are those with `(l / t, -id) >= (cut.0, -cut.1)`, the
+    /// prefix a sort by scaled logit (ties to the lower id) would keep.
+    /// Returns the kept weights' sum.
+    fn mask(logits: &[f32], t: f32, cut: (f32, u32), min_w: f32, w: &mut [f32]) -> f64 {
+        let (sc, ic) = cut;
+        let mut sums = [0.0f32; L];
+        let mut wc = w.chunks_exact_mut(L);
+        let mut lc = logits.chunks_exact(L);
+        let mut base = 0u32;
+        let keep = |w: f32, l: f32, i: u32| {
+            let s = l / t;
+            if w >= min_w && (s > sc || (s == sc && i <= ic)) { w } else { 0.0 }
+        };
+        for (w, l) in (&mut wc).zip(&mut lc) {
+            for j in 0..L {
+                w[j] = keep(w[j], l[j], base + j as u32);
+                sums[j] += w[j];
+            }
+            base += L as u32;
+        }
+        let mut sum = 0.0f64;
+        for (j, (w, &l)) in wc.into_remainder().iter_mut().zip(lc.remainder()).enumerate() {
+            *w = keep(*w, l, base + j as u32);
+            sum += *w as f64;
+        }
+        sum + sums.iter().map(|&x| x as f64).sum::<f64>()
+    }
+}
+
+/// Temperature, then top-k, top-p and min-p over the logits, in vLLM's order:
+/// the weights `exp(l/T - max)` of every token (probabilities up to one
+/// normalization), and which survive. Linear in the vocabulary, nearly all
+/// of it in streaming passes that vectorize: the max, the weights and their
+/// sum, and for top-p and min-p a mask. Top-k and top-p find the bucket of a
+/// histogram of the weights' bits where their boundary falls, so only that
+/// bucket's tokens are ordered. Every filter keeps a prefix of the tokens
+/// sorted by scaled logit, ties to the lower id, as a full sort would.
+fn keep(logits: &[f32], p: &SamplingParams, s: &mut Scratch) -> Kept {
+    let t = p.temperature;
+    // `fl(max / t) == max(fl(l / t))`: the rounded division is monotone.
+    let max = max_finite(logits);
+    if max == f32::NEG_INFINITY {
+        return Kept::Nothing;
+    }
+    // Every weight is written below: no clearing pass.
+    s.w.resize(logits.len(), 0.0);
+    let (sum, positive) = weights(logits, t, max / t, &mut s.w);
+    // min-p keeps weights of at least `min_p` times the best one, which is
+    // `exp(0) = 1` and survives every filter.
+    let k = p.top_k;
+    if k > 0 && k < positive {
+        select_top_k(logits, t, k, s);
+        let mut sum: f64 = s.cand.iter().map(|c| c.1 as f64).sum();
+        if p.top_p < 1.0 {
+            keep_top_p(&mut s.cand, p.top_p as f64 * sum, by_logit(logits, t));
+            sum = s.cand.iter().map(|c| c.1 as f64).sum();
+        }
+        if p.min_p > 0.0 {
+            s.cand.retain(|c| c.1 >= p.min_p);
+            sum = s.cand.iter().map(|c| c.1 as f64).sum();
+        }
+        return Kept::List(sum);
     }
     if p.top_p < 1.0 {
-        keep_top_p(cand, p.top_p);
+        let cut = top_p_cut(logits, t, p.top_p as f64 * sum, sum, s);
+        return Kept::All(mask(logits, t, cut, p.min_p, &mut s.w));
     }
     if p.min_p > 0.0 {
-        let best = cand.iter().map(|c| c.1).fold(0.0f32, f32::max);
-        let thresh = p.min_p * best;
-        cand.retain(|c| c.1 >= thresh);
+        let all = (f32::NEG_INFINITY, u32::MAX);
+        return Kept::All(mask(logits, t, all, p.min_p, &mut s.w));
     }
+    Kept::All(sum)
+}
+
+/// Order of the candidates: higher scaled logit `l / t` first (as a sort of
+/// them would compare), ties to the lower id.
+fn by_logit(
+    logits: &[f32],
+    t: f32,
+) -> impl Fn(&(u32, f32), &(u32, f32)) -> std::cmp::Ordering + Copy + '_ {
+    move |a, b| {
+        (logits[b.0 as usize] / t)
+            .total_cmp(&(logits[a.0 as usize] / t))
+            .then(a.0.cmp(&b.0))
+    }
+}
+
+/// `Scratch::cand` = the `k` best tokens (0 < k < the tokens of positive
+/// weight). One pass with a rising bar: tokens at or above the k-th best
+/// weight seen so far are collected, and each time the buffer fills a
+/// selection keeps its `k` best and raises the bar to theirs. Each block of
+/// 16 weights is first tested against the bar at once; after the first
+/// blocks few pass, so the pass costs about a compare per token.
+fn select_top_k(logits: &[f32], t: f32, k: usize, s: &mut Scratch) {
+    const BLOCK: usize = 16;
+    let cap = (4 * k).max(256);
+    let order = by_logit(logits, t);
+    let cand = &mut s.cand;
+    cand.clear();
+    // Anything positive passes until the buffer first fills.
+    let mut bar = f32::MIN_POSITIVE / 2.0;
+    for (c, block) in s.w.chunks(BLOCK).enumerate() {
+        let mut hit = false;
+        for &w in block {
+            hit |= w >= bar;
+        }
+        if !hit {
+            continue;
+        }
+        for (j, &w) in block.iter().enumerate() {
+            if w >= bar && w > 0.0 {
+                cand.push(((c * BLOCK + j) as u32, w));
+            }
+        }
+        if cand.len() >= cap {
+            cand.select_nth_unstable_by(k - 1, order);
+            cand.truncate(k);
+            // The k-th best's weight: anything lighter has a lower logit.
+            bar = cand.iter().map(|c| c.1).fold(f32::INFINITY, f32::min);
+        }
+    }
+    if cand.len() > k {
+        cand.select_nth_unstable_by(k - 1, order);
+        cand.truncate(k);
+    }
+}
+
+/// Top-p's cut for [`mask`]: the worst of the fewest best tokens whose
+/// weights sum to at least `need`. A histogram of the weights' mass finds
+/// the bucket where the running sum crosses `need`; only that bucket's
+/// tokens are ordered (by [`keep_top_p`]). Weights below
+/// `(sum - need) / n` cannot reach the nucleus (all of them together weigh
+/// at most `sum - need`) and stay out of the histogram.
+fn top_p_cut(logits: &[f32], t: f32, need: f64, sum: f64, s: &mut Scratch) -> (f32, u32) {
+    // Both copies of each bucket, then 16 slots that take the weights
+    // under the floor (in turn, so they chain no more than the rest).
+    const SINK: usize = 2 * BUCKETS;
+    s.mass.clear();
+    s.mass.resize(SINK + 16, 0);
+    let floor = ((sum - need) / s.w.len() as f64) as f32;
+    for (i, &w) in s.w.iter().enumerate() {
+        // A select by mask, not a branch: whether a weight is under the
+        // floor is a coin toss on a flat distribution.
+        let keep = 0usize.wrapping_sub((w >= floor) as usize);
+        let slot = ((2 * bucket(w) + (i & 1)) & keep) | ((SINK + (i & 15)) & !keep);
+        // SAFETY: weights are finite and in [0, 1], so `w · 2^40` fits.
+        s.mass[slot] += unsafe { (w * FIX).to_int_unchecked::<i64>() } as u64;
+    }
+    let need_fix = need * FIX as f64;
+    let mass = |b: usize| (s.mass[2 * b] + s.mass[2 * b + 1]) as f64;
+    let (mut b, mut above) = (BUCKETS - 1, 0.0f64);
+    while above + mass(b) < need_fix && b > 0 {
+        above += mass(b);
+        b -= 1;
+    }
+    let above = above / FIX as f64;
+    // The bucket's tokens, written without a branch (whether a token is in
+    // it is a coin toss on a flat distribution): each is stored at the end
+    // and the end moves on only for a member.
+    if s.edge.len() <= s.w.len() {
+        s.edge.resize(s.w.len() + 1, (0, 0.0));
+    }
+    let mut n = 0;
+    for (i, &w) in s.w.iter().enumerate() {
+        s.edge[n] = (i as u32, w);
+        n += (bucket(w) == b && w > 0.0) as usize;
+    }
+    let order = by_logit(logits, t);
+    let edge = &mut s.edge[..n];
+    let kept = top_p_prefix(edge, need - above, order);
+    // The worst kept; with none (the mass ran out in rounding) every
+    // positive weight stays.
+    match edge[..kept].iter().copied().max_by(order) {
+        Some((i, _)) => (logits[i as usize] / t, i),
+        None => (f32::NEG_INFINITY, u32::MAX),
+    }
+}
+
+/// The token a draw `r` in `[0, total)` picks: the first whose weight takes
+/// the running sum past `r`. A weight of 0 is never picked; where rounding
+/// leaves `r` past the end, the last positive one is.
+fn draw(ids: impl Iterator<Item = (u32, f32)>, mut r: f64) -> Option<u32> {
+    let mut last = None;
+    for (i, w) in ids {
+        if w <= 0.0 {
+            continue;
+        }
+        if r < w as f64 {
+            return Some(i);
+        }
+        r -= w as f64;
+        last = Some(i);
+    }
+    last
+}
+
+/// Weights per block of [`draw_blocks`].
+const DRAW_BLOCK: usize = 1024;
+
+/// [`draw`] over every token's weight: blocks of 1024 are summed (a loop
+/// that vectorizes) and skipped whole until the one holding `r`, instead of
+/// a serial running sum over the whole vocabulary.
+fn draw_blocks(w: &[f32], sums: &mut Vec<f32>, mut r: f64) -> Option<u32> {
+    const B: usize = DRAW_BLOCK;
+    block_sums(w, sums);
+    let ids = |b: usize| {
+        let block = &w[b * B..w.len().min((b + 1) * B)];
+        (block.iter().enumerate()).map(move |(i, &w)| ((b * B + i) as u32, w))
+    };
+    let mut last = None;
+    for (b, &sum) in sums.iter().enumerate() {
+        let sum = sum as f64;
+        if sum <= 0.0 {
+            continue;
+        }
+        if r < sum {
+            return draw(ids(b), r);
+        }
+        r -= sum;
+        last = Some(b);
+    }
+    draw(ids(last?), f64::INFINITY)
 }
 
 impl Sampler {
@@ -301,7 +683,7 @@ impl Sampler {
         Sampler {
             params,
             rng,
-            scratch: Vec::new(),
+            scratch: Scratch::default(),
             allowed: None,
         }
     }
@@ -340,31 +722,15 @@ impl Sampler {
         if p.is_greedy() {
             return argmax(logits);
         }
-        // Temperature, then the candidates top-k, top-p and min-p keep, with
-        // their probabilities, found by selection (linear in the vocabulary;
-        // a full sort per token was n log n).
-        let cand = &mut self.scratch;
-        cand.clear();
-        cand.extend(
-            logits
-                .iter()
-                .enumerate()
-                .filter(|(_, l)| l.is_finite())
-                .map(|(i, l)| (i as u32, l / p.temperature)),
-        );
-        if cand.is_empty() {
-            return argmax(logits);
-        }
-        keep_candidates(cand, p);
-        let total: f32 = cand.iter().map(|c| c.1).sum();
-        let mut r = self.rng.random::<f32>() * total;
-        for c in cand.iter() {
-            r -= c.1;
-            if r <= 0.0 {
-                return c.0;
-            }
-        }
-        cand[cand.len() - 1].0
+        let s = &mut self.scratch;
+        let kept = keep(logits, p, s);
+        let u = self.rng.random::<f64>();
+        let tok = match kept {
+            Kept::Nothing => None,
+            Kept::All(total) => draw_blocks(&s.w, &mut s.sums, u * total),
+            Kept::List(total) => draw(s.cand.iter().copied(), u * total),
+        };
+        tok.unwrap_or_else(|| argmax(logits))
     }
 }
 
@@ -427,28 +793,34 @@ mod tests {
     #[test]
     fn selection_keeps_what_a_full_sort_keeps() {
         use rand::Rng;
+        fn best_first(a: &(u32, f32), b: &(u32, f32)) -> std::cmp::Ordering {
+            b.1.total_cmp(&a.1).then(a.0.cmp(&b.0))
+        }
         let reference = |logits: &[f32], p: &SamplingParams| {
             let mut c: Vec<(u32, f32)> = logits
                 .iter()
                 .enumerate()
+                .filter(|(_, l)| l.is_finite())
                 .map(|(i, l)| (i as u32, l / p.temperature))
                 .collect();
             c.sort_by(best_first);
             if p.top_k > 0 && p.top_k < c.len() {
                 c.truncate(p.top_k);
             }
+            // Sums in f64: over a 152k vocabulary an f32 running sum drifts
+            // by more than one token's share at the top-p boundary.
             let m = c[0].1;
-            let sum: f32 = c.iter().map(|x| (x.1 - m).exp()).sum();
+            let sum: f64 = c.iter().map(|x| ((x.1 - m) as f64).exp()).sum();
             for x in c.iter_mut() {
-                x.1 = (x.1 - m).exp() / sum;
+                x.1 = (((x.1 - m) as f64).exp() / sum) as f32;
             }
             if p.top_p < 1.0 {
-                let mut acc = 0.0;
+                let mut acc = 0.0f64;
                 let keep = c
                     .iter()
                     .position(|x| {
-                        acc += x.1;
-                        acc >= p.top_p
+                        acc += x.1 as f64;
+                        acc >= p.top_p as f64
                     })
                     .map_or(c.len(), |i| i + 1);
                 c.truncate(keep);
@@ -456,6 +828,11 @@ mod tests {
             if p.min_p > 0.0 {
                 let t = p.min_p * c[0].1;
                 c.retain(|x| x.1 >= t);
+            }
+            // The draw's distribution: the survivors renormalized.
+            let kept: f32 = c.iter().map(|x| x.1).sum();
+            for x in c.iter_mut() {
+                x.1 /= kept;
             }
             c
         };
@@ -469,6 +846,13 @@ mod tests {
             (5000, 3.0, 3000, 0.99, 0.0),
             (5000, 2.0, 0, 1.0, 0.05),
             (5000, 2.0, 40, 0.8, 0.1),
+            // A real model's vocabulary: peaked, flat (the top-p boundary
+            // bucket holds most tokens), top-k inside one bucket.
+            (151_936, 12.0, 0, 0.9, 0.0),
+            (151_936, 0.01, 0, 0.95, 0.0),
+            (151_936, 0.001, 1000, 1.0, 0.0),
+            (151_936, 6.0, 0, 1.0, 0.02),
+            (151_936, 6.0, 64, 0.9, 0.05),
         ];
         // Many top-p on smaller vocabularies, so that the boundary often
         // falls on a selection's pivot.
@@ -480,20 +864,26 @@ mod tests {
             let mut logits: Vec<f32> = (0..vocab)
                 .map(|_| rng.random_range(-spread..spread))
                 .collect();
-            // Ties, to check they go to the lower id.
+            // Ties, to check they go to the lower id; masked tokens.
             logits[17] = logits[vocab - 3];
+            logits[5] = f32::NEG_INFINITY;
+            logits[vocab - 1] = f32::NAN;
             let p = params(|p| {
                 p.temperature = 0.7;
                 p.top_k = top_k;
                 p.top_p = top_p;
                 p.min_p = min_p;
             });
-            let mut got: Vec<(u32, f32)> = logits
-                .iter()
-                .enumerate()
-                .map(|(i, l)| (i as u32, l / p.temperature))
-                .collect();
-            keep_candidates(&mut got, &p);
+            let mut s = Scratch::default();
+            let norm = |w: f32, sum: f64| (w as f64 / sum) as f32;
+            let mut got: Vec<(u32, f32)> = match keep(&logits, &p, &mut s) {
+                Kept::All(sum) => (s.w.iter().enumerate())
+                    .filter(|(_, w)| **w > 0.0)
+                    .map(|(i, &w)| (i as u32, norm(w, sum)))
+                    .collect(),
+                Kept::List(sum) => s.cand.iter().map(|&(i, w)| (i, norm(w, sum))).collect(),
+                Kept::Nothing => panic!("finite logits"),
+            };
             got.sort_by_key(|x| x.0);
             let mut want = reference(&logits, &p);
             want.sort_by_key(|x| x.0);
@@ -507,6 +897,27 @@ mod tests {
                 assert!((g.1 - w.1).abs() <= 1e-6 * (1.0 + w.1), "{g:?} vs {w:?}");
             }
         }
+    }
+
+    #[test]
+    fn a_draw_picks_the_token_whose_span_holds_it() {
+        // Blocks of 64: zeros around, one block skipped whole.
+        let mut w = vec![0.0f32; 200];
+        w[1] = 0.5;
+        w[100] = 1.0;
+        w[130] = 0.25;
+        for (r, want) in [(0.0, 1), (0.49, 1), (0.5, 100), (1.49, 100), (1.5, 130)] {
+            assert_eq!(draw_blocks(&w, &mut Vec::new(), r), Some(want), "{r}");
+            let list = w.iter().enumerate().map(|(i, &w)| (i as u32, w));
+            assert_eq!(draw(list, r), Some(want), "{r}");
+        }
+        // Past the end (rounding): the last positive weight, never a zero.
+        assert_eq!(draw_blocks(&w, &mut Vec::new(), 1.75), Some(130));
+        assert_eq!(draw_blocks(&[0.0; 70], &mut Vec::new(), 0.0), None);
+        // Nothing finite to draw from: argmax's first index.
+        let mut s = Sampler::new(params(|_| {}));
+        let mut l = vec![f32::NEG_INFINITY, f32::NAN, f32::INFINITY];
+        assert_eq!(s.sample(&mut l, &[], &[]), 2);
     }
 
     #[test]

@@ -49,6 +49,7 @@ pub fn main() {
             BenchCommand::Linear(args) => epserve_tools::bench_linear::run(args),
             BenchCommand::Step(args) => epserve_tools::bench_step::run(args),
             BenchCommand::Attention(args) => epserve_tools::bench_attention::run(args),
+            BenchCommand::Sampling(args) => epserve_tools::bench_sampling::run(args),
         },
         Command::Plan(args) => epserve_tools::plan::run(args),
         Command::Ctl(args) => epserve_tools::ctl::run(args),
@@ -162,6 +163,10 @@ pub enum BenchCommand {
     /// The flash attention kernel (decode at 128 / 2k / 8k context, 512-row
     /// prefill; f32 and bf16 KV) against its scalar twin and the read bandwidth.
     Attention(Box<epserve_tools::bench_attention::BenchAttentionArgs>),
+    /// The sampler per sequence at real vocabulary sizes (greedy,
+    /// temperature, top-k, top-p, min-p) against one pass over the logits,
+    /// and a batch serial against parallel.
+    Sampling(Box<epserve_tools::bench_sampling::BenchSamplingArgs>),
 }
 
 #[cfg(test)]

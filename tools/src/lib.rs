@@ -23,6 +23,7 @@
 pub mod bench_attention;
 pub mod bench_linear;
 pub mod bench_moe;
+pub mod bench_sampling;
 pub mod bench_serve;
 pub mod bench_step;
 pub mod ctl;

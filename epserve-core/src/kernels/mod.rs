@@ -224,7 +224,8 @@ pub fn fast_exp(x: f32) -> f32 {
     // 1.5 · 2^23: adding and subtracting it rounds to the nearest integer.
     const ROUND: f32 = 12_582_912.0;
     let x = x.clamp(-87.0, 88.0);
-    let n = (x * LOG2E + ROUND) - ROUND;
+    let t = x * LOG2E + ROUND;
+    let n = t - ROUND;
     let r = (x - n * LN2_HI) - n * LN2_LO;
     let p = 1.0 / 5040.0;
     let p = p * r + 1.0 / 720.0;
@@ -234,7 +235,11 @@ pub fn fast_exp(x: f32) -> f32 {
     let p = p * r + 0.5;
     let p = p * r + 1.0;
     let p = p * r + 1.0;
-    p * f32::from_bits(((n as i32 + 127) as u32) << 23)
+    // `n` as an integer is in `t`'s low mantissa bits (offset by ROUND's):
+    // integer arithmetic on the bits, not a float-to-int cast, whose
+    // saturation and NaN rules keep a loop from vectorizing.
+    let n_bits = t.to_bits().wrapping_sub(ROUND.to_bits());
+    p * f32::from_bits(n_bits.wrapping_add(127) << 23)
 }
 
 /// SiLU `x · σ(x)` through [`fast_exp`] (vectorizable).
