@@ -448,6 +448,50 @@ impl Scheduler {
         self.config.max_num_batched_tokens - budget
     }
 
+    /// Every sequence's next token from this step's logits, chosen in
+    /// parallel on the compute threads (idle between steps): the masks,
+    /// sampling and logprobs of a batch cost one sequence's time per
+    /// thread, not the sum, before the next step can start. Entries are
+    /// `None` for sequences that sample nothing this step (a prefill chunk,
+    /// a lost row), whose logits row is missing, or that are constrained by
+    /// a grammar; one sequence is chosen in place.
+    fn choose_all(
+        &mut self,
+        logits: &[f32],
+        vocab: usize,
+        lost: &HashMap<usize, String>,
+    ) -> Vec<Option<seq::Choice>> {
+        use rayon::prelude::*;
+        // Each sampling sequence's logits row, as the loop that streams
+        // the tokens assigns them.
+        let mut row = 0;
+        let rows: Vec<Option<&[f32]>> = (self.running.iter().enumerate())
+            .map(|(idx, s)| {
+                let done = s.step_take > 0 && s.num_computed + s.step_take >= s.tokens.len();
+                if !done {
+                    return None;
+                }
+                row += 1;
+                // A grammar's mask may still be computing on the same
+                // threads (`Guide::prefetch`): waiting for it inside one
+                // could block them all, so those sequences choose in place.
+                if lost.contains_key(&idx) || s.guide.is_some() {
+                    return None;
+                }
+                logits.get((row - 1) * vocab..row * vocab)
+            })
+            .collect();
+        // Below a few rows of a small vocabulary, handing out the work
+        // costs more than it saves (`bench sampling`: ~10 µs).
+        let n = rows.iter().flatten().count();
+        if n < 2 || n * vocab < 1 << 16 {
+            return vec![None; rows.len()];
+        }
+        (self.running.par_iter_mut().zip(rows))
+            .map(|(s, l)| l.map(|l| s.choose(l)))
+            .collect()
+    }
+
     #[tracing::instrument(
         level = "debug",
         name = "step",
@@ -597,6 +641,7 @@ impl Scheduler {
             );
         }
         let vocab = self.engine.model.config.vocab_size;
+        let mut choices = self.choose_all(&out.logits, vocab, &lost);
         let mut row = 0;
         let mut finished = Vec::new();
         let mut forked = Vec::new();
@@ -660,7 +705,11 @@ impl Scheduler {
                     unforked.push(c);
                 }
             }
-            if s.on_logits(&self.engine, logits, self.config.max_model_len) {
+            let choice = match choices[idx].take() {
+                Some(c) => c,
+                None => s.choose(logits),
+            };
+            if s.on_token(&self.engine, choice, self.config.max_model_len) {
                 finished.push(idx);
             }
         }

@@ -14,6 +14,9 @@ use tokio::sync::mpsc::UnboundedSender;
 use super::{Event, Request, TokenLogprob};
 use crate::metrics as m;
 
+/// A sampled token and its logprobs, or why none could be chosen.
+pub(super) type Choice = Result<(u32, Option<TokenLogprob>), String>;
+
 pub(super) struct Seq {
     pub id: u64,
     /// Which of the request's `n` choices this is.
@@ -104,12 +107,22 @@ impl Seq {
     /// Samples the next token from this step's logits and streams it.
     /// Returns true when the request is finished.
     pub fn on_logits(&mut self, engine: &Engine, logits: &[f32], max_model_len: usize) -> bool {
+        let choice = self.choose(logits);
+        self.on_token(engine, choice, max_model_len)
+    }
+
+    /// The next token from this step's logits (the grammar's mask, the
+    /// sampler) and its logprobs when asked, without streaming it or
+    /// changing anything but the sampler's RNG: the part of
+    /// [`Seq::on_logits`] that the scheduler runs for all sequences in
+    /// parallel.
+    pub fn choose(&mut self, logits: &[f32]) -> Choice {
         let n_prompt = self.req.prompt_token_ids.len();
         let mut work = logits.to_vec();
         if let Some(g) = self.guide.as_mut()
             && let Err(e) = g.apply(&mut work)
         {
-            return self.fail(format!("structured output failed: {e}"));
+            return Err(format!("structured output failed: {e}"));
         }
         let tok = self.sampler.sample(
             &mut work,
@@ -126,6 +139,17 @@ impl Seq {
                 top: top.into_iter().map(|i| (i, lp[i as usize])).collect(),
             }
         });
+        Ok((tok, logprob))
+    }
+
+    /// Appends the token [`Seq::choose`] picked and streams it (or fails the
+    /// request with its error). Returns true when the request is finished.
+    pub fn on_token(&mut self, engine: &Engine, choice: Choice, max_model_len: usize) -> bool {
+        let n_prompt = self.req.prompt_token_ids.len();
+        let (tok, logprob) = match choice {
+            Ok(c) => c,
+            Err(e) => return self.fail(e),
+        };
         self.tokens.push(tok);
         let now = Instant::now();
         if self.first_token.is_none() {
