@@ -399,9 +399,9 @@ impl Attention {
 
 /// Rows from which RoPE runs in parallel (a decode step's few rows are not
 /// worth a fork).
-const PAR_ROPE_ROWS: usize = 16;
+pub(super) const PAR_ROPE_ROWS: usize = 16;
 /// Rotary half-dimensions whose cos/sin tables live on the stack.
-const ROPE_STACK: usize = 256;
+pub(super) const ROPE_STACK: usize = 256;
 
 /// Columns `keep` of a row-major `[rows, _]` matrix.
 fn keep_columns(m: &[f32], rows: usize, keep: &std::ops::Range<usize>) -> Vec<f32> {

@@ -20,7 +20,7 @@ use crate::kernels::attention::{self, AttnSeq, AttnShape, KvView};
 use crate::kernels::dispatch::kernels;
 use crate::kernels::rms_norm;
 use crate::loader::weights::WeightStore;
-use crate::model::attention::{HeadShard, SeqSpan};
+use crate::model::attention::{HeadShard, PAR_ROPE_ROWS, ROPE_STACK, SeqSpan};
 use crate::model::kv_cache::{KvPool, SeqCache};
 use crate::model::linear::Linear;
 use crate::model::rope::Rope;
@@ -256,19 +256,44 @@ impl Mla {
             }
         };
         drop(proj);
-        let half = rope.half();
-        let (mut cos, mut sin) = (vec![0.0f32; half], vec![0.0f32; half]);
+        // The latent's norm and the rotary embeddings at each token's
+        // absolute position (rows in parallel at prefill: a row's bits do
+        // not depend on the others).
+        let mut pos = vec![usize::MAX; t];
         for sp in spans {
             for i in 0..sp.len {
-                let row = sp.start + i;
-                let c = &mut ckv[row * w..(row + 1) * w];
-                rms_norm(&mut c[..rank], &self.kv_norm, LORA_NORM_EPS);
-                rope.cos_sin(sp.past + i, &mut cos, &mut sin);
-                rope.apply(&mut c[rank..], rd, &cos, &sin);
-                for hq in q[row * nh * qk..(row + 1) * nh * qk].chunks_mut(qk) {
-                    rope.apply(&mut hq[nope..], rd, &cos, &sin);
-                }
+                pos[sp.start + i] = sp.past + i;
             }
+        }
+        let half = rope.half();
+        let per_row = |((c, qr), &p): ((&mut [f32], &mut [f32]), &usize)| {
+            if p == usize::MAX {
+                return;
+            }
+            let (mut cos, mut sin) = ([0.0f32; ROPE_STACK], [0.0f32; ROPE_STACK]);
+            let (mut cv, mut sv) = (Vec::new(), Vec::new());
+            let (cos, sin) = if half <= ROPE_STACK {
+                (&mut cos[..half], &mut sin[..half])
+            } else {
+                cv.resize(half, 0.0);
+                sv.resize(half, 0.0);
+                (&mut cv[..], &mut sv[..])
+            };
+            rms_norm(&mut c[..rank], &self.kv_norm, LORA_NORM_EPS);
+            rope.cos_sin(p, cos, sin);
+            rope.apply(&mut c[rank..], rd, cos, sin);
+            for hq in qr.chunks_mut(qk) {
+                rope.apply(&mut hq[nope..], rd, cos, sin);
+            }
+        };
+        if t >= PAR_ROPE_ROWS {
+            (ckv.par_chunks_mut(w).zip(q.par_chunks_mut(nh * qk)))
+                .zip(pos.par_iter())
+                .for_each(per_row);
+        } else {
+            (ckv.chunks_mut(w).zip(q.chunks_mut(nh * qk)))
+                .zip(pos.iter())
+                .for_each(per_row);
         }
         for (sp, cache) in spans.iter().zip(caches) {
             for i in 0..sp.len {
