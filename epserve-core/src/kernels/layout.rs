@@ -186,12 +186,24 @@ fn pack_pairs<T: Copy + Default>(x: &[&[T]], k0: usize, kc: usize, dst: &mut Vec
     let t = x.len();
     let start = dst.len();
     dst.resize(start + bf16_padded_k(kc) * t, T::default());
-    let d = &mut dst[start..];
-    for (r, row) in x.iter().enumerate() {
-        for (k, &v) in row[k0..k0 + kc].iter().enumerate() {
-            d[pair_index(k, r, t)] = v;
+    // In the stream's order (pair, then row): the writes are one sequential
+    // run, the reads `t` runs of pairs (a row-by-row scatter wrote 8 bytes
+    // per 8·t, each store to another line).
+    let mut out = dst[start..].chunks_exact_mut(2);
+    let whole = kc / 2;
+    for p in 0..whole {
+        let k = k0 + 2 * p;
+        for (row, o) in x.iter().zip(&mut out) {
+            o.copy_from_slice(&row[k..k + 2]);
         }
     }
+    if kc % 2 == 1 {
+        // The last `k` of an odd block, beside its zero.
+        for (row, o) in x.iter().zip(&mut out) {
+            o[0] = row[k0 + kc - 1];
+        }
+    }
+    debug_assert!(out.next().is_none());
 }
 
 /// `k` per block on the BFMMLA prefill path (aarch64 `neon-bf16`, bf16
@@ -377,6 +389,29 @@ pub(crate) fn dequant(a: &[i32], ws: &[f32], xs: f32) -> [f32; NR] {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn pair_packing_puts_each_value_at_its_pair_index() {
+        for t in [1, 3, 12] {
+            for (k0, kc) in [(0, 8), (1, 7), (3, 1), (2, 256)] {
+                let x: Vec<Vec<f32>> = (0..t)
+                    .map(|r| (0..k0 + kc + 3).map(|k| (r * 1000 + k) as f32).collect())
+                    .collect();
+                let rows: Vec<&[f32]> = x.iter().map(|r| &r[..]).collect();
+                // Appends after what is there.
+                let mut got = vec![-1.0f32; 5];
+                pack_pairs_f32(&rows, k0, kc, &mut got);
+                let mut want = vec![0.0f32; bf16_padded_k(kc) * t];
+                for (r, row) in x.iter().enumerate() {
+                    for k in 0..kc {
+                        want[pair_index(k, r, t)] = row[k0 + k];
+                    }
+                }
+                assert_eq!(&got[..5], &[-1.0; 5]);
+                assert_eq!(&got[5..], &want[..], "t {t} k0 {k0} kc {kc}");
+            }
+        }
+    }
 
     #[test]
     fn split3_bf16_sums_exactly() {
