@@ -315,23 +315,14 @@ impl Attention {
                 pos[sp.start + i] = sp.past + i;
             }
         }
-        let half = rope.half();
         let rotate = |((qr, kr), &p): ((&mut [f32], &mut [f32]), &usize)| {
             if p == usize::MAX {
                 return;
             }
-            let (mut cos, mut sin) = ([0.0f32; ROPE_STACK], [0.0f32; ROPE_STACK]);
-            let (mut cv, mut sv) = (Vec::new(), Vec::new());
-            let (cos, sin) = if half <= ROPE_STACK {
-                (&mut cos[..half], &mut sin[..half])
-            } else {
-                cv.resize(half, 0.0);
-                sv.resize(half, 0.0);
-                (&mut cv[..], &mut sv[..])
-            };
-            rope.cos_sin(p, cos, sin);
-            rope.apply(qr, hd, cos, sin);
-            rope.apply(kr, hd, cos, sin);
+            rope.at(p, |cos, sin| {
+                rope.apply(qr, hd, cos, sin);
+                rope.apply(kr, hd, cos, sin);
+            });
         };
         let (qw, kw) = (nh * hd, nkv * hd);
         if t >= PAR_ROPE_ROWS {
@@ -400,8 +391,6 @@ impl Attention {
 /// Rows from which RoPE runs in parallel (a decode step's few rows are not
 /// worth a fork).
 pub(super) const PAR_ROPE_ROWS: usize = 16;
-/// Rotary half-dimensions whose cos/sin tables live on the stack.
-pub(super) const ROPE_STACK: usize = 256;
 
 /// Columns `keep` of a row-major `[rows, _]` matrix.
 fn keep_columns(m: &[f32], rows: usize, keep: &std::ops::Range<usize>) -> Vec<f32> {

@@ -20,7 +20,7 @@ use crate::kernels::attention::{self, AttnSeq, AttnShape, KvView};
 use crate::kernels::dispatch::kernels;
 use crate::kernels::rms_norm;
 use crate::loader::weights::WeightStore;
-use crate::model::attention::{HeadShard, PAR_ROPE_ROWS, ROPE_STACK, SeqSpan};
+use crate::model::attention::{HeadShard, PAR_ROPE_ROWS, SeqSpan};
 use crate::model::kv_cache::{KvPool, SeqCache};
 use crate::model::linear::Linear;
 use crate::model::rope::Rope;
@@ -265,26 +265,17 @@ impl Mla {
                 pos[sp.start + i] = sp.past + i;
             }
         }
-        let half = rope.half();
         let per_row = |((c, qr), &p): ((&mut [f32], &mut [f32]), &usize)| {
             if p == usize::MAX {
                 return;
             }
-            let (mut cos, mut sin) = ([0.0f32; ROPE_STACK], [0.0f32; ROPE_STACK]);
-            let (mut cv, mut sv) = (Vec::new(), Vec::new());
-            let (cos, sin) = if half <= ROPE_STACK {
-                (&mut cos[..half], &mut sin[..half])
-            } else {
-                cv.resize(half, 0.0);
-                sv.resize(half, 0.0);
-                (&mut cv[..], &mut sv[..])
-            };
             rms_norm(&mut c[..rank], &self.kv_norm, LORA_NORM_EPS);
-            rope.cos_sin(p, cos, sin);
-            rope.apply(&mut c[rank..], rd, cos, sin);
-            for hq in qr.chunks_mut(qk) {
-                rope.apply(&mut hq[nope..], rd, cos, sin);
-            }
+            rope.at(p, |cos, sin| {
+                rope.apply(&mut c[rank..], rd, cos, sin);
+                for hq in qr.chunks_mut(qk) {
+                    rope.apply(&mut hq[nope..], rd, cos, sin);
+                }
+            });
         };
         if t >= PAR_ROPE_ROWS {
             (ckv.par_chunks_mut(w).zip(q.par_chunks_mut(nh * qk)))

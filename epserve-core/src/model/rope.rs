@@ -129,7 +129,28 @@ impl Rope {
     pub fn half(&self) -> usize {
         self.rotary_dim / 2
     }
+
+    /// `f(cos, sin)` with the tables of position `pos`, on the stack up to
+    /// [`ROPE_STACK`] half-dimensions (no allocation per row when rows are
+    /// rotated in parallel).
+    pub fn at<R>(&self, pos: usize, f: impl FnOnce(&[f32], &[f32]) -> R) -> R {
+        let half = self.half();
+        let (mut cos, mut sin) = ([0.0f32; ROPE_STACK], [0.0f32; ROPE_STACK]);
+        let (mut cv, mut sv) = (Vec::new(), Vec::new());
+        let (cos, sin) = if half <= ROPE_STACK {
+            (&mut cos[..half], &mut sin[..half])
+        } else {
+            cv.resize(half, 0.0);
+            sv.resize(half, 0.0);
+            (&mut cv[..], &mut sv[..])
+        };
+        self.cos_sin(pos, cos, sin);
+        f(cos, sin)
+    }
 }
+
+/// Rotary half-dimensions whose cos/sin tables [`Rope::at`] keeps on the stack.
+const ROPE_STACK: usize = 256;
 
 #[cfg(test)]
 mod tests {
