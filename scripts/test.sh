@@ -11,3 +11,6 @@ if ! python3 -c "import openai" 2>/dev/null; then
 fi
 export EPSERVE_REQUIRE_OPENAI=1 EPSERVE_REQUIRE_ETCD=1
 cargo test --workspace
+# The sampler's streaming passes are built per vector extension and chosen by
+# the kernel tier: run its tests on the baseline build too.
+EPSERVE_KERNEL=generic cargo test -p epserve-core --lib sampling
