@@ -252,6 +252,7 @@ pub fn scheduler_config(args: &ServeArgs, engine: &Engine) -> Result<SchedulerCo
         micro_batches: args.micro_batches,
         enable_prefix_caching: !args.no_enable_prefix_caching,
         expert_load_metrics: args.expert_load_metrics,
+        parallel_choose_min_logits: scheduler::PARALLEL_CHOOSE_MIN_LOGITS,
     })
 }
 

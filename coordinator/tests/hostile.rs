@@ -66,6 +66,7 @@ async fn start(cfg: ServerConfig, opts: HttpOptions, with_model: bool) -> Runnin
                 micro_batches: MicroBatches::Fixed(1),
                 enable_prefix_caching: true,
                 expert_load_metrics: false,
+                parallel_choose_min_logits: scheduler::PARALLEL_CHOOSE_MIN_LOGITS,
             },
         )
         .expect("scheduler");
@@ -989,6 +990,7 @@ mod parser_props {
                         micro_batches: MicroBatches::Fixed(1),
                         enable_prefix_caching: true,
                         expert_load_metrics: false,
+                        parallel_choose_min_logits: scheduler::PARALLEL_CHOOSE_MIN_LOGITS,
                     },
                 )
                 .expect("scheduler")

@@ -496,8 +496,6 @@ fn keep(logits: &[f32], p: &SamplingParams, s: &mut Scratch) -> Kept {
     // Every weight is written below: no clearing pass.
     s.w.resize(logits.len(), 0.0);
     let (sum, positive) = weights(logits, t, max / t, &mut s.w);
-    // min-p keeps weights of at least `min_p` times the best one, which is
-    // `exp(0) = 1` and survives every filter.
     let k = p.top_k;
     if k > 0 && k < positive {
         select_top_k(logits, t, k, s);
@@ -506,6 +504,8 @@ fn keep(logits: &[f32], p: &SamplingParams, s: &mut Scratch) -> Kept {
             keep_top_p(&mut s.cand, p.top_p as f64 * sum, by_logit(logits, t));
             sum = s.cand.iter().map(|c| c.1 as f64).sum();
         }
+        // min-p keeps weights of at least `min_p` times the best one, which
+        // is `exp(0) = 1` and survives every filter (here and in `mask`).
         if p.min_p > 0.0 {
             s.cand.retain(|c| c.1 >= p.min_p);
             sum = s.cand.iter().map(|c| c.1 as f64).sum();

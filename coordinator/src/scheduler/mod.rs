@@ -67,7 +67,17 @@ pub struct SchedulerConfig {
     pub enable_prefix_caching: bool,
     /// Per-expert token counters (`--expert-load-metrics`; layers x experts series).
     pub expert_load_metrics: bool,
+    /// A step's sampling sequences choose their tokens in parallel on the
+    /// compute threads when there are at least two and their logits number
+    /// at least this many ([`PARALLEL_CHOOSE_MIN_LOGITS`]; below it handing
+    /// out the work costs more than it saves).
+    pub parallel_choose_min_logits: usize,
 }
+
+/// The default [`SchedulerConfig::parallel_choose_min_logits`]: `bench
+/// sampling` puts handing a batch to the pool at ~10 µs, a pass over 64k
+/// logits at about as much.
+pub const PARALLEL_CHOOSE_MIN_LOGITS: usize = 1 << 16;
 
 /// Counters the scheduler thread keeps, readable from any thread.
 #[derive(Debug, Default)]
@@ -78,6 +88,9 @@ pub struct SchedulerStats {
     pub prefix_cache_hits: AtomicU64,
     /// Sequences preempted for lack of KV blocks.
     pub preemptions: AtomicU64,
+    /// Tokens chosen in a step's parallel batch (`choose_all`) rather than
+    /// in place.
+    pub parallel_choices: AtomicU64,
     /// Tokens run through the forward pass (prefill chunks and decodes).
     pub computed_tokens: AtomicU64,
     /// KV blocks no sequence holds (truly free plus cached-free), after the
@@ -448,6 +461,25 @@ impl Scheduler {
         self.config.max_num_batched_tokens - budget
     }
 
+    /// Each running sequence's row of this step's logits: `Some` for those
+    /// that finish their prompt or decode this step (whether or not a row
+    /// of theirs was lost: the forward pass returns their row either way),
+    /// `None` for idle sequences and prefill chunks short of the prompt's
+    /// end. The one place that rule lives; call before `num_computed`
+    /// moves on.
+    fn logit_rows(&self) -> Vec<Option<usize>> {
+        let mut row = 0;
+        (self.running.iter())
+            .map(|s| {
+                let done = s.step_take > 0 && s.num_computed + s.step_take >= s.tokens.len();
+                done.then(|| {
+                    row += 1;
+                    row - 1
+                })
+            })
+            .collect()
+    }
+
     /// Every sequence's next token from this step's logits, chosen in
     /// parallel on the compute threads (idle between steps): the masks,
     /// sampling and logprobs of a batch cost one sequence's time per
@@ -459,34 +491,27 @@ impl Scheduler {
         &mut self,
         logits: &[f32],
         vocab: usize,
+        rows: &[Option<usize>],
         lost: &HashMap<usize, String>,
     ) -> Vec<Option<seq::Choice>> {
         use rayon::prelude::*;
-        // Each sampling sequence's logits row, as the loop that streams
-        // the tokens assigns them.
-        let mut row = 0;
-        let rows: Vec<Option<&[f32]>> = (self.running.iter().enumerate())
-            .map(|(idx, s)| {
-                let done = s.step_take > 0 && s.num_computed + s.step_take >= s.tokens.len();
-                if !done {
-                    return None;
-                }
-                row += 1;
+        let rows: Vec<Option<&[f32]>> = (self.running.iter().zip(rows).enumerate())
+            .map(|(idx, (s, row))| {
                 // A grammar's mask may still be computing on the same
                 // threads (`Guide::prefetch`): waiting for it inside one
                 // could block them all, so those sequences choose in place.
                 if lost.contains_key(&idx) || s.guide.is_some() {
                     return None;
                 }
-                logits.get((row - 1) * vocab..row * vocab)
+                let row = (*row)?;
+                logits.get(row * vocab..(row + 1) * vocab)
             })
             .collect();
-        // Below a few rows of a small vocabulary, handing out the work
-        // costs more than it saves (`bench sampling`: ~10 µs).
         let n = rows.iter().flatten().count();
-        if n < 2 || n * vocab < 1 << 16 {
+        if n < 2 || n * vocab < self.config.parallel_choose_min_logits {
             return vec![None; rows.len()];
         }
+        (self.stats.parallel_choices).fetch_add(n as u64, Ordering::Relaxed);
         (self.running.par_iter_mut().zip(rows))
             .map(|(s, l)| l.map(|l| s.choose(l)))
             .collect()
@@ -641,8 +666,8 @@ impl Scheduler {
             );
         }
         let vocab = self.engine.model.config.vocab_size;
-        let mut choices = self.choose_all(&out.logits, vocab, &lost);
-        let mut row = 0;
+        let rows = self.logit_rows();
+        let mut choices = self.choose_all(&out.logits, vocab, &rows, &lost);
         let mut finished = Vec::new();
         let mut forked = Vec::new();
         let mut unforked = Vec::new();
@@ -657,9 +682,6 @@ impl Scheduler {
             s.num_computed += s.step_take;
             s.step_take = 0;
             if let Some(why) = lost.get(&idx) {
-                if s.num_computed >= s.tokens.len() {
-                    row += 1; // its logits row is skipped
-                }
                 let _ = s.tx.send(Event::Unavailable(format!(
                     "part of the model is unavailable: {why}; retry shortly"
                 )));
@@ -667,9 +689,9 @@ impl Scheduler {
                 finished.push(idx);
                 continue;
             }
-            if s.num_computed < s.tokens.len() {
+            let Some(row) = rows[idx] else {
                 continue; // a prefill chunk; more to come (it got no logits)
-            }
+            };
             let Some(logits) = out.logits.get(row * vocab..(row + 1) * vocab) else {
                 tracing::error!(row, "the forward pass returned too few logit rows");
                 let _ =
@@ -678,7 +700,6 @@ impl Scheduler {
                 m::request_finished("error");
                 continue;
             };
-            row += 1;
             // n > 1: the prompt is computed; every other choice samples its
             // first token from these logits and shares the prompt's blocks.
             for index in 1..=std::mem::take(&mut s.pending_forks) {
@@ -781,6 +802,7 @@ mod tests {
                 micro_batches: MicroBatches::Fixed(1),
                 enable_prefix_caching: true,
                 expert_load_metrics: false,
+                parallel_choose_min_logits: PARALLEL_CHOOSE_MIN_LOGITS,
             },
         )
         .expect("scheduler");
@@ -919,6 +941,15 @@ mod tests {
     /// The qwen3_moe_a fixture with its own experts, under a scheduler of
     /// `num_blocks` blocks of 4 positions, prefix caching on or off.
     fn local_scheduler(cache: bool, num_blocks: usize, max_num_seqs: usize) -> SchedulerHandle {
+        local_scheduler_choosing(cache, num_blocks, max_num_seqs, PARALLEL_CHOOSE_MIN_LOGITS)
+    }
+
+    fn local_scheduler_choosing(
+        cache: bool,
+        num_blocks: usize,
+        max_num_seqs: usize,
+        parallel_choose_min_logits: usize,
+    ) -> SchedulerHandle {
         let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
             .join("../tests/fixtures/qwen3_moe_a/f32");
         let engine = Arc::new(Engine::load(&dir).expect("fixture engine"));
@@ -935,6 +966,7 @@ mod tests {
                 micro_batches: MicroBatches::Fixed(1),
                 enable_prefix_caching: cache,
                 expert_load_metrics: true,
+                parallel_choose_min_logits,
             },
         )
         .expect("scheduler")
@@ -1108,6 +1140,54 @@ mod tests {
         }
     }
 
+    /// A batch of sampling sequences chooses the same tokens on the compute
+    /// pool (`choose_all`) as one by one in place, with every filter, a
+    /// penalty, logprobs, a grammar-constrained sequence (always in place)
+    /// and a fork among them.
+    #[test]
+    fn a_batch_chosen_in_parallel_matches_the_serial_choices() {
+        use epserve_core::structured::Constraint;
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("../tests/fixtures/qwen3_moe_a/f32");
+        let engine = Engine::load(&dir).expect("fixture engine");
+        let guide = (engine.compile_constraint(Constraint::Regex("[a-z]{3}-[0-9]{3}".into())))
+            .expect("compile");
+        let requests = || {
+            (0..7u64).map(|i| {
+                let mut req = greedy(tokens(40 + i as u32, 7 + i as usize), 10);
+                req.sampling.temperature = 0.7 + 0.1 * i as f32;
+                req.sampling.seed = Some(100 + i);
+                match i {
+                    1 => req.sampling.top_k = 5,
+                    2 => req.sampling.top_p = 0.8,
+                    3 => req.sampling.min_p = 0.05,
+                    4 => {
+                        req.sampling.repetition_penalty = 1.3;
+                        req.logprobs = Some(2);
+                    }
+                    5 => req.n = 2,
+                    6 => req.constraint = Some(guide.clone()),
+                    _ => {}
+                }
+                req
+            })
+        };
+        let run = |min_logits: usize| {
+            let h = local_scheduler_choosing(false, 128, 8, min_logits);
+            let rxs: Vec<_> = (requests().map(|r| (r.n, h.submit(r).expect("submit")))).collect();
+            let got: Vec<Vec<Vec<u32>>> =
+                (rxs.into_iter()).map(|(n, rx)| collect_n(rx, n)).collect();
+            (got, h.stats().parallel_choices.load(Ordering::Relaxed))
+        };
+        let (serial, none) = run(usize::MAX);
+        assert_eq!(none, 0);
+        let (parallel, chosen) = run(0);
+        assert!(chosen > 0, "nothing was chosen on the pool");
+        assert_eq!(parallel, serial);
+        assert!(serial.iter().flatten().all(|t| !t.is_empty()));
+        assert_eq!(serial[5].len(), 2);
+    }
+
     #[test]
     fn seeded_choices_differ_and_each_is_the_n_1_request_with_seed_plus_index() {
         let h = local_scheduler(true, 64, 4);
@@ -1173,6 +1253,7 @@ mod tests {
                     micro_batches: MicroBatches::Fixed(1),
                     enable_prefix_caching: false,
                     expert_load_metrics: false,
+                    parallel_choose_min_logits: PARALLEL_CHOOSE_MIN_LOGITS,
                 },
             )
             .expect("scheduler")
@@ -1303,6 +1384,7 @@ mod tests {
                 micro_batches: MicroBatches::Fixed(1),
                 enable_prefix_caching: cache,
                 expert_load_metrics: false,
+                parallel_choose_min_logits: PARALLEL_CHOOSE_MIN_LOGITS,
             },
         )
         .expect("scheduler")
