@@ -775,6 +775,13 @@ mod tests {
     /// The qwen3_moe_a fixture's engine with `dispatcher` for its experts,
     /// and a small scheduler over it.
     fn fixture_scheduler(dispatcher: Arc<dyn Dispatcher>) -> (Arc<Engine>, SchedulerHandle) {
+        fixture_scheduler_choosing(dispatcher, PARALLEL_CHOOSE_MIN_LOGITS)
+    }
+
+    fn fixture_scheduler_choosing(
+        dispatcher: Arc<dyn Dispatcher>,
+        parallel_choose_min_logits: usize,
+    ) -> (Arc<Engine>, SchedulerHandle) {
         let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
             .join("../tests/fixtures/qwen3_moe_a/f32");
         let load = || -> epserve_core::Result<Engine> {
@@ -802,7 +809,7 @@ mod tests {
                 micro_batches: MicroBatches::Fixed(1),
                 enable_prefix_caching: true,
                 expert_load_metrics: false,
-                parallel_choose_min_logits: PARALLEL_CHOOSE_MIN_LOGITS,
+                parallel_choose_min_logits,
             },
         )
         .expect("scheduler");
@@ -914,6 +921,101 @@ mod tests {
             }
         }
         assert_eq!(tokens, 4);
+    }
+
+    /// Expert dispatch whose experts return zeros and that reports the
+    /// first row of every batch of three or more rows as lost; its first
+    /// call waits for `gate` (so a test can queue requests behind it).
+    struct LosesFirstOfThree {
+        gate: std::sync::Mutex<Option<std::sync::mpsc::Receiver<()>>>,
+    }
+
+    impl Dispatcher for LosesFirstOfThree {
+        fn submit(
+            &self,
+            layer: usize,
+            _x: Arc<[f32]>,
+            hidden: usize,
+            routing: Arc<Routing>,
+        ) -> epserve_core::Result<PendingDispatch> {
+            let gate = self.gate.lock().map(|mut g| g.take()).unwrap_or(None);
+            if let Some(gate) = gate {
+                let _ = gate.recv_timeout(std::time::Duration::from_secs(30));
+            }
+            let mut faults = Vec::new();
+            if routing.num_tokens >= 3 {
+                faults.push(epserve_core::moe::RowFault {
+                    row: 0,
+                    message: format!("layer {layer}: expert 0 has no live replica"),
+                    degraded: false,
+                });
+            }
+            Ok(PendingDispatch::ready(Ok(Dispatched {
+                y: vec![0.0; routing.num_tokens * hidden],
+                faults,
+                timing: None,
+            })))
+        }
+    }
+
+    /// A step where one sequence's row is lost and the others sample on the
+    /// pool (`choose_all`): the lost one fails retryably, every other gets
+    /// the tokens it gets alone, on the serial and the parallel path.
+    #[test]
+    fn lost_rows_beside_healthy_ones_fail_alone_on_both_choose_paths() {
+        // One-token prompts: two sequences never make three rows, so only
+        // a step with all three loses a row, the first sequence's.
+        let request = |i: u32| {
+            let mut r = greedy(vec![10 + 7 * i], 6);
+            r.sampling.temperature = 0.8;
+            r.sampling.seed = Some(i as u64);
+            r
+        };
+        let dispatcher = |gate| {
+            Arc::new(LosesFirstOfThree {
+                gate: std::sync::Mutex::new(gate),
+            })
+        };
+        let (_, solo) = fixture_scheduler(dispatcher(None));
+        let want: Vec<Vec<u32>> = (0..3).map(|i| run_one(&solo, request(i))).collect();
+        for min_logits in [usize::MAX, 0] {
+            let (open, gate) = std::sync::mpsc::channel();
+            let (_, h) = fixture_scheduler_choosing(dispatcher(Some(gate)), min_logits);
+            // The first step waits at the gate until all three are queued.
+            let rxs: Vec<_> = (0..3)
+                .map(|i| h.submit(request(i)).expect("submit"))
+                .collect();
+            let _ = open.send(());
+            let mut outcome = Vec::new();
+            for (i, mut rx) in rxs.into_iter().enumerate() {
+                let mut got = Vec::new();
+                loop {
+                    match rx.blocking_recv() {
+                        Some(Event::Token { token_id, .. }) => got.push(token_id),
+                        Some(Event::Finished { .. }) => {
+                            assert_eq!(got, want[i], "request {i}, threshold {min_logits}");
+                            outcome.push("done");
+                            break;
+                        }
+                        Some(Event::Unavailable(msg)) => {
+                            assert!(msg.contains("no live replica"), "{msg}");
+                            outcome.push("lost");
+                            break;
+                        }
+                        Some(Event::Error(e)) => panic!("request {i}: {e}"),
+                        None => panic!("request {i}: stream ended without finishing"),
+                    }
+                }
+            }
+            assert_eq!(outcome, ["lost", "done", "done"], "threshold {min_logits}");
+            let pooled = h.stats().parallel_choices.load(Ordering::Relaxed);
+            if min_logits == usize::MAX {
+                assert_eq!(pooled, 0);
+            } else {
+                // The lossy step's two healthy rows, at least.
+                assert!(pooled >= 2, "{pooled} chosen on the pool");
+            }
+        }
     }
 
     #[test]
