@@ -870,22 +870,34 @@ mod tests {
             hidden: usize,
             routing: Arc<Routing>,
         ) -> epserve_core::Result<PendingDispatch> {
-            let mut faults = Vec::new();
-            if self.lose.load(Ordering::Relaxed) {
-                for row in 0..routing.num_tokens {
-                    faults.push(epserve_core::moe::RowFault {
-                        row,
-                        message: format!("layer {layer}: expert 0 has no live replica"),
-                        degraded: false,
-                    });
-                }
-            }
-            Ok(PendingDispatch::ready(Ok(Dispatched {
-                y: vec![0.0; routing.num_tokens * hidden],
-                faults,
-                timing: None,
-            })))
+            let lost = if self.lose.load(Ordering::Relaxed) {
+                0..routing.num_tokens
+            } else {
+                0..0
+            };
+            Ok(zeros_losing(layer, hidden, routing.num_tokens, lost))
         }
+    }
+
+    /// The dispatch result of the test dispatchers: zeros for every row,
+    /// `lost` rows reported as an expert with no live replica.
+    fn zeros_losing(
+        layer: usize,
+        hidden: usize,
+        rows: usize,
+        lost: std::ops::Range<usize>,
+    ) -> PendingDispatch {
+        let faults = (lost.map(|row| epserve_core::moe::RowFault {
+            row,
+            message: format!("layer {layer}: expert 0 has no live replica"),
+            degraded: false,
+        }))
+        .collect();
+        PendingDispatch::ready(Ok(Dispatched {
+            y: vec![0.0; rows * hidden],
+            faults,
+            timing: None,
+        }))
     }
 
     #[test]
@@ -942,19 +954,8 @@ mod tests {
             if let Some(gate) = gate {
                 let _ = gate.recv_timeout(std::time::Duration::from_secs(30));
             }
-            let mut faults = Vec::new();
-            if routing.num_tokens >= 3 {
-                faults.push(epserve_core::moe::RowFault {
-                    row: 0,
-                    message: format!("layer {layer}: expert 0 has no live replica"),
-                    degraded: false,
-                });
-            }
-            Ok(PendingDispatch::ready(Ok(Dispatched {
-                y: vec![0.0; routing.num_tokens * hidden],
-                faults,
-                timing: None,
-            })))
+            let lost = if routing.num_tokens >= 3 { 0..1 } else { 0..0 };
+            Ok(zeros_losing(layer, hidden, routing.num_tokens, lost))
         }
     }
 
