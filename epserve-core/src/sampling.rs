@@ -694,8 +694,30 @@ impl Sampler {
     }
 
     /// Picks the next token given the prompt and what was generated so far
-    /// (for the penalties). `logits` is modified.
+    /// (for the penalties). `logits` is modified: [`Sampler::adjust`], then
+    /// [`Sampler::pick`].
     pub fn sample(&mut self, logits: &mut [f32], prompt: &[u32], generated: &[u32]) -> u32 {
+        self.adjust(logits, prompt, generated);
+        self.pick(logits)
+    }
+
+    /// Whether [`Sampler::adjust`] may change logits (allowed tokens, bad
+    /// words, a logit bias or a penalty is set). Without any, a caller can
+    /// [`Sampler::pick`] from the step's logits as they are, with no copy.
+    pub fn adjusts(&self) -> bool {
+        let p = &self.params;
+        p.allowed_token_ids.is_some()
+            || !p.bad_words.is_empty()
+            || !p.logit_bias.is_empty()
+            || p.repetition_penalty != 1.0
+            || p.frequency_penalty != 0.0
+            || p.presence_penalty != 0.0
+    }
+
+    /// The logit processors, in vLLM's order: allowed tokens, bad words,
+    /// logit bias, penalties (given the prompt and what was generated so
+    /// far). Changes nothing unless [`Sampler::adjusts`].
+    pub fn adjust(&mut self, logits: &mut [f32], prompt: &[u32], generated: &[u32]) {
         let p = &self.params;
         // vLLM's order: allowed tokens, bad words, logit bias, penalties.
         if let Some(ids) = &p.allowed_token_ids {
@@ -719,6 +741,12 @@ impl Sampler {
             apply_repetition_penalty(logits, &seen, p.repetition_penalty);
         }
         apply_frequency_presence(logits, generated, p.frequency_penalty, p.presence_penalty);
+    }
+
+    /// Draws the next token from (adjusted) logits: greedy, or temperature
+    /// with top-k, top-p and min-p.
+    pub fn pick(&mut self, logits: &[f32]) -> u32 {
+        let p = &self.params;
         if p.is_greedy() {
             return argmax(logits);
         }
@@ -752,6 +780,54 @@ mod tests {
     fn greedy_is_argmax_first_on_ties() {
         let mut s = Sampler::new(SamplingParams::default());
         assert_eq!(s.sample(&mut [0.1, 3.0, 3.0, -1.0], &[], &[]), 1);
+    }
+
+    /// `adjusts` is true for each logit processor (each changes these
+    /// logits), and without any `adjust` changes nothing, so `pick` on the
+    /// step's logits draws what `sample` on a copy draws.
+    #[test]
+    fn pick_on_unadjusted_logits_draws_what_sample_draws() {
+        let logits: Vec<f32> = (0..300).map(|i| ((i * 37) % 101) as f32 / 17.0).collect();
+        let (prompt, generated) = ([5u32, 9], [7u32, 8]);
+        let processors: [fn(&mut SamplingParams); 7] = [
+            |p| p.allowed_token_ids = Some(vec![3, 4]),
+            |p| p.bad_words = vec![vec![8, 2]],
+            |p| p.logit_bias = vec![(2, 1.5)],
+            |p| p.repetition_penalty = 1.3,
+            |p| p.frequency_penalty = 0.5,
+            |p| p.presence_penalty = -0.5,
+            |p| p.bad_words = vec![vec![7, 8, 2]],
+        ];
+        for f in processors {
+            let s = Sampler::new(params(f));
+            assert!(s.adjusts(), "{:?}", s.params());
+            let mut l = logits.clone();
+            Sampler::new(params(f)).adjust(&mut l, &prompt, &generated);
+            assert_ne!(l, logits, "{:?}", s.params());
+        }
+        let plain: [fn(&mut SamplingParams); 5] = [
+            |p| p.temperature = 0.0,
+            |_| {},
+            |p| p.top_k = 20,
+            |p| p.top_p = 0.7,
+            |p| (p.min_p, p.temperature) = (0.05, 0.6),
+        ];
+        for f in plain {
+            let mut a = Sampler::new(params(f));
+            assert!(!a.adjusts(), "{:?}", a.params());
+            let mut l = logits.clone();
+            a.adjust(&mut l, &prompt, &generated);
+            assert!(
+                l.iter()
+                    .zip(&logits)
+                    .all(|(x, y)| x.to_bits() == y.to_bits())
+            );
+            let mut b = Sampler::new(params(f));
+            for _ in 0..40 {
+                let want = a.sample(&mut logits.clone(), &prompt, &generated);
+                assert_eq!(b.pick(&logits), want, "{:?}", b.params());
+            }
+        }
     }
 
     #[test]

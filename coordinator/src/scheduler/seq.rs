@@ -118,17 +118,24 @@ impl Seq {
     /// parallel.
     pub fn choose(&mut self, logits: &[f32]) -> Choice {
         let n_prompt = self.req.prompt_token_ids.len();
-        let mut work = logits.to_vec();
-        if let Some(g) = self.guide.as_mut()
-            && let Err(e) = g.apply(&mut work)
-        {
-            return Err(format!("structured output failed: {e}"));
-        }
-        let tok = self.sampler.sample(
-            &mut work,
-            &self.req.prompt_token_ids,
-            &self.tokens[n_prompt..],
-        );
+        // A copy of the row (600 KB at a 152k vocabulary) only for what
+        // changes logits: a grammar's mask, the logit processors.
+        let tok = if self.guide.is_some() || self.sampler.adjusts() {
+            let mut work = logits.to_vec();
+            if let Some(g) = self.guide.as_mut()
+                && let Err(e) = g.apply(&mut work)
+            {
+                return Err(format!("structured output failed: {e}"));
+            }
+            self.sampler.adjust(
+                &mut work,
+                &self.req.prompt_token_ids,
+                &self.tokens[n_prompt..],
+            );
+            self.sampler.pick(&work)
+        } else {
+            self.sampler.pick(logits)
+        };
         let logprob = self.req.logprobs.map(|n| {
             let lp = log_softmax(logits);
             let mut top = Vec::new();
