@@ -589,13 +589,16 @@ fn top_p_cut(logits: &[f32], t: f32, need: f64, sum: f64, s: &mut Scratch) -> (f
     s.mass.clear();
     s.mass.resize(SINK + 16, 0);
     let floor = ((sum - need) / s.w.len() as f64) as f32;
-    for (i, &w) in s.w.iter().enumerate() {
+    // The slices held in registers through the loop (through `s`, each
+    // store could have moved the vector's buffer, reloaded per token).
+    let (ws, hist) = (&s.w[..], &mut s.mass[..]);
+    for (i, &w) in ws.iter().enumerate() {
         // A select by mask, not a branch: whether a weight is under the
         // floor is a coin toss on a flat distribution.
         let keep = 0usize.wrapping_sub((w >= floor) as usize);
         let slot = ((2 * bucket(w) + (i & 1)) & keep) | ((SINK + (i & 15)) & !keep);
         // SAFETY: weights are finite and in [0, 1], so `w · 2^40` fits.
-        s.mass[slot] += unsafe { (w * FIX).to_int_unchecked::<i64>() } as u64;
+        hist[slot] += unsafe { (w * FIX).to_int_unchecked::<i64>() } as u64;
     }
     let need_fix = need * FIX as f64;
     let mass = |b: usize| (s.mass[2 * b] + s.mass[2 * b + 1]) as f64;
@@ -611,10 +614,22 @@ fn top_p_cut(logits: &[f32], t: f32, need: f64, sum: f64, s: &mut Scratch) -> (f
     if s.edge.len() <= s.w.len() {
         s.edge.resize(s.w.len() + 1, (0, 0.0));
     }
+    let (ws, edge) = (&s.w[..], &mut s.edge[..]);
     let mut n = 0;
-    for (i, &w) in s.w.iter().enumerate() {
-        s.edge[n] = (i as u32, w);
-        n += (bucket(w) == b && w > 0.0) as usize;
+    // Blocks of 16 are first tested at once: on peaked logits most hold no
+    // token of the bucket.
+    for (c, block) in ws.chunks(16).enumerate() {
+        let mut hit = false;
+        for &w in block {
+            hit |= bucket(w) == b;
+        }
+        if !hit {
+            continue;
+        }
+        for (j, &w) in block.iter().enumerate() {
+            edge[n] = ((c * 16 + j) as u32, w);
+            n += (bucket(w) == b && w > 0.0) as usize;
+        }
     }
     let order = by_logit(logits, t);
     let edge = &mut s.edge[..n];
