@@ -1118,7 +1118,12 @@ unsafe fn ldm16<const BF: bool>(p: *const u8, i: usize, mask: u16) -> __m512 {
     // SAFETY: the caller guarantees the `mask`ed elements at `i`; masked-off
     // lanes are never read.
     unsafe {
-        if BF {
+        if BF && mask == 0xFFFF {
+            // A whole run of 16: a 32-byte load. (The masked form below is a
+            // 64-byte access, which crosses a cache line at every other
+            // column of a 16-position block.)
+            ld16::<true>(p, i)
+        } else if BF {
             let raw = _mm512_maskz_loadu_epi16(mask as u32, (p as *const i16).add(i));
             let w = _mm512_cvtepu16_epi32(_mm512_castsi512_si256(raw));
             _mm512_castsi512_ps(_mm512_slli_epi32::<16>(w))
