@@ -1225,6 +1225,23 @@ unsafe fn qpair(q: *const u16, dk: usize, p: usize) -> i32 {
 /// permute) feeds `vdpbf16ps` with the query's pair broadcast; the chains
 /// are the even and odd pairs.
 #[inline]
+/// The `mask`ed words of 16 at `p` in the low half (the high half
+/// undefined): a whole run is one 32-byte load (the masked form is a 64-byte
+/// access, which crosses a cache line at every other column of a block).
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx2,fma")]
+unsafe fn ldw16(p: *const u16, mask: u16) -> __m512i {
+    // SAFETY: the caller guarantees the masked words at `p`; masked-off
+    // words are never read.
+    unsafe {
+        if mask == 0xFFFF {
+            _mm512_castsi256_si512(_mm256_loadu_si256(p as *const __m256i))
+        } else {
+            _mm512_maskz_loadu_epi16(mask as u32, p as *const i16)
+        }
+    }
+}
+
 #[target_feature(enable = "avx512f,avx512bw,avx512bf16,avx2,fma")]
 unsafe fn cols512_b16<const G: usize>(
     q: *const u16,
@@ -1250,9 +1267,9 @@ unsafe fn cols512_b16<const G: usize>(
         while p0 < np {
             for (j, aj) in a.iter_mut().enumerate().take(np - p0) {
                 let p = p0 + j;
-                let c0 = _mm512_maskz_loadu_epi16(mask as u32, k.add(2 * p * bs) as *const i16);
+                let c0 = ldw16(k.add(2 * p * bs), mask);
                 let c1 = if 2 * p + 1 < dk {
-                    _mm512_maskz_loadu_epi16(mask as u32, k.add((2 * p + 1) * bs) as *const i16)
+                    ldw16(k.add((2 * p + 1) * bs), mask)
                 } else {
                     _mm512_setzero_si512()
                 };
