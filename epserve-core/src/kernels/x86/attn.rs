@@ -607,6 +607,50 @@ unsafe fn axpys512<const G: usize, const BF: bool>(
     }
 }
 
+/// [`axpys512`] over the 32 columns `c0..c0 + 32`: each probability is
+/// broadcast once into a register and feeds two FMAs (register operands;
+/// an FMA with an indexed memory operand takes two slots of the front end).
+/// Each column's sum is in the same order as [`axpys512`]'s.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx2,fma")]
+unsafe fn axpys512x2<const G: usize, const BF: bool>(
+    p: *const f32,
+    ldp: usize,
+    v: *const u8,
+    stride: usize,
+    n: usize,
+    acc: *mut f32,
+    dv: usize,
+    c0: usize,
+    prefetch: bool,
+) {
+    // SAFETY: as in `axpys512`, 32 columns from `c0`.
+    unsafe {
+        let mut a = [[_mm512_setzero_ps(); G]; 2];
+        for g in 0..G {
+            a[0][g] = _mm512_loadu_ps(acc.add(g * dv + c0));
+            a[1][g] = _mm512_loadu_ps(acc.add(g * dv + c0 + 16));
+        }
+        for i in 0..n {
+            let vr = v.add(i * stride * esize(BF));
+            if prefetch {
+                prefetch_row(vr, stride * esize(BF), dv * esize(BF));
+            }
+            let v0 = ld16::<BF>(vr, c0);
+            let v1 = ld16::<BF>(vr, c0 + 16);
+            for g in 0..G {
+                let pv = _mm512_set1_ps(*p.add(g * ldp + i));
+                a[0][g] = _mm512_fmadd_ps(pv, v0, a[0][g]);
+                a[1][g] = _mm512_fmadd_ps(pv, v1, a[1][g]);
+            }
+        }
+        for g in 0..G {
+            _mm512_storeu_ps(acc.add(g * dv + c0), a[0][g]);
+            _mm512_storeu_ps(acc.add(g * dv + c0 + 16), a[1][g]);
+        }
+    }
+}
+
 /// `acc[m·dv + c] += Σ_i p[m·ldp + i] · v_i[c]` for `acc.len() / dv` queries.
 ///
 /// # Safety
@@ -629,6 +673,52 @@ pub unsafe fn accum512<const BF: bool>(
         // One 16-column chunk at a time for up to eight queries: each
         // probability feeds one FMA, as an embedded broadcast operand.
         let mut c0 = 0;
+        while c0 + 32 <= dv {
+            let mut mi = 0;
+            while mi + 8 <= m {
+                axpys512x2::<8, BF>(
+                    pp.add(mi * ldp),
+                    ldp,
+                    v,
+                    stride,
+                    n,
+                    ap.add(mi * dv),
+                    dv,
+                    c0,
+                    c0 == 0 && mi == 0,
+                );
+                mi += 8;
+            }
+            while mi + 4 <= m {
+                axpys512x2::<4, BF>(
+                    pp.add(mi * ldp),
+                    ldp,
+                    v,
+                    stride,
+                    n,
+                    ap.add(mi * dv),
+                    dv,
+                    c0,
+                    c0 == 0 && mi == 0,
+                );
+                mi += 4;
+            }
+            while mi < m {
+                axpys512x2::<1, BF>(
+                    pp.add(mi * ldp),
+                    ldp,
+                    v,
+                    stride,
+                    n,
+                    ap.add(mi * dv),
+                    dv,
+                    c0,
+                    c0 == 0 && mi == 0,
+                );
+                mi += 1;
+            }
+            c0 += 32;
+        }
         while c0 < dv {
             let rem = if dv - c0 >= 16 { 0 } else { dv - c0 };
             let mut mi = 0;
