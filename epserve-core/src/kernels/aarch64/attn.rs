@@ -173,6 +173,71 @@ unsafe fn axpys<const G: usize, const BF: bool>(
     }
 }
 
+/// [`axpys`] over the 8 columns `c0..c0 + 8` (two vectors): the
+/// probabilities of four value rows are one vector load per query, and each
+/// row's two vectors are multiplied by a lane of it (`fmla` by element), so
+/// a value row costs two vector loads for `2·G` FMAs instead of `G` scalar
+/// loads and one vector load for `G`. Each column's sum keeps [`axpys`]'s
+/// order (the same fused multiply-adds, row by row).
+#[inline]
+#[target_feature(enable = "neon")]
+unsafe fn axpys8<const G: usize, const BF: bool>(
+    p: *const f32,
+    ldp: usize,
+    v: *const u8,
+    stride: usize,
+    n: usize,
+    acc: *mut f32,
+    dv: usize,
+    c0: usize,
+) {
+    // SAFETY: as in `axpys`, 8 columns from `c0`.
+    unsafe {
+        let mut a = [[vdupq_n_f32(0.0); G]; 2];
+        for g in 0..G {
+            a[0][g] = vld1q_f32(acc.add(g * dv + c0));
+            a[1][g] = vld1q_f32(acc.add(g * dv + c0 + 4));
+        }
+        let row = |i: usize| v.add(i * stride * esize(BF));
+        macro_rules! lane {
+            ($a:ident, $pv:ident, $i:expr, $l:literal) => {{
+                let vr = row($i + $l);
+                let (v0, v1) = (ld4::<BF>(vr, c0), ld4::<BF>(vr, c0 + 4));
+                for g in 0..G {
+                    $a[0][g] = vfmaq_laneq_f32::<$l>($a[0][g], v0, $pv[g]);
+                    $a[1][g] = vfmaq_laneq_f32::<$l>($a[1][g], v1, $pv[g]);
+                }
+            }};
+        }
+        let mut i = 0;
+        while i + 4 <= n {
+            let mut pv = [vdupq_n_f32(0.0); G];
+            for g in 0..G {
+                pv[g] = vld1q_f32(p.add(g * ldp + i));
+            }
+            lane!(a, pv, i, 0);
+            lane!(a, pv, i, 1);
+            lane!(a, pv, i, 2);
+            lane!(a, pv, i, 3);
+            i += 4;
+        }
+        while i < n {
+            let vr = row(i);
+            let (v0, v1) = (ld4::<BF>(vr, c0), ld4::<BF>(vr, c0 + 4));
+            for g in 0..G {
+                let x = *p.add(g * ldp + i);
+                a[0][g] = vfmaq_n_f32(a[0][g], v0, x);
+                a[1][g] = vfmaq_n_f32(a[1][g], v1, x);
+            }
+            i += 1;
+        }
+        for g in 0..G {
+            vst1q_f32(acc.add(g * dv + c0), a[0][g]);
+            vst1q_f32(acc.add(g * dv + c0 + 4), a[1][g]);
+        }
+    }
+}
+
 /// `acc[m·dv + c] += Σ_i p[m·ldp + i] · v_i[c]` for `acc.len() / dv` queries.
 ///
 /// # Safety
@@ -193,6 +258,22 @@ pub unsafe fn accum<const BF: bool>(
     // SAFETY: as documented above.
     unsafe {
         let mut c0 = 0;
+        while c0 + 8 <= dv {
+            let mut mi = 0;
+            while mi + 8 <= m {
+                axpys8::<8, BF>(pp.add(mi * ldp), ldp, v, stride, n, ap.add(mi * dv), dv, c0);
+                mi += 8;
+            }
+            while mi + 4 <= m {
+                axpys8::<4, BF>(pp.add(mi * ldp), ldp, v, stride, n, ap.add(mi * dv), dv, c0);
+                mi += 4;
+            }
+            while mi < m {
+                axpys8::<1, BF>(pp.add(mi * ldp), ldp, v, stride, n, ap.add(mi * dv), dv, c0);
+                mi += 1;
+            }
+            c0 += 8;
+        }
         while c0 < dv {
             let rem = if dv - c0 >= 4 { 0 } else { dv - c0 };
             let mut mi = 0;
