@@ -1310,11 +1310,6 @@ unsafe fn qpair(q: *const u16, dk: usize, p: usize) -> i32 {
     }
 }
 
-/// [`cols512`] with bf16 queries (rows `dk` words apart at `q`) against bf16
-/// columns: each pair of columns interleaved into 16 key pairs (one
-/// permute) feeds `vdpbf16ps` with the query's pair broadcast; the chains
-/// are the even and odd pairs.
-#[inline]
 /// The `mask`ed words of 16 at `p` in the low half (the high half
 /// undefined): a whole run is one 32-byte load (the masked form is a 64-byte
 /// access, which crosses a cache line at every other column of a block).
@@ -1332,6 +1327,11 @@ unsafe fn ldw16(p: *const u16, mask: u16) -> __m512i {
     }
 }
 
+/// [`cols512`] with bf16 queries (rows `dk` words apart at `q`) against bf16
+/// columns: each pair of columns interleaved into 16 key pairs (one
+/// permute) feeds `vdpbf16ps` with the query's pair broadcast; the chains
+/// are the even and odd pairs.
+#[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512bf16,avx2,fma")]
 unsafe fn cols512_b16<const G: usize>(
     q: *const u16,
