@@ -288,6 +288,21 @@ fn erf(x: f32) -> f32 {
     (if x >= 0.0 { y } else { -y }) as f32
 }
 
+/// Calls `f(g, mi)` for each group of `g` ∈ {8, 4, 1} queries from `mi`,
+/// the groups covering `0..m` in order (the attention value passes'
+/// blocking on every SIMD tier).
+#[cfg(any(target_arch = "x86_64", target_arch = "aarch64"))]
+#[inline(always)]
+pub(crate) fn query_groups(m: usize, mut f: impl FnMut(usize, usize)) {
+    let mut mi = 0;
+    for g in [8, 4, 1] {
+        while mi + g <= m {
+            f(g, mi);
+            mi += g;
+        }
+    }
+}
+
 /// The first-element pointers of up to `N` token rows (the rest null): what
 /// the arch tiers' tile kernels take instead of a slice of slices.
 #[cfg(any(target_arch = "x86_64", target_arch = "aarch64"))]

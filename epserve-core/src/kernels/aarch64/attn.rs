@@ -8,6 +8,7 @@
 
 #![allow(clippy::needless_range_loop, clippy::too_many_arguments)]
 
+use crate::kernels::query_groups;
 use std::arch::aarch64::*;
 
 const fn esize(bf: bool) -> usize {
@@ -257,69 +258,23 @@ pub unsafe fn accum<const BF: bool>(
     let (pp, ap) = (p.as_ptr(), acc.as_mut_ptr());
     // SAFETY: as documented above.
     unsafe {
+        // 8 columns per pass while they last, then 4 (the last partial).
         let mut c0 = 0;
-        while c0 + 8 <= dv {
-            let mut mi = 0;
-            while mi + 8 <= m {
-                axpys8::<8, BF>(pp.add(mi * ldp), ldp, v, stride, n, ap.add(mi * dv), dv, c0);
-                mi += 8;
-            }
-            while mi + 4 <= m {
-                axpys8::<4, BF>(pp.add(mi * ldp), ldp, v, stride, n, ap.add(mi * dv), dv, c0);
-                mi += 4;
-            }
-            while mi < m {
-                axpys8::<1, BF>(pp.add(mi * ldp), ldp, v, stride, n, ap.add(mi * dv), dv, c0);
-                mi += 1;
-            }
-            c0 += 8;
-        }
         while c0 < dv {
-            let rem = if dv - c0 >= 4 { 0 } else { dv - c0 };
-            let mut mi = 0;
-            while mi + 8 <= m {
-                axpys::<8, BF>(
-                    pp.add(mi * ldp),
-                    ldp,
-                    v,
-                    stride,
-                    n,
-                    ap.add(mi * dv),
-                    dv,
-                    c0,
-                    rem,
-                );
-                mi += 8;
-            }
-            while mi + 4 <= m {
-                axpys::<4, BF>(
-                    pp.add(mi * ldp),
-                    ldp,
-                    v,
-                    stride,
-                    n,
-                    ap.add(mi * dv),
-                    dv,
-                    c0,
-                    rem,
-                );
-                mi += 4;
-            }
-            while mi < m {
-                axpys::<1, BF>(
-                    pp.add(mi * ldp),
-                    ldp,
-                    v,
-                    stride,
-                    n,
-                    ap.add(mi * dv),
-                    dv,
-                    c0,
-                    rem,
-                );
-                mi += 1;
-            }
-            c0 += 4;
+            let wide = dv - c0 >= 8;
+            let rem = if wide || dv - c0 >= 4 { 0 } else { dv - c0 };
+            query_groups(m, |g, mi| {
+                let (p, a) = (pp.add(mi * ldp), ap.add(mi * dv));
+                match (g, wide) {
+                    (8, true) => axpys8::<8, BF>(p, ldp, v, stride, n, a, dv, c0),
+                    (4, true) => axpys8::<4, BF>(p, ldp, v, stride, n, a, dv, c0),
+                    (_, true) => axpys8::<1, BF>(p, ldp, v, stride, n, a, dv, c0),
+                    (8, false) => axpys::<8, BF>(p, ldp, v, stride, n, a, dv, c0, rem),
+                    (4, false) => axpys::<4, BF>(p, ldp, v, stride, n, a, dv, c0, rem),
+                    _ => axpys::<1, BF>(p, ldp, v, stride, n, a, dv, c0, rem),
+                }
+            });
+            c0 += if wide { 8 } else { 4 };
         }
     }
 }

@@ -20,6 +20,7 @@
 // Explicit query/lane indices read better than iterator chains in kernels.
 #![allow(clippy::needless_range_loop, clippy::too_many_arguments)]
 
+use crate::kernels::query_groups;
 use std::arch::x86_64::*;
 
 /// Element type of the cached rows: `BF` = bf16 (`u16`), else f32.
@@ -670,104 +671,25 @@ pub unsafe fn accum512<const BF: bool>(
     let (pp, ap) = (p.as_ptr(), acc.as_mut_ptr());
     // SAFETY: as documented above.
     unsafe {
-        // One 16-column chunk at a time for up to eight queries: each
-        // probability feeds one FMA, as an embedded broadcast operand.
+        // 32 columns per pass while they last, then 16 (the last masked);
+        // each probability feeds its FMAs from a register (32 columns) or
+        // as an embedded broadcast operand (16).
         let mut c0 = 0;
-        while c0 + 32 <= dv {
-            let mut mi = 0;
-            while mi + 8 <= m {
-                axpys512x2::<8, BF>(
-                    pp.add(mi * ldp),
-                    ldp,
-                    v,
-                    stride,
-                    n,
-                    ap.add(mi * dv),
-                    dv,
-                    c0,
-                    c0 == 0 && mi == 0,
-                );
-                mi += 8;
-            }
-            while mi + 4 <= m {
-                axpys512x2::<4, BF>(
-                    pp.add(mi * ldp),
-                    ldp,
-                    v,
-                    stride,
-                    n,
-                    ap.add(mi * dv),
-                    dv,
-                    c0,
-                    c0 == 0 && mi == 0,
-                );
-                mi += 4;
-            }
-            while mi < m {
-                axpys512x2::<1, BF>(
-                    pp.add(mi * ldp),
-                    ldp,
-                    v,
-                    stride,
-                    n,
-                    ap.add(mi * dv),
-                    dv,
-                    c0,
-                    c0 == 0 && mi == 0,
-                );
-                mi += 1;
-            }
-            c0 += 32;
-        }
         while c0 < dv {
-            let rem = if dv - c0 >= 16 { 0 } else { dv - c0 };
-            let mut mi = 0;
-            while mi + 8 <= m {
-                axpys512::<8, BF>(
-                    pp.add(mi * ldp),
-                    ldp,
-                    v,
-                    stride,
-                    n,
-                    ap.add(mi * dv),
-                    dv,
-                    c0,
-                    rem,
-                    c0 == 0 && mi == 0,
-                );
-                mi += 8;
-            }
-            while mi + 4 <= m {
-                axpys512::<4, BF>(
-                    pp.add(mi * ldp),
-                    ldp,
-                    v,
-                    stride,
-                    n,
-                    ap.add(mi * dv),
-                    dv,
-                    c0,
-                    rem,
-                    c0 == 0 && mi == 0,
-                );
-                mi += 4;
-            }
-            while mi < m {
-                axpys512::<1, BF>(
-                    pp.add(mi * ldp),
-                    ldp,
-                    v,
-                    stride,
-                    n,
-                    ap.add(mi * dv),
-                    dv,
-                    c0,
-                    rem,
-                    c0 == 0 && mi == 0,
-                );
-                mi += 1;
-            }
-            c0 += 16;
+            let wide = dv - c0 >= 32;
+            let rem = if wide || dv - c0 >= 16 { 0 } else { dv - c0 };
+            query_groups(m, |g, mi| {
+                let (p, a, pf) = (pp.add(mi * ldp), ap.add(mi * dv), c0 == 0 && mi == 0);
+                match (g, wide) {
+                    (8, true) => axpys512x2::<8, BF>(p, ldp, v, stride, n, a, dv, c0, pf),
+                    (4, true) => axpys512x2::<4, BF>(p, ldp, v, stride, n, a, dv, c0, pf),
+                    (_, true) => axpys512x2::<1, BF>(p, ldp, v, stride, n, a, dv, c0, pf),
+                    (8, false) => axpys512::<8, BF>(p, ldp, v, stride, n, a, dv, c0, rem, pf),
+                    (4, false) => axpys512::<4, BF>(p, ldp, v, stride, n, a, dv, c0, rem, pf),
+                    _ => axpys512::<1, BF>(p, ldp, v, stride, n, a, dv, c0, rem, pf),
+                }
+            });
+            c0 += if wide { 32 } else { 16 };
         }
     }
 }
