@@ -560,11 +560,15 @@ pub unsafe fn scores512_b16(
     }
 }
 
-/// `G` queries' accumulators for columns `c0..c0 + 16` (`rem` of them when
-/// non-zero) over `n` value rows.
+/// `G` queries' accumulators for the `16·W` columns from `c0` over `n` value
+/// rows (`W` = 1: `rem` of 16 when non-zero; `W` = 2 only for whole chunks).
+/// Each probability is broadcast once and feeds `W` FMAs: with two, from a
+/// register (an FMA with an indexed memory operand takes two slots of the
+/// front end); with one, the compiler folds it into the FMA. Each column's
+/// sum runs over the rows in order, whatever `W`.
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx2,fma")]
-unsafe fn axpys512<const G: usize, const BF: bool>(
+unsafe fn axpys512<const G: usize, const W: usize, const BF: bool>(
     p: *const f32,
     ldp: usize,
     v: *const u8,
@@ -576,78 +580,46 @@ unsafe fn axpys512<const G: usize, const BF: bool>(
     rem: usize,
     prefetch: bool,
 ) {
+    debug_assert!(rem == 0 || W == 1);
     let mask = if rem == 0 {
         0xFFFF
     } else {
         ((1u32 << rem) - 1) as u16
     };
     // SAFETY: the caller guarantees `G` accumulator rows of `dv`, `G` rows
-    // of `n` probabilities `ldp` apart and `n` value rows.
+    // of `n` probabilities `ldp` apart and `n` value rows, with the `16·W`
+    // (or `rem`) columns from `c0`.
     unsafe {
-        let mut a = [_mm512_setzero_ps(); G];
-        for g in 0..G {
-            a[g] = _mm512_maskz_loadu_ps(mask, acc.add(g * dv + c0));
-        }
-        for i in 0..n {
-            let vr = v.add(i * stride * esize(BF));
-            if prefetch {
-                prefetch_row(vr, stride * esize(BF), dv * esize(BF));
-            }
-            let vv = if rem == 0 {
-                ld16::<BF>(vr, c0)
-            } else {
-                ld16_tail::<BF>(vr, c0, rem)
-            };
+        let mut a = [[_mm512_setzero_ps(); G]; W];
+        for (w, aw) in a.iter_mut().enumerate() {
             for g in 0..G {
-                a[g] = _mm512_fmadd_ps(_mm512_set1_ps(*p.add(g * ldp + i)), vv, a[g]);
+                aw[g] = _mm512_maskz_loadu_ps(mask, acc.add(g * dv + c0 + 16 * w));
             }
-        }
-        for g in 0..G {
-            _mm512_mask_storeu_ps(acc.add(g * dv + c0), mask, a[g]);
-        }
-    }
-}
-
-/// [`axpys512`] over the 32 columns `c0..c0 + 32`: each probability is
-/// broadcast once into a register and feeds two FMAs (register operands;
-/// an FMA with an indexed memory operand takes two slots of the front end).
-/// Each column's sum is in the same order as [`axpys512`]'s.
-#[inline]
-#[target_feature(enable = "avx512f,avx512bw,avx2,fma")]
-unsafe fn axpys512x2<const G: usize, const BF: bool>(
-    p: *const f32,
-    ldp: usize,
-    v: *const u8,
-    stride: usize,
-    n: usize,
-    acc: *mut f32,
-    dv: usize,
-    c0: usize,
-    prefetch: bool,
-) {
-    // SAFETY: as in `axpys512`, 32 columns from `c0`.
-    unsafe {
-        let mut a = [[_mm512_setzero_ps(); G]; 2];
-        for g in 0..G {
-            a[0][g] = _mm512_loadu_ps(acc.add(g * dv + c0));
-            a[1][g] = _mm512_loadu_ps(acc.add(g * dv + c0 + 16));
         }
         for i in 0..n {
             let vr = v.add(i * stride * esize(BF));
             if prefetch {
                 prefetch_row(vr, stride * esize(BF), dv * esize(BF));
             }
-            let v0 = ld16::<BF>(vr, c0);
-            let v1 = ld16::<BF>(vr, c0 + 16);
+            let mut vv = [_mm512_setzero_ps(); W];
+            for (w, x) in vv.iter_mut().enumerate() {
+                *x = if rem == 0 {
+                    ld16::<BF>(vr, c0 + 16 * w)
+                } else {
+                    ld16_tail::<BF>(vr, c0, rem)
+                };
+            }
             for g in 0..G {
                 let pv = _mm512_set1_ps(*p.add(g * ldp + i));
-                a[0][g] = _mm512_fmadd_ps(pv, v0, a[0][g]);
-                a[1][g] = _mm512_fmadd_ps(pv, v1, a[1][g]);
+                for w in 0..W {
+                    a[w][g] = _mm512_fmadd_ps(pv, vv[w], a[w][g]);
+                }
             }
         }
-        for g in 0..G {
-            _mm512_storeu_ps(acc.add(g * dv + c0), a[0][g]);
-            _mm512_storeu_ps(acc.add(g * dv + c0 + 16), a[1][g]);
+        for (w, aw) in a.iter().enumerate() {
+            for g in 0..G {
+                _mm512_mask_storeu_ps(acc.add(g * dv + c0 + 16 * w), mask, aw[g]);
+            }
         }
     }
 }
@@ -681,12 +653,12 @@ pub unsafe fn accum512<const BF: bool>(
             query_groups(m, |g, mi| {
                 let (p, a, pf) = (pp.add(mi * ldp), ap.add(mi * dv), c0 == 0 && mi == 0);
                 match (g, wide) {
-                    (8, true) => axpys512x2::<8, BF>(p, ldp, v, stride, n, a, dv, c0, pf),
-                    (4, true) => axpys512x2::<4, BF>(p, ldp, v, stride, n, a, dv, c0, pf),
-                    (_, true) => axpys512x2::<1, BF>(p, ldp, v, stride, n, a, dv, c0, pf),
-                    (8, false) => axpys512::<8, BF>(p, ldp, v, stride, n, a, dv, c0, rem, pf),
-                    (4, false) => axpys512::<4, BF>(p, ldp, v, stride, n, a, dv, c0, rem, pf),
-                    _ => axpys512::<1, BF>(p, ldp, v, stride, n, a, dv, c0, rem, pf),
+                    (8, true) => axpys512::<8, 2, BF>(p, ldp, v, stride, n, a, dv, c0, 0, pf),
+                    (4, true) => axpys512::<4, 2, BF>(p, ldp, v, stride, n, a, dv, c0, 0, pf),
+                    (_, true) => axpys512::<1, 2, BF>(p, ldp, v, stride, n, a, dv, c0, 0, pf),
+                    (8, false) => axpys512::<8, 1, BF>(p, ldp, v, stride, n, a, dv, c0, rem, pf),
+                    (4, false) => axpys512::<4, 1, BF>(p, ldp, v, stride, n, a, dv, c0, rem, pf),
+                    _ => axpys512::<1, 1, BF>(p, ldp, v, stride, n, a, dv, c0, rem, pf),
                 }
             });
             c0 += if wide { 32 } else { 16 };
