@@ -294,28 +294,24 @@ pub fn attention(
     assert_eq!(out.len() / (heads * dv), q.len() / (heads * dk));
     assert!(shape.sinks.is_none_or(|s| s.len() >= heads));
     assert!(!v.by_column, "values are read by row");
-    run_items(kern, shape, seqs, &plan(shape, seqs), q, k, v, out);
+    let items = plan(shape, seqs);
+    let whole = whole_groups(&items);
+    run_items(kern, shape, seqs, &items, whole, q, k, v, out);
 }
 
-/// [`attention`] over the given work items.
-#[allow(clippy::too_many_arguments)]
-fn run_items(
-    kern: &Kernels,
-    shape: &AttnShape<'_>,
-    seqs: &[AttnSeq<'_>],
-    items: &[Item],
-    q: &[f32],
-    k: KvView<'_>,
-    v: KvView<'_>,
-    out: &mut [f32],
-) {
-    let (heads, dv) = (shape.heads, v.width);
-    let results: Vec<Partial> = items
-        .par_iter()
-        .map(|it| run_item(kern, shape, &seqs[it.seq], it, q, k, v))
-        .collect();
-    // The splits of one (seq, kvh, h0, r0) are items[i..=e]; each group
-    // writes its own rows' heads of `out`, so groups merge in parallel.
+/// Whether the split groups (the items of one row tile) are numerous enough
+/// to be the parallel unit, each run whole on one thread, its splits merged
+/// there and written straight to the output (a prefill's tiles; no partial
+/// result outlives its group). Otherwise every split is its own parallel
+/// task and the merge waits for all of them (a decode step's few long
+/// rows). Either way each split and each merge runs the same arithmetic.
+fn whole_groups(items: &[Item]) -> bool {
+    let groups = items.iter().filter(|it| it.last).count();
+    groups >= ITEMS_PER_THREAD * rayon::current_num_threads()
+}
+
+/// The `(first, last)` item index of each split group, in order.
+fn split_groups(items: &[Item]) -> Vec<(usize, usize)> {
     let mut groups = Vec::new();
     let mut i = 0;
     while i < items.len() {
@@ -326,12 +322,44 @@ fn run_items(
         groups.push((i, e));
         i = e + 1;
     }
+    groups
+}
+
+/// A thread's reusable buffers: the heads' running states, the score block,
+/// the splits' partial results and the merge's sums.
+#[derive(Default)]
+struct Scratch {
+    st: Vec<HeadState>,
+    sc: Vec<f32>,
+    parts: Vec<Partial>,
+    merged: Partial,
+}
+
+/// [`attention`] over the given work items, whole split groups per task
+/// when `whole` (see [`whole_groups`]; the bits are the same either way).
+#[allow(clippy::too_many_arguments)]
+fn run_items(
+    kern: &Kernels,
+    shape: &AttnShape<'_>,
+    seqs: &[AttnSeq<'_>],
+    items: &[Item],
+    whole: bool,
+    q: &[f32],
+    k: KvView<'_>,
+    v: KvView<'_>,
+    out: &mut [f32],
+) {
+    let (heads, dv) = (shape.heads, v.width);
+    let groups = split_groups(items);
     let dst = Out::new(out);
-    let write = |&(i, e): &(usize, usize)| {
+    // Writes group `(i, e)`'s merged rows; each group writes its own rows'
+    // heads of `out`, so groups write in parallel.
+    let write = |(i, e): (usize, usize), parts: &[Partial], merged: &mut Partial| {
         let it = &items[i];
         let s = &seqs[it.seq];
         let w = it.nkv * it.nh;
-        merge(shape, it, dv, &results[i..=e], |mi, acc, norm| {
+        debug_assert_eq!(parts.len(), e - i + 1);
+        merge(shape, it, dv, parts, merged, |mi, acc, norm| {
             let row = s.start + it.r0 + mi / w;
             // SAFETY: (row, head) pairs belong to this group alone, and
             // the slice is dropped before `out` is used again.
@@ -341,10 +369,53 @@ fn run_items(
             }
         });
     };
+    if whole {
+        groups
+            .par_iter()
+            .for_each_init(Scratch::default, |scr, &(i, e)| {
+                let n = e - i + 1;
+                if scr.parts.len() < n {
+                    scr.parts.resize_with(n, Partial::default);
+                }
+                let s = &seqs[items[i].seq];
+                load_queries(shape, s, &items[i], q, k.width, &mut scr.st);
+                for (it, part) in items[i..=e].iter().zip(&mut scr.parts) {
+                    run_item(kern, shape, s, it, k, v, &mut scr.st, &mut scr.sc, part);
+                }
+                write((i, e), &scr.parts[..n], &mut scr.merged);
+            });
+        return;
+    }
+    let results: Vec<Partial> = items
+        .par_iter()
+        .map_init(Scratch::default, |scr, it| {
+            let (s, mut part) = (&seqs[it.seq], Partial::default());
+            load_queries(shape, s, it, q, k.width, &mut scr.st);
+            run_item(
+                kern,
+                shape,
+                s,
+                it,
+                k,
+                v,
+                &mut scr.st,
+                &mut scr.sc,
+                &mut part,
+            );
+            part
+        })
+        .collect();
     if groups.len() >= PAR_MERGE_GROUPS {
-        groups.par_iter().for_each(write);
+        groups
+            .par_iter()
+            .for_each_init(Partial::default, |merged, &(i, e)| {
+                write((i, e), &results[i..=e], merged)
+            });
     } else {
-        groups.iter().for_each(write);
+        let mut merged = Partial::default();
+        for &(i, e) in &groups {
+            write((i, e), &results[i..=e], &mut merged);
+        }
     }
 }
 
@@ -356,6 +427,7 @@ const PAR_MERGE_GROUPS: usize = 8;
 /// `[rows, heads]`), `acc[mi·dv..]` = `Σ_j e^(s_j − mx[mi]) · v_j` and
 /// `sum[mi]` = `Σ_j e^(s_j − mx[mi])` over the keys it saw (`mx = −∞`,
 /// `sum = 0`, `acc = 0` when none).
+#[derive(Default)]
 struct Partial {
     acc: Vec<f32>,
     mx: Vec<f32>,
@@ -370,6 +442,7 @@ fn merge(
     it: &Item,
     dv: usize,
     parts: &[Partial],
+    merged: &mut Partial,
     mut put: impl FnMut(usize, &[f32], f32),
 ) {
     let w = it.nkv * it.nh;
@@ -392,9 +465,10 @@ fn merge(
         }
         return;
     }
-    let mut acc = vec![0.0f32; m * dv];
-    let mut sum = vec![0.0f32; m];
-    let mut mx = vec![f32::NEG_INFINITY; m];
+    let Partial { acc, mx, sum } = merged;
+    refill(acc, m * dv, 0.0);
+    refill(sum, m, 0.0);
+    refill(mx, m, f32::NEG_INFINITY);
     for (mi, top) in mx.iter_mut().enumerate() {
         *top = parts
             .iter()
@@ -419,6 +493,13 @@ fn merge(
     for mi in 0..m {
         put(mi, &acc[mi * dv..(mi + 1) * dv], norm(mi, mx[mi], sum[mi]));
     }
+}
+
+/// `v` set to `n` copies of `x`, reusing its allocation.
+#[inline]
+fn refill(v: &mut Vec<f32>, n: usize, x: f32) {
+    v.clear();
+    v.resize(n, x);
 }
 
 /// Hints the cache lines of `bytes` bytes at element `off` of `rows` into
@@ -472,6 +553,7 @@ fn runs(s: &AttnSeq<'_>, bs: usize, j0: usize, j1: usize, mut f: impl FnMut(usiz
 /// One KV head's running state in a work item: its query vectors
 /// (`[rows, heads]`) and the online softmax's max, sum and unnormalized
 /// output per query vector.
+#[derive(Default)]
 struct HeadState {
     q: Vec<f32>,
     /// `q` as bf16 bits when the queries are rounded (else empty).
@@ -481,45 +563,63 @@ struct HeadState {
     acc: Vec<f32>,
 }
 
-/// One work item (one split of its rows' keys); returns its partial result.
+/// Gathers the query vectors of item `it` (of sequence `s`) into `st`, one
+/// state per KV head (the same for every split of its group).
+fn load_queries(
+    shape: &AttnShape<'_>,
+    s: &AttnSeq<'_>,
+    it: &Item,
+    q: &[f32],
+    dk: usize,
+    st: &mut Vec<HeadState>,
+) {
+    let heads = shape.heads;
+    let group = heads / shape.kv_heads;
+    if st.len() < it.nkv {
+        st.resize_with(it.nkv, HeadState::default);
+    }
+    for (t, h) in st[..it.nkv].iter_mut().enumerate() {
+        let h0 = it.h0 + t * group;
+        h.q.clear();
+        for ri in 0..it.nr {
+            let row = s.start + it.r0 + ri;
+            h.q.extend_from_slice(&q[(row * heads + h0) * dk..(row * heads + h0 + it.nh) * dk]);
+        }
+        h.qb.clear();
+        if shape.bf16_queries {
+            h.qb.extend(h.q.iter().map(|&x| f32_to_bf16_bits(x)));
+            for (x, &b) in h.q.iter_mut().zip(&h.qb) {
+                *x = bf16_bits_to_f32(b);
+            }
+        }
+    }
+}
+
+/// One work item (one split of its rows' keys), its queries already in
+/// `st` ([`load_queries`]): its partial result to `out`; `sc` is reused
+/// scratch.
+#[allow(clippy::too_many_arguments)]
 fn run_item(
     kern: &Kernels,
     shape: &AttnShape<'_>,
     s: &AttnSeq<'_>,
     it: &Item,
-    q: &[f32],
     k: KvView<'_>,
     v: KvView<'_>,
-) -> Partial {
-    let (heads, dk, dv, bs) = (shape.heads, k.width, v.width, shape.block_size);
-    let group = heads / shape.kv_heads;
+    st: &mut [HeadState],
+    sc: &mut Vec<f32>,
+    out: &mut Partial,
+) {
+    let (dk, dv, bs) = (k.width, v.width, shape.block_size);
     let (nh, nr, nkv) = (it.nh, it.nr, it.nkv);
     let m = nr * nh;
-    let mut st: Vec<HeadState> = (0..nkv)
-        .map(|t| {
-            let h0 = it.h0 + t * group;
-            let mut qb = Vec::with_capacity(m * dk);
-            for ri in 0..nr {
-                let row = s.start + it.r0 + ri;
-                qb.extend_from_slice(&q[(row * heads + h0) * dk..(row * heads + h0 + nh) * dk]);
-            }
-            let mut qv = qb;
-            let mut qbits = Vec::new();
-            if shape.bf16_queries {
-                qbits = qv.iter().map(|&x| f32_to_bf16_bits(x)).collect();
-                for (x, &b) in qv.iter_mut().zip(&qbits) {
-                    *x = bf16_bits_to_f32(b);
-                }
-            }
-            HeadState {
-                q: qv,
-                qb: qbits,
-                mx: vec![f32::NEG_INFINITY; m],
-                sum: vec![0.0f32; m],
-                acc: vec![0.0f32; m * dv],
-            }
-        })
-        .collect();
+    let st = &mut st[..nkv];
+    for h in st.iter_mut() {
+        debug_assert_eq!(h.q.len(), m * dk);
+        refill(&mut h.mx, m, f32::NEG_INFINITY);
+        refill(&mut h.sum, m, 0.0);
+        refill(&mut h.acc, m * dv, 0.0);
+    }
     let pos = |ri: usize| s.past + it.r0 + ri;
     let first = |ri: usize| visible(shape, s, it.r0 + ri).0;
     // This split's keys that any row sees, and those every row sees.
@@ -531,7 +631,10 @@ fn run_item(
     // rows (items are ordered by split), which would otherwise start on
     // keys no one hinted.
     let hint_hi = pos(nr - 1) + 1;
-    let mut sc = vec![0.0f32; m * KEY_BLOCK];
+    // Every score read below was written first in its block.
+    if sc.len() < m * KEY_BLOCK {
+        sc.resize(m * KEY_BLOCK, 0.0);
+    }
     // Key blocks at multiples of KEY_BLOCK (not at `lo`): a row then sees
     // the same blocks, and gets the same bits, in any tile or batch.
     let mut j0 = lo - lo % KEY_BLOCK;
@@ -685,20 +788,17 @@ fn run_item(
         }
         j0 = j1;
     }
-    if let [one] = st.as_mut_slice() {
-        return Partial {
-            acc: std::mem::take(&mut one.acc),
-            mx: std::mem::take(&mut one.mx),
-            sum: std::mem::take(&mut one.sum),
-        };
+    if let [one] = st {
+        std::mem::swap(&mut one.acc, &mut out.acc);
+        std::mem::swap(&mut one.mx, &mut out.mx);
+        std::mem::swap(&mut one.sum, &mut out.sum);
+        return;
     }
     // Interleave the heads' states into the item's `[rows, heads]` order.
     let w = nkv * nh;
-    let mut out = Partial {
-        acc: vec![0.0f32; nr * w * dv],
-        mx: vec![0.0f32; nr * w],
-        sum: vec![0.0f32; nr * w],
-    };
+    refill(&mut out.acc, nr * w * dv, 0.0);
+    refill(&mut out.mx, nr * w, 0.0);
+    refill(&mut out.sum, nr * w, 0.0);
     for (t, h) in st.iter().enumerate() {
         for ri in 0..nr {
             for hh in 0..nh {
@@ -709,7 +809,6 @@ fn run_item(
             }
         }
     }
-    out
 }
 
 /// Softmax over `scores` plus one extra logit `sink` that takes probability
@@ -1400,17 +1499,29 @@ mod tests {
                     for nkv in [1, 2, 4] {
                         let items = plan_with(&shape, &seqs, nkv);
                         assert!(items.iter().all(|it| it.nkv == nkv));
-                        let mut o = vec![0.0f32; row * heads * d];
-                        run_items(&kern, &shape, &seqs, &items, &q, view, view, &mut o);
-                        outs.push(o);
+                        for whole in [false, true] {
+                            let mut o = vec![0.0f32; row * heads * d];
+                            run_items(&kern, &shape, &seqs, &items, whole, &q, view, view, &mut o);
+                            outs.push(o);
+                        }
                     }
-                    assert_eq!(outs[0], outs[1], "{} nkv 2", tier.name());
-                    assert_eq!(outs[0], outs[2], "{} nkv 4", tier.name());
+                    // Whole groups per task or one split per task, one KV
+                    // head per item or several: the same bits.
+                    for (i, o) in outs.iter().enumerate().skip(1) {
+                        assert_eq!(
+                            &outs[0],
+                            o,
+                            "{} nkv {}, whole {}",
+                            tier.name(),
+                            [1, 2, 4][i / 2],
+                            i % 2 == 1
+                        );
+                    }
                     let mut want = vec![0.0f32; row * heads * d];
                     reference(&shape, &seqs, &q, view, view, &mut want);
                     let err = want
                         .iter()
-                        .zip(&outs[2])
+                        .zip(&outs[5])
                         .map(|(a, b)| (a - b).abs())
                         .fold(0.0f32, f32::max);
                     assert!(err < 1e-4, "{} vs reference: {err}", tier.name());
