@@ -31,7 +31,8 @@ pub struct BenchAttentionArgs {
     /// Head dimension (keys and values).
     #[arg(long, default_value_t = 128)]
     pub head_dim: usize,
-    /// Decode contexts (positions cached, the new one included), comma-separated.
+    /// Decode contexts (positions cached, the new one included),
+    /// comma-separated; empty for none (only the prefill row).
     #[arg(long, default_value = "128,2048,8192")]
     pub contexts: String,
     /// Prefill rows (one causal sequence; 0 skips the prefill row).
@@ -52,6 +53,14 @@ pub struct BenchAttentionArgs {
     /// the native bf16 dot where the tier has one.
     #[arg(long)]
     pub bf16_queries: bool,
+    /// KV cache element types measured: `f32`, `bf16` or `both`.
+    #[arg(long, default_value = "both")]
+    pub kv_dtype: String,
+    /// Time only the fast path (keys by column): no scalar twin and no
+    /// keys-by-row run, so a profiler sees the kernel alone (their columns
+    /// print `-`, `null` in JSON).
+    #[arg(long)]
+    pub fast_only: bool,
     /// Print one JSON object instead of the table.
     #[arg(long)]
     pub json: bool,
@@ -67,15 +76,16 @@ pub struct AttentionRow {
     pub context: usize,
     /// Query rows.
     pub rows: usize,
-    pub twin_ms: f64,
+    /// `None` with `--fast-only` (as `rows_ms`, `speedup`, `vs_rows`).
+    pub twin_ms: Option<f64>,
     /// The fast path with the keys stored by row (before keys by column).
-    pub rows_ms: f64,
+    pub rows_ms: Option<f64>,
     /// The fast path with the keys stored by column (the model's layout).
     pub fast_ms: f64,
     /// Twin time over fast time.
-    pub speedup: f64,
+    pub speedup: Option<f64>,
     /// Keys-by-row time over fast time.
-    pub vs_rows: f64,
+    pub vs_rows: Option<f64>,
     /// KV bytes read per second by the fast path (each cached row once), GB/s.
     pub kv_gbps: f64,
     /// `kv_gbps` as a percentage of the measured read bandwidth.
@@ -148,7 +158,20 @@ pub fn measure(args: &BenchAttentionArgs) -> Result<(f64, Vec<AttentionRow>)> {
     if args.block_size == 0 {
         bail!("--block-size must be positive");
     }
-    let contexts = list(&args.contexts, "--contexts")?;
+    let contexts = if args.contexts.trim().is_empty() {
+        Vec::new()
+    } else {
+        list(&args.contexts, "--contexts")?
+    };
+    let dtypes: &[KvDtype] = match args.kv_dtype.as_str() {
+        "both" => &[KvDtype::F32, KvDtype::Bf16],
+        "f32" => &[KvDtype::F32],
+        "bf16" => &[KvDtype::Bf16],
+        other => bail!("--kv-dtype: '{other}' is not f32, bf16 or both"),
+    };
+    if contexts.is_empty() && args.prefill == 0 {
+        bail!("nothing to measure: --contexts is empty and --prefill is 0");
+    }
     let min = Duration::from_millis(args.min_ms);
     let bw = measure_bandwidth();
     let (fast, twin) = (kernels(), Kernels::generic());
@@ -169,7 +192,7 @@ pub fn measure(args: &BenchAttentionArgs) -> Result<(f64, Vec<AttentionRow>)> {
     }
     let mut rows = Vec::new();
     for &(kind, ctx, nq) in &cases {
-        for dtype in [KvDtype::F32, KvDtype::Bf16] {
+        for &dtype in dtypes {
             let kv_bytes = ctx * w * 2 * dtype.bytes();
             let copies = if kind == "decode" {
                 (args.working_set_mib << 20).div_ceil(kv_bytes).max(1)
@@ -178,9 +201,13 @@ pub fn measure(args: &BenchAttentionArgs) -> Result<(f64, Vec<AttentionRow>)> {
             };
             // Keys by column (what the model stores) and, to compare, by row.
             let (pool, seqs) = filled_pool(args, ctx, copies, dtype, true)?;
-            let (rpool, rseqs) = filled_pool(args, ctx, copies, dtype, false)?;
+            let (rpool, rseqs) = if args.fast_only {
+                (None, Vec::new())
+            } else {
+                let (p, s) = filled_pool(args, ctx, copies, dtype, false)?;
+                (Some(p), s)
+            };
             let (k, v) = pool.layer(0).views(hd);
-            let (rk, rv) = rpool.layer(0).views(hd);
             let q: Vec<f32> = (0..nq * heads * hd)
                 .map(|i| ((i % 89) as f32 - 44.0) / 89.0)
                 .collect();
@@ -193,8 +220,11 @@ pub fn measure(args: &BenchAttentionArgs) -> Result<(f64, Vec<AttentionRow>)> {
                     }
                 }) / copies as f64
             };
-            let t_twin = run(&twin, &cb, k, v);
-            let t_rows = run(fast, &rb, rk, rv);
+            let t_twin = (!args.fast_only).then(|| run(&twin, &cb, k, v));
+            let t_rows = rpool.as_ref().map(|p| {
+                let (rk, rv) = p.layer(0).views(hd);
+                run(fast, &rb, rk, rv)
+            });
             let t_fast = run(fast, &cb, k, v);
             // Score and value multiply-adds: each query row sees `past + i + 1` keys.
             let pairs: usize = (0..nq).map(|i| ctx - nq + i + 1).sum();
@@ -205,11 +235,11 @@ pub fn measure(args: &BenchAttentionArgs) -> Result<(f64, Vec<AttentionRow>)> {
                 kv_dtype: dtype.name(),
                 context: ctx,
                 rows: nq,
-                twin_ms: t_twin * 1e3,
-                rows_ms: t_rows * 1e3,
+                twin_ms: t_twin.map(|t| t * 1e3),
+                rows_ms: t_rows.map(|t| t * 1e3),
                 fast_ms: t_fast * 1e3,
-                speedup: t_twin / t_fast,
-                vs_rows: t_rows / t_fast,
+                speedup: t_twin.map(|t| t / t_fast),
+                vs_rows: t_rows.map(|t| t / t_fast),
                 kv_gbps: gbps,
                 pct_bandwidth: 100.0 * gbps / bw,
                 gflops: flops / t_fast / 1e9,
@@ -256,18 +286,20 @@ pub fn run(args: &BenchAttentionArgs) -> Result<()> {
         "% bw",
         "GFLOP/s"
     );
+    let ms = |t: Option<f64>| t.map_or("-".into(), |t| format!("{t:.3}"));
+    let ratio = |x: Option<f64>| x.map_or("-".into(), |x| format!("{x:.2}x"));
     for r in &rows {
         println!(
-            "{:>8} {:>5} {:>7} {:>5} {:>9.3} {:>9.3} {:>9.3} {:>7.2}x {:>7.2}x {:>7.1} {:>5.0} {:>8.1}",
+            "{:>8} {:>5} {:>7} {:>5} {:>9} {:>9} {:>9.3} {:>8} {:>8} {:>7.1} {:>5.0} {:>8.1}",
             r.kind,
             r.kv_dtype,
             r.context,
             r.rows,
-            r.twin_ms,
-            r.rows_ms,
+            ms(r.twin_ms),
+            ms(r.rows_ms),
             r.fast_ms,
-            r.speedup,
-            r.vs_rows,
+            ratio(r.speedup),
+            ratio(r.vs_rows),
             r.kv_gbps,
             r.pct_bandwidth,
             r.gflops
@@ -292,12 +324,50 @@ mod tests {
             working_set_mib: 0,
             min_ms: 1,
             bf16_queries: false,
+            kv_dtype: "both".into(),
+            fast_only: false,
             json: false,
         };
         let (bw, rows) = measure(&args)?;
         assert!(bw > 0.0);
         assert_eq!(rows.len(), 6);
-        assert!(rows.iter().all(|r| r.fast_ms > 0.0 && r.speedup > 0.0));
+        assert!(rows.iter().all(|r| r.fast_ms > 0.0
+            && r.speedup.is_some_and(|x| x > 0.0)
+            && r.vs_rows.is_some_and(|x| x > 0.0)));
+        // The prefill row alone, bf16, fast path only.
+        let only = BenchAttentionArgs {
+            contexts: String::new(),
+            kv_dtype: "bf16".into(),
+            fast_only: true,
+            ..args.clone()
+        };
+        let rows = measure(&only)?.1;
+        assert_eq!(rows.len(), 1);
+        let r = &rows[0];
+        assert!(r.kind == "prefill" && r.kv_dtype == "bf16" && r.fast_ms > 0.0);
+        assert!(r.twin_ms.is_none() && r.rows_ms.is_none() && r.speedup.is_none());
+        for (bad, flag) in [
+            (
+                BenchAttentionArgs {
+                    kv_dtype: "f16".into(),
+                    ..args.clone()
+                },
+                "--kv-dtype",
+            ),
+            (
+                BenchAttentionArgs {
+                    prefill: 0,
+                    ..only.clone()
+                },
+                "nothing to measure",
+            ),
+        ] {
+            let e = measure(&bad)
+                .err()
+                .map(|e| e.to_string())
+                .unwrap_or_default();
+            assert!(e.contains(flag), "{e}");
+        }
         let bq = BenchAttentionArgs {
             bf16_queries: true,
             ..args.clone()
