@@ -11,7 +11,7 @@
 use std::time::Duration;
 
 use anyhow::{Result, bail};
-use clap::Args;
+use clap::{Args, ValueEnum};
 use epserve_core::kernels::attention::{AttnSeq, AttnShape, attention};
 use epserve_core::kernels::dispatch::{Kernels, kernels};
 use epserve_core::model::kv_cache::{KvDtype, KvPool, SeqCache};
@@ -53,9 +53,9 @@ pub struct BenchAttentionArgs {
     /// the native bf16 dot where the tier has one.
     #[arg(long)]
     pub bf16_queries: bool,
-    /// KV cache element types measured: `f32`, `bf16` or `both`.
-    #[arg(long, default_value = "both")]
-    pub kv_dtype: String,
+    /// KV cache element types measured.
+    #[arg(long, value_enum, default_value_t = KvDtypes::Both)]
+    pub kv_dtype: KvDtypes,
     /// Time only the fast path (keys by column): no scalar twin and no
     /// keys-by-row run, so a profiler sees the kernel alone (their columns
     /// print `-`, `null` in JSON).
@@ -64,6 +64,25 @@ pub struct BenchAttentionArgs {
     /// Print one JSON object instead of the table.
     #[arg(long)]
     pub json: bool,
+}
+
+/// The KV cache element types a run measures (`--kv-dtype`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum KvDtypes {
+    F32,
+    Bf16,
+    /// f32, then bf16.
+    Both,
+}
+
+impl KvDtypes {
+    fn list(self) -> &'static [KvDtype] {
+        match self {
+            KvDtypes::F32 => &[KvDtype::F32],
+            KvDtypes::Bf16 => &[KvDtype::Bf16],
+            KvDtypes::Both => &[KvDtype::F32, KvDtype::Bf16],
+        }
+    }
 }
 
 /// One measured row.
@@ -163,12 +182,6 @@ pub fn measure(args: &BenchAttentionArgs) -> Result<(f64, Vec<AttentionRow>)> {
     } else {
         list(&args.contexts, "--contexts")?
     };
-    let dtypes: &[KvDtype] = match args.kv_dtype.as_str() {
-        "both" => &[KvDtype::F32, KvDtype::Bf16],
-        "f32" => &[KvDtype::F32],
-        "bf16" => &[KvDtype::Bf16],
-        other => bail!("--kv-dtype: '{other}' is not f32, bf16 or both"),
-    };
     if contexts.is_empty() && args.prefill == 0 {
         bail!("nothing to measure: --contexts is empty and --prefill is 0");
     }
@@ -192,7 +205,7 @@ pub fn measure(args: &BenchAttentionArgs) -> Result<(f64, Vec<AttentionRow>)> {
     }
     let mut rows = Vec::new();
     for &(kind, ctx, nq) in &cases {
-        for &dtype in dtypes {
+        for &dtype in args.kv_dtype.list() {
             let kv_bytes = ctx * w * 2 * dtype.bytes();
             let copies = if kind == "decode" {
                 (args.working_set_mib << 20).div_ceil(kv_bytes).max(1)
@@ -324,7 +337,7 @@ mod tests {
             working_set_mib: 0,
             min_ms: 1,
             bf16_queries: false,
-            kv_dtype: "both".into(),
+            kv_dtype: KvDtypes::Both,
             fast_only: false,
             json: false,
         };
@@ -337,7 +350,7 @@ mod tests {
         // The prefill row alone, bf16, fast path only.
         let only = BenchAttentionArgs {
             contexts: String::new(),
-            kv_dtype: "bf16".into(),
+            kv_dtype: KvDtypes::Bf16,
             fast_only: true,
             ..args.clone()
         };
@@ -346,28 +359,41 @@ mod tests {
         let r = &rows[0];
         assert!(r.kind == "prefill" && r.kv_dtype == "bf16" && r.fast_ms > 0.0);
         assert!(r.twin_ms.is_none() && r.rows_ms.is_none() && r.speedup.is_none());
-        for (bad, flag) in [
-            (
-                BenchAttentionArgs {
-                    kv_dtype: "f16".into(),
-                    ..args.clone()
-                },
-                "--kv-dtype",
-            ),
-            (
-                BenchAttentionArgs {
-                    prefill: 0,
-                    ..only.clone()
-                },
-                "nothing to measure",
-            ),
-        ] {
-            let e = measure(&bad)
-                .err()
-                .map(|e| e.to_string())
-                .unwrap_or_default();
-            assert!(e.contains(flag), "{e}");
+        let none = BenchAttentionArgs {
+            prefill: 0,
+            ..only.clone()
+        };
+        let e = measure(&none)
+            .err()
+            .map(|e| e.to_string())
+            .unwrap_or_default();
+        assert!(e.contains("nothing to measure"), "{e}");
+        // The flags as a user types them: an unknown dtype is refused by name.
+        #[derive(clap::Parser)]
+        struct Cli {
+            #[command(flatten)]
+            args: BenchAttentionArgs,
         }
+        use clap::Parser;
+        let cli = Cli::try_parse_from([
+            "bench",
+            "--kv-dtype",
+            "bf16",
+            "--contexts",
+            "",
+            "--fast-only",
+        ])?;
+        assert_eq!(cli.args.kv_dtype, KvDtypes::Bf16);
+        assert!(cli.args.fast_only && cli.args.contexts.is_empty());
+        assert_eq!(
+            Cli::try_parse_from(["bench"])?.args.kv_dtype,
+            KvDtypes::Both
+        );
+        let e = Cli::try_parse_from(["bench", "--kv-dtype", "f16"])
+            .err()
+            .map(|e| e.to_string())
+            .unwrap_or_default();
+        assert!(e.contains("--kv-dtype") && e.contains("f16"), "{e}");
         let bq = BenchAttentionArgs {
             bf16_queries: true,
             ..args.clone()
