@@ -32,7 +32,17 @@
 #   QUICK_PROMPTS_PER_CONC=4 LONG_PROMPTS_PER_CONC=1   prompts per run = this x concurrency
 #   MIN_PROMPTS=2        at least this many prompts per run
 #   SERVERS="epserve-bf16 llama-bf16 epserve-int8 llama-q8_0"
-#   PORT=18431           port on 127.0.0.1 (one server at a time)
+#   PORT=18431           port on 127.0.0.1 (PAIRED: the second server of a pair on PORT+1)
+#   PAIRED=1             1: the two servers of a precision (SERVERS taken two by two:
+#                        epserve-bf16 with llama-bf16, epserve-int8 with llama-q8_0) are
+#                        loaded at once, each idle while the other is measured, and every
+#                        row runs on both back to back (the first alternating), so a ratio
+#                        compares runs seconds apart, not minutes: this host's memory
+#                        bandwidth swings by tens of percent over minutes. 0: one server at
+#                        a time, all its rows, then the next (the order before).
+#   ROUNDS=1             repeat every row this many times (fresh prompts each round); the
+#                        table gives each figure's median over the rounds and each ratio's
+#                        median (and range) over the rounds' paired ratios
 #   READY_TIMEOUT=900    seconds a server may take to load
 #   LLAMA_CPP_PYTHON_VERSION=0.3.36   the sdist llama.cpp comes from
 #   RESULT=DIR/result.md
@@ -60,6 +70,8 @@ LONG_PROMPTS_PER_CONC=${LONG_PROMPTS_PER_CONC:-1}
 MIN_PROMPTS=${MIN_PROMPTS:-2}
 SERVERS=${SERVERS:-epserve-bf16 llama-bf16 epserve-int8 llama-q8_0}
 PORT=${PORT:-18431}
+PAIRED=${PAIRED:-1}
+ROUNDS=${ROUNDS:-1}
 READY_TIMEOUT=${READY_TIMEOUT:-900}
 LLAMA_CPP_PYTHON_VERSION=${LLAMA_CPP_PYTHON_VERSION:-0.3.36}
 RESULT=${RESULT:-$DIR/result.md}
@@ -155,35 +167,39 @@ PIN=()
 if command -v taskset >/dev/null && ((THREADS <= $(nproc))); then
     PIN=(taskset -c "0-$((THREADS - 1))")
 fi
-URL=http://127.0.0.1:$PORT
-SERVER_PID=
-stop_server() {
-    if [[ -n $SERVER_PID ]]; then
-        kill "$SERVER_PID" 2>/dev/null || true
+declare -A SERVER_PIDS=() SERVER_PORTS=()
+stop_servers() {
+    local srv pid
+    for srv in "${!SERVER_PIDS[@]}"; do
+        pid=${SERVER_PIDS[$srv]}
+        kill "$pid" 2>/dev/null || true
         for _ in $(seq 1 100); do
-            kill -0 "$SERVER_PID" 2>/dev/null || break
+            kill -0 "$pid" 2>/dev/null || break
             sleep 0.1
         done
-        kill -9 "$SERVER_PID" 2>/dev/null || true
-        wait "$SERVER_PID" 2>/dev/null || true
-        SERVER_PID=
-    fi
+        kill -9 "$pid" 2>/dev/null || true
+        wait "$pid" 2>/dev/null || true
+        unset "SERVER_PIDS[$srv]"
+    done
 }
-trap stop_server EXIT
+trap stop_servers EXIT
 trap 'exit 130' INT TERM
 
-if curl -s -o /dev/null "$URL/health"; then
-    echo "error: something already listens on 127.0.0.1:$PORT (set PORT=...)" >&2
-    exit 1
-fi
+for p in "$PORT" $((PORT + 1)); do
+    if curl -s -o /dev/null "http://127.0.0.1:$p/health"; then
+        echo "error: something already listens on 127.0.0.1:$p (set PORT=...)" >&2
+        exit 1
+    fi
+done
 
-start_server() { # SERVER
-    local srv=$1 cmd
+start_server() { # SERVER PORT
+    local srv=$1 port=$2 cmd
     case $srv in
     epserve-bf16 | epserve-int8)
-        cmd=("${PIN[@]}" "$EPSERVE" serve --model "$MODEL" --host 127.0.0.1 --port "$PORT"
+        # No prefix cache, as llama-server below: a row's prompts are fresh anyway.
+        cmd=("${PIN[@]}" "$EPSERVE" serve --model "$MODEL" --host 127.0.0.1 --port "$port"
             --served-model-name "$NAME" --max-num-seqs 8 --max-model-len 4096
-            --kv-cache-memory 1GiB)
+            --kv-cache-memory 1GiB --no-enable-prefix-caching)
         # shellcheck disable=SC2206 # flags split on spaces on purpose
         cmd+=(${EPSERVE_FLAGS:-})
         # shellcheck disable=SC2206
@@ -191,10 +207,10 @@ start_server() { # SERVER
         RAYON_NUM_THREADS=$THREADS "${cmd[@]}" >"$RUN/$srv.log" 2>&1 &
         ;;
     llama-bf16 | llama-q8_0)
-        # 8 slots of 1280 positions (512 + 512 fit); no prompt cache (epserve has none,
-        # and the same prompts must not be served from a cache on a later run).
+        # 8 slots of 1280 positions (512 + 512 fit); no prompt cache (as epserve
+        # above, and the same prompts must not be served from a cache on a later run).
         cmd=("${PIN[@]}" "$LLAMA_SERVER" -m "$DIR/bench-${srv#llama-}.gguf" --host 127.0.0.1
-            --port "$PORT" -t "$THREADS" -tb "$THREADS" --parallel 8 -c $((8 * 1280))
+            --port "$port" -t "$THREADS" -tb "$THREADS" --parallel 8 -c $((8 * 1280))
             --no-cache-prompt --cache-ram 0 --no-webui --alias "$NAME")
         # shellcheck disable=SC2206 # flags split on spaces on purpose
         cmd+=(${LLAMA_FLAGS:-})
@@ -205,11 +221,13 @@ start_server() { # SERVER
         exit 1
         ;;
     esac
-    SERVER_PID=$!
+    local pid=$!
+    SERVER_PIDS[$srv]=$pid
+    SERVER_PORTS[$srv]=$port
     echo "${cmd[*]}" >"$RUN/$srv.cmd"
     local deadline=$(($(date +%s) + READY_TIMEOUT))
-    until [[ $(curl -s -o /dev/null -w '%{http_code}' "$URL/health" || true) == 200 ]]; do
-        if ! kill -0 "$SERVER_PID" 2>/dev/null; then
+    until [[ $(curl -s -o /dev/null -w '%{http_code}' "http://127.0.0.1:$port/health" || true) == 200 ]]; do
+        if ! kill -0 "$pid" 2>/dev/null; then
             echo "error: $srv exited while loading; tail of $RUN/$srv.log:" >&2
             tail -n 20 "$RUN/$srv.log" >&2
             exit 1
@@ -220,12 +238,16 @@ start_server() { # SERVER
         fi
         sleep 1
     done
+    log "$srv ready on port $port; warm-up"
+    bench "$srv" "$RUN/$srv-warmup.json" 128 16 1 2 999 >"$RUN/$srv-warmup.txt" 2>&1 ||
+        log "warm-up failed, see $RUN/$srv-warmup.txt"
 }
 
-bench() { # OUT_JSON INPUT OUTPUT CONCURRENCY PROMPTS SEED [ARGS...]
-    local out=$1 input=$2 output=$3 conc=$4 n=$5 seed=$6
-    shift 6
-    "$EPSERVE" bench serve --base-url "$URL" --model "$MODEL" --served-model-name "$NAME" \
+bench() { # SERVER OUT_JSON INPUT OUTPUT CONCURRENCY PROMPTS SEED [ARGS...]
+    local srv=$1 out=$2 input=$3 output=$4 conc=$5 n=$6 seed=$7
+    shift 7
+    "$EPSERVE" bench serve --base-url "http://127.0.0.1:${SERVER_PORTS[$srv]}" --model "$MODEL" \
+        --served-model-name "$NAME" \
         --dataset-name random --random-input-len "$input" --random-output-len "$output" \
         --num-prompts "$n" --max-concurrency "$conc" --seed "$seed" --ignore-eos \
         --temperature 0 --percentile-metrics ttft,tpot,itl,e2el --metric-percentiles 50 \
@@ -243,36 +265,78 @@ workload_lens() { # WORKLOAD -> "IN OUT PER_CONC"
     esac
 }
 
+# One row on each of the given servers, in that order: the same prompts (seed) on
+# each. Results: SERVER-WORKLOAD-cC.json, or .rK.json for round K when ROUNDS > 1.
+row() { # ROUND WORKLOAD C SEED SERVER...
+    local round=$1 w=$2 c=$3 seed=$4 input output per n srv base
+    shift 4
+    read -r input output per <<<"$(workload_lens "$w")"
+    n=$((per * c))
+    ((n >= MIN_PROMPTS)) || n=$MIN_PROMPTS
+    for srv in "$@"; do
+        base=$RUN/$srv-$w-c$c
+        ((ROUNDS > 1)) && base=$base.r$round
+        log "$srv $w ($input in / $output out) c=$c: $n prompts, round $round of $ROUNDS"
+        bench "$srv" "$base.json" "$input" "$output" "$c" "$n" "$seed" --label "$srv" \
+            >"$base.txt" 2>&1 || log "bench failed, see $base.txt"
+    done
+}
+
 for w in $WORKLOADS; do workload_lens "$w" >/dev/null; done
+if ((PAIRED)) && (($(wc -w <<<"$SERVERS_RUN") % 2)); then
+    echo "error: PAIRED=1 takes SERVERS two by two (e.g. \"epserve-bf16 llama-bf16\"); set PAIRED=0" >&2
+    exit 1
+fi
 log "results in $RUN"
 LOAD_BEFORE=${LOAD_BEFORE:-$(cut -d' ' -f1-3 /proc/loadavg)}
-for srv in $SERVERS_RUN; do
-    log "starting $srv"
-    start_server "$srv"
-    log "$srv ready; warm-up"
-    bench "$RUN/$srv-warmup.json" 128 16 1 2 999 >"$RUN/$srv-warmup.txt" 2>&1 ||
-        log "warm-up failed, see $RUN/$srv-warmup.txt"
-    seed=0
-    for w in $WORKLOADS; do
-        read -r input output per <<<"$(workload_lens "$w")"
-        for c in $CONCURRENCY; do
-            n=$((per * c))
-            ((n >= MIN_PROMPTS)) || n=$MIN_PROMPTS
-            seed=$((seed + 1)) # a fresh set of prompts for every run
-            log "$srv $w ($input in / $output out) c=$c: $n prompts"
-            bench "$RUN/$srv-$w-c$c.json" "$input" "$output" "$c" "$n" "$seed" \
-                --label "$srv" >"$RUN/$srv-$w-c$c.txt" 2>&1 ||
-                log "bench failed, see $RUN/$srv-$w-c$c.txt"
+# Each round's rows get fresh prompts: seeds 1, 2, ... in round 1, 101, 102, ... in
+# round 2 (the same for every server, so the servers of a row see the same prompts).
+if ((PAIRED)); then
+    read -r -a run_list <<<"$SERVERS_RUN"
+    for ((i = 0; i < ${#run_list[@]}; i += 2)); do
+        a=${run_list[i]} b=${run_list[i + 1]}
+        log "starting $a and $b"
+        start_server "$a" "$PORT"
+        start_server "$b" $((PORT + 1))
+        k=0
+        for round in $(seq 1 "$ROUNDS"); do
+            seed=$(((round - 1) * 100))
+            for w in $WORKLOADS; do
+                for c in $CONCURRENCY; do
+                    seed=$((seed + 1))
+                    # Alternate which server goes first, so neither always
+                    # follows the other's load.
+                    if ((k++ % 2)); then row "$round" "$w" "$c" "$seed" "$b" "$a"; else
+                        row "$round" "$w" "$c" "$seed" "$a" "$b"; fi
+                done
+            done
         done
+        stop_servers
     done
-    stop_server
-done
+else
+    for srv in $SERVERS_RUN; do
+        log "starting $srv"
+        start_server "$srv" "$PORT"
+        for round in $(seq 1 "$ROUNDS"); do
+            seed=$(((round - 1) * 100))
+            for w in $WORKLOADS; do
+                for c in $CONCURRENCY; do
+                    seed=$((seed + 1))
+                    row "$round" "$w" "$c" "$seed" "$srv"
+                done
+            done
+        done
+        stop_servers
+    done
+fi
 
 # --- 6. the table --------------------------------------------------------------
 {
     echo "epserve ${EPSERVE_COMMIT:-$(git -C "$ROOT" rev-parse --short HEAD 2>/dev/null || echo '?')} vs llama.cpp" \
         "(llama-cpp-python $LLAMA_CPP_PYTHON_VERSION sdist) on $(lscpu | sed -n 's/^Model name: *//p' | head -n 1)," \
-        "$THREADS threads, $(date -u +%Y-%m-%d); load average $LOAD_BEFORE before the runs," \
+        "$THREADS threads, $(date -u +%Y-%m-%d);" \
+        "$(if ((PAIRED)); then echo "each precision's two servers loaded at once, rows run back to back on both"; else echo "one server at a time"; fi)," \
+        "$ROUNDS round(s); load average $LOAD_BEFORE before the runs," \
         "$(cut -d' ' -f1-3 /proc/loadavg) after; $(($(date +%s) - START)) s in all"
     echo
     "$PY" - "$RUN" "$WORKLOADS" "$CONCURRENCY" "$SERVERS" <<'PY'
@@ -283,42 +347,67 @@ label = {"epserve-bf16": "epserve serve, bf16", "llama-bf16": "llama.cpp BF16",
          "epserve-int8": "epserve serve, int8 (`EPSERVE_INT8_FLAGS`)", "llama-q8_0": "llama.cpp Q8_0"}
 peer = {"epserve-bf16": "llama-bf16", "epserve-int8": "llama-q8_0"}
 lens = {"quick": "128/64", "long": "512/512"}
-def load(srv, w, c):
-    f = run / f"{srv}-{w}-c{c}.json"
-    return json.loads(f.read_text()) if f.exists() else None
+def rounds(srv, w, c):
+    """{round: result} of one row: round 1 alone when run without ROUNDS."""
+    out = {}
+    one = run / f"{srv}-{w}-c{c}.json"
+    if one.exists():
+        out[1] = json.loads(one.read_text())
+    for f in run.glob(f"{srv}-{w}-c{c}.r*.json"):
+        out[int(f.name.rsplit(".r", 1)[1].split(".")[0])] = json.loads(f.read_text())
+    return out
+def med(xs):
+    xs = sorted(x for x in xs if x is not None)
+    if not xs:
+        return None
+    h = len(xs) // 2
+    return xs[h] if len(xs) % 2 else (xs[h - 1] + xs[h]) / 2
 def fmt(x, d=1):
     return "-" if x is None else f"{x:.{d}f}"
 print("| workload (in/out) | c | server | out tok/s | TTFT p50 ms | TPOT p50 ms | tok/s ratio | TTFT ratio | TPOT ratio |")
 print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
 notes = []
+nrounds = 1
 for w in workloads:
     for c in concs:
         for s in servers:
-            r = load(s, w, c)
-            if r is None:
-                ran = (run / f"{s}-{w}-c{c}.txt").exists()
+            rs = rounds(s, w, c)
+            if not rs:
+                ran = (run / f"{s}-{w}-c{c}.txt").exists() or any(run.glob(f"{s}-{w}-c{c}.r*.txt"))
                 print(f"| {w} ({lens[w]}) | {c} | {label.get(s, s)} | {'failed' if ran else 'not run'} | | | | | |")
                 continue
+            nrounds = max(nrounds, len(rs))
             mark = ""
-            want = r["num_prompts"] * int(lens[w].split("/")[1])
-            if r.get("failed") or r["total_output_tokens"] != want:
-                mark = " ⚠"
-                notes.append(f"{s} {w} c={c}: {r['completed']} completed, {r.get('failed', 0)} failed, "
-                             f"{r['total_output_tokens']} output tokens (expected {want})")
+            for k, r in sorted(rs.items()):
+                want = r["num_prompts"] * int(lens[w].split("/")[1])
+                if r.get("failed") or r["total_output_tokens"] != want:
+                    mark = " ⚠"
+                    notes.append(f"{s} {w} c={c} round {k}: {r['completed']} completed, {r.get('failed', 0)} failed, "
+                                 f"{r['total_output_tokens']} output tokens (expected {want})")
+            keys = ("output_throughput", "median_ttft_ms", "median_tpot_ms")
+            m = {key: med(r.get(key) for r in rs.values()) for key in keys}
             ratios = ["", "", ""]
-            p = load(peer[s], w, c) if s in peer else None
-            if p:
-                def ratio(a, b):
-                    return f"{a / b:.2f}x" if a and b else "-"
-                ratios = [ratio(r["output_throughput"], p["output_throughput"]),
-                          ratio(r["median_ttft_ms"], p["median_ttft_ms"]),
-                          ratio(r["median_tpot_ms"], p["median_tpot_ms"])]
-            print(f"| {w} ({lens[w]}) | {c} | {label.get(s, s)} | {fmt(r['output_throughput'])}{mark} "
-                  f"| {fmt(r['median_ttft_ms'], 0)} | {fmt(r['median_tpot_ms'])} | " + " | ".join(ratios) + " |")
+            ps = rounds(peer[s], w, c) if s in peer else {}
+            if ps:
+                def ratio(key):
+                    # Paired by round: each round's ratio, then their median (and range).
+                    rr = [rs[k][key] / ps[k][key] for k in rs if k in ps and rs[k].get(key) and ps[k].get(key)]
+                    if not rr:
+                        return "-"
+                    if len(rr) == 1:
+                        return f"{rr[0]:.2f}x"
+                    return f"{med(rr):.2f}x ({min(rr):.2f}-{max(rr):.2f})"
+                ratios = [ratio(key) for key in keys]
+            print(f"| {w} ({lens[w]}) | {c} | {label.get(s, s)} | {fmt(m['output_throughput'])}{mark} "
+                  f"| {fmt(m['median_ttft_ms'], 0)} | {fmt(m['median_tpot_ms'])} | " + " | ".join(ratios) + " |")
 print()
+def prompts(w, c):
+    rs = rounds(servers[0], w, c)
+    return next(iter(rs.values()))["num_prompts"] if rs else None
 print("Ratios are epserve / llama.cpp at the same precision (bf16 vs BF16, epserve int8 vs Q8_0; EPSERVE_INT8_FLAGS defaults to int8 experts and dense projections): "
       "above 1 is better for tok/s, below 1 is better for TTFT and TPOT. "
-      f"Prompts per run: {', '.join(f'{w} c={c}: ' + str(json.loads((run / f'{servers[0]}-{w}-c{c}.json').read_text())['num_prompts']) for w in workloads for c in concs if (run / f'{servers[0]}-{w}-c{c}.json').exists())}.")
+      + (f"Figures are medians over {nrounds} rounds; each ratio is the median of the rounds' ratios (their range in brackets). " if nrounds > 1 else "")
+      + f"Prompts per run: {', '.join(f'{w} c={c}: {prompts(w, c)}' for w in workloads for c in concs if prompts(w, c))}.")
 for n in notes:
     print(f"- ⚠ {n}")
 PY
