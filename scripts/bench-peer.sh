@@ -335,8 +335,10 @@ fi
     echo "epserve ${EPSERVE_COMMIT:-$(git -C "$ROOT" rev-parse --short HEAD 2>/dev/null || echo '?')} vs llama.cpp" \
         "(llama-cpp-python $LLAMA_CPP_PYTHON_VERSION sdist) on $(lscpu | sed -n 's/^Model name: *//p' | head -n 1)," \
         "$THREADS threads, $(date -u +%Y-%m-%d);" \
-        "$(if ((PAIRED)); then echo "each precision's two servers loaded at once, rows run back to back on both"; else echo "one server at a time"; fi)," \
-        "$ROUNDS round(s); load average $LOAD_BEFORE before the runs," \
+        "$(if [[ -n ${TABLE_FROM:-} ]]; then echo "earlier results from $RUN (their run order unknown here)"
+        elif ((PAIRED)); then echo "each precision's two servers loaded at once, rows run back to back on both, $ROUNDS round(s)"
+        else echo "one server at a time, $ROUNDS round(s)"; fi);" \
+        "load average $LOAD_BEFORE before the runs," \
         "$(cut -d' ' -f1-3 /proc/loadavg) after; $(($(date +%s) - START)) s in all"
     echo
     "$PY" - "$RUN" "$WORKLOADS" "$CONCURRENCY" "$SERVERS" <<'PY'
