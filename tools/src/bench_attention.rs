@@ -325,6 +325,11 @@ pub fn run(args: &BenchAttentionArgs) -> Result<()> {
 mod tests {
     use super::*;
 
+    /// The error's message, or "" when `r` is not an error.
+    fn err_text<T, E: std::fmt::Display>(r: std::result::Result<T, E>) -> String {
+        r.err().map(|e| e.to_string()).unwrap_or_default()
+    }
+
     #[test]
     fn tiny_bench_runs_and_bad_flags_are_named() -> Result<()> {
         let args = BenchAttentionArgs {
@@ -363,10 +368,7 @@ mod tests {
             prefill: 0,
             ..only.clone()
         };
-        let e = measure(&none)
-            .err()
-            .map(|e| e.to_string())
-            .unwrap_or_default();
+        let e = err_text(measure(&none));
         assert!(e.contains("nothing to measure"), "{e}");
         // The flags as a user types them: an unknown dtype is refused by name.
         #[derive(clap::Parser)]
@@ -389,10 +391,7 @@ mod tests {
             Cli::try_parse_from(["bench"])?.args.kv_dtype,
             KvDtypes::Both
         );
-        let e = Cli::try_parse_from(["bench", "--kv-dtype", "f16"])
-            .err()
-            .map(|e| e.to_string())
-            .unwrap_or_default();
+        let e = err_text(Cli::try_parse_from(["bench", "--kv-dtype", "f16"]));
         assert!(e.contains("--kv-dtype") && e.contains("f16"), "{e}");
         let bq = BenchAttentionArgs {
             bf16_queries: true,
@@ -403,10 +402,7 @@ mod tests {
             contexts: "5,x".into(),
             ..args.clone()
         };
-        let e = measure(&bad)
-            .err()
-            .map(|e| e.to_string())
-            .unwrap_or_default();
+        let e = err_text(measure(&bad));
         assert!(e.contains("--contexts"), "{e}");
         let bad = BenchAttentionArgs {
             kv_heads: 3,
