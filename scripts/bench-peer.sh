@@ -185,7 +185,9 @@ stop_servers() {
 trap stop_servers EXIT
 trap 'exit 130' INT TERM
 
-for p in "$PORT" $((PORT + 1)); do
+ports=("$PORT")
+((PAIRED)) && ports+=($((PORT + 1)))
+for p in "${ports[@]}"; do
     if curl -s -o /dev/null "http://127.0.0.1:$p/health"; then
         echo "error: something already listens on 127.0.0.1:$p (set PORT=...)" >&2
         exit 1
