@@ -289,12 +289,18 @@ fn erf(x: f32) -> f32 {
 }
 
 /// Calls `f(g, mi)` for each group of `g` ∈ {8, 4, 1} queries from `mi`,
-/// the groups covering `0..m` in order (the attention value passes'
+/// the groups covering `0..m` in order (the attention kernels' query
 /// blocking on every SIMD tier).
 #[cfg(any(target_arch = "x86_64", target_arch = "aarch64"))]
 #[inline(always)]
-pub(crate) fn query_groups(m: usize, mut f: impl FnMut(usize, usize)) {
-    let mut mi = 0;
+pub(crate) fn query_groups(m: usize, f: impl FnMut(usize, usize)) {
+    query_groups_from(0, m, f);
+}
+
+/// [`query_groups`] covering `mi..m` (the queries from `mi` on).
+#[cfg(any(target_arch = "x86_64", target_arch = "aarch64"))]
+#[inline(always)]
+pub(crate) fn query_groups_from(mut mi: usize, m: usize, mut f: impl FnMut(usize, usize)) {
     for g in [8, 4, 1] {
         while mi + g <= m {
             f(g, mi);
@@ -302,6 +308,37 @@ pub(crate) fn query_groups(m: usize, mut f: impl FnMut(usize, usize)) {
         }
     }
 }
+
+/// The by-row score kernels' query loop on every SIMD tier: for the queries
+/// `mi0..m` (rows `dk` apart at the pointer `q`) in groups of 8, 4 and 1
+/// ([`query_groups_from`]), the tier's `dots::<G, BF>(q, dk, k, &mut
+/// [f32; G])` against the key row at `k`, each sum times `scale` stored at
+/// `out + mi · ldo`. Expands to unsafe pointer arithmetic: use it inside an
+/// `unsafe` block whose caller guarantees the extents.
+#[cfg(any(target_arch = "x86_64", target_arch = "aarch64"))]
+macro_rules! row_scores {
+    ($dots:ident::<$bf:ident>, $mi0:expr, $m:expr, $q:expr, $dk:expr, $k:expr, $scale:expr, $out:expr, $ldo:expr) => {
+        $crate::kernels::query_groups_from($mi0, $m, |g, mi| {
+            let (qg, o) = ($q.add(mi * $dk), $out.add(mi * $ldo));
+            macro_rules! group {
+                ($g:literal) => {{
+                    let mut d = [0.0f32; $g];
+                    $dots::<$g, $bf>(qg, $dk, $k, &mut d);
+                    for (g, x) in d.iter().enumerate() {
+                        *o.add(g * $ldo) = x * $scale;
+                    }
+                }};
+            }
+            match g {
+                8 => group!(8),
+                4 => group!(4),
+                _ => group!(1),
+            }
+        })
+    };
+}
+#[cfg(any(target_arch = "x86_64", target_arch = "aarch64"))]
+pub(crate) use row_scores;
 
 /// The first-element pointers of up to `N` token rows (the rest null): what
 /// the arch tiers' tile kernels take instead of a slice of slices.

@@ -8,7 +8,7 @@
 
 #![allow(clippy::needless_range_loop, clippy::too_many_arguments)]
 
-use crate::kernels::query_groups;
+use crate::kernels::{query_groups, row_scores};
 use std::arch::aarch64::*;
 
 const fn esize(bf: bool) -> usize {
@@ -100,29 +100,17 @@ pub unsafe fn scores<const BF: bool>(
     unsafe {
         for i in 0..n {
             let kr = k.add(i * stride * esize(BF));
-            let mut mi = 0;
-            while mi + 8 <= m {
-                let mut d = [0.0f32; 8];
-                dots::<8, BF>(q.as_ptr().add(mi * dk), dk, kr, &mut d);
-                for g in 0..8 {
-                    out[(mi + g) * ldo + i] = d[g] * scale;
-                }
-                mi += 8;
-            }
-            while mi + 4 <= m {
-                let mut d = [0.0f32; 4];
-                dots::<4, BF>(q.as_ptr().add(mi * dk), dk, kr, &mut d);
-                for g in 0..4 {
-                    out[(mi + g) * ldo + i] = d[g] * scale;
-                }
-                mi += 4;
-            }
-            while mi < m {
-                let mut d = [0.0f32; 1];
-                dots::<1, BF>(q.as_ptr().add(mi * dk), dk, kr, &mut d);
-                out[mi * ldo + i] = d[0] * scale;
-                mi += 1;
-            }
+            row_scores!(
+                dots::<BF>,
+                0,
+                m,
+                q.as_ptr(),
+                dk,
+                kr,
+                scale,
+                out.as_mut_ptr().add(i),
+                ldo
+            );
         }
     }
 }

@@ -20,7 +20,7 @@
 // Explicit query/lane indices read better than iterator chains in kernels.
 #![allow(clippy::needless_range_loop, clippy::too_many_arguments)]
 
-use crate::kernels::query_groups;
+use crate::kernels::{query_groups, row_scores};
 use std::arch::x86_64::*;
 
 /// Element type of the cached rows: `BF` = bf16 (`u16`), else f32.
@@ -399,32 +399,21 @@ pub unsafe fn scores512<const BF: bool>(
         let done = i;
         for i in 0..n {
             let kr = k.add(i * stride * esize(BF));
-            let mut mi = if i < done { m8 } else { 0 };
-            if mi == 0 {
+            let mi0 = if i < done { m8 } else { 0 };
+            if mi0 == 0 {
                 prefetch_row(kr, stride * esize(BF), dk * esize(BF));
             }
-            while mi + 8 <= m {
-                let mut d = [0.0f32; 8];
-                dots512::<8, BF>(q.as_ptr().add(mi * dk), dk, kr, &mut d);
-                for g in 0..8 {
-                    out[(mi + g) * ldo + i] = d[g] * scale;
-                }
-                mi += 8;
-            }
-            while mi + 4 <= m {
-                let mut d = [0.0f32; 4];
-                dots512::<4, BF>(q.as_ptr().add(mi * dk), dk, kr, &mut d);
-                for g in 0..4 {
-                    out[(mi + g) * ldo + i] = d[g] * scale;
-                }
-                mi += 4;
-            }
-            while mi < m {
-                let mut d = [0.0f32; 1];
-                dots512::<1, BF>(q.as_ptr().add(mi * dk), dk, kr, &mut d);
-                out[mi * ldo + i] = d[0] * scale;
-                mi += 1;
-            }
+            row_scores!(
+                dots512::<BF>,
+                mi0,
+                m,
+                q.as_ptr(),
+                dk,
+                kr,
+                scale,
+                out.as_mut_ptr().add(i),
+                ldo
+            );
         }
     }
 }
@@ -762,29 +751,17 @@ pub unsafe fn scores256<const BF: bool>(
         for i in 0..n {
             let kr = k.add(i * stride * esize(BF));
             prefetch_row(kr, stride * esize(BF), dk * esize(BF));
-            let mut mi = 0;
-            while mi + 8 <= m {
-                let mut d = [0.0f32; 8];
-                dots256::<8, BF>(q.as_ptr().add(mi * dk), dk, kr, &mut d);
-                for g in 0..8 {
-                    out[(mi + g) * ldo + i] = d[g] * scale;
-                }
-                mi += 8;
-            }
-            while mi + 4 <= m {
-                let mut d = [0.0f32; 4];
-                dots256::<4, BF>(q.as_ptr().add(mi * dk), dk, kr, &mut d);
-                for g in 0..4 {
-                    out[(mi + g) * ldo + i] = d[g] * scale;
-                }
-                mi += 4;
-            }
-            while mi < m {
-                let mut d = [0.0f32; 1];
-                dots256::<1, BF>(q.as_ptr().add(mi * dk), dk, kr, &mut d);
-                out[mi * ldo + i] = d[0] * scale;
-                mi += 1;
-            }
+            row_scores!(
+                dots256::<BF>,
+                0,
+                m,
+                q.as_ptr(),
+                dk,
+                kr,
+                scale,
+                out.as_mut_ptr().add(i),
+                ldo
+            );
         }
     }
 }
