@@ -206,7 +206,7 @@ pub(crate) fn run_panels(
             run_bf16mm(k, w, kdim, n, it, row, src, epi)
         }
         // Prefill with bf16 activations on the two-panel bf16 dot tile, where
-        // it out-runs the FMA tile (AMD Zen 4+; see README, `bench moe`).
+        // it out-runs the FMA tile (AMD Zen 4+; see BENCHMARKS.md, `bench moe`).
         DataView::Bf16(w) if bf16x && n > k.bf16x_mr().unwrap_or(0) && k.bf16x_prefill() => {
             run_pairs_b16(k, w, kdim, n, it, row, src, epi)
         }
