@@ -309,17 +309,20 @@ pub(crate) fn query_groups_from(mut mi: usize, m: usize, mut f: impl FnMut(usize
     }
 }
 
-/// The by-row score kernels' query loop on every SIMD tier: for the queries
-/// `mi0..m` (rows `dk` apart at the pointer `q`) in groups of 8, 4 and 1
-/// ([`query_groups_from`]), the tier's `dots::<G, BF>(q, dk, k, &mut
-/// [f32; G])` against the key row at `k`, each sum times `scale` stored at
-/// `out + mi · ldo`. Expands to unsafe pointer arithmetic: use it inside an
-/// `unsafe` block whose caller guarantees the extents.
+/// The by-row score kernels' query loop on every SIMD tier, for key row `i`
+/// (at the pointer `k`): for the queries `mi0..m` of the slice `q` (rows `dk`
+/// apart) in groups of 8, 4 and 1 ([`query_groups_from`]), the tier's
+/// `dots::<G, BF>(q, dk, k, &mut [f32; G])`, each sum times `scale` stored
+/// at `out[mi · ldo + i]`. Expands to unsafe pointer arithmetic: use it inside
+/// an `unsafe` block whose caller guarantees the extents.
 #[cfg(any(target_arch = "x86_64", target_arch = "aarch64"))]
 macro_rules! row_scores {
-    ($dots:ident::<$bf:ident>, $mi0:expr, $m:expr, $q:expr, $dk:expr, $k:expr, $scale:expr, $out:expr, $ldo:expr) => {
+    ($dots:ident::<$bf:ident>, $mi0:expr, $m:expr, $q:ident, $dk:ident, $k:ident, $i:ident, $scale:ident, $out:ident, $ldo:ident) => {
         $crate::kernels::query_groups_from($mi0, $m, |g, mi| {
-            let (qg, o) = ($q.add(mi * $dk), $out.add(mi * $ldo));
+            let (qg, o) = (
+                $q.as_ptr().add(mi * $dk),
+                $out.as_mut_ptr().add(mi * $ldo + $i),
+            );
             macro_rules! group {
                 ($g:literal) => {{
                     let mut d = [0.0f32; $g];

@@ -100,17 +100,7 @@ pub unsafe fn scores<const BF: bool>(
     unsafe {
         for i in 0..n {
             let kr = k.add(i * stride * esize(BF));
-            row_scores!(
-                dots::<BF>,
-                0,
-                m,
-                q.as_ptr(),
-                dk,
-                kr,
-                scale,
-                out.as_mut_ptr().add(i),
-                ldo
-            );
+            row_scores!(dots::<BF>, 0, m, q, dk, kr, i, scale, out, ldo);
         }
     }
 }

@@ -403,17 +403,7 @@ pub unsafe fn scores512<const BF: bool>(
             if mi0 == 0 {
                 prefetch_row(kr, stride * esize(BF), dk * esize(BF));
             }
-            row_scores!(
-                dots512::<BF>,
-                mi0,
-                m,
-                q.as_ptr(),
-                dk,
-                kr,
-                scale,
-                out.as_mut_ptr().add(i),
-                ldo
-            );
+            row_scores!(dots512::<BF>, mi0, m, q, dk, kr, i, scale, out, ldo);
         }
     }
 }
@@ -751,17 +741,7 @@ pub unsafe fn scores256<const BF: bool>(
         for i in 0..n {
             let kr = k.add(i * stride * esize(BF));
             prefetch_row(kr, stride * esize(BF), dk * esize(BF));
-            row_scores!(
-                dots256::<BF>,
-                0,
-                m,
-                q.as_ptr(),
-                dk,
-                kr,
-                scale,
-                out.as_mut_ptr().add(i),
-                ldo
-            );
+            row_scores!(dots256::<BF>, 0, m, q, dk, kr, i, scale, out, ldo);
         }
     }
 }
