@@ -4,7 +4,9 @@
 //! against the machine's streaming read bandwidth, measured in the same run
 //! on the same threads (rayon's pool, what the model uses). Each row cycles
 //! through copies of its weight larger than the last-level cache, as a
-//! model's layers do. Ratios only: the
+//! model's layers do. Decode rows (up to `B12_MR` tokens) also run the same
+//! weights stored as B12 (`kernels::b12`, lossless 12 bits a weight) where
+//! the tier decodes them natively. Ratios only: the
 //! machines are shared and noisy, so each row is the median of its passes.
 
 use std::time::{Duration, Instant};
@@ -18,7 +20,10 @@ use epserve_core::tensor::Weight;
 use rayon::prelude::*;
 use serde::Serialize;
 
-use crate::bench_moe::random_bf16;
+use epserve_core::kernels::b12::{self, B12_MR, B12Panels};
+use epserve_core::kernels::layout::{NR, pack_bf16_panel};
+
+use crate::bench_moe::normal_bf16;
 
 /// `epserve bench linear`.
 #[derive(Debug, Clone, Args)]
@@ -59,6 +64,37 @@ pub struct LinearRow {
     pub pct_bandwidth: f64,
     /// Packed multiply-adds per second ×2, GFLOP/s.
     pub packed_gflops: f64,
+    /// The same weights as B12 panels (decode rows on tiers that decode them
+    /// natively), ms per call.
+    pub b12_ms: Option<f64>,
+    /// Packed (bf16) time over B12 time.
+    pub b12_speedup: Option<f64>,
+}
+
+/// A bf16 weight's B12 panels (its rows packed as the bf16 panels, then
+/// encoded).
+fn b12_of(w: &Weight) -> Result<B12Panels> {
+    let [out, inp] = w.shape() else {
+        bail!("not a matrix");
+    };
+    let (out, inp) = (*out, *inp);
+    let bits: Vec<u16> = w
+        .bytes()
+        .chunks_exact(2)
+        .map(|b| u16::from_le_bytes([b[0], b[1]]))
+        .collect();
+    let mut packed = Vec::new();
+    for p in 0..out.div_ceil(NR) {
+        pack_bf16_panel(
+            inp,
+            |c| {
+                let r = p * NR + c;
+                (r < out).then(|| &bits[r * inp..(r + 1) * inp])
+            },
+            &mut packed,
+        );
+    }
+    Ok(B12Panels::encode(&packed, inp))
 }
 
 /// A comma-separated list of positive integers (the benches' count flags).
@@ -158,8 +194,14 @@ pub fn measure(args: &BenchLinearArgs) -> Result<(f64, Vec<LinearRow>)> {
         // model's layers do, not from the last-level cache.
         let copies = (args.working_set_mib << 20).div_ceil(out * inp * 2).max(1);
         let ws: Vec<Weight> = (0..copies)
-            .map(|c| random_bf16(out, inp, 17 + (i * 1000 + c) as u64))
+            .map(|c| normal_bf16(out, inp, 17 + (i * 1000 + c) as u64))
             .collect();
+        let kern = kernels();
+        let b12s: Vec<B12Panels> = if kern.b12_native() {
+            ws.iter().map(b12_of).collect::<Result<_>>()?
+        } else {
+            Vec::new()
+        };
         let lins: Vec<Linear> = ws.iter().cloned().map(Linear::new).collect();
         if !lins.iter().all(Linear::is_packed) {
             bail!("{out}x{inp}: a random bf16 weight was not packed");
@@ -175,11 +217,29 @@ pub fn measure(args: &BenchLinearArgs) -> Result<(f64, Vec<LinearRow>)> {
                     linear(&x, t, w, None, &mut y);
                 }
             }));
-            let packed = per(time(min, || {
-                for l in &lins {
-                    l.forward(&x, t, None, &mut y);
-                }
-            }));
+            let mut y2 = y.clone();
+            let mut run_packed = || {
+                per(time(min, || {
+                    for l in &lins {
+                        l.forward(&x, t, None, &mut y);
+                    }
+                }))
+            };
+            let mut packed = run_packed();
+            let mut b12_ms = None;
+            if t <= B12_MR && !b12s.is_empty() {
+                // Alternated with the bf16 path, best of two each.
+                let mut run_b12 = || {
+                    per(time(min, || {
+                        for b in &b12s {
+                            b12::gemv(kern, b, out, &x, t, &mut y2);
+                        }
+                    }))
+                };
+                let first = run_b12();
+                packed = packed.min(run_packed());
+                b12_ms = Some(first.min(run_b12()));
+            }
             let gbps = (out * inp * 2) as f64 / packed / 1e9;
             rows.push(LinearRow {
                 out,
@@ -191,6 +251,8 @@ pub fn measure(args: &BenchLinearArgs) -> Result<(f64, Vec<LinearRow>)> {
                 packed_gbps: gbps,
                 pct_bandwidth: 100.0 * gbps / bw,
                 packed_gflops: 2.0 * (t * out * inp) as f64 / packed / 1e9,
+                b12_ms: b12_ms.map(|b| b * 1e3),
+                b12_speedup: b12_ms.map(|b| packed / b),
             });
         }
     }
@@ -214,12 +276,25 @@ pub fn run(args: &BenchLinearArgs) -> Result<()> {
          measured read bandwidth {bw:.1} GB/s"
     );
     println!(
-        "{:>11} {:>6} {:>10} {:>10} {:>8} {:>8} {:>6} {:>8}",
-        "shape", "tokens", "twin ms", "packed ms", "speedup", "GB/s", "% bw", "GFLOP/s"
+        "{:>11} {:>6} {:>10} {:>10} {:>8} {:>8} {:>6} {:>8} {:>8} {:>8}",
+        "shape",
+        "tokens",
+        "twin ms",
+        "packed ms",
+        "speedup",
+        "GB/s",
+        "% bw",
+        "GFLOP/s",
+        "b12 ms",
+        "vs bf16"
     );
     for r in &rows {
+        let (b12_ms, b12_x) = match (r.b12_ms, r.b12_speedup) {
+            (Some(m), Some(x)) => (format!("{m:.3}"), format!("{x:.2}x")),
+            _ => ("-".into(), "-".into()),
+        };
         println!(
-            "{:>11} {:>6} {:>10.3} {:>10.3} {:>7.2}x {:>8.1} {:>6.0} {:>8.1}",
+            "{:>11} {:>6} {:>10.3} {:>10.3} {:>7.2}x {:>8.1} {:>6.0} {:>8.1} {:>8} {:>8}",
             format!("{}x{}", r.out, r.inp),
             r.tokens,
             r.plain_ms,
@@ -227,7 +302,9 @@ pub fn run(args: &BenchLinearArgs) -> Result<()> {
             r.speedup,
             r.packed_gbps,
             r.pct_bandwidth,
-            r.packed_gflops
+            r.packed_gflops,
+            b12_ms,
+            b12_x
         );
     }
     Ok(())
@@ -250,6 +327,12 @@ mod tests {
         assert!(bw > 0.0);
         assert_eq!(rows.len(), 2);
         assert!(rows.iter().all(|r| r.packed_ms > 0.0 && r.speedup > 0.0));
+        // Both token counts are decode rows: B12 runs where the tier has it.
+        let b12 = kernels().b12_native();
+        assert!(
+            rows.iter()
+                .all(|r| r.b12_ms.is_some() == b12 && r.b12_speedup.is_some() == b12)
+        );
         let bad = BenchLinearArgs {
             shapes: "40by33".into(),
             ..args

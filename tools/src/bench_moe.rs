@@ -24,6 +24,7 @@ use epserve_core::config::Activation;
 use epserve_core::experts::packed::PackedDtype;
 use epserve_core::experts::{ExpertPool, PackedExpert, PackedExperts};
 use epserve_core::kernels::dispatch::{Kernels, kernels};
+use epserve_core::kernels::layout::f32_to_bf16_bits;
 use epserve_core::moe::ExpertExecutor;
 use epserve_core::tensor::{DType, Weight};
 use serde::Serialize;
@@ -193,6 +194,19 @@ impl Rng {
     fn unit(&mut self) -> f32 {
         (self.next() >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0
     }
+}
+
+/// Normal-like bf16 weights (a sum of four uniforms, standard deviation
+/// ~0.02, as a model's initializer): their exponents spread as a real
+/// model's do, which the B12 storage depends on.
+pub(crate) fn normal_bf16(rows: usize, cols: usize, seed: u64) -> Weight {
+    let mut rng = Rng(seed);
+    let mut bytes = Vec::with_capacity(2 * rows * cols);
+    for _ in 0..rows * cols {
+        let s = rng.unit() + rng.unit() + rng.unit() + rng.unit();
+        bytes.extend_from_slice(&f32_to_bf16_bits(s * 0.017).to_le_bytes());
+    }
+    Weight::from_bytes(DType::BF16, vec![rows, cols], &bytes)
 }
 
 /// Random bf16 weights of magnitude 2⁻⁸..2⁻⁵, built from bits directly.

@@ -499,6 +499,38 @@ impl Kernels {
         }
     }
 
+    /// Whether this tier decodes B12 panels natively ([`Kernels::b12_tile`];
+    /// elsewhere that is the scalar twin, far slower than the bf16 tiles).
+    pub fn b12_native(&self) -> bool {
+        #[cfg(target_arch = "x86_64")]
+        if matches!(
+            self.tier,
+            Tier::Avx512 | Tier::Avx512Vnni | Tier::Avx512Bf16 | Tier::Amx
+        ) {
+            return true;
+        }
+        false
+    }
+
+    /// `acc[t·16 + c] += Σ_k x[t][k] · W[c, k]` over a whole B12 panel
+    /// ([`super::b12`]) for `1 ≤ x.len() ≤ B12_MR` rows of at least
+    /// `panel.k` values: the same bits on every tier.
+    pub fn b12_tile(&self, panel: &super::b12::B12Panel<'_>, x: &[&[f32]], acc: &mut [f32]) {
+        let groups = super::b12::b12_padded_k(panel.k) / super::b12::B12_GROUP_K;
+        assert!(!x.is_empty() && x.len() <= super::b12::B12_MR && acc.len() >= x.len() * NR);
+        assert!(x.iter().all(|r| r.len() >= panel.k) && panel.groups() == groups);
+        assert!(panel.exc_pos.len() == panel.exc_exp.len());
+        match self.tier {
+            #[cfg(target_arch = "x86_64")]
+            // SAFETY: every AVX-512 tier requires AVX-512 F and BW; the
+            // lengths were just asserted.
+            Tier::Avx512 | Tier::Avx512Vnni | Tier::Avx512Bf16 | Tier::Amx => unsafe {
+                super::x86::avx512::b12_tile(panel, x, acc)
+            },
+            _ => super::b12::b12_tile(panel, x, acc),
+        }
+    }
+
     /// Splits the f32 row `x` into its three bf16 terms
     /// ([`super::layout::split3_bf16`]): `x[k]`'s go to `hi[k]`, `mid[k]`,
     /// `lo[k]`; the same bits on every tier.

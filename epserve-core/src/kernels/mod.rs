@@ -7,6 +7,7 @@
 pub mod aarch64;
 pub(crate) mod amx_plan;
 pub mod attention;
+pub mod b12;
 pub mod dispatch;
 pub mod generic;
 pub mod layout;

@@ -749,3 +749,51 @@ fn bf16_row_quantization_equals_the_twin() {
         }
     }
 }
+
+#[test]
+fn b12_tiles_equal_the_twin_bit_for_bit() {
+    use crate::kernels::b12::{B12_MR, B12Panels, b12_tile};
+    let mut rng = StdRng::seed_from_u64(1212);
+    for k in tiers() {
+        for &kc in KCS {
+            // Normal-like weights (few escapes), and rows of random exponents
+            // (most escape) in the same matrix.
+            let mut rows: Vec<Vec<u16>> = (0..2 * NR)
+                .map(|_| {
+                    (0..kc)
+                        .map(|_| {
+                            let s: f32 = (0..4).map(|_| rng.random_range(-1.0f32..1.0)).sum();
+                            f32_to_bf16_bits(s * 0.02)
+                        })
+                        .collect()
+                })
+                .collect();
+            rows[NR + 3] = (0..kc).map(|_| rng.random::<u16>() & 0xbfff).collect();
+            let mut packed = Vec::new();
+            for p in 0..2 {
+                pack_bf16_panel(kc, |c| Some(&rows[p * NR + c][..]), &mut packed);
+            }
+            let b = B12Panels::encode(&packed, kc);
+            for t in 1..=B12_MR {
+                let xs: Vec<Vec<f32>> = (0..t)
+                    .map(|_| (0..kc).map(|_| rng.random_range(-2.0f32..2.0)).collect())
+                    .collect();
+                let x: Vec<&[f32]> = xs.iter().map(|r| &r[..]).collect();
+                for p in 0..2 {
+                    let init: Vec<f32> = (0..t * NR).map(|i| i as f32 * 0.25).collect();
+                    let mut want = init.clone();
+                    b12_tile(&b.panel(p), &x, &mut want);
+                    let mut got = init.clone();
+                    k.b12_tile(&b.panel(p), &x, &mut got);
+                    let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+                    assert_eq!(
+                        bits(&got),
+                        bits(&want),
+                        "{:?} kc={kc} t={t} panel {p}",
+                        k.tier()
+                    );
+                }
+            }
+        }
+    }
+}

@@ -1,0 +1,428 @@
+//! **B12**: bf16 weight panels stored losslessly in 12 bits a weight, for
+//! decode, which streams every weight byte once per token and is bound by
+//! the memory bandwidth.
+//!
+//! A bf16 weight is a sign, an 8-bit exponent and 7 mantissa bits, but the
+//! weights of one panel (16 output channels × `K`) use few exponents: random
+//! normal weights of one panel use 20-26 distinct ones, and the 15 most common
+//! cover all but ~3 in 10 000 weights (measured on the bench model's q, down,
+//! gate and LM-head panels). So each weight is stored as one byte of
+//! sign | 7 mantissa bits and a 4-bit *code*: codes 0..15 index the panel's
+//! table of its 15 most common exponents, code 15 is an *escape* whose exact
+//! exponent sits in the panel's exception list (in stream order, with its
+//! position). Decoding gives back the exact bf16 words, so the arithmetic on
+//! them is that of the bf16 kernels (same products, same `k` order per
+//! accumulator); only the bytes read drop to 0.75x.
+//!
+//! Layout: per panel, groups of [`B12_GROUP_PAIRS`] `k`-pairs (8 `k`s × 16
+//! channels = 128 weights, `K` zero-padded to whole groups) of
+//! [`B12_GROUP_BYTES`] = 192 bytes (three cache lines): 128 sign|mantissa
+//! bytes, then 64 bytes of codes. The 128 bytes are two *halves* of 64 (pairs
+//! 0-1, then 2-3 of the group); in a half, byte `16·l + j` holds word
+//! `8·l + j` (`j < 8`) of the half's first pair and byte `16·l + 8 + j` word
+//! `8·l + j` of its second (the bf16 panel's words, [`super::layout`]), so
+//! that interleaving a half's rebuilt low and high bytes per 128-bit lane
+//! (x86 `vpunpcklbw` / `vpunpckhbw`) yields the two pairs' 64-byte vectors
+//! exactly as the bf16 panel stores them. Code byte `b` holds the code of
+//! byte `b` of half 0 in its low nibble and of half 1 in its high nibble.
+//!
+//! Rebuilding a word from byte `s` (sign | mantissa) and exponent `e`:
+//! high byte `(s & 0x80) | e >> 1`, low byte `(s & 0x7f) | (e & 1) << 7`;
+//! the tables hold `e >> 1` and `(e & 1) << 7` per code (both 0 for the
+//! escape, whose bits are or-ed in from the exception list).
+//!
+//! The decode kernel (`b12_tile`, up to [`B12_MR`] tokens) keeps four
+//! accumulators per token, `k mod 4`, each summed in `k` order with fused
+//! multiply-adds, then `(s0 + s2) + (s1 + s3)`: [`b12_tile`] here is its
+//! scalar twin, bit for bit.
+
+use rayon::prelude::*;
+
+use super::layout::{NR, bf16_bits_to_f32, bf16_padded_k};
+use crate::mem::ZeroBuf;
+
+/// `k`-pairs per group.
+pub const B12_GROUP_PAIRS: usize = 4;
+/// `k`s per group.
+pub const B12_GROUP_K: usize = 2 * B12_GROUP_PAIRS;
+/// Bytes per group: 128 sign|mantissa bytes and 64 code bytes.
+pub const B12_GROUP_BYTES: usize = 192;
+/// The escape code: the exponent is in the panel's exception list.
+pub const B12_ESCAPE: u8 = 15;
+/// Most tokens per decode tile.
+pub const B12_MR: usize = 4;
+
+/// `K` rounded up to whole groups.
+#[inline]
+pub const fn b12_padded_k(k: usize) -> usize {
+    k.div_ceil(B12_GROUP_K) * B12_GROUP_K
+}
+
+/// Position of word `w` (0..32) of pair `q` (0..4) of a group in the group's
+/// sign|mantissa bytes (and, as `(half, byte)`, in its code bytes).
+#[inline]
+pub const fn b12_byte(q: usize, w: usize) -> usize {
+    (q / 2) * 64 + (w / 8) * 16 + (q % 2) * 8 + w % 8
+}
+
+/// One panel, borrowed: what a tile reads.
+#[derive(Clone, Copy)]
+pub struct B12Panel<'a> {
+    /// `groups · 192` bytes.
+    pub data: &'a [u8],
+    /// Per code: `e >> 1`, then (bytes 16..32) `(e & 1) << 7`.
+    pub tables: &'a [u8; 32],
+    /// Stream positions (`group · 128 + b12_byte(..)`) of the escaped weights,
+    /// ascending, and their exponents.
+    pub exc_pos: &'a [u32],
+    pub exc_exp: &'a [u8],
+    /// Logical `K` (values past it are zero).
+    pub k: usize,
+}
+
+impl B12Panel<'_> {
+    /// Groups in the panel.
+    pub fn groups(&self) -> usize {
+        self.data.len() / B12_GROUP_BYTES
+    }
+}
+
+/// A packed matrix of B12 panels.
+pub struct B12Panels {
+    k: usize,
+    panels: usize,
+    groups: usize,
+    data: ZeroBuf<u8>,
+    tables: Vec<[u8; 32]>,
+    exc_start: Vec<usize>,
+    exc_pos: Vec<u32>,
+    exc_exp: Vec<u8>,
+}
+
+impl B12Panels {
+    /// Encodes bf16 panels as [`super::layout::pack_bf16_panel`] packs them
+    /// (`bf16_padded_k(k) · 16` words each, panel after panel).
+    pub fn encode(bf16_panels: &[u16], k: usize) -> B12Panels {
+        let pw = bf16_padded_k(k) * NR;
+        let panels = bf16_panels.len().checked_div(pw).unwrap_or(0);
+        let groups = b12_padded_k(k) / B12_GROUP_K;
+        let mut data = ZeroBuf::<u8>::zeroed(panels * groups * B12_GROUP_BYTES);
+        let mut tables = Vec::with_capacity(panels);
+        let (mut exc_start, mut exc_pos, mut exc_exp) = (vec![0], Vec::new(), Vec::new());
+        for p in 0..panels {
+            let src = &bf16_panels[p * pw..(p + 1) * pw];
+            // Padding pairs past the source are zeros (exponent 0).
+            let word = |i: usize| src.get(i).copied().unwrap_or(0);
+            let mut hist = [0usize; 256];
+            for i in 0..groups * B12_GROUP_PAIRS * 2 * NR {
+                hist[usize::from(exponent(word(i)))] += 1;
+            }
+            // The 15 most common exponents (ties: the smaller exponent).
+            let mut order: Vec<usize> = (0..256).collect();
+            order.sort_by_key(|&e| (std::cmp::Reverse(hist[e]), e));
+            let mut code_of = [B12_ESCAPE; 256];
+            let mut tab = [0u8; 32];
+            for (c, &e) in order.iter().take(usize::from(B12_ESCAPE)).enumerate() {
+                if hist[e] == 0 {
+                    break;
+                }
+                code_of[e] = c as u8;
+                tab[c] = (e >> 1) as u8;
+                tab[16 + c] = ((e & 1) << 7) as u8;
+            }
+            tables.push(tab);
+            let out = &mut data[p * groups * B12_GROUP_BYTES..(p + 1) * groups * B12_GROUP_BYTES];
+            for g in 0..groups {
+                let gd = &mut out[g * B12_GROUP_BYTES..(g + 1) * B12_GROUP_BYTES];
+                // Stream order: byte position within the group ascending.
+                let mut at = [(0usize, 0usize); 128];
+                for q in 0..B12_GROUP_PAIRS {
+                    for w in 0..2 * NR {
+                        at[b12_byte(q, w)] = (q, w);
+                    }
+                }
+                for (b, &(q, w)) in at.iter().enumerate() {
+                    let v = word((g * B12_GROUP_PAIRS + q) * 2 * NR + w);
+                    let e = exponent(v);
+                    gd[b] = ((v >> 8) as u8 & 0x80) | (v as u8 & 0x7f);
+                    let c = code_of[usize::from(e)];
+                    gd[128 + b % 64] |= c << (4 * (b / 64));
+                    if c == B12_ESCAPE {
+                        exc_pos.push((g * 128 + b) as u32);
+                        exc_exp.push(e);
+                    }
+                }
+            }
+            exc_start.push(exc_pos.len());
+        }
+        B12Panels {
+            k,
+            panels,
+            groups,
+            data,
+            tables,
+            exc_start,
+            exc_pos,
+            exc_exp,
+        }
+    }
+
+    /// Logical `K`.
+    pub fn k(&self) -> usize {
+        self.k
+    }
+
+    /// Panels (16 output channels each).
+    pub fn panels(&self) -> usize {
+        self.panels
+    }
+
+    /// Escaped weights in all.
+    pub fn exceptions(&self) -> usize {
+        self.exc_pos.len()
+    }
+
+    /// Bytes held (groups, tables, exception lists).
+    pub fn bytes(&self) -> usize {
+        self.data.len() + self.tables.len() * 32 + self.exc_pos.len() * 5
+    }
+
+    /// Panel `p`.
+    pub fn panel(&self, p: usize) -> B12Panel<'_> {
+        let n = self.groups * B12_GROUP_BYTES;
+        let (e0, e1) = (self.exc_start[p], self.exc_start[p + 1]);
+        B12Panel {
+            data: &self.data[p * n..(p + 1) * n],
+            tables: &self.tables[p],
+            exc_pos: &self.exc_pos[e0..e1],
+            exc_exp: &self.exc_exp[e0..e1],
+            k: self.k,
+        }
+    }
+
+    /// Panel `p` back as bf16 panel words (`bf16_padded_k(k) · 16`, exactly
+    /// what was encoded).
+    pub fn decode_panel(&self, p: usize, dst: &mut [u16]) {
+        let mut all = vec![0u16; b12_padded_k(self.k) * NR];
+        decode_into(&self.panel(p), &mut all);
+        let n = bf16_padded_k(self.k) * NR;
+        dst[..n].copy_from_slice(&all[..n]);
+    }
+}
+
+/// The exponent field of a bf16 bit pattern.
+#[inline]
+fn exponent(v: u16) -> u8 {
+    ((v >> 7) & 0xff) as u8
+}
+
+/// Scalar twin of the decode tile: `acc[t·16 + c] += Σ_k x[t][k] · W[c, k]`
+/// over the whole panel, `x.len() ≤ B12_MR` rows of at least `panel.k`
+/// values, in the kernel's order (four fused-multiply-add accumulators per
+/// token and channel by `k mod 4`, then `(s0 + s2) + (s1 + s3)`).
+pub fn b12_tile(panel: &B12Panel<'_>, x: &[&[f32]], acc: &mut [f32]) {
+    let mut w = vec![0u16; b12_padded_k(panel.k) * NR];
+    decode_into(panel, &mut w);
+    for (t, xr) in x.iter().enumerate() {
+        for c in 0..NR {
+            let mut s = [0.0f32; 4];
+            for k in 0..b12_padded_k(panel.k) {
+                let xv = if k < panel.k { xr[k] } else { 0.0 };
+                let wv = bf16_bits_to_f32(w[(k / 2) * 2 * NR + 2 * c + (k & 1)]);
+                s[k % 4] = xv.mul_add(wv, s[k % 4]);
+            }
+            acc[t * NR + c] += (s[0] + s[2]) + (s[1] + s[3]);
+        }
+    }
+}
+
+/// A borrowed panel's words, all groups (`b12_padded_k(k) · 16`).
+fn decode_into(panel: &B12Panel<'_>, dst: &mut [u16]) {
+    let mut exc = panel.exc_pos.iter().zip(panel.exc_exp).peekable();
+    for g in 0..panel.groups() {
+        let gd = &panel.data[g * B12_GROUP_BYTES..(g + 1) * B12_GROUP_BYTES];
+        for b in 0..128 {
+            let code = usize::from((gd[128 + b % 64] >> (4 * (b / 64))) & 0x0f);
+            let (mut hi, mut lo) = (panel.tables[code], panel.tables[16 + code]);
+            if code == usize::from(B12_ESCAPE)
+                && let Some((_, &e)) = exc.next_if(|(pos, _)| **pos as usize == g * 128 + b)
+            {
+                hi = e >> 1;
+                lo = (e & 1) << 7;
+            }
+            let s = gd[b];
+            let (q, w) = ((b / 64) * 2 + (b % 16) / 8, (b % 64) / 16 * 8 + b % 8);
+            dst[(g * B12_GROUP_PAIRS + q) * 2 * NR + w] =
+                u16::from_le_bytes([(s & 0x7f) | lo, (s & 0x80) | hi]);
+        }
+    }
+}
+
+/// `out[r·n + j] = Σ_k x[r·k + ..] · W[j, k]` for `rows ≤ B12_MR` rows of
+/// activations (`n` = the matrix's output width, ≤ panels · 16), panels
+/// spread over rayon's threads: the decode GEMV on B12 weights.
+pub fn gemv(
+    kern: &super::dispatch::Kernels,
+    w: &B12Panels,
+    n: usize,
+    x: &[f32],
+    rows: usize,
+    out: &mut [f32],
+) {
+    let k = w.k();
+    assert!(rows <= B12_MR && x.len() >= rows * k && out.len() >= rows * n);
+    assert!(n <= w.panels() * NR);
+    let xs: Vec<&[f32]> = x.chunks(k.max(1)).take(rows).collect();
+    let threads = rayon::current_num_threads().max(1);
+    let per = w.panels().div_ceil(4 * threads).max(1);
+    let outs: Vec<(usize, Vec<f32>)> = (0..w.panels())
+        .step_by(per)
+        .collect::<Vec<_>>()
+        .into_par_iter()
+        .map(|p0| {
+            let p1 = (p0 + per).min(w.panels());
+            let mut acc = vec![0.0f32; (p1 - p0) * rows * NR];
+            for (i, p) in (p0..p1).enumerate() {
+                kern.b12_tile(
+                    &w.panel(p),
+                    &xs,
+                    &mut acc[i * rows * NR..(i + 1) * rows * NR],
+                );
+            }
+            (p0, acc)
+        })
+        .collect();
+    for (p0, acc) in outs {
+        for (i, a) in acc.chunks(rows * NR).enumerate() {
+            let j0 = (p0 + i) * NR;
+            for r in 0..rows {
+                for c in 0..NR.min(n.saturating_sub(j0)) {
+                    out[r * n + j0 + c] = a[r * NR + c];
+                }
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::kernels::layout::{f32_to_bf16_bits, pack_bf16_panel};
+    use rand::rngs::StdRng;
+    use rand::{Rng, SeedableRng};
+
+    /// `n` rows of `k` bf16 weights, normal-like (sum of uniforms), std ~0.02.
+    pub(crate) fn normal_rows(rng: &mut StdRng, n: usize, k: usize) -> Vec<Vec<u16>> {
+        (0..n)
+            .map(|_| {
+                (0..k)
+                    .map(|_| {
+                        let s: f32 = (0..4).map(|_| rng.random_range(-1.0f32..1.0)).sum();
+                        f32_to_bf16_bits(s * 0.017)
+                    })
+                    .collect()
+            })
+            .collect()
+    }
+
+    pub(crate) fn pack(rows: &[Vec<u16>], k: usize) -> Vec<u16> {
+        let mut out = Vec::new();
+        for p in 0..rows.len().div_ceil(NR) {
+            pack_bf16_panel(k, |c| rows.get(p * NR + c).map(|r| &r[..]), &mut out);
+        }
+        out
+    }
+
+    fn round_trips(packed: &[u16], k: usize) -> B12Panels {
+        let b = B12Panels::encode(packed, k);
+        let pw = bf16_padded_k(k) * NR;
+        assert_eq!(b.panels(), packed.len() / pw);
+        let mut back = vec![0u16; pw];
+        for p in 0..b.panels() {
+            b.decode_panel(p, &mut back);
+            assert_eq!(&back[..], &packed[p * pw..(p + 1) * pw], "k={k} panel {p}");
+        }
+        b
+    }
+
+    #[test]
+    fn panels_round_trip_exactly() {
+        let mut rng = StdRng::seed_from_u64(12);
+        for &k in &[1usize, 2, 7, 8, 9, 31, 33, 100, 256, 513] {
+            let rows = normal_rows(&mut rng, 40, k);
+            let b = round_trips(&pack(&rows, k), k);
+            assert_eq!(
+                b.data.len(),
+                b.panels() * b12_padded_k(k) / 8 * B12_GROUP_BYTES
+            );
+        }
+    }
+
+    #[test]
+    fn every_exponent_and_special_value_round_trips() {
+        // One panel holding every bf16 exponent (zero, subnormals, ±inf,
+        // NaNs), so most weights escape, and one of only zeros.
+        let k = 520;
+        let mut rng = StdRng::seed_from_u64(3);
+        let rows: Vec<Vec<u16>> = (0..NR)
+            .map(|c| {
+                (0..k)
+                    .map(|i| {
+                        let e = ((c * k + i) * 37 % 256) as u16;
+                        (rng.random::<u16>() & 0x807f) | (e << 7)
+                    })
+                    .collect()
+            })
+            .collect();
+        let b = round_trips(&pack(&rows, k), k);
+        assert!(b.exceptions() > NR * k / 2, "{} escapes", b.exceptions());
+        let zeros = vec![vec![0u16; 9]; 3];
+        let b = round_trips(&pack(&zeros, 9), 9);
+        assert_eq!(b.exceptions(), 0);
+    }
+
+    #[test]
+    fn normal_weights_take_twelve_bits_and_rarely_escape() {
+        let mut rng = StdRng::seed_from_u64(5);
+        let (n, k) = (64, 2048);
+        let packed = pack(&normal_rows(&mut rng, n, k), k);
+        let b = B12Panels::encode(&packed, k);
+        let ratio = b.bytes() as f64 / (packed.len() * 2) as f64;
+        assert!(ratio < 0.76, "{ratio}");
+        assert!(
+            (b.exceptions() as f64) < 1e-3 * (n * k) as f64,
+            "{}",
+            b.exceptions()
+        );
+    }
+
+    #[test]
+    fn gemv_computes_the_matmul() {
+        let kern = crate::kernels::dispatch::Kernels::generic();
+        let mut rng = StdRng::seed_from_u64(9);
+        for &(n, k, rows) in &[(40usize, 33usize, 1usize), (16, 8, 4), (50, 100, 3)] {
+            let w = normal_rows(&mut rng, n, k);
+            let b = B12Panels::encode(&pack(&w, k), k);
+            let x: Vec<f32> = (0..rows * k)
+                .map(|_| rng.random_range(-1.0f32..1.0))
+                .collect();
+            let mut out = vec![f32::NAN; rows * n];
+            gemv(&kern, &b, n, &x, rows, &mut out);
+            for r in 0..rows {
+                for j in 0..n {
+                    let (mut want, mut mag) = (0.0f64, 0.0f64);
+                    for kk in 0..k {
+                        let p = f64::from(x[r * k + kk]) * f64::from(bf16_bits_to_f32(w[j][kk]));
+                        want += p;
+                        mag += p.abs();
+                    }
+                    let got = f64::from(out[r * n + j]);
+                    assert!(
+                        (got - want).abs() <= 1e-5 * mag + 1e-30,
+                        "n={n} k={k} r={r} j={j}: {got} vs {want}"
+                    );
+                }
+            }
+        }
+    }
+}
