@@ -237,12 +237,7 @@ impl std::fmt::Debug for Kernels {
 /// `vdpbf16ps` does twice an FMA's work at the same rate).
 #[cfg(target_arch = "x86_64")]
 fn dot_beats_fma_on_prefill() -> bool {
-    let r = std::arch::x86_64::__cpuid(0);
-    let mut vendor = [0u8; 12];
-    vendor[..4].copy_from_slice(&r.ebx.to_le_bytes());
-    vendor[4..8].copy_from_slice(&r.edx.to_le_bytes());
-    vendor[8..].copy_from_slice(&r.ecx.to_le_bytes());
-    &vendor == b"AuthenticAMD"
+    &super::x86::cpu_vendor() == b"AuthenticAMD"
 }
 
 /// Most tokens any tier takes per tile (sizes stack arrays of row slices).

@@ -54,17 +54,20 @@ fn decide_single_token_hints() -> bool {
     let on = match std::env::var("EPSERVE_DECODE_L2_HINTS").ok().as_deref() {
         Some("1" | "on" | "true") => true,
         Some("0" | "off" | "false") => false,
-        _ => {
-            let r = std::arch::x86_64::__cpuid(0);
-            let mut vendor = [0u8; 12];
-            vendor[..4].copy_from_slice(&r.ebx.to_le_bytes());
-            vendor[4..8].copy_from_slice(&r.edx.to_le_bytes());
-            vendor[8..].copy_from_slice(&r.ecx.to_le_bytes());
-            &vendor == b"GenuineIntel"
-        }
+        _ => &cpu_vendor() == b"GenuineIntel",
     };
     SINGLE_TOKEN_HINTS.store(if on { 2 } else { 1 }, Ordering::Relaxed);
     on
+}
+
+/// The CPU vendor string (`cpuid` leaf 0: `GenuineIntel`, `AuthenticAMD`, ...).
+pub(crate) fn cpu_vendor() -> [u8; 12] {
+    let r = std::arch::x86_64::__cpuid(0);
+    let mut vendor = [0u8; 12];
+    vendor[..4].copy_from_slice(&r.ebx.to_le_bytes());
+    vendor[4..8].copy_from_slice(&r.edx.to_le_bytes());
+    vendor[8..].copy_from_slice(&r.ecx.to_le_bytes());
+    vendor
 }
 
 /// Hints `lines` cache lines from [`L2_AHEAD`] bytes past `p` into L2 when
