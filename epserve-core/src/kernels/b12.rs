@@ -109,6 +109,13 @@ impl B12Panels {
         let mut data = ZeroBuf::<u8>::zeroed(panels * groups * B12_GROUP_BYTES);
         let mut tables = Vec::with_capacity(panels);
         let (mut exc_start, mut exc_pos, mut exc_exp) = (vec![0], Vec::new(), Vec::new());
+        // (pair, word) of each of a group's 128 bytes, in stream order.
+        let mut at = [(0usize, 0usize); 128];
+        for q in 0..B12_GROUP_PAIRS {
+            for w in 0..2 * NR {
+                at[b12_byte(q, w)] = (q, w);
+            }
+        }
         for p in 0..panels {
             let src = &bf16_panels[p * pw..(p + 1) * pw];
             // Padding pairs past the source are zeros (exponent 0).
@@ -134,13 +141,6 @@ impl B12Panels {
             let out = &mut data[p * groups * B12_GROUP_BYTES..(p + 1) * groups * B12_GROUP_BYTES];
             for g in 0..groups {
                 let gd = &mut out[g * B12_GROUP_BYTES..(g + 1) * B12_GROUP_BYTES];
-                // Stream order: byte position within the group ascending.
-                let mut at = [(0usize, 0usize); 128];
-                for q in 0..B12_GROUP_PAIRS {
-                    for w in 0..2 * NR {
-                        at[b12_byte(q, w)] = (q, w);
-                    }
-                }
                 for (b, &(q, w)) in at.iter().enumerate() {
                     let v = word((g * B12_GROUP_PAIRS + q) * 2 * NR + w);
                     let e = exponent(v);
