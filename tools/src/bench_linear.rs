@@ -4,9 +4,10 @@
 //! against the machine's streaming read bandwidth, measured in the same run
 //! on the same threads (rayon's pool, what the model uses). Each row cycles
 //! through copies of its weight larger than the last-level cache, as a
-//! model's layers do. Decode rows (up to `B12_MR` tokens) also run the same
-//! weights stored as B12 (`kernels::b12`, lossless 12 bits a weight) where
-//! the tier decodes them natively. Ratios only: the
+//! model's layers do. Every row also runs the same weights stored as B12
+//! (`kernels::b12`, lossless 12 bits a weight: the model's default on tiers
+//! that decode it natively), alternated with the bf16 panels: decode rows
+//! on the B12 tile, prefill rows on panels decoded into a scratch. Ratios only: the
 //! machines are shared and noisy, so each row is the median of its passes.
 
 use std::time::{Duration, Instant};
@@ -19,9 +20,6 @@ use epserve_core::model::linear::Linear;
 use epserve_core::tensor::Weight;
 use rayon::prelude::*;
 use serde::Serialize;
-
-use epserve_core::kernels::b12::{self, B12_MR, B12Panels};
-use epserve_core::kernels::layout::{NR, pack_bf16_panel};
 
 use crate::bench_moe::normal_bf16;
 
@@ -64,37 +62,11 @@ pub struct LinearRow {
     pub pct_bandwidth: f64,
     /// Packed multiply-adds per second ×2, GFLOP/s.
     pub packed_gflops: f64,
-    /// The same weights as B12 panels (decode rows on tiers that decode them
-    /// natively), ms per call.
+    /// The same weights as B12 panels (on tiers that decode them natively),
+    /// ms per call.
     pub b12_ms: Option<f64>,
     /// Packed (bf16) time over B12 time.
     pub b12_speedup: Option<f64>,
-}
-
-/// A bf16 weight's B12 panels (its rows packed as the bf16 panels, then
-/// encoded).
-fn b12_of(w: &Weight) -> Result<B12Panels> {
-    let [out, inp] = w.shape() else {
-        bail!("not a matrix");
-    };
-    let (out, inp) = (*out, *inp);
-    let bits: Vec<u16> = w
-        .bytes()
-        .chunks_exact(2)
-        .map(|b| u16::from_le_bytes([b[0], b[1]]))
-        .collect();
-    let mut packed = Vec::new();
-    for p in 0..out.div_ceil(NR) {
-        pack_bf16_panel(
-            inp,
-            |c| {
-                let r = p * NR + c;
-                (r < out).then(|| &bits[r * inp..(r + 1) * inp])
-            },
-            &mut packed,
-        );
-    }
-    Ok(B12Panels::encode(&packed, inp))
 }
 
 /// A comma-separated list of positive integers (the benches' count flags).
@@ -197,15 +169,31 @@ pub fn measure(args: &BenchLinearArgs) -> Result<(f64, Vec<LinearRow>)> {
             .map(|c| normal_bf16(out, inp, 17 + (i * 1000 + c) as u64))
             .collect();
         let kern = kernels();
-        let b12s: Vec<B12Panels> = if kern.b12_native() {
-            ws.iter().map(b12_of).collect::<Result<_>>()?
+        let lins: Vec<Linear> = ws
+            .iter()
+            .cloned()
+            .map(|w| {
+                let mut l = Linear::new(w);
+                l.set_b12(false);
+                l
+            })
+            .collect();
+        if !lins.iter().all(|l| l.is_packed() && !l.is_b12()) {
+            bail!("{out}x{inp}: a random bf16 weight was not packed");
+        }
+        // The same weights as B12 where the tier decodes it natively.
+        let b12s: Vec<Linear> = if kern.b12_native() {
+            ws.iter()
+                .cloned()
+                .map(|w| {
+                    let mut l = Linear::new(w);
+                    l.set_b12(true);
+                    l
+                })
+                .collect()
         } else {
             Vec::new()
         };
-        let lins: Vec<Linear> = ws.iter().cloned().map(Linear::new).collect();
-        if !lins.iter().all(Linear::is_packed) {
-            bail!("{out}x{inp}: a random bf16 weight was not packed");
-        }
         for &t in &tokens {
             let x: Vec<f32> = (0..t * inp)
                 .map(|j| ((j % 97) as f32 - 48.0) / 97.0)
@@ -227,12 +215,12 @@ pub fn measure(args: &BenchLinearArgs) -> Result<(f64, Vec<LinearRow>)> {
             };
             let mut packed = run_packed();
             let mut b12_ms = None;
-            if t <= B12_MR && !b12s.is_empty() {
+            if !b12s.is_empty() {
                 // Alternated with the bf16 path, best of two each.
                 let mut run_b12 = || {
                     per(time(min, || {
                         for b in &b12s {
-                            b12::gemv(kern, b, out, &x, t, &mut y2);
+                            b.forward(&x, t, None, &mut y2);
                         }
                     }))
                 };

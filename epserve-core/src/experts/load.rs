@@ -48,7 +48,8 @@ impl PackedExperts {
                     }
                     let _done = PackedOne;
                     let spare = &mut Spare::default();
-                    pack_expert(cfg, ws, &names, opts.dtype_for(i, e), i, e, spare).map(Some)
+                    pack_expert(cfg, ws, &names, opts.dtype_for(i, e), i, e, spare)
+                        .map(|p| Some(p.stored_for_decode()))
                 })
                 .collect::<Result<_>>()?;
             layers.push(Some(experts));

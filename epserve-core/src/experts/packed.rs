@@ -7,6 +7,7 @@ use bytemuck::Pod;
 
 use crate::config::Activation;
 use crate::error::{Error, Result};
+use crate::kernels::b12::B12Panels;
 use crate::kernels::layout::{
     DataView, NR, PAIR_BLOCK, bf16_bits_to_f32, bf16_index, bf16_padded_k, f32_to_bf16_bits,
     i8_index, i8_padded_k, pack_bf16_panel, pack_i8_panel, quantize_row_i8,
@@ -88,6 +89,8 @@ impl Spare {
             match m.data {
                 PackedData::Bf16(b) => self.bf16.push(b),
                 PackedData::I8 { data, .. } => self.i8.push(data),
+                // Not reusable by the packings that take spare buffers.
+                PackedData::B12(_) => {}
             }
         }
     }
@@ -122,6 +125,10 @@ pub enum PackedData {
         data: AlignedBuf<i8>,
         scales: Vec<f32>,
     },
+    /// The bf16 panels stored losslessly in 12 bits a weight
+    /// ([`crate::kernels::b12`]): the same values, 0.75x the bytes a decode
+    /// step streams. Its precision is bf16.
+    B12(Box<B12Panels>),
 }
 
 /// A weight matrix in panel layout: `panels · 16` logical output channels
@@ -365,11 +372,68 @@ impl PackedMatrix {
         &self.data
     }
 
-    /// The bf16 panels, if this matrix holds bf16 (dense linears keep only these).
+    /// The bf16 panels, if this matrix holds bf16 (B12 decoded back).
     pub fn into_bf16(self) -> Option<AlignedBuf<u16>> {
-        match self.data {
+        match self.into_plain_bf16().data {
             PackedData::Bf16(b) => Some(b),
-            PackedData::I8 { .. } => None,
+            _ => None,
+        }
+    }
+
+    /// The same matrix with bf16 panels stored as B12 (lossless; other
+    /// forms unchanged).
+    pub fn into_b12(self) -> Self {
+        let PackedMatrix { k, panels, data } = self;
+        let data = match data {
+            PackedData::Bf16(b) => PackedData::B12(Box::new(B12Panels::encode(b.as_slice(), k))),
+            d => d,
+        };
+        PackedMatrix { k, panels, data }
+    }
+
+    /// The same matrix with B12 panels decoded back to bf16 panels (other
+    /// forms unchanged).
+    pub fn into_plain_bf16(self) -> Self {
+        let PackedMatrix { k, panels, data } = self;
+        let data = match data {
+            PackedData::B12(b) => PackedData::Bf16(AlignedBuf {
+                buf: b.to_bf16_panels(crate::kernels::dispatch::kernels()),
+            }),
+            d => d,
+        };
+        PackedMatrix { k, panels, data }
+    }
+
+    /// Whether the elements are stored as B12.
+    pub fn is_b12(&self) -> bool {
+        matches!(self.data, PackedData::B12(_))
+    }
+
+    /// Logical channel `c` of panel `p` as f32 into `buf` (`k` values): exact
+    /// for bf16 and B12; int8 gives the dequantized values.
+    pub fn channel_f32(&self, p: usize, c: usize, buf: &mut [f32]) {
+        let k = self.k;
+        match &self.data {
+            PackedData::Bf16(d) => {
+                let panel = &d.as_slice()[p * bf16_padded_k(k) * NR..];
+                for (kk, v) in buf.iter_mut().enumerate().take(k) {
+                    *v = bf16_bits_to_f32(panel[bf16_index(kk, c)]);
+                }
+            }
+            PackedData::B12(b) => {
+                let mut panel = vec![0u16; bf16_padded_k(k) * NR];
+                b.decode_panel(p, &mut panel);
+                for (kk, v) in buf.iter_mut().enumerate().take(k) {
+                    *v = bf16_bits_to_f32(panel[bf16_index(kk, c)]);
+                }
+            }
+            PackedData::I8 { data, scales } => {
+                let panel = &data.as_slice()[p * i8_padded_k(k) * NR..];
+                let s = scales[p * NR + c];
+                for (kk, v) in buf.iter_mut().enumerate().take(k) {
+                    *v = f32::from(panel[i8_index(kk, c)]) * s;
+                }
+            }
         }
     }
 
@@ -381,13 +445,14 @@ impl PackedMatrix {
                 data: data.as_slice(),
                 scales,
             },
+            PackedData::B12(b) => DataView::B12(b.as_ref()),
         }
     }
 
-    /// The precision.
+    /// The precision (B12 holds bf16 values).
     pub fn dtype(&self) -> PackedDtype {
         match self.data {
-            PackedData::Bf16(_) => PackedDtype::Bf16,
+            PackedData::Bf16(_) | PackedData::B12(_) => PackedDtype::Bf16,
             PackedData::I8 { .. } => PackedDtype::Int8,
         }
     }
@@ -397,6 +462,10 @@ impl PackedMatrix {
         match &self.data {
             PackedData::Bf16(d) => (d.as_slice().as_ptr().cast(), d.as_slice().len() * 2),
             PackedData::I8 { data, .. } => (data.as_slice().as_ptr().cast(), data.as_slice().len()),
+            PackedData::B12(b) => {
+                let d = b.data();
+                (d.as_ptr(), d.len())
+            }
         }
     }
 
@@ -405,6 +474,7 @@ impl PackedMatrix {
         match &self.data {
             PackedData::Bf16(d) => d.as_slice().len() * 2,
             PackedData::I8 { data, scales } => data.as_slice().len() + scales.len() * 4,
+            PackedData::B12(b) => b.bytes(),
         }
     }
 }
@@ -621,6 +691,36 @@ impl PackedExpert {
             activation,
             bf16_activations: false,
         })
+    }
+
+    /// The expert with its bf16 matrices stored as B12 where
+    /// [`b12_enabled`](crate::kernels::b12::b12_enabled) and its activations
+    /// stay f32 (the B12 tile's), else unchanged: the same values, 0.75x the
+    /// bytes a decode step streams.
+    pub fn stored_for_decode(self) -> Self {
+        if self.bf16_activations || !crate::kernels::b12::b12_enabled() {
+            return self;
+        }
+        self.into_b12()
+    }
+
+    /// The expert with B12 matrices decoded back to bf16 panels.
+    pub fn into_plain_bf16(self) -> Self {
+        PackedExpert {
+            gate_up: self.gate_up.into_plain_bf16(),
+            down: self.down.into_plain_bf16(),
+            ..self
+        }
+    }
+
+    /// The expert with its bf16 matrices stored as B12 (lossless; int8 ones
+    /// unchanged).
+    pub fn into_b12(self) -> Self {
+        PackedExpert {
+            gate_up: self.gate_up.into_b12(),
+            down: self.down.into_b12(),
+            ..self
+        }
     }
 
     /// Sets [`bf16_activations`](Self::bf16_activations).

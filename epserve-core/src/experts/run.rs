@@ -14,6 +14,7 @@
 use std::cell::RefCell;
 
 use crate::kernels::amx_plan::run_panels_amx;
+use crate::kernels::b12::{B12_MR, B12Panels};
 use crate::kernels::dispatch::{Kernels, MAX_MR};
 use crate::kernels::layout::{
     BF16_MM_KC, BF16_PAIR_KC, DataView, I8_GROUP_BYTES, KG, NR, Src, as_row, bf16_bits_to_f32,
@@ -71,6 +72,10 @@ thread_local! {
     /// bf16 activations on a widening FMA path: the rows rounded to bf16,
     /// widened back to f32 (see [`run_panels`]).
     static ROUNDED_F32: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
+    /// B12 prefill path: a run of decoded bf16 panels and the rows' packed
+    /// two-panel stream.
+    static B12_SCRATCH: RefCell<(Vec<u16>, Vec<f32>)> =
+        const { RefCell::new((Vec::new(), Vec::new())) };
 }
 
 /// Splits each active expert's `panels(e)` into runs so that every thread
@@ -102,8 +107,108 @@ pub(super) fn build_items(
 /// Runs panels `it.p0..it.p1` of one matrix over the expert's `n` rows
 /// (`row(i)` is row `i`'s index in `src`) and hands each panel's results to
 /// `epi(i, panel, val)` where `val[c]` is row `i`'s dequantized channel `c`.
+///
+/// B12 panels ([`crate::kernels::b12`]): up to [`B12_DIRECT_ROWS`] rows of
+/// f32 activations (decode) run the B12 tile, which decodes the weights in
+/// registers; more rows (prefill), or bf16 activations, decode runs of the
+/// item's panels into a scratch of bf16 panels (kept in L2) that the bf16
+/// paths below then run as they run any bf16 panels.
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn run_panels(
+    k: &Kernels,
+    bf16x: bool,
+    data: &DataView<'_>,
+    kdim: usize,
+    n: usize,
+    it: &Item,
+    row: &dyn Fn(usize) -> usize,
+    src: &Src<'_>,
+    epi: impl FnMut(usize, usize, &[f32; NR]),
+) {
+    match *data {
+        DataView::B12(b) => run_b12(k, bf16x, b, kdim, n, it, row, src, epi),
+        _ => run_plain(k, bf16x, data, kdim, n, it, row, src, epi),
+    }
+}
+
+/// Most rows of f32 activations that run on the B12 tile (in token chunks
+/// of [`B12_MR`]); more are prefill, on the decoded panels.
+pub(crate) const B12_DIRECT_ROWS: usize = B12_MR;
+/// Bytes of decoded bf16 panels per run of the B12 prefill path (the run
+/// stays in L2 while the bf16 tiles read it).
+const B12_SCRATCH_BYTES: usize = 256 << 10;
+
+/// [`run_panels`] on B12 panels.
+#[allow(clippy::too_many_arguments)]
+fn run_b12(
+    k: &Kernels,
+    bf16x: bool,
+    b: &B12Panels,
+    kdim: usize,
+    n: usize,
+    it: &Item,
+    row: &dyn Fn(usize) -> usize,
+    src: &Src<'_>,
+    mut epi: impl FnMut(usize, usize, &[f32; NR]),
+) {
+    if !bf16x && n <= B12_DIRECT_ROWS {
+        return ACC_F32.with_borrow_mut(|acc| {
+            acc.resize(n * NR, 0.0);
+            for p in it.panels() {
+                acc.fill(0.0);
+                let panel = b.panel(p);
+                let mut t0 = 0;
+                while t0 < n {
+                    let tn = B12_MR.min(n - t0);
+                    let mut rows: [&[f32]; B12_MR] = [&[]; B12_MR];
+                    for (i, r) in rows.iter_mut().enumerate().take(tn) {
+                        let base = row(t0 + i) * src.f32_stride;
+                        *r = &src.f32_rows[base..base + kdim];
+                    }
+                    k.b12_tile(&panel, &rows[..tn], &mut acc[t0 * NR..(t0 + tn) * NR]);
+                    t0 += tn;
+                }
+                for i in 0..n {
+                    epi(i, p, as_row(&acc[i * NR..(i + 1) * NR]));
+                }
+            }
+        });
+    }
+    let pw = bf16_padded_k(kdim) * NR;
+    // Runs of whole panel pairs (the two-panel tiles take panels in pairs).
+    let run = (B12_SCRATCH_BYTES / (2 * pw).max(1)).max(2) & !1;
+    B12_SCRATCH.with_borrow_mut(|(w, xp)| {
+        // The rows packed once for all runs where they take the two-panel
+        // tile and the caller did not pack them.
+        let mut src = Src { ..*src };
+        if !bf16x && src.f32_packed.is_empty() && takes_pairs_f32(k, &DataView::Bf16(&[]), n) {
+            pack_pairs_f32_stream(k, kdim, n, row, &src, xp);
+            src.f32_packed = xp;
+        }
+        w.resize(run.min(it.panels().len()) * pw, 0);
+        let mut p0 = it.p0 as usize;
+        while p0 < it.p1 as usize {
+            let p1 = (p0 + run).min(it.p1 as usize);
+            for (i, p) in (p0..p1).enumerate() {
+                k.b12_decode(&b.panel(p), &mut w[i * pw..(i + 1) * pw]);
+            }
+            let sub = Item {
+                e: it.e,
+                p0: 0,
+                p1: (p1 - p0) as u32,
+            };
+            let view = DataView::Bf16(&w[..(p1 - p0) * pw]);
+            run_plain(k, bf16x, &view, kdim, n, &sub, row, &src, |i, p, v| {
+                epi(i, p0 + p, v)
+            });
+            p0 = p1;
+        }
+    })
+}
+
+/// [`run_panels`] on bf16 and int8 panels.
+#[allow(clippy::too_many_arguments)]
+fn run_plain(
     k: &Kernels,
     bf16x: bool,
     data: &DataView<'_>,
@@ -140,10 +245,11 @@ pub(crate) fn run_panels(
                 f32_packed: &[],
                 ..*src
             };
-            run_panels(k, false, data, kdim, n, it, &|i| i, &rounded, epi)
+            run_plain(k, false, data, kdim, n, it, &|i| i, &rounded, epi)
         });
     }
     match *data {
+        DataView::B12(_) => unreachable!("run_panels decodes B12 panels first"),
         // Two rows or more on AMX tiles: bf16 activations with bf16 weights,
         // and int8.
         DataView::Bf16(_) if bf16x && k.amx() && n >= AMX_MIN_ROWS => {
@@ -394,7 +500,7 @@ fn run_pairs_f32(
 /// (`bf16x` false) on the two-panel tile, reading the stream that
 /// [`pack_pairs_f32_stream`] packs.
 pub(crate) fn takes_pairs_f32(k: &Kernels, data: &DataView<'_>, n: usize) -> bool {
-    matches!(data, DataView::Bf16(_))
+    (matches!(data, DataView::Bf16(_)) || matches!(data, DataView::B12(_)) && n > B12_DIRECT_ROWS)
         && !(k.amx() && n >= AMX_MIN_ROWS)
         && n > k.bf16_mr()
         && k.bf16_pair_mr().is_some()

@@ -71,8 +71,20 @@ fn tiered_outputs_match_fully_resident_at_any_budget() {
     let (cfg, ws) = fixture();
     let o = opts();
     let full = PackedExperts::load_filtered(&cfg, &ws, &o, &|_, _| true).expect("load");
-    let one = full.expert(1, 0).expect("expert").weight_bytes();
-    let all = full.resident_bytes();
+    // The tiered executor packs its experts as bf16 panels (B12 is for the
+    // resident load only): budgets count those.
+    let bf16_bytes = |l: usize, e: usize| {
+        full.expert(l, e)
+            .map_or(0, |p| p.clone().into_plain_bf16().weight_bytes())
+    };
+    let one = bf16_bytes(1, 0);
+    assert!(one > 0, "expert 0 of layer 1 is loaded");
+    let all: usize = cfg
+        .moe_layers()
+        .into_iter()
+        .flat_map(|l| (0..cfg.num_experts).map(move |e| (l, e)))
+        .map(|(l, e)| bf16_bytes(l, e))
+        .sum();
     let (h, n, k) = (cfg.hidden_size, cfg.num_experts, cfg.num_experts_per_tok);
     let layers = cfg.moe_layers();
     for (budget, prefetch) in [(one, false), (all / 3, false), (all / 3, true), (all, true)] {

@@ -46,6 +46,9 @@ fn aligned_zeroed(buf: &mut Vec<u8>, len: usize) -> &mut [u8] {
     &mut buf[off..off + len]
 }
 
+/// Why the AMX plan never sees B12 panels.
+const B12_DECODED: &str = "run_panels decodes B12 panels to bf16 before the AMX tiles";
+
 /// The experts' `run_panels` on AMX tiles (two tokens or more), for the
 /// work item of `panels`.
 ///
@@ -121,6 +124,7 @@ pub(crate) fn run_panels_amx(
                             let s = &src.i8_rows[base * src.i8_stride..][..kdim];
                             a[i * row_bytes..][..kdim].copy_from_slice(bytemuck::cast_slice(s));
                         }
+                        DataView::B12(_) => unreachable!("{B12_DECODED}"),
                     }
                 }
                 // Every panel's weights as bytes: k-tile `j` of panel `p` is
@@ -131,6 +135,7 @@ pub(crate) fn run_panels_amx(
                     DataView::I8 { data: w, .. } => {
                         (bytemuck::cast_slice(w), i8_padded_k(kdim) * NR)
                     }
+                    DataView::B12(_) => unreachable!("{B12_DECODED}"),
                 };
                 let plan = AmxPlan {
                     a,
@@ -153,6 +158,7 @@ pub(crate) fn run_panels_amx(
                         accf.resize(plan.nb * n_pad * NR, 0.0);
                         AmxAcc::F32(accf)
                     }
+                    DataView::B12(_) => unreachable!("{B12_DECODED}"),
                 };
                 let stage = aligned_zeroed(bbuf, 2 * AMX_TILE_BYTES);
                 k.amx_scope(|t| {

@@ -31,10 +31,11 @@
 //! the tables hold `e >> 1` and `(e & 1) << 7` per code (both 0 for the
 //! escape, whose bits are or-ed in from the exception list).
 //!
-//! The decode kernel (`b12_tile`, up to [`B12_MR`] tokens) keeps four
-//! accumulators per token, `k mod 4`, each summed in `k` order with fused
-//! multiply-adds, then `(s0 + s2) + (s1 + s3)`: [`b12_tile`] here is its
-//! scalar twin, bit for bit.
+//! The decode kernel (`b12_tile`, up to [`B12_MR`] tokens) keeps two
+//! accumulators per token, even and odd `k`, each summed in `k` order with
+//! fused multiply-adds, then `s0 + s1`: the order of the AVX-512 bf16 decode
+//! tile, so a model gives the same bits from B12 as from bf16 panels there.
+//! [`b12_tile`] here is its scalar twin, bit for bit.
 
 use rayon::prelude::*;
 
@@ -88,6 +89,7 @@ impl B12Panel<'_> {
 }
 
 /// A packed matrix of B12 panels.
+#[derive(Clone)]
 pub struct B12Panels {
     k: usize,
     panels: usize,
@@ -99,16 +101,34 @@ pub struct B12Panels {
     exc_exp: Vec<u8>,
 }
 
+/// Whether bf16 weight panels are stored as B12 at load: `EPSERVE_B12=1`
+/// forces it on (on tiers without a native tile that runs the scalar twin:
+/// correct, slow; for tests), `=0` off; by default on where the tier
+/// decodes B12 natively ([`super::dispatch::Kernels::b12_native`]).
+pub fn b12_enabled() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(
+        || match std::env::var("EPSERVE_B12").ok().as_deref().map(str::trim) {
+            Some("1") => true,
+            Some("0") => false,
+            _ => super::dispatch::kernels().b12_native(),
+        },
+    )
+}
+
+/// One encoded panel: its table and its escapes (positions, exponents).
+type EncodedPanel = ([u8; 32], Vec<u32>, Vec<u8>);
+
 impl B12Panels {
     /// Encodes bf16 panels as [`super::layout::pack_bf16_panel`] packs them
-    /// (`bf16_padded_k(k) · 16` words each, panel after panel).
+    /// (`bf16_padded_k(k) · 16` words each, panel after panel), panels in
+    /// parallel on rayon's threads.
     pub fn encode(bf16_panels: &[u16], k: usize) -> B12Panels {
         let pw = bf16_padded_k(k) * NR;
         let panels = bf16_panels.len().checked_div(pw).unwrap_or(0);
         let groups = b12_padded_k(k) / B12_GROUP_K;
-        let mut data = ZeroBuf::<u8>::zeroed(panels * groups * B12_GROUP_BYTES);
-        let mut tables = Vec::with_capacity(panels);
-        let (mut exc_start, mut exc_pos, mut exc_exp) = (vec![0], Vec::new(), Vec::new());
+        let pb = groups * B12_GROUP_BYTES;
+        let mut data = ZeroBuf::<u8>::zeroed(panels * pb);
         // (pair, word) of each of a group's 128 bytes, in stream order.
         let mut at = [(0usize, 0usize); 128];
         for q in 0..B12_GROUP_PAIRS {
@@ -116,43 +136,20 @@ impl B12Panels {
                 at[b12_byte(q, w)] = (q, w);
             }
         }
-        for p in 0..panels {
-            let src = &bf16_panels[p * pw..(p + 1) * pw];
-            // Padding pairs past the source are zeros (exponent 0).
-            let word = |i: usize| src.get(i).copied().unwrap_or(0);
-            let mut hist = [0usize; 256];
-            for i in 0..groups * B12_GROUP_PAIRS * 2 * NR {
-                hist[usize::from(exponent(word(i)))] += 1;
-            }
-            // The 15 most common exponents (ties: the smaller exponent).
-            let mut order: Vec<usize> = (0..256).collect();
-            order.sort_by_key(|&e| (std::cmp::Reverse(hist[e]), e));
-            let mut code_of = [B12_ESCAPE; 256];
-            let mut tab = [0u8; 32];
-            for (c, &e) in order.iter().take(usize::from(B12_ESCAPE)).enumerate() {
-                if hist[e] == 0 {
-                    break;
-                }
-                code_of[e] = c as u8;
-                tab[c] = (e >> 1) as u8;
-                tab[16 + c] = ((e & 1) << 7) as u8;
-            }
+        let encoded: Vec<EncodedPanel> = if pb == 0 {
+            vec![([0; 32], Vec::new(), Vec::new()); panels]
+        } else {
+            data.par_chunks_mut(pb)
+                .enumerate()
+                .map(|(p, out)| encode_panel(&bf16_panels[p * pw..(p + 1) * pw], groups, &at, out))
+                .collect()
+        };
+        let mut tables = Vec::with_capacity(panels);
+        let (mut exc_start, mut exc_pos, mut exc_exp) = (vec![0], Vec::new(), Vec::new());
+        for (tab, pos, exp) in encoded {
             tables.push(tab);
-            let out = &mut data[p * groups * B12_GROUP_BYTES..(p + 1) * groups * B12_GROUP_BYTES];
-            for g in 0..groups {
-                let gd = &mut out[g * B12_GROUP_BYTES..(g + 1) * B12_GROUP_BYTES];
-                for (b, &(q, w)) in at.iter().enumerate() {
-                    let v = word((g * B12_GROUP_PAIRS + q) * 2 * NR + w);
-                    let e = exponent(v);
-                    gd[b] = ((v >> 8) as u8 & 0x80) | (v as u8 & 0x7f);
-                    let c = code_of[usize::from(e)];
-                    gd[128 + b % 64] |= c << (4 * (b / 64));
-                    if c == B12_ESCAPE {
-                        exc_pos.push((g * 128 + b) as u32);
-                        exc_exp.push(e);
-                    }
-                }
-            }
+            exc_pos.extend(pos);
+            exc_exp.extend(exp);
             exc_start.push(exc_pos.len());
         }
         B12Panels {
@@ -175,6 +172,11 @@ impl B12Panels {
     /// Panels (16 output channels each).
     pub fn panels(&self) -> usize {
         self.panels
+    }
+
+    /// The groups of every panel (what a decode streams; mlock).
+    pub fn data(&self) -> &[u8] {
+        &self.data
     }
 
     /// Escaped weights in all.
@@ -201,13 +203,70 @@ impl B12Panels {
     }
 
     /// Panel `p` back as bf16 panel words (`bf16_padded_k(k) · 16`, exactly
-    /// what was encoded).
+    /// what was encoded) with the scalar twin.
     pub fn decode_panel(&self, p: usize, dst: &mut [u16]) {
-        let mut all = vec![0u16; b12_padded_k(self.k) * NR];
-        decode_into(&self.panel(p), &mut all);
-        let n = bf16_padded_k(self.k) * NR;
-        dst[..n].copy_from_slice(&all[..n]);
+        b12_decode(&self.panel(p), &mut dst[..bf16_padded_k(self.k) * NR]);
     }
+
+    /// All panels back as bf16 panels (`panels · bf16_padded_k(k) · 16`
+    /// words), with the tier's decoder.
+    pub fn to_bf16_panels(&self, kern: &super::dispatch::Kernels) -> ZeroBuf<u16> {
+        let pw = bf16_padded_k(self.k) * NR;
+        let mut out = ZeroBuf::<u16>::zeroed(self.panels * pw);
+        if pw > 0 {
+            out.par_chunks_mut(pw)
+                .enumerate()
+                .for_each(|(p, d)| kern.b12_decode(&self.panel(p), d));
+        }
+        out
+    }
+}
+
+/// Encodes one panel's words `src` (`groups` groups; words past its end
+/// are padding zeros) into `out` (`groups · 192` zero bytes); `at` maps a
+/// group's stream byte to its (pair, word).
+fn encode_panel(
+    src: &[u16],
+    groups: usize,
+    at: &[(usize, usize); 128],
+    out: &mut [u8],
+) -> EncodedPanel {
+    let word = |i: usize| src.get(i).copied().unwrap_or(0);
+    let mut hist = [0usize; 256];
+    for &v in src {
+        hist[usize::from(exponent(v))] += 1;
+    }
+    // Padding pairs past the source are zeros (exponent 0).
+    hist[0] += groups * B12_GROUP_PAIRS * 2 * NR - src.len().min(groups * B12_GROUP_PAIRS * 2 * NR);
+    // The 15 most common exponents (ties: the smaller exponent).
+    let mut order: Vec<usize> = (0..256).collect();
+    order.sort_by_key(|&e| (std::cmp::Reverse(hist[e]), e));
+    let mut code_of = [B12_ESCAPE; 256];
+    let mut tab = [0u8; 32];
+    for (c, &e) in order.iter().take(usize::from(B12_ESCAPE)).enumerate() {
+        if hist[e] == 0 {
+            break;
+        }
+        code_of[e] = c as u8;
+        tab[c] = (e >> 1) as u8;
+        tab[16 + c] = ((e & 1) << 7) as u8;
+    }
+    let (mut pos, mut exp) = (Vec::new(), Vec::new());
+    for g in 0..groups {
+        let gd = &mut out[g * B12_GROUP_BYTES..(g + 1) * B12_GROUP_BYTES];
+        for (b, &(q, w)) in at.iter().enumerate() {
+            let v = word((g * B12_GROUP_PAIRS + q) * 2 * NR + w);
+            let e = exponent(v);
+            gd[b] = ((v >> 8) as u8 & 0x80) | (v as u8 & 0x7f);
+            let c = code_of[usize::from(e)];
+            gd[128 + b % 64] |= c << (4 * (b / 64));
+            if c == B12_ESCAPE {
+                pos.push((g * 128 + b) as u32);
+                exp.push(e);
+            }
+        }
+    }
+    (tab, pos, exp)
 }
 
 /// The exponent field of a bf16 bit pattern.
@@ -218,26 +277,31 @@ fn exponent(v: u16) -> u8 {
 
 /// Scalar twin of the decode tile: `acc[t·16 + c] += Σ_k x[t][k] · W[c, k]`
 /// over the whole panel, `x.len() ≤ B12_MR` rows of at least `panel.k`
-/// values, in the kernel's order (four fused-multiply-add accumulators per
-/// token and channel by `k mod 4`, then `(s0 + s2) + (s1 + s3)`).
+/// values, in the kernel's order: two fused-multiply-add accumulators per
+/// token and channel, even and odd `k`, then `s0 + s1` (the order of the
+/// AVX-512 bf16 decode tile for up to 6 tokens, so that B12 and bf16 panels
+/// give the same bits there; the padding past `k` adds exact zeros).
 pub fn b12_tile(panel: &B12Panel<'_>, x: &[&[f32]], acc: &mut [f32]) {
     let mut w = vec![0u16; b12_padded_k(panel.k) * NR];
-    decode_into(panel, &mut w);
+    b12_decode(panel, &mut w);
     for (t, xr) in x.iter().enumerate() {
         for c in 0..NR {
-            let mut s = [0.0f32; 4];
+            let mut s = [0.0f32; 2];
             for k in 0..b12_padded_k(panel.k) {
                 let xv = if k < panel.k { xr[k] } else { 0.0 };
                 let wv = bf16_bits_to_f32(w[(k / 2) * 2 * NR + 2 * c + (k & 1)]);
-                s[k % 4] = xv.mul_add(wv, s[k % 4]);
+                s[k % 2] = xv.mul_add(wv, s[k % 2]);
             }
-            acc[t * NR + c] += (s[0] + s[2]) + (s[1] + s[3]);
+            acc[t * NR + c] += s[0] + s[1];
         }
     }
 }
 
-/// A borrowed panel's words, all groups (`b12_padded_k(k) · 16`).
-fn decode_into(panel: &B12Panel<'_>, dst: &mut [u16]) {
+/// Scalar twin of the tiers' panel decoders: `panel`'s bf16 panel words
+/// (the pairs of its groups in order, `b12_padded_k(k) · 16` words) into
+/// `dst`, as many as it holds (`bf16_padded_k(k) · 16` gives back exactly the
+/// bf16 panel).
+pub fn b12_decode(panel: &B12Panel<'_>, dst: &mut [u16]) {
     let mut exc = panel.exc_pos.iter().zip(panel.exc_exp).peekable();
     for g in 0..panel.groups() {
         let gd = &panel.data[g * B12_GROUP_BYTES..(g + 1) * B12_GROUP_BYTES];
@@ -252,60 +316,15 @@ fn decode_into(panel: &B12Panel<'_>, dst: &mut [u16]) {
             }
             let s = gd[b];
             let (q, w) = ((b / 64) * 2 + (b % 16) / 8, (b % 64) / 16 * 8 + b % 8);
-            dst[(g * B12_GROUP_PAIRS + q) * 2 * NR + w] =
-                u16::from_le_bytes([(s & 0x7f) | lo, (s & 0x80) | hi]);
-        }
-    }
-}
-
-/// `out[r·n + j] = Σ_k x[r·k + ..] · W[j, k]` for `rows ≤ B12_MR` rows of
-/// activations (`n` = the matrix's output width, ≤ panels · 16), panels
-/// spread over rayon's threads: the decode GEMV on B12 weights.
-pub fn gemv(
-    kern: &super::dispatch::Kernels,
-    w: &B12Panels,
-    n: usize,
-    x: &[f32],
-    rows: usize,
-    out: &mut [f32],
-) {
-    let k = w.k();
-    assert!(rows <= B12_MR && x.len() >= rows * k && out.len() >= rows * n);
-    assert!(n <= w.panels() * NR);
-    let xs: Vec<&[f32]> = x.chunks(k.max(1)).take(rows).collect();
-    let threads = rayon::current_num_threads().max(1);
-    let per = w.panels().div_ceil(4 * threads).max(1);
-    let outs: Vec<(usize, Vec<f32>)> = (0..w.panels())
-        .step_by(per)
-        .collect::<Vec<_>>()
-        .into_par_iter()
-        .map(|p0| {
-            let p1 = (p0 + per).min(w.panels());
-            let mut acc = vec![0.0f32; (p1 - p0) * rows * NR];
-            for (i, p) in (p0..p1).enumerate() {
-                kern.b12_tile(
-                    &w.panel(p),
-                    &xs,
-                    &mut acc[i * rows * NR..(i + 1) * rows * NR],
-                );
-            }
-            (p0, acc)
-        })
-        .collect();
-    for (p0, acc) in outs {
-        for (i, a) in acc.chunks(rows * NR).enumerate() {
-            let j0 = (p0 + i) * NR;
-            for r in 0..rows {
-                for c in 0..NR.min(n.saturating_sub(j0)) {
-                    out[r * n + j0 + c] = a[r * NR + c];
-                }
+            if let Some(d) = dst.get_mut((g * B12_GROUP_PAIRS + q) * 2 * NR + w) {
+                *d = u16::from_le_bytes([(s & 0x7f) | lo, (s & 0x80) | hi]);
             }
         }
     }
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
     use crate::kernels::layout::{f32_to_bf16_bits, pack_bf16_panel};
     use rand::rngs::StdRng;
@@ -394,35 +413,5 @@ mod tests {
             "{}",
             b.exceptions()
         );
-    }
-
-    #[test]
-    fn gemv_computes_the_matmul() {
-        let kern = crate::kernels::dispatch::Kernels::generic();
-        let mut rng = StdRng::seed_from_u64(9);
-        for &(n, k, rows) in &[(40usize, 33usize, 1usize), (16, 8, 4), (50, 100, 3)] {
-            let w = normal_rows(&mut rng, n, k);
-            let b = B12Panels::encode(&pack(&w, k), k);
-            let x: Vec<f32> = (0..rows * k)
-                .map(|_| rng.random_range(-1.0f32..1.0))
-                .collect();
-            let mut out = vec![f32::NAN; rows * n];
-            gemv(&kern, &b, n, &x, rows, &mut out);
-            for r in 0..rows {
-                for j in 0..n {
-                    let (mut want, mut mag) = (0.0f64, 0.0f64);
-                    for kk in 0..k {
-                        let p = f64::from(x[r * k + kk]) * f64::from(bf16_bits_to_f32(w[j][kk]));
-                        want += p;
-                        mag += p.abs();
-                    }
-                    let got = f64::from(out[r * n + j]);
-                    assert!(
-                        (got - want).abs() <= 1e-5 * mag + 1e-30,
-                        "n={n} k={k} r={r} j={j}: {got} vs {want}"
-                    );
-                }
-            }
-        }
     }
 }

@@ -526,6 +526,22 @@ impl Kernels {
         }
     }
 
+    /// `panel`'s bf16 panel words into `dst` (as many as it holds, at most
+    /// `b12_padded_k(k) · 16`; `bf16_padded_k(k) · 16` is the bf16 panel):
+    /// the same words on every tier.
+    pub fn b12_decode(&self, panel: &super::b12::B12Panel<'_>, dst: &mut [u16]) {
+        let groups = super::b12::b12_padded_k(panel.k) / super::b12::B12_GROUP_K;
+        assert!(panel.groups() == groups && panel.exc_pos.len() == panel.exc_exp.len());
+        match self.tier {
+            #[cfg(target_arch = "x86_64")]
+            // SAFETY: every AVX-512 tier requires AVX-512 F and BW.
+            Tier::Avx512 | Tier::Avx512Vnni | Tier::Avx512Bf16 | Tier::Amx => unsafe {
+                super::x86::avx512::b12_decode(panel, dst)
+            },
+            _ => super::b12::b12_decode(panel, dst),
+        }
+    }
+
     /// Splits the f32 row `x` into its three bf16 terms
     /// ([`super::layout::split3_bf16`]): `x[k]`'s go to `hi[k]`, `mid[k]`,
     /// `lo[k]`; the same bits on every tier.

@@ -351,6 +351,7 @@ pub fn quantize_row_i8(row: &[f32], q: &mut [i8]) -> f32 {
 pub(crate) enum DataView<'a> {
     Bf16(&'a [u16]),
     I8 { data: &'a [i8], scales: &'a [f32] },
+    B12(&'a super::b12::B12Panels),
 }
 
 /// Where a phase's activation rows come from.

@@ -751,29 +751,36 @@ fn bf16_row_quantization_equals_the_twin() {
 }
 
 #[test]
-fn b12_tiles_equal_the_twin_bit_for_bit() {
-    use crate::kernels::b12::{B12_MR, B12Panels, b12_tile};
+fn b12_tiles_and_decoders_equal_the_twins_bit_for_bit() {
+    use crate::kernels::b12::{
+        B12_MR, B12Panels, b12_decode, b12_padded_k, b12_tile, tests::normal_rows,
+    };
     let mut rng = StdRng::seed_from_u64(1212);
     for k in tiers() {
         for &kc in KCS {
             // Normal-like weights (few escapes), and rows of random exponents
             // (most escape) in the same matrix.
-            let mut rows: Vec<Vec<u16>> = (0..2 * NR)
-                .map(|_| {
-                    (0..kc)
-                        .map(|_| {
-                            let s: f32 = (0..4).map(|_| rng.random_range(-1.0f32..1.0)).sum();
-                            f32_to_bf16_bits(s * 0.02)
-                        })
-                        .collect()
-                })
-                .collect();
+            let mut rows = normal_rows(&mut rng, 2 * NR, kc);
             rows[NR + 3] = (0..kc).map(|_| rng.random::<u16>() & 0xbfff).collect();
             let mut packed = Vec::new();
             for p in 0..2 {
                 pack_bf16_panel(kc, |c| Some(&rows[p * NR + c][..]), &mut packed);
             }
             let b = B12Panels::encode(&packed, kc);
+            // Decoding: the whole groups, the bf16 panel, and a length
+            // ending inside a pair.
+            let pw = bf16_padded_k(kc) * NR;
+            for len in [b12_padded_k(kc) * NR, pw, pw.saturating_sub(7)] {
+                for p in 0..2 {
+                    let mut want = vec![0x5a5au16; len];
+                    b12_decode(&b.panel(p), &mut want);
+                    let mut got = vec![0xa5a5u16; len];
+                    k.b12_decode(&b.panel(p), &mut got);
+                    assert_eq!(got, want, "{:?} kc={kc} len {len} panel {p}", k.tier());
+                    let n = len.min(pw);
+                    assert_eq!(&got[..n], &packed[p * pw..p * pw + n], "kc={kc} exact");
+                }
+            }
             for t in 1..=B12_MR {
                 let xs: Vec<Vec<f32>> = (0..t)
                     .map(|_| (0..kc).map(|_| rng.random_range(-2.0f32..2.0)).collect())

@@ -16,12 +16,11 @@ use rayon::prelude::*;
 
 use crate::config::Activation;
 use crate::experts::executor::to_bf16_row;
-use crate::experts::packed::{PackedData, PackedDtype, PackedMatrix};
+use crate::experts::packed::{PackedDtype, PackedMatrix};
 use crate::experts::run::{Item, pack_pairs_f32_stream, run_panels, takes_pairs_f32};
+use crate::kernels::b12::b12_enabled;
 use crate::kernels::dispatch::{Kernels, kernels};
-use crate::kernels::layout::{
-    NR, Src, bf16_bits_to_f32, bf16_index, bf16_padded_k, i8_padded_k, quantize_row_i8,
-};
+use crate::kernels::layout::{NR, Src, bf16_padded_k, i8_padded_k, quantize_row_i8};
 use crate::kernels::linear;
 use crate::mem::Out;
 use crate::moe::mlp::{GatedMlp, gated_forward};
@@ -98,7 +97,8 @@ impl Linear {
             }
             j < n
         })
-        .ok();
+        .ok()
+        .map(|p| if b12_enabled() { p.into_b12() } else { p });
         Linear {
             shape: [n, k],
             parts,
@@ -123,15 +123,10 @@ impl Linear {
                     r -= w.shape()[0];
                 }
             }
-            Form::Packed(pm) => match pm.data() {
-                PackedData::Bf16(d) => {
-                    let panel = &d.as_slice()[(j / NR) * bf16_padded_k(k) * NR..];
-                    for (kk, v) in buf.iter_mut().enumerate().take(k) {
-                        *v = bf16_bits_to_f32(panel[bf16_index(kk, j % NR)]);
-                    }
-                }
+            Form::Packed(pm) => match pm.dtype() {
+                PackedDtype::Bf16 => pm.channel_f32(j / NR, j % NR, &mut buf[..k]),
                 // Already int8: not requantized (callers check the dtype).
-                PackedData::I8 { .. } => buf.fill(0.0),
+                PackedDtype::Int8 => buf.fill(0.0),
             },
         }
     }
@@ -150,6 +145,30 @@ impl Linear {
     /// bf16 dot tile where the tier has one); a no-op on other forms.
     pub fn to_bf16_activations(&mut self) {
         self.bf16_activations = self.dtype() == Some(PackedDtype::Bf16);
+        // The bf16 dot tiles read bf16 panels.
+        if self.bf16_activations {
+            self.set_b12(false);
+        }
+    }
+
+    /// Stores bf16 panels as B12 (`on`; not with bf16 activations) or back
+    /// as plain bf16 panels: the same values either way (lossless), 0.75x
+    /// the bytes a decode call streams as B12. A no-op on other forms.
+    pub fn set_b12(&mut self, on: bool) {
+        if on && self.bf16_activations {
+            return;
+        }
+        let form = std::mem::replace(&mut self.form, Form::Plain(Vec::new()));
+        self.form = match form {
+            Form::Packed(p) if on => Form::Packed(p.into_b12()),
+            Form::Packed(p) => Form::Packed(p.into_plain_bf16()),
+            f => f,
+        };
+    }
+
+    /// Whether the panels are stored as B12.
+    pub fn is_b12(&self) -> bool {
+        matches!(&self.form, Form::Packed(p) if p.is_b12())
     }
 
     /// Whether calls round the activations to bf16.
@@ -627,6 +646,70 @@ mod tests {
         lin.set_dtype(crate::experts::DenseDtype::Bf16);
         lin.set_dtype(crate::experts::DenseDtype::Int8);
         assert!(!lin.bf16_activations() && lin.dtype() == Some(PackedDtype::Int8));
+    }
+
+    /// B12 storage on every tier: prefill rows (decoded panels on the bf16
+    /// paths) give the bf16 panels' results bit for bit; decode rows (the
+    /// B12 tile) give the scalar twin's bits and the plain linear's values,
+    /// and on tiers with a native B12 tile the bf16 panels' bits too (the
+    /// same summation order); requantizing to int8 from B12 gives what it
+    /// gives from bf16; bf16 activations take the panels back to bf16.
+    #[test]
+    fn b12_linear_equals_the_bf16_panels_and_the_twin_on_every_tier() {
+        use crate::experts::run::B12_DIRECT_ROWS;
+        let mut rng = rand::rngs::StdRng::seed_from_u64(1212);
+        let twin = Kernels::generic();
+        for &(n, k) in &[(37, 1031), (100, 64), (3, 7), (70, 2050)] {
+            let w = bf16_weight(n, k, &mut rng);
+            let bias: Vec<f32> = (0..n).map(|_| rng.random_range(-1.0..1.0)).collect();
+            let mut plain_panels = Linear::new(w.clone());
+            plain_panels.set_b12(false);
+            let mut b12 = Linear::new(w.clone());
+            b12.set_b12(true);
+            assert!(b12.is_b12() && !plain_panels.is_b12());
+            assert!(b12.bytes() < plain_panels.bytes());
+            for rows in [1usize, 3, 4, 5, 13, MB + 6] {
+                let x: Vec<f32> = (0..rows * k).map(|_| rng.random_range(-1.0..1.0)).collect();
+                let mut want = vec![0.0f32; rows * n];
+                linear(&x, rows, &w, Some(&bias), &mut want);
+                let mut from_twin = vec![f32::NAN; rows * n];
+                b12.forward_with(&twin, &x, rows, Some(&bias), &mut from_twin);
+                for tier in Tier::available() {
+                    let Some(kern) = Kernels::for_tier(tier) else {
+                        continue;
+                    };
+                    let tag = format!("tier {} n {n} k {k} rows {rows}", tier.name());
+                    let mut got = vec![f32::NAN; rows * n];
+                    b12.forward_with(&kern, &x, rows, Some(&bias), &mut got);
+                    let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+                    let mut bf = vec![f32::NAN; rows * n];
+                    plain_panels.forward_with(&kern, &x, rows, Some(&bias), &mut bf);
+                    if rows > B12_DIRECT_ROWS || kern.b12_native() {
+                        assert_eq!(bits(&got), bits(&bf), "{tag}: as the bf16 panels");
+                    }
+                    if rows <= B12_DIRECT_ROWS {
+                        assert_eq!(bits(&got), bits(&from_twin), "{tag}: decode");
+                    }
+                    for (a, b) in got.iter().zip(&want) {
+                        assert!((a - b).abs() <= 1e-4 * (1.0 + b.abs()), "{tag}: {a} vs {b}");
+                    }
+                }
+            }
+            let (mut q1, mut q2) = (Linear::new(w.clone()), Linear::new(w.clone()));
+            q1.set_b12(true);
+            q2.set_b12(false);
+            q1.to_int8();
+            q2.to_int8();
+            let x: Vec<f32> = (0..3 * k).map(|_| rng.random_range(-1.0..1.0)).collect();
+            let (mut y1, mut y2) = (vec![0.0f32; 3 * n], vec![1.0f32; 3 * n]);
+            q1.forward(&x, 3, None, &mut y1);
+            q2.forward(&x, 3, None, &mut y2);
+            assert_eq!(y1, y2, "int8 from B12 and from bf16");
+            b12.to_bf16_activations();
+            assert!(!b12.is_b12() && b12.bf16_activations());
+            b12.set_b12(true);
+            assert!(!b12.is_b12(), "no B12 under bf16 activations");
+        }
     }
 
     /// f32 activations on AMX tiles (each row as three bf16 terms) are as

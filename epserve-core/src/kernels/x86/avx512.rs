@@ -627,6 +627,82 @@ pub unsafe fn b12_tile(panel: &crate::kernels::b12::B12Panel<'_>, x: &[&[f32]], 
     }
 }
 
+/// A B12 panel's words back as the bf16 panel (`dst`: as many words as it
+/// holds, at most `b12_padded_k(k) · 16`), as the twin `b12::b12_decode`:
+/// the tile's decode, stored instead of multiplied (prefill decodes each
+/// panel once into a scratch the bf16 tiles read).
+///
+/// # Safety
+/// The CPU must support AVX-512 F and BW.
+#[target_feature(enable = "avx512f,avx512bw")]
+pub unsafe fn b12_decode(panel: &crate::kernels::b12::B12Panel<'_>, dst: &mut [u16]) {
+    use crate::kernels::b12::{B12_GROUP_BYTES, B12_GROUP_PAIRS};
+    let m0f = _mm512_set1_epi8(0x0f);
+    let m80 = _mm512_set1_epi8(0x80u8 as i8);
+    // Whole pairs `dst` holds (a pair is 32 words); a partial one is written
+    // from a copy.
+    let pairs = dst.len() / (2 * NR);
+    // SAFETY: `tables` is 32 bytes; `data` holds `groups` groups; every
+    // store is to a whole pair inside `dst`.
+    unsafe {
+        let th = _mm512_broadcast_i32x4(_mm_loadu_si128(panel.tables.as_ptr() as *const __m128i));
+        let tl = _mm512_broadcast_i32x4(_mm_loadu_si128(
+            panel.tables.as_ptr().add(16) as *const __m128i
+        ));
+        let mut ei = 0usize;
+        let mut next = panel.exc_pos.first().map_or(usize::MAX, |&p| p as usize);
+        let d = panel.data.as_ptr();
+        let out = dst.as_mut_ptr();
+        for g in 0..panel.groups() {
+            if g * B12_GROUP_PAIRS * 2 * NR >= dst.len() {
+                break;
+            }
+            let gp = d.add(g * B12_GROUP_BYTES);
+            let cz = _mm512_loadu_si512(gp.add(128) as *const __m512i);
+            let codes = [
+                _mm512_and_si512(cz, m0f),
+                _mm512_and_si512(_mm512_srli_epi16::<4>(cz), m0f),
+            ];
+            for half in 0..2 {
+                let ch = codes[half];
+                let sm = _mm512_loadu_si512(gp.add(half * 64) as *const __m512i);
+                let mut hb =
+                    _mm512_ternarylogic_epi32::<0xF8>(_mm512_shuffle_epi8(th, ch), sm, m80);
+                let mut lb =
+                    _mm512_ternarylogic_epi32::<0xF4>(_mm512_shuffle_epi8(tl, ch), sm, m80);
+                let end = g * 128 + half * 64 + 64;
+                if next < end {
+                    let (mut hh, mut ll) = ([0u8; 64], [0u8; 64]);
+                    _mm512_storeu_si512(hh.as_mut_ptr() as *mut __m512i, hb);
+                    _mm512_storeu_si512(ll.as_mut_ptr() as *mut __m512i, lb);
+                    while next < end {
+                        let b = next + 64 - end;
+                        let e = *panel.exc_exp.get_unchecked(ei);
+                        hh[b] |= e >> 1;
+                        ll[b] |= (e & 1) << 7;
+                        ei += 1;
+                        next = panel.exc_pos.get(ei).map_or(usize::MAX, |&p| p as usize);
+                    }
+                    hb = _mm512_loadu_si512(hh.as_ptr() as *const __m512i);
+                    lb = _mm512_loadu_si512(ll.as_ptr() as *const __m512i);
+                }
+                let raws = [_mm512_unpacklo_epi8(lb, hb), _mm512_unpackhi_epi8(lb, hb)];
+                for (q, raw) in raws.into_iter().enumerate() {
+                    let pair = g * B12_GROUP_PAIRS + half * 2 + q;
+                    if pair < pairs {
+                        _mm512_storeu_si512(out.add(pair * 2 * NR) as *mut __m512i, raw);
+                    } else if pair * 2 * NR < dst.len() {
+                        let mut w = [0u16; 2 * NR];
+                        _mm512_storeu_si512(w.as_mut_ptr() as *mut __m512i, raw);
+                        let n = dst.len() - pair * 2 * NR;
+                        std::ptr::copy_nonoverlapping(w.as_ptr(), out.add(pair * 2 * NR), n);
+                    }
+                }
+            }
+        }
+    }
+}
+
 #[target_feature(enable = "avx512f,avx512bw,fma")]
 unsafe fn b12_t<const T: usize>(
     panel: &crate::kernels::b12::B12Panel<'_>,
@@ -647,7 +723,7 @@ unsafe fn b12_t<const T: usize>(
         let tl = _mm512_broadcast_i32x4(_mm_loadu_si128(
             panel.tables.as_ptr().add(16) as *const __m128i
         ));
-        let mut a = [[_mm512_setzero_ps(); 4]; T];
+        let mut a = [[_mm512_setzero_ps(); 2]; T];
         let mut ei = 0usize;
         let mut next = panel.exc_pos.first().map_or(usize::MAX, |&p| p as usize);
         // The last group's activations, zero past `k` (its weights are zero
@@ -707,24 +783,20 @@ unsafe fn b12_t<const T: usize>(
                 for (q, raw) in raws.into_iter().enumerate() {
                     let w0 = _mm512_castsi512_ps(_mm512_slli_epi32::<16>(raw));
                     let w1 = _mm512_castsi512_ps(_mm512_and_si512(raw, mask));
-                    // This pair's k: 4g + 2·half + q → k mod 4 = 2q, 2q + 1.
+                    // This pair's first k in the group: 4·half + 2q.
                     let kk = half * 4 + q * 2;
                     for t in 0..T {
                         let x0 = _mm512_set1_ps(*xg[t].add(kk));
                         let x1 = _mm512_set1_ps(*xg[t].add(kk + 1));
-                        a[t][2 * q] = _mm512_fmadd_ps(x0, w0, a[t][2 * q]);
-                        a[t][2 * q + 1] = _mm512_fmadd_ps(x1, w1, a[t][2 * q + 1]);
+                        a[t][0] = _mm512_fmadd_ps(x0, w0, a[t][0]);
+                        a[t][1] = _mm512_fmadd_ps(x1, w1, a[t][1]);
                     }
                 }
             }
         }
         let accp = acc.as_mut_ptr();
         for t in 0..T {
-            let v = _mm512_add_ps(
-                _mm512_add_ps(a[t][0], a[t][2]),
-                _mm512_add_ps(a[t][1], a[t][3]),
-            );
-            store_add!(accp.add(t * NR), v);
+            store_add!(accp.add(t * NR), _mm512_add_ps(a[t][0], a[t][1]));
         }
     }
 }
