@@ -131,9 +131,10 @@ pub(crate) fn run_panels(
     }
 }
 
-/// Most rows of f32 activations that run on the B12 tile (in token chunks
-/// of [`B12_MR`]); more are prefill, on the decoded panels.
-pub(crate) const B12_DIRECT_ROWS: usize = B12_MR;
+/// Most rows of f32 activations that run on the B12 tile, in balanced
+/// token chunks of up to [`B12_MR`] (the chunks after the first find the
+/// panel in L1/L2); more are prefill, on the decoded panels.
+pub(crate) const B12_DIRECT_ROWS: usize = 3 * B12_MR;
 /// Bytes of decoded bf16 panels per run of the B12 prefill path (the run
 /// stays in L2 while the bf16 tiles read it).
 const B12_SCRATCH_BYTES: usize = 256 << 10;
@@ -157,9 +158,10 @@ fn run_b12(
             for p in it.panels() {
                 acc.fill(0.0);
                 let panel = b.panel(p);
+                let chunk = n.div_ceil(n.div_ceil(B12_MR));
                 let mut t0 = 0;
                 while t0 < n {
-                    let tn = B12_MR.min(n - t0);
+                    let tn = chunk.min(n - t0);
                     let mut rows: [&[f32]; B12_MR] = [&[]; B12_MR];
                     for (i, r) in rows.iter_mut().enumerate().take(tn) {
                         let base = row(t0 + i) * src.f32_stride;

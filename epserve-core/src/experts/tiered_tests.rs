@@ -55,6 +55,28 @@ fn call(
     (x, ids, w)
 }
 
+/// Every expert resident, as the tiered executor packs them: bf16 panels
+/// (the resident load stores them as B12 where the CPU decodes it natively;
+/// the tiered executor's misses do not), so outputs compare bit for bit.
+fn resident(
+    cfg: &crate::config::ModelConfig,
+    ws: &Arc<WeightStore>,
+    o: &LoadOptions,
+) -> PackedExperts {
+    let loaded = PackedExperts::load_filtered(cfg, ws, o, &|_, _| true).expect("load");
+    let moe = cfg.moe_layers();
+    let layers = (0..moe.iter().max().map_or(0, |l| l + 1))
+        .map(|l| {
+            moe.contains(&l).then(|| {
+                (0..cfg.num_experts)
+                    .map(|e| loaded.expert(l, e).map(|p| p.clone().into_plain_bf16()))
+                    .collect()
+            })
+        })
+        .collect();
+    PackedExperts::new(layers, cfg.hidden_size, loaded.pool().clone()).expect("resident")
+}
+
 fn check_budget(t: &TieredExperts) {
     let s = t.snapshot();
     assert!(
@@ -70,21 +92,9 @@ fn check_budget(t: &TieredExperts) {
 fn tiered_outputs_match_fully_resident_at_any_budget() {
     let (cfg, ws) = fixture();
     let o = opts();
-    let full = PackedExperts::load_filtered(&cfg, &ws, &o, &|_, _| true).expect("load");
-    // The tiered executor packs its experts as bf16 panels (B12 is for the
-    // resident load only): budgets count those.
-    let bf16_bytes = |l: usize, e: usize| {
-        full.expert(l, e)
-            .map_or(0, |p| p.clone().into_plain_bf16().weight_bytes())
-    };
-    let one = bf16_bytes(1, 0);
-    assert!(one > 0, "expert 0 of layer 1 is loaded");
-    let all: usize = cfg
-        .moe_layers()
-        .into_iter()
-        .flat_map(|l| (0..cfg.num_experts).map(move |e| (l, e)))
-        .map(|(l, e)| bf16_bytes(l, e))
-        .sum();
+    let full = resident(&cfg, &ws, &o);
+    let one = full.expert(1, 0).expect("expert").weight_bytes();
+    let all = full.resident_bytes();
     let (h, n, k) = (cfg.hidden_size, cfg.num_experts, cfg.num_experts_per_tok);
     let layers = cfg.moe_layers();
     for (budget, prefetch) in [(one, false), (all / 3, false), (all / 3, true), (all, true)] {
@@ -246,7 +256,7 @@ fn tiered_refuses_a_budget_below_one_expert_and_follows_assignments() {
 fn precision_by_load_keeps_the_hot_experts_in_bf16() {
     let (cfg, ws) = fixture();
     let o = opts();
-    let full = PackedExperts::load_filtered(&cfg, &ws, &o, &|_, _| true).expect("load");
+    let full = resident(&cfg, &ws, &o);
     let (h, n, k) = (cfg.hidden_size, cfg.num_experts, cfg.num_experts_per_tok);
     let tier = TierOptions {
         budget: usize::MAX / 4,

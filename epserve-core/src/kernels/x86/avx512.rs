@@ -658,6 +658,11 @@ pub unsafe fn b12_decode(panel: &crate::kernels::b12::B12Panel<'_>, dst: &mut [u
                 break;
             }
             let gp = d.add(g * B12_GROUP_BYTES);
+            // The panels stream from memory: hinted as the tile hints them.
+            for l in 0..3 {
+                _mm_prefetch::<_MM_HINT_T0>((gp as *const i8).wrapping_add(B12_PREFETCH + 64 * l));
+            }
+            l2_ahead(gp, 2, 3);
             let cz = _mm512_loadu_si512(gp.add(128) as *const __m512i);
             let codes = [
                 _mm512_and_si512(cz, m0f),
