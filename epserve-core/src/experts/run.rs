@@ -108,7 +108,7 @@ pub(super) fn build_items(
 /// (`row(i)` is row `i`'s index in `src`) and hands each panel's results to
 /// `epi(i, panel, val)` where `val[c]` is row `i`'s dequantized channel `c`.
 ///
-/// B12 panels ([`crate::kernels::b12`]): up to [`B12_DIRECT_ROWS`] rows of
+/// B12 panels ([`crate::kernels::b12`]): up to [`b12_direct_rows`] rows of
 /// f32 activations (decode) run the B12 tile, which decodes the weights in
 /// registers; more rows (prefill), or bf16 activations, decode runs of the
 /// item's panels into a scratch of bf16 panels (kept in L2) that the bf16
@@ -132,9 +132,11 @@ pub(crate) fn run_panels(
 }
 
 /// Most rows of f32 activations that run on the B12 tile, in balanced
-/// token chunks of up to [`B12_MR`] (the chunks after the first find the
-/// panel in L1/L2); more are prefill, on the decoded panels.
-pub(crate) const B12_DIRECT_ROWS: usize = 3 * B12_MR;
+/// token chunks of up to the tier's `b12_mr` (the chunks after the first
+/// find the panel in L1/L2); more are prefill, on the decoded panels.
+pub(crate) fn b12_direct_rows(k: &Kernels) -> usize {
+    3 * k.b12_mr()
+}
 /// Bytes of decoded bf16 panels per run of the B12 prefill path (the run
 /// stays in L2 while the bf16 tiles read it).
 const B12_SCRATCH_BYTES: usize = 256 << 10;
@@ -152,13 +154,13 @@ fn run_b12(
     src: &Src<'_>,
     mut epi: impl FnMut(usize, usize, &[f32; NR]),
 ) {
-    if !bf16x && n <= B12_DIRECT_ROWS {
+    if !bf16x && n <= b12_direct_rows(k) {
         return ACC_F32.with_borrow_mut(|acc| {
             acc.resize(n * NR, 0.0);
             for p in it.panels() {
                 acc.fill(0.0);
                 let panel = b.panel(p);
-                let chunk = n.div_ceil(n.div_ceil(B12_MR));
+                let chunk = n.div_ceil(n.div_ceil(k.b12_mr()));
                 let mut t0 = 0;
                 while t0 < n {
                     let tn = chunk.min(n - t0);
@@ -502,7 +504,8 @@ fn run_pairs_f32(
 /// (`bf16x` false) on the two-panel tile, reading the stream that
 /// [`pack_pairs_f32_stream`] packs.
 pub(crate) fn takes_pairs_f32(k: &Kernels, data: &DataView<'_>, n: usize) -> bool {
-    (matches!(data, DataView::Bf16(_)) || matches!(data, DataView::B12(_)) && n > B12_DIRECT_ROWS)
+    (matches!(data, DataView::Bf16(_))
+        || matches!(data, DataView::B12(_)) && n > b12_direct_rows(k))
         && !(k.amx() && n >= AMX_MIN_ROWS)
         && n > k.bf16_mr()
         && k.bf16_pair_mr().is_some()

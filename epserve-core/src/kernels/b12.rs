@@ -103,15 +103,15 @@ pub struct B12Panels {
 
 /// Whether bf16 weight panels are stored as B12 at load: `EPSERVE_B12=1`
 /// forces it on (on tiers without a native tile that runs the scalar twin:
-/// correct, slow; for tests), `=0` off; by default on where the tier
-/// decodes B12 natively ([`super::dispatch::Kernels::b12_native`]).
+/// correct, slow; for tests), `=0` off; by default on where it pays
+/// ([`super::dispatch::Kernels::b12_pays`]: the AVX-512 tiers).
 pub fn b12_enabled() -> bool {
     static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     *ON.get_or_init(
         || match std::env::var("EPSERVE_B12").ok().as_deref().map(str::trim) {
             Some("1") => true,
             Some("0") => false,
-            _ => super::dispatch::kernels().b12_native(),
+            _ => super::dispatch::kernels().b12_pays(),
         },
     )
 }

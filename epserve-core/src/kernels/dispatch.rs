@@ -500,22 +500,47 @@ impl Kernels {
         #[cfg(target_arch = "x86_64")]
         if matches!(
             self.tier,
-            Tier::Avx512 | Tier::Avx512Vnni | Tier::Avx512Bf16 | Tier::Amx
+            Tier::Avx2 | Tier::Avx512 | Tier::Avx512Vnni | Tier::Avx512Bf16 | Tier::Amx
         ) {
             return true;
         }
         false
     }
 
+    /// Whether B12 storage pays on this tier, so that the model stores its
+    /// bf16 panels as B12 by default ([`super::b12::b12_enabled`]): the
+    /// AVX-512 tiers (on an AMD EPYC, Zen 4: a decode step 1.33x faster,
+    /// prefill 4-8 % slower). AVX2 has a native tile and decoder too, but
+    /// with half the registers it only pays for one token (`bench linear`
+    /// on that EPYC with `EPSERVE_KERNEL=avx2`: 1 token 0.98-1.31x, 2 tokens
+    /// 0.66-1.02x, 4 tokens 0.41-0.52x), so there it is opt-in
+    /// (`EPSERVE_B12=1`).
+    pub fn b12_pays(&self) -> bool {
+        self.b12_native() && self.tier != Tier::Avx2
+    }
+
+    /// Most tokens per [`b12_tile`](Self::b12_tile) call.
+    pub fn b12_mr(&self) -> usize {
+        match self.tier {
+            #[cfg(target_arch = "x86_64")]
+            Tier::Avx2 => super::x86::avx2::B12_MR,
+            _ => super::b12::B12_MR,
+        }
+    }
+
     /// `acc[t·16 + c] += Σ_k x[t][k] · W[c, k]` over a whole B12 panel
-    /// ([`super::b12`]) for `1 ≤ x.len() ≤ B12_MR` rows of at least
+    /// ([`super::b12`]) for `1 ≤ x.len() ≤ b12_mr()` rows of at least
     /// `panel.k` values: the same bits on every tier.
     pub fn b12_tile(&self, panel: &super::b12::B12Panel<'_>, x: &[&[f32]], acc: &mut [f32]) {
         let groups = super::b12::b12_padded_k(panel.k) / super::b12::B12_GROUP_K;
-        assert!(!x.is_empty() && x.len() <= super::b12::B12_MR && acc.len() >= x.len() * NR);
+        assert!(!x.is_empty() && x.len() <= self.b12_mr() && acc.len() >= x.len() * NR);
         assert!(x.iter().all(|r| r.len() >= panel.k) && panel.groups() == groups);
         assert!(panel.exc_pos.len() == panel.exc_exp.len());
         match self.tier {
+            #[cfg(target_arch = "x86_64")]
+            // SAFETY: the `avx2` tier requires AVX2 and FMA; the lengths
+            // were just asserted.
+            Tier::Avx2 => unsafe { super::x86::avx2::b12_tile(panel, x, acc) },
             #[cfg(target_arch = "x86_64")]
             // SAFETY: every AVX-512 tier requires AVX-512 F and BW; the
             // lengths were just asserted.
@@ -533,6 +558,9 @@ impl Kernels {
         let groups = super::b12::b12_padded_k(panel.k) / super::b12::B12_GROUP_K;
         assert!(panel.groups() == groups && panel.exc_pos.len() == panel.exc_exp.len());
         match self.tier {
+            #[cfg(target_arch = "x86_64")]
+            // SAFETY: the `avx2` tier requires AVX2.
+            Tier::Avx2 => unsafe { super::x86::avx2::b12_decode(panel, dst) },
             #[cfg(target_arch = "x86_64")]
             // SAFETY: every AVX-512 tier requires AVX-512 F and BW.
             Tier::Avx512 | Tier::Avx512Vnni | Tier::Avx512Bf16 | Tier::Amx => unsafe {

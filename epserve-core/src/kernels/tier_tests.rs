@@ -781,7 +781,8 @@ fn b12_tiles_and_decoders_equal_the_twins_bit_for_bit() {
                     assert_eq!(&got[..n], &packed[p * pw..p * pw + n], "kc={kc} exact");
                 }
             }
-            for t in 1..=B12_MR {
+            assert!(k.b12_mr() <= B12_MR);
+            for t in 1..=k.b12_mr() {
                 let xs: Vec<Vec<f32>> = (0..t)
                     .map(|_| (0..kc).map(|_| rng.random_range(-2.0f32..2.0)).collect())
                     .collect();

@@ -289,3 +289,216 @@ pub unsafe fn transpose_pairs(rows: &[&[u16]; NR], dst: &mut [u32]) {
 pub unsafe fn quantize_bf16_row_i8(row: &[u16], f: &mut [f32], q: &mut [i8]) -> f32 {
     crate::kernels::layout::quantize_bf16_row_i8(row, f, q)
 }
+
+/// Most tokens per B12 decode tile: four accumulators a token (two chains
+/// for each half of the channels), and the decode needs registers too.
+pub const B12_MR: usize = 2;
+
+/// Bytes ahead of the current group that the B12 tile and decoder hint into
+/// L1 (as the AVX-512 ones).
+const B12_PREFETCH: usize = 3072;
+
+/// Rebuilds half `$half` (pairs `2·half`, `2·half + 1`) of the B12 group `$g`
+/// at `$gp` (see [`crate::kernels::b12`]): `[j][q]` holds channels
+/// `8j..8j + 8` of the half's pair `q` as the bf16 panel stores them (two
+/// words a channel), the panel's escapes or-ed in from its exception list
+/// (`$ei`, `$next`: the next escape's index and stream position). A macro,
+/// not a function, as [`widen!`].
+macro_rules! b12_half {
+    ($panel:expr, $gp:expr, $g:expr, $half:expr, $th:expr, $tl:expr, $ei:ident, $next:ident) => {{
+        let m0f = _mm256_set1_epi8(0x0f);
+        let m80 = _mm256_set1_epi8(0x80u8 as i8);
+        let m7f = _mm256_set1_epi8(0x7f);
+        let mut hb = [_mm256_setzero_si256(); 2];
+        let mut lb = [_mm256_setzero_si256(); 2];
+        for j in 0..2 {
+            let cz = _mm256_loadu_si256($gp.add(128 + 32 * j) as *const __m256i);
+            let ch = if $half == 0 {
+                _mm256_and_si256(cz, m0f)
+            } else {
+                _mm256_and_si256(_mm256_srli_epi16::<4>(cz), m0f)
+            };
+            let sm = _mm256_loadu_si256($gp.add($half * 64 + 32 * j) as *const __m256i);
+            // high byte (s & 0x80) | e >> 1, low byte (s & 0x7f) | (e & 1) << 7
+            hb[j] = _mm256_or_si256(_mm256_and_si256(sm, m80), _mm256_shuffle_epi8($th, ch));
+            lb[j] = _mm256_or_si256(_mm256_and_si256(sm, m7f), _mm256_shuffle_epi8($tl, ch));
+        }
+        let end = $g * 128 + $half * 64 + 64;
+        if $next < end {
+            let (mut hh, mut ll) = ([0u8; 64], [0u8; 64]);
+            for j in 0..2 {
+                _mm256_storeu_si256(hh.as_mut_ptr().add(32 * j) as *mut __m256i, hb[j]);
+                _mm256_storeu_si256(ll.as_mut_ptr().add(32 * j) as *mut __m256i, lb[j]);
+            }
+            while $next < end {
+                let b = $next + 64 - end;
+                let e = *$panel.exc_exp.get_unchecked($ei);
+                hh[b] |= e >> 1;
+                ll[b] |= (e & 1) << 7;
+                $ei += 1;
+                $next = $panel.exc_pos.get($ei).map_or(usize::MAX, |&p| p as usize);
+            }
+            for j in 0..2 {
+                hb[j] = _mm256_loadu_si256(hh.as_ptr().add(32 * j) as *const __m256i);
+                lb[j] = _mm256_loadu_si256(ll.as_ptr().add(32 * j) as *const __m256i);
+            }
+        }
+        // 32 bytes of a half are words 16j..16j + 16 of both its pairs: per
+        // 128-bit lane, the low 8 bytes the first pair's, the high 8 the
+        // second's.
+        [
+            [
+                _mm256_unpacklo_epi8(lb[0], hb[0]),
+                _mm256_unpackhi_epi8(lb[0], hb[0]),
+            ],
+            [
+                _mm256_unpacklo_epi8(lb[1], hb[1]),
+                _mm256_unpackhi_epi8(lb[1], hb[1]),
+            ],
+        ]
+    }};
+}
+
+/// The B12 decode tile: `acc[t·16 + c] += Σ_k x[t][k] · W[c, k]` over a
+/// whole panel for `x.len()` in `1..=B12_MR` tokens, bit for bit as the twin
+/// `b12::b12_tile` (even and odd `k` in two FMA chains per channel).
+///
+/// # Safety
+/// The CPU must support AVX2 and FMA; every `x[t]` holds at least `panel.k`
+/// values and `acc` at least `16 · x.len()`.
+pub unsafe fn b12_tile(panel: &crate::kernels::b12::B12Panel<'_>, x: &[&[f32]], acc: &mut [f32]) {
+    // SAFETY: the caller guarantees the features and the lengths above.
+    unsafe {
+        match x.len() {
+            1 => b12_t::<1>(panel, x, acc),
+            2 => b12_t::<2>(panel, x, acc),
+            _ => {}
+        }
+    }
+}
+
+#[target_feature(enable = "avx2,fma")]
+unsafe fn b12_t<const T: usize>(
+    panel: &crate::kernels::b12::B12Panel<'_>,
+    x: &[&[f32]],
+    acc: &mut [f32],
+) {
+    use crate::kernels::b12::{B12_GROUP_BYTES, B12_GROUP_K};
+    let k = panel.k;
+    let groups = panel.groups();
+    let full = k / B12_GROUP_K;
+    let mask = _mm256_set1_epi32(0xFFFF_0000u32 as i32);
+    // SAFETY: `tables` is 32 bytes; `data` holds `groups` groups; the
+    // caller guarantees `k` values per row of `x` and `16 · T` of `acc`.
+    unsafe {
+        let th =
+            _mm256_broadcastsi128_si256(_mm_loadu_si128(panel.tables.as_ptr() as *const __m128i));
+        let tl = _mm256_broadcastsi128_si256(_mm_loadu_si128(
+            panel.tables.as_ptr().add(16) as *const __m128i
+        ));
+        // [token][channels 0-7 | 8-15][even k | odd k]
+        let mut a = [[[_mm256_setzero_ps(); 2]; 2]; T];
+        let mut ei = 0usize;
+        let mut next = panel.exc_pos.first().map_or(usize::MAX, |&p| p as usize);
+        // The last group's activations, zero past `k`.
+        let mut tail = [[0.0f32; B12_GROUP_K]; T];
+        for t in 0..T {
+            for (j, v) in tail[t].iter_mut().enumerate() {
+                if full * B12_GROUP_K + j < k {
+                    *v = *x[t].get_unchecked(full * B12_GROUP_K + j);
+                }
+            }
+        }
+        let d = panel.data.as_ptr();
+        for g in 0..groups {
+            let gp = d.add(g * B12_GROUP_BYTES);
+            for l in 0..3 {
+                _mm_prefetch::<_MM_HINT_T0>((gp as *const i8).wrapping_add(B12_PREFETCH + 64 * l));
+            }
+            l2_ahead(gp, T, 3);
+            let xg: [*const f32; T] = std::array::from_fn(|t| {
+                if g < full {
+                    x[t].as_ptr().add(g * B12_GROUP_K)
+                } else {
+                    tail[t].as_ptr()
+                }
+            });
+            for half in 0..2 {
+                let raws = b12_half!(panel, gp, g, half, th, tl, ei, next);
+                for q in 0..2 {
+                    // This pair's first k in the group: 4·half + 2q.
+                    let kk = half * 4 + q * 2;
+                    for j in 0..2 {
+                        let raw = raws[j][q];
+                        let w0 = _mm256_castsi256_ps(_mm256_slli_epi32::<16>(raw));
+                        let w1 = _mm256_castsi256_ps(_mm256_and_si256(raw, mask));
+                        for t in 0..T {
+                            let x0 = _mm256_broadcast_ss(&*xg[t].add(kk));
+                            let x1 = _mm256_broadcast_ss(&*xg[t].add(kk + 1));
+                            a[t][j][0] = _mm256_fmadd_ps(x0, w0, a[t][j][0]);
+                            a[t][j][1] = _mm256_fmadd_ps(x1, w1, a[t][j][1]);
+                        }
+                    }
+                }
+            }
+        }
+        let accp = acc.as_mut_ptr();
+        for t in 0..T {
+            for j in 0..2 {
+                store_add!(
+                    accp.add(t * NR + 8 * j),
+                    _mm256_add_ps(a[t][j][0], a[t][j][1])
+                );
+            }
+        }
+    }
+}
+
+/// A B12 panel's words back as the bf16 panel (`dst`: as many words as it
+/// holds, at most `b12_padded_k(k) · 16`), as the twin `b12::b12_decode`.
+///
+/// # Safety
+/// The CPU must support AVX2.
+#[target_feature(enable = "avx2")]
+pub unsafe fn b12_decode(panel: &crate::kernels::b12::B12Panel<'_>, dst: &mut [u16]) {
+    use crate::kernels::b12::{B12_GROUP_BYTES, B12_GROUP_PAIRS};
+    // SAFETY: `tables` is 32 bytes; `data` holds `groups` groups; every
+    // store is to 16 whole words inside `dst`, a partial run is copied.
+    unsafe {
+        let th =
+            _mm256_broadcastsi128_si256(_mm_loadu_si128(panel.tables.as_ptr() as *const __m128i));
+        let tl = _mm256_broadcastsi128_si256(_mm_loadu_si128(
+            panel.tables.as_ptr().add(16) as *const __m128i
+        ));
+        let mut ei = 0usize;
+        let mut next = panel.exc_pos.first().map_or(usize::MAX, |&p| p as usize);
+        let d = panel.data.as_ptr();
+        let out = dst.as_mut_ptr();
+        for g in 0..panel.groups() {
+            if g * B12_GROUP_PAIRS * 2 * NR >= dst.len() {
+                break;
+            }
+            let gp = d.add(g * B12_GROUP_BYTES);
+            for l in 0..3 {
+                _mm_prefetch::<_MM_HINT_T0>((gp as *const i8).wrapping_add(B12_PREFETCH + 64 * l));
+            }
+            l2_ahead(gp, 2, 3);
+            for half in 0..2 {
+                let raws = b12_half!(panel, gp, g, half, th, tl, ei, next);
+                for q in 0..2 {
+                    let pair = g * B12_GROUP_PAIRS + half * 2 + q;
+                    for j in 0..2 {
+                        let at = pair * 2 * NR + 8 * 2 * j;
+                        if at + 16 <= dst.len() {
+                            _mm256_storeu_si256(out.add(at) as *mut __m256i, raws[j][q]);
+                        } else if at < dst.len() {
+                            let mut w = [0u16; 16];
+                            _mm256_storeu_si256(w.as_mut_ptr() as *mut __m256i, raws[j][q]);
+                            std::ptr::copy_nonoverlapping(w.as_ptr(), out.add(at), dst.len() - at);
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
