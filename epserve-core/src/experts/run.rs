@@ -137,6 +137,7 @@ pub(crate) fn run_panels(
 pub(crate) fn b12_direct_rows(k: &Kernels) -> usize {
     3 * k.b12_mr()
 }
+
 /// Bytes of decoded bf16 panels per run of the B12 prefill path (the run
 /// stays in L2 while the bf16 tiles read it).
 const B12_SCRATCH_BYTES: usize = 256 << 10;

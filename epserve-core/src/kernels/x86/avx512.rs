@@ -627,6 +627,48 @@ pub unsafe fn b12_tile(panel: &crate::kernels::b12::B12Panel<'_>, x: &[&[f32]], 
     }
 }
 
+/// Rebuilds half `$half` (pairs `2·half`, `2·half + 1`) of the B12 group `$g`
+/// at `$gp` (see [`crate::kernels::b12`]): `[q]` holds the half's pair `q`
+/// as the bf16 panel stores it (32 words), the panel's escapes or-ed in from
+/// its exception list (`$ei`, `$next`: the next escape's index and stream
+/// position). A macro, as `store_add!`, so the intrinsics stay inline in the
+/// `#[target_feature]` callers (the tile and the decoder).
+macro_rules! b12_half {
+    ($panel:expr, $gp:expr, $g:expr, $half:expr, $th:expr, $tl:expr, $ei:ident, $next:ident) => {{
+        let m0f = _mm512_set1_epi8(0x0f);
+        let m80 = _mm512_set1_epi8(0x80u8 as i8);
+        let cz = _mm512_loadu_si512($gp.add(128) as *const __m512i);
+        let ch = if $half == 0 {
+            _mm512_and_si512(cz, m0f)
+        } else {
+            _mm512_and_si512(_mm512_srli_epi16::<4>(cz), m0f)
+        };
+        let sm = _mm512_loadu_si512($gp.add($half * 64) as *const __m512i);
+        // high byte (s & 0x80) | e >> 1, low byte (s & 0x7f) | (e & 1) << 7
+        let mut hb = _mm512_ternarylogic_epi32::<0xF8>(_mm512_shuffle_epi8($th, ch), sm, m80);
+        let mut lb = _mm512_ternarylogic_epi32::<0xF4>(_mm512_shuffle_epi8($tl, ch), sm, m80);
+        let end = $g * 128 + $half * 64 + 64;
+        if $next < end {
+            let (mut hh, mut ll) = ([0u8; 64], [0u8; 64]);
+            _mm512_storeu_si512(hh.as_mut_ptr() as *mut __m512i, hb);
+            _mm512_storeu_si512(ll.as_mut_ptr() as *mut __m512i, lb);
+            while $next < end {
+                let b = $next + 64 - end;
+                let e = *$panel.exc_exp.get_unchecked($ei);
+                hh[b] |= e >> 1;
+                ll[b] |= (e & 1) << 7;
+                $ei += 1;
+                $next = $panel.exc_pos.get($ei).map_or(usize::MAX, |&p| p as usize);
+            }
+            hb = _mm512_loadu_si512(hh.as_ptr() as *const __m512i);
+            lb = _mm512_loadu_si512(ll.as_ptr() as *const __m512i);
+        }
+        // Per 128-bit lane, the low 8 bytes belong to the first pair, the
+        // high 8 to the second.
+        [_mm512_unpacklo_epi8(lb, hb), _mm512_unpackhi_epi8(lb, hb)]
+    }};
+}
+
 /// A B12 panel's words back as the bf16 panel (`dst`: as many words as it
 /// holds, at most `b12_padded_k(k) · 16`), as the twin `b12::b12_decode`:
 /// the tile's decode, stored instead of multiplied (prefill decodes each
@@ -637,8 +679,6 @@ pub unsafe fn b12_tile(panel: &crate::kernels::b12::B12Panel<'_>, x: &[&[f32]], 
 #[target_feature(enable = "avx512f,avx512bw")]
 pub unsafe fn b12_decode(panel: &crate::kernels::b12::B12Panel<'_>, dst: &mut [u16]) {
     use crate::kernels::b12::{B12_GROUP_BYTES, B12_GROUP_PAIRS};
-    let m0f = _mm512_set1_epi8(0x0f);
-    let m80 = _mm512_set1_epi8(0x80u8 as i8);
     // Whole pairs `dst` holds (a pair is 32 words); a partial one is written
     // from a copy.
     let pairs = dst.len() / (2 * NR);
@@ -663,35 +703,8 @@ pub unsafe fn b12_decode(panel: &crate::kernels::b12::B12Panel<'_>, dst: &mut [u
                 _mm_prefetch::<_MM_HINT_T0>((gp as *const i8).wrapping_add(B12_PREFETCH + 64 * l));
             }
             l2_ahead(gp, 2, 3);
-            let cz = _mm512_loadu_si512(gp.add(128) as *const __m512i);
-            let codes = [
-                _mm512_and_si512(cz, m0f),
-                _mm512_and_si512(_mm512_srli_epi16::<4>(cz), m0f),
-            ];
             for half in 0..2 {
-                let ch = codes[half];
-                let sm = _mm512_loadu_si512(gp.add(half * 64) as *const __m512i);
-                let mut hb =
-                    _mm512_ternarylogic_epi32::<0xF8>(_mm512_shuffle_epi8(th, ch), sm, m80);
-                let mut lb =
-                    _mm512_ternarylogic_epi32::<0xF4>(_mm512_shuffle_epi8(tl, ch), sm, m80);
-                let end = g * 128 + half * 64 + 64;
-                if next < end {
-                    let (mut hh, mut ll) = ([0u8; 64], [0u8; 64]);
-                    _mm512_storeu_si512(hh.as_mut_ptr() as *mut __m512i, hb);
-                    _mm512_storeu_si512(ll.as_mut_ptr() as *mut __m512i, lb);
-                    while next < end {
-                        let b = next + 64 - end;
-                        let e = *panel.exc_exp.get_unchecked(ei);
-                        hh[b] |= e >> 1;
-                        ll[b] |= (e & 1) << 7;
-                        ei += 1;
-                        next = panel.exc_pos.get(ei).map_or(usize::MAX, |&p| p as usize);
-                    }
-                    hb = _mm512_loadu_si512(hh.as_ptr() as *const __m512i);
-                    lb = _mm512_loadu_si512(ll.as_ptr() as *const __m512i);
-                }
-                let raws = [_mm512_unpacklo_epi8(lb, hb), _mm512_unpackhi_epi8(lb, hb)];
+                let raws = b12_half!(panel, gp, g, half, th, tl, ei, next);
                 for (q, raw) in raws.into_iter().enumerate() {
                     let pair = g * B12_GROUP_PAIRS + half * 2 + q;
                     if pair < pairs {
@@ -719,8 +732,6 @@ unsafe fn b12_t<const T: usize>(
     let groups = panel.groups();
     let full = k / B12_GROUP_K;
     let mask = _mm512_set1_epi32(0xFFFF_0000u32 as i32);
-    let m0f = _mm512_set1_epi8(0x0f);
-    let m80 = _mm512_set1_epi8(0x80u8 as i8);
     // SAFETY: `tables` is 32 bytes; `data` holds `groups` groups; the
     // caller guarantees `k` values per row of `x` and `16 · T` of `acc`.
     unsafe {
@@ -755,36 +766,8 @@ unsafe fn b12_t<const T: usize>(
                     tail[t].as_ptr()
                 }
             });
-            let cz = _mm512_loadu_si512(gp.add(128) as *const __m512i);
-            let codes = [
-                _mm512_and_si512(cz, m0f),
-                _mm512_and_si512(_mm512_srli_epi16::<4>(cz), m0f),
-            ];
             for half in 0..2 {
-                let ch = codes[half];
-                let sm = _mm512_loadu_si512(gp.add(half * 64) as *const __m512i);
-                // high byte (s & 0x80) | e >> 1, low byte (s & 0x7f) | (e & 1) << 7
-                let mut hb =
-                    _mm512_ternarylogic_epi32::<0xF8>(_mm512_shuffle_epi8(th, ch), sm, m80);
-                let mut lb =
-                    _mm512_ternarylogic_epi32::<0xF4>(_mm512_shuffle_epi8(tl, ch), sm, m80);
-                let end = g * 128 + half * 64 + 64;
-                if next < end {
-                    let (mut hh, mut ll) = ([0u8; 64], [0u8; 64]);
-                    _mm512_storeu_si512(hh.as_mut_ptr() as *mut __m512i, hb);
-                    _mm512_storeu_si512(ll.as_mut_ptr() as *mut __m512i, lb);
-                    while next < end {
-                        let b = next + 64 - end;
-                        let e = *panel.exc_exp.get_unchecked(ei);
-                        hh[b] |= e >> 1;
-                        ll[b] |= (e & 1) << 7;
-                        ei += 1;
-                        next = panel.exc_pos.get(ei).map_or(usize::MAX, |&p| p as usize);
-                    }
-                    hb = _mm512_loadu_si512(hh.as_ptr() as *const __m512i);
-                    lb = _mm512_loadu_si512(ll.as_ptr() as *const __m512i);
-                }
-                let raws = [_mm512_unpacklo_epi8(lb, hb), _mm512_unpackhi_epi8(lb, hb)];
+                let raws = b12_half!(panel, gp, g, half, th, tl, ei, next);
                 for (q, raw) in raws.into_iter().enumerate() {
                     let w0 = _mm512_castsi512_ps(_mm512_slli_epi32::<16>(raw));
                     let w1 = _mm512_castsi512_ps(_mm512_and_si512(raw, mask));
