@@ -182,6 +182,9 @@ impl Linear {
         if self.dtype() == Some(PackedDtype::Int8) {
             return;
         }
+        // Rows are read one at a time: from bf16 panels, not by decoding a
+        // B12 panel per row.
+        self.set_b12(false);
         let [n, k] = self.shape;
         let mut tmp = vec![0.0f32; k];
         let packed =
