@@ -410,7 +410,8 @@ impl PackedMatrix {
     }
 
     /// Logical channel `c` of panel `p` as f32 into `buf` (`k` values): exact
-    /// for bf16 and B12; int8 gives the dequantized values.
+    /// for bf16 and B12; zeros for int8 (not requantized: callers check the
+    /// dtype).
     pub fn channel_f32(&self, p: usize, c: usize, buf: &mut [f32]) {
         let k = self.k;
         match &self.data {
@@ -427,13 +428,7 @@ impl PackedMatrix {
                     *v = bf16_bits_to_f32(panel[bf16_index(kk, c)]);
                 }
             }
-            PackedData::I8 { data, scales } => {
-                let panel = &data.as_slice()[p * i8_padded_k(k) * NR..];
-                let s = scales[p * NR + c];
-                for (kk, v) in buf.iter_mut().enumerate().take(k) {
-                    *v = f32::from(panel[i8_index(kk, c)]) * s;
-                }
-            }
+            PackedData::I8 { .. } => buf.fill(0.0),
         }
     }
 

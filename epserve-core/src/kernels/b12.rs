@@ -275,6 +275,19 @@ fn exponent(v: u16) -> u8 {
     ((v >> 7) & 0xff) as u8
 }
 
+/// The activations the decode tiles read for a panel's last group when `k`
+/// does not fill it: `x[t][8·(k / 8)..k]`, zero past `k` (the rows end at
+/// `k`; the weights there are zero too). The SIMD tiles' helper (x86 only).
+#[cfg(target_arch = "x86_64")]
+pub(crate) fn b12_tail<const T: usize>(x: &[&[f32]], k: usize) -> [[f32; B12_GROUP_K]; T] {
+    let k0 = k / B12_GROUP_K * B12_GROUP_K;
+    std::array::from_fn(|t| {
+        let mut v = [0.0f32; B12_GROUP_K];
+        v[..k - k0].copy_from_slice(&x[t][k0..k]);
+        v
+    })
+}
+
 /// Scalar twin of the decode tile: `acc[t·16 + c] += Σ_k x[t][k] · W[c, k]`
 /// over the whole panel, `x.len() ≤ B12_MR` rows of at least `panel.k`
 /// values, in the kernel's order: two fused-multiply-add accumulators per

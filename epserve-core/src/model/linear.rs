@@ -123,11 +123,8 @@ impl Linear {
                     r -= w.shape()[0];
                 }
             }
-            Form::Packed(pm) => match pm.dtype() {
-                PackedDtype::Bf16 => pm.channel_f32(j / NR, j % NR, &mut buf[..k]),
-                // Already int8: not requantized (callers check the dtype).
-                PackedDtype::Int8 => buf.fill(0.0),
-            },
+            // Already int8: zeros (callers check the dtype).
+            Form::Packed(pm) => pm.channel_f32(j / NR, j % NR, &mut buf[..k]),
         }
     }
 

@@ -742,16 +742,7 @@ unsafe fn b12_t<const T: usize>(
         let mut a = [[_mm512_setzero_ps(); 2]; T];
         let mut ei = 0usize;
         let mut next = panel.exc_pos.first().map_or(usize::MAX, |&p| p as usize);
-        // The last group's activations, zero past `k` (its weights are zero
-        // there too, but the rows end at `k`).
-        let mut tail = [[0.0f32; B12_GROUP_K]; T];
-        for t in 0..T {
-            for (j, v) in tail[t].iter_mut().enumerate() {
-                if full * B12_GROUP_K + j < k {
-                    *v = *x[t].get_unchecked(full * B12_GROUP_K + j);
-                }
-            }
-        }
+        let tail = crate::kernels::b12::b12_tail::<T>(x, k);
         let d = panel.data.as_ptr();
         for g in 0..groups {
             let gp = d.add(g * B12_GROUP_BYTES);
