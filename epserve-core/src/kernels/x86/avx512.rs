@@ -604,7 +604,12 @@ pub unsafe fn quantize_bf16_row_i8(row: &[u16], f: &mut [f32], q: &mut [i8]) -> 
 /// The tile decodes before it multiplies, so each byte takes longer than in
 /// the bf16 tile and the hints run further ahead (a standalone two-thread
 /// stream over 256 MiB: 1 KiB ahead ran 1.12-1.20x the bf16 tile's speed,
-/// 3 KiB ahead 1.25-1.5x).
+/// 3 KiB ahead 1.25-1.5x). It also hints [`super::L2_AHEAD`] into L2 for
+/// one token, where the bf16 tile does not on AMD: on the 2-vCPU AMD EPYC
+/// (Zen 4) `epserve bench linear --tokens 1` on one thread ran the q and o
+/// shapes in 0.47-0.52 ms against 0.65-0.72 ms without, and a decode step
+/// of the bench model 9.4-10.0 ms against 11.2 ms (`bench step`,
+/// alternated, 2026-12-06).
 const B12_PREFETCH: usize = 3072;
 
 /// The B12 decode tile (see [`crate::kernels::b12`]): `acc[t·16 + c] +=
@@ -749,7 +754,8 @@ unsafe fn b12_t<const T: usize>(
             for l in 0..3 {
                 _mm_prefetch::<_MM_HINT_T0>((gp as *const i8).wrapping_add(B12_PREFETCH + 64 * l));
             }
-            l2_ahead(gp, T, 3);
+            // L2 hints for one token too, on every vendor (see `B12_PREFETCH`).
+            l2_ahead(gp, T.max(super::L2_AHEAD_MIN_T), 3);
             let xg: [*const f32; T] = std::array::from_fn(|t| {
                 if g < full {
                     x[t].as_ptr().add(g * B12_GROUP_K)
