@@ -133,7 +133,10 @@ pub(crate) fn run_panels(
 
 /// Most rows of f32 activations that run on the B12 tile, in balanced
 /// token chunks of up to the tier's `b12_mr` (the chunks after the first
-/// find the panel in L1/L2); more are prefill, on the decoded panels.
+/// find the panel in L1/L2); more are prefill, on the decoded panels. 24 on
+/// AVX-512 (8-row tiles): on the 2-vCPU AMD EPYC `bench linear` ran 16 and
+/// 24 rows at 1.06-1.12x of the bf16 panels this way, 0.81-0.86x through
+/// the scratch (2026-12-06).
 pub(crate) fn b12_direct_rows(k: &Kernels) -> usize {
     3 * k.b12_mr()
 }

@@ -162,7 +162,7 @@ fn experts_packed_bf16_matches_portable_on_every_tier() {
             let (ids, w) = routing(&mut rng, rows, c);
             let want = run(&reference, &x, &ids, &w, c);
             // bf16 panels, then B12 (lossless: the same bound, on the B12
-            // tile for up to 12 rows of an expert and on decoded panels
+            // tile for up to 24 rows of an expert and on decoded panels
             // above) beside one expert left as bf16 panels.
             for (tier, b12) in Tier::available()
                 .into_iter()

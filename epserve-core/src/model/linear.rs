@@ -669,8 +669,9 @@ mod tests {
             b12.set_b12(true);
             assert!(b12.is_b12() && !plain_panels.is_b12());
             assert!(b12.bytes() < plain_panels.bytes());
-            // Row blocks (of MB rows) either all decode or all prefill.
-            for rows in [1usize, 3, 4, 5, 8, 12, 13, 40, MB + 20] {
+            // Row blocks (of MB rows) either all decode or all prefill (the
+            // last block's 30 rows are past every tier's `b12_direct_rows`).
+            for rows in [1usize, 3, 4, 5, 8, 12, 13, 24, 25, 40, MB + 30] {
                 let x: Vec<f32> = (0..rows * k).map(|_| rng.random_range(-1.0..1.0)).collect();
                 let mut want = vec![0.0f32; rows * n];
                 linear(&x, rows, &w, Some(&bias), &mut want);

@@ -627,6 +627,10 @@ pub unsafe fn b12_tile(panel: &crate::kernels::b12::B12Panel<'_>, x: &[&[f32]], 
             2 => b12_t::<2>(panel, x, acc),
             3 => b12_t::<3>(panel, x, acc),
             4 => b12_t::<4>(panel, x, acc),
+            5 => b12_t::<5>(panel, x, acc),
+            6 => b12_t::<6>(panel, x, acc),
+            7 => b12_t::<7>(panel, x, acc),
+            8 => b12_t::<8>(panel, x, acc),
             _ => {}
         }
     }
