@@ -42,8 +42,9 @@ command -v qemu-aarch64 >/dev/null || missing "qemu-aarch64 not found (apt-get i
 [[ -d "$SYSROOT" ]] || missing "$SYSROOT not found (apt-get install libc6-dev-arm64-cross)"
 
 export CARGO_TARGET_AARCH64_UNKNOWN_LINUX_GNU_LINKER=aarch64-linux-gnu-gcc
-# Only the kernel and expert-executor unit tests: cheap under emulation.
-FILTERS=(kernels experts)
+# Only the kernel, expert-executor and dense-linear unit tests: cheap under
+# emulation.
+FILTERS=(kernels experts model::linear)
 
 for cpu in max neoverse-n1; do
     echo "== aarch64 kernel tests under qemu-aarch64 -cpu $cpu"

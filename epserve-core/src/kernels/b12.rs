@@ -278,8 +278,9 @@ fn exponent(v: u16) -> u8 {
 
 /// The activations the decode tiles read for a panel's last group when `k`
 /// does not fill it: `x[t][8·(k / 8)..k]`, zero past `k` (the rows end at
-/// `k`; the weights there are zero too). The SIMD tiles' helper (x86 only).
-#[cfg(target_arch = "x86_64")]
+/// `k`; the weights there are zero too). The SIMD tiles' helper (x86 and
+/// aarch64).
+#[cfg(any(target_arch = "x86_64", target_arch = "aarch64"))]
 pub(crate) fn b12_tail<const T: usize>(x: &[&[f32]], k: usize) -> [[f32; B12_GROUP_K]; T] {
     let k0 = k / B12_GROUP_K * B12_GROUP_K;
     std::array::from_fn(|t| {

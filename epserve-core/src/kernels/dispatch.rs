@@ -504,6 +504,13 @@ impl Kernels {
         ) {
             return true;
         }
+        #[cfg(target_arch = "aarch64")]
+        if matches!(
+            self.tier,
+            Tier::Neon | Tier::NeonDot | Tier::NeonI8mm | Tier::NeonBf16
+        ) {
+            return true;
+        }
         false
     }
 
@@ -514,9 +521,18 @@ impl Kernels {
     /// with half the registers it only pays for one token (`bench linear`
     /// on that EPYC with `EPSERVE_KERNEL=avx2`: 1 token 0.98-1.31x, 2 tokens
     /// 0.66-1.02x, 4 tokens 0.41-0.52x), so there it is opt-in
-    /// (`EPSERVE_B12=1`).
+    /// (`EPSERVE_B12=1`). The NEON tiers have a native tile (two tokens)
+    /// and decoder, tested under qemu against the twins, but no Graviton
+    /// measurement yet, so there it is opt-in too.
     pub fn b12_pays(&self) -> bool {
-        self.b12_native() && self.tier != Tier::Avx2
+        #[cfg(target_arch = "x86_64")]
+        if matches!(
+            self.tier,
+            Tier::Avx512 | Tier::Avx512Vnni | Tier::Avx512Bf16 | Tier::Amx
+        ) {
+            return true;
+        }
+        false
     }
 
     /// Most tokens per [`b12_tile`](Self::b12_tile) call.
@@ -524,6 +540,10 @@ impl Kernels {
         match self.tier {
             #[cfg(target_arch = "x86_64")]
             Tier::Avx2 => super::x86::avx2::B12_MR,
+            #[cfg(target_arch = "aarch64")]
+            Tier::Neon | Tier::NeonDot | Tier::NeonI8mm | Tier::NeonBf16 => {
+                super::aarch64::neon::B12_MR
+            }
             _ => super::b12::B12_MR,
         }
     }
@@ -547,6 +567,12 @@ impl Kernels {
             Tier::Avx512 | Tier::Avx512Vnni | Tier::Avx512Bf16 | Tier::Amx => unsafe {
                 super::x86::avx512::b12_tile(panel, x, acc)
             },
+            #[cfg(target_arch = "aarch64")]
+            // SAFETY: NEON is baseline on aarch64; the lengths were just
+            // asserted.
+            Tier::Neon | Tier::NeonDot | Tier::NeonI8mm | Tier::NeonBf16 => unsafe {
+                super::aarch64::neon::b12_tile(panel, x, acc)
+            },
             _ => super::b12::b12_tile(panel, x, acc),
         }
     }
@@ -565,6 +591,11 @@ impl Kernels {
             // SAFETY: every AVX-512 tier requires AVX-512 F and BW.
             Tier::Avx512 | Tier::Avx512Vnni | Tier::Avx512Bf16 | Tier::Amx => unsafe {
                 super::x86::avx512::b12_decode(panel, dst)
+            },
+            #[cfg(target_arch = "aarch64")]
+            // SAFETY: NEON is baseline on aarch64.
+            Tier::Neon | Tier::NeonDot | Tier::NeonI8mm | Tier::NeonBf16 => unsafe {
+                super::aarch64::neon::b12_decode(panel, dst)
             },
             _ => super::b12::b12_decode(panel, dst),
         }

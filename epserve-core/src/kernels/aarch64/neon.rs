@@ -700,3 +700,229 @@ pub unsafe fn transpose_pairs(rows: &[&[u16]; NR], dst: &mut [u32]) {
         }
     }
 }
+
+// ------------------------------------------------------------------ B12
+
+/// Most tokens per B12 decode tile: two accumulators (even and odd `k`) per
+/// four channels and token, 16 for two tokens, and the decode needs
+/// registers too.
+pub const B12_MR: usize = 2;
+
+/// Bytes ahead of the current group that the B12 tile and decoder hint into
+/// L1 (as the x86 ones).
+const B12_PREFETCH: usize = 3072;
+
+/// Hints the three cache lines of the group [`B12_PREFETCH`] bytes past `gp`
+/// into L1 (`prfm`: a hint, it never faults).
+#[inline(always)]
+fn b12_prefetch(gp: *const u8) {
+    for l in 0..3 {
+        let a = gp.wrapping_add(B12_PREFETCH + 64 * l);
+        // SAFETY: PRFM is a hint: it never faults, reads nothing and writes
+        // nothing architecturally visible.
+        unsafe {
+            asm!("prfm pldl1keep, [{0}]", in(reg) a, options(nostack, readonly, preserves_flags));
+        }
+    }
+}
+
+/// Rebuilds half `half` (pairs `2·half`, `2·half + 1`) of the B12 group `g`
+/// at `gp` (see [`crate::kernels::b12`]): `[l][q]` holds words
+/// `8l..8l + 8` (channels `4l..4l + 4`, `k` then `k + 1`) of the half's pair
+/// `q` as the bf16 panel stores them, the panel's escapes or-ed in from its
+/// exception list (`ei`, `next`: the next escape's index and stream
+/// position). Per 16 bytes: the codes' nibble, two `tbl` lookups of the
+/// exponent bits, the sign|mantissa bits masked in, and `zip1` / `zip2`
+/// of the low and high bytes (the half's two pairs).
+///
+/// # Safety
+/// `gp` holds a whole group of `panel`; `*next` is the stream position of
+/// escape `*ei` (or `usize::MAX`), at or past group `g`'s half `half`.
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+unsafe fn b12_half(
+    panel: &crate::kernels::b12::B12Panel<'_>,
+    gp: *const u8,
+    g: usize,
+    half: usize,
+    th: uint8x16_t,
+    tl: uint8x16_t,
+    ei: &mut usize,
+    next: &mut usize,
+) -> [[uint16x8_t; 2]; 4] {
+    // SAFETY: the caller guarantees the group's 192 bytes at `gp`.
+    unsafe {
+        let (m0f, m80, m7f) = (vdupq_n_u8(0x0f), vdupq_n_u8(0x80), vdupq_n_u8(0x7f));
+        let mut hb = [vdupq_n_u8(0); 4];
+        let mut lb = [vdupq_n_u8(0); 4];
+        for l in 0..4 {
+            let cz = vld1q_u8(gp.add(128 + 16 * l));
+            let ch = if half == 0 {
+                vandq_u8(cz, m0f)
+            } else {
+                vshrq_n_u8::<4>(cz)
+            };
+            let sm = vld1q_u8(gp.add(half * 64 + 16 * l));
+            // high byte (s & 0x80) | e >> 1, low byte (s & 0x7f) | (e & 1) << 7
+            hb[l] = vorrq_u8(vandq_u8(sm, m80), vqtbl1q_u8(th, ch));
+            lb[l] = vorrq_u8(vandq_u8(sm, m7f), vqtbl1q_u8(tl, ch));
+        }
+        let end = g * 128 + half * 64 + 64;
+        if *next < end {
+            let (mut hh, mut ll) = ([0u8; 64], [0u8; 64]);
+            for l in 0..4 {
+                vst1q_u8(hh.as_mut_ptr().add(16 * l), hb[l]);
+                vst1q_u8(ll.as_mut_ptr().add(16 * l), lb[l]);
+            }
+            while *next < end {
+                let b = *next + 64 - end;
+                let e = *panel.exc_exp.get_unchecked(*ei);
+                hh[b] |= e >> 1;
+                ll[b] |= (e & 1) << 7;
+                *ei += 1;
+                *next = panel.exc_pos.get(*ei).map_or(usize::MAX, |&p| p as usize);
+            }
+            for l in 0..4 {
+                hb[l] = vld1q_u8(hh.as_ptr().add(16 * l));
+                lb[l] = vld1q_u8(ll.as_ptr().add(16 * l));
+            }
+        }
+        // Per 16 bytes, the low 8 belong to the first pair, the high 8 to
+        // the second; interleaving low and high bytes gives little-endian
+        // words.
+        std::array::from_fn(|l| {
+            [
+                vreinterpretq_u16_u8(vzip1q_u8(lb[l], hb[l])),
+                vreinterpretq_u16_u8(vzip2q_u8(lb[l], hb[l])),
+            ]
+        })
+    }
+}
+
+/// The B12 decode tile: `acc[t·16 + c] += Σ_k x[t][k] · W[c, k]` over a
+/// whole panel for `x.len()` in `1..=B12_MR` tokens, bit for bit as the twin
+/// `b12::b12_tile` (even and odd `k` in two FMA chains per channel).
+///
+/// # Safety
+/// NEON is present on every aarch64 Linux CPU; every `x[t]` holds at least
+/// `panel.k` values and `acc` at least `16 · x.len()`.
+pub unsafe fn b12_tile(panel: &crate::kernels::b12::B12Panel<'_>, x: &[&[f32]], acc: &mut [f32]) {
+    // SAFETY: the caller guarantees the lengths above.
+    unsafe {
+        match x.len() {
+            1 => b12_t::<1>(panel, x, acc),
+            2 => b12_t::<2>(panel, x, acc),
+            _ => {}
+        }
+    }
+}
+
+#[target_feature(enable = "neon")]
+unsafe fn b12_t<const T: usize>(
+    panel: &crate::kernels::b12::B12Panel<'_>,
+    x: &[&[f32]],
+    acc: &mut [f32],
+) {
+    use crate::kernels::b12::{B12_GROUP_BYTES, B12_GROUP_K};
+    let k = panel.k;
+    let full = k / B12_GROUP_K;
+    let mask = vdupq_n_u32(0xFFFF_0000);
+    // SAFETY: `tables` is 32 bytes; `data` holds `groups` groups; the
+    // caller guarantees `k` values per row of `x` and `16 · T` of `acc`.
+    unsafe {
+        let th = vld1q_u8(panel.tables.as_ptr());
+        let tl = vld1q_u8(panel.tables.as_ptr().add(16));
+        // [token][channels 4l..4l + 4][even k | odd k]
+        let mut a = [[[vdupq_n_f32(0.0); 2]; 4]; T];
+        let mut ei = 0usize;
+        let mut next = panel.exc_pos.first().map_or(usize::MAX, |&p| p as usize);
+        let tail = crate::kernels::b12::b12_tail::<T>(x, k);
+        let d = panel.data.as_ptr();
+        for g in 0..panel.groups() {
+            let gp = d.add(g * B12_GROUP_BYTES);
+            b12_prefetch(gp);
+            let xg: [*const f32; T] = std::array::from_fn(|t| {
+                if g < full {
+                    x[t].as_ptr().add(g * B12_GROUP_K)
+                } else {
+                    tail[t].as_ptr()
+                }
+            });
+            for half in 0..2 {
+                let raws = b12_half(panel, gp, g, half, th, tl, &mut ei, &mut next);
+                for q in 0..2 {
+                    // This pair's first k in the group: 4·half + 2q.
+                    let kk = half * 4 + q * 2;
+                    let xb: [[float32x4_t; 2]; T] = std::array::from_fn(|t| {
+                        [
+                            vld1q_dup_f32(xg[t].add(kk)),
+                            vld1q_dup_f32(xg[t].add(kk + 1)),
+                        ]
+                    });
+                    for l in 0..4 {
+                        let raw = vreinterpretq_u32_u16(raws[l][q]);
+                        let w0 = vreinterpretq_f32_u32(vshlq_n_u32::<16>(raw));
+                        let w1 = vreinterpretq_f32_u32(vandq_u32(raw, mask));
+                        for t in 0..T {
+                            a[t][l][0] = vfmaq_f32(a[t][l][0], xb[t][0], w0);
+                            a[t][l][1] = vfmaq_f32(a[t][l][1], xb[t][1], w1);
+                        }
+                    }
+                }
+            }
+        }
+        let accp = acc.as_mut_ptr();
+        for t in 0..T {
+            for l in 0..4 {
+                let dst = accp.add(t * NR + 4 * l);
+                vst1q_f32(
+                    dst,
+                    vaddq_f32(vld1q_f32(dst), vaddq_f32(a[t][l][0], a[t][l][1])),
+                );
+            }
+        }
+    }
+}
+
+/// A B12 panel's words back as the bf16 panel (`dst`: as many words as it
+/// holds, at most `b12_padded_k(k) · 16`), as the twin `b12::b12_decode`.
+///
+/// # Safety
+/// NEON is present on every aarch64 Linux CPU.
+#[target_feature(enable = "neon")]
+pub unsafe fn b12_decode(panel: &crate::kernels::b12::B12Panel<'_>, dst: &mut [u16]) {
+    use crate::kernels::b12::{B12_GROUP_BYTES, B12_GROUP_PAIRS};
+    // SAFETY: `tables` is 32 bytes; `data` holds `groups` groups; every
+    // store is to 8 whole words inside `dst`, a partial run is copied.
+    unsafe {
+        let th = vld1q_u8(panel.tables.as_ptr());
+        let tl = vld1q_u8(panel.tables.as_ptr().add(16));
+        let mut ei = 0usize;
+        let mut next = panel.exc_pos.first().map_or(usize::MAX, |&p| p as usize);
+        let d = panel.data.as_ptr();
+        let out = dst.as_mut_ptr();
+        for g in 0..panel.groups() {
+            if g * B12_GROUP_PAIRS * 2 * NR >= dst.len() {
+                break;
+            }
+            let gp = d.add(g * B12_GROUP_BYTES);
+            b12_prefetch(gp);
+            for half in 0..2 {
+                let raws = b12_half(panel, gp, g, half, th, tl, &mut ei, &mut next);
+                for q in 0..2 {
+                    let pair = g * B12_GROUP_PAIRS + half * 2 + q;
+                    for l in 0..4 {
+                        let at = pair * 2 * NR + 8 * l;
+                        if at + 8 <= dst.len() {
+                            vst1q_u16(out.add(at), raws[l][q]);
+                        } else if at < dst.len() {
+                            let mut w = [0u16; 8];
+                            vst1q_u16(w.as_mut_ptr(), raws[l][q]);
+                            std::ptr::copy_nonoverlapping(w.as_ptr(), out.add(at), dst.len() - at);
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
