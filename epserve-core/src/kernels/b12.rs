@@ -290,6 +290,30 @@ pub(crate) fn b12_tail<const T: usize>(x: &[&[f32]], k: usize) -> [[f32; B12_GRO
     })
 }
 
+/// Ors the escapes of the 64-byte half that ends at stream position `end`
+/// into its rebuilt high and low bytes `hh`, `ll`: the SIMD decoders' rare
+/// path (about 3 weights in 10 000 escape). `*ei` and `*next` are the next
+/// escape's index and stream position; they move past the half.
+#[cfg(any(target_arch = "x86_64", target_arch = "aarch64"))]
+#[inline]
+pub(crate) fn b12_patch(
+    panel: &B12Panel<'_>,
+    end: usize,
+    hh: &mut [u8; 64],
+    ll: &mut [u8; 64],
+    ei: &mut usize,
+    next: &mut usize,
+) {
+    while *next < end {
+        let b = *next + 64 - end;
+        let e = panel.exc_exp[*ei];
+        hh[b] |= e >> 1;
+        ll[b] |= (e & 1) << 7;
+        *ei += 1;
+        *next = panel.exc_pos.get(*ei).map_or(usize::MAX, |&p| p as usize);
+    }
+}
+
 /// Scalar twin of the decode tile: `acc[t·16 + c] += Σ_k x[t][k] · W[c, k]`
 /// over the whole panel, `x.len() ≤ B12_MR` rows of at least `panel.k`
 /// values, in the kernel's order: two fused-multiply-add accumulators per

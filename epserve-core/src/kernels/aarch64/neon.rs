@@ -774,14 +774,7 @@ unsafe fn b12_half(
                 vst1q_u8(hh.as_mut_ptr().add(16 * l), hb[l]);
                 vst1q_u8(ll.as_mut_ptr().add(16 * l), lb[l]);
             }
-            while *next < end {
-                let b = *next + 64 - end;
-                let e = *panel.exc_exp.get_unchecked(*ei);
-                hh[b] |= e >> 1;
-                ll[b] |= (e & 1) << 7;
-                *ei += 1;
-                *next = panel.exc_pos.get(*ei).map_or(usize::MAX, |&p| p as usize);
-            }
+            crate::kernels::b12::b12_patch(panel, end, &mut hh, &mut ll, ei, next);
             for l in 0..4 {
                 hb[l] = vld1q_u8(hh.as_ptr().add(16 * l));
                 lb[l] = vld1q_u8(ll.as_ptr().add(16 * l));

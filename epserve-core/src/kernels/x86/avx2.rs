@@ -330,14 +330,7 @@ macro_rules! b12_half {
                 _mm256_storeu_si256(hh.as_mut_ptr().add(32 * j) as *mut __m256i, hb[j]);
                 _mm256_storeu_si256(ll.as_mut_ptr().add(32 * j) as *mut __m256i, lb[j]);
             }
-            while $next < end {
-                let b = $next + 64 - end;
-                let e = *$panel.exc_exp.get_unchecked($ei);
-                hh[b] |= e >> 1;
-                ll[b] |= (e & 1) << 7;
-                $ei += 1;
-                $next = $panel.exc_pos.get($ei).map_or(usize::MAX, |&p| p as usize);
-            }
+            crate::kernels::b12::b12_patch(&$panel, end, &mut hh, &mut ll, &mut $ei, &mut $next);
             for j in 0..2 {
                 hb[j] = _mm256_loadu_si256(hh.as_ptr().add(32 * j) as *const __m256i);
                 lb[j] = _mm256_loadu_si256(ll.as_ptr().add(32 * j) as *const __m256i);

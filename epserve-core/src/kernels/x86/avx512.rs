@@ -661,14 +661,7 @@ macro_rules! b12_half {
             let (mut hh, mut ll) = ([0u8; 64], [0u8; 64]);
             _mm512_storeu_si512(hh.as_mut_ptr() as *mut __m512i, hb);
             _mm512_storeu_si512(ll.as_mut_ptr() as *mut __m512i, lb);
-            while $next < end {
-                let b = $next + 64 - end;
-                let e = *$panel.exc_exp.get_unchecked($ei);
-                hh[b] |= e >> 1;
-                ll[b] |= (e & 1) << 7;
-                $ei += 1;
-                $next = $panel.exc_pos.get($ei).map_or(usize::MAX, |&p| p as usize);
-            }
+            crate::kernels::b12::b12_patch(&$panel, end, &mut hh, &mut ll, &mut $ei, &mut $next);
             hb = _mm512_loadu_si512(hh.as_ptr() as *const __m512i);
             lb = _mm512_loadu_si512(ll.as_ptr() as *const __m512i);
         }
