@@ -525,14 +525,11 @@ impl Kernels {
     /// and decoder, tested under qemu against the twins, but no Graviton
     /// measurement yet, so there it is opt-in too.
     pub fn b12_pays(&self) -> bool {
-        #[cfg(target_arch = "x86_64")]
-        if matches!(
-            self.tier,
-            Tier::Avx512 | Tier::Avx512Vnni | Tier::Avx512Bf16 | Tier::Amx
-        ) {
-            return true;
-        }
-        false
+        self.b12_native()
+            && !matches!(
+                self.tier,
+                Tier::Avx2 | Tier::Neon | Tier::NeonDot | Tier::NeonI8mm | Tier::NeonBf16
+            )
     }
 
     /// Most tokens per [`b12_tile`](Self::b12_tile) call.

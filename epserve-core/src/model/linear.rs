@@ -689,9 +689,9 @@ mod tests {
                     plain_panels.forward_with(&kern, &x, rows, Some(&bias), &mut bf);
                     // Rows the tier's bf16 decode tile sums in two chains
                     // (NEON's sums `k` and `k + 1` in one).
-                    let two_chains = match tier.name() {
-                        "avx2" => 2,
-                        n if n.starts_with("neon") => 0,
+                    let two_chains = match tier {
+                        Tier::Avx2 => 2,
+                        Tier::Neon | Tier::NeonDot | Tier::NeonI8mm | Tier::NeonBf16 => 0,
                         _ => 6,
                     };
                     let direct = b12_direct_rows(&kern);
