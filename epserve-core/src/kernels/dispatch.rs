@@ -240,6 +240,18 @@ fn dot_beats_fma_on_prefill() -> bool {
     &super::x86::cpu_vendor() == b"AuthenticAMD"
 }
 
+/// Whether the AVX-512 FMA tiles whose activations each feed several FMAs
+/// (the two-panel prefill tile, attention's value pass) give every FMA an
+/// embedded broadcast operand rather than broadcasting once into a
+/// register. On AMD Zen 4 a zmm `vbroadcastss` takes a slot of the FP pipes
+/// (measured: see [`super::x86::avx512::bf16_pair_tile`]); on Intel it is a
+/// pure load, and Skylake-SP / Ice Lake's two load ports would be the limit
+/// of the embedded form. The same bits either way; decided by the vendor.
+#[cfg(target_arch = "x86_64")]
+fn embedded_broadcasts() -> bool {
+    &super::x86::cpu_vendor() == b"AuthenticAMD"
+}
+
 /// Most tokens any tier takes per tile (sizes stack arrays of row slices).
 pub const MAX_MR: usize = 12;
 
@@ -292,11 +304,26 @@ impl Kernels {
                     Tier::Avx512 => (avx2::I8_MR, avx2::i8_tile),
                     _ => (avx512::I8_MR, avx512::i8_tile_vnni),
                 };
+                let emb = embedded_broadcasts();
+                let (bf16_pair, accum): (Bf16PairTile, [AttnAccum; 2]) = if emb {
+                    (
+                        avx512::bf16_pair_tile::<true>,
+                        [attn::accum512::<false, true>, attn::accum512::<true, true>],
+                    )
+                } else {
+                    (
+                        avx512::bf16_pair_tile::<false>,
+                        [
+                            attn::accum512::<false, false>,
+                            attn::accum512::<true, false>,
+                        ],
+                    )
+                };
                 Kernels {
                     tier,
                     bf16_mr: avx512::BF16_MR,
                     bf16: avx512::bf16_tile,
-                    bf16_pair: Some((avx512::BF16_PAIR_MR, avx512::bf16_pair_tile as Bf16PairTile)),
+                    bf16_pair: Some((avx512::BF16_PAIR_MR, bf16_pair)),
                     bf16x: matches!(tier, Tier::Avx512Bf16 | Tier::Amx)
                         .then_some((avx512::BF16X_MR, avx512::bf16x_tile as Bf16xTile)),
                     bf16x_pair: matches!(tier, Tier::Avx512Bf16 | Tier::Amx).then_some((
@@ -315,7 +342,7 @@ impl Kernels {
                         scores_cols: [attn::scores_cols512::<false>, attn::scores_cols512::<true>],
                         scores_cols_b16: matches!(tier, Tier::Avx512Bf16 | Tier::Amx)
                             .then_some(attn::scores_cols512_b16 as AttnScoresColsB16),
-                        accum: [attn::accum512::<false>, attn::accum512::<true>],
+                        accum,
                         softmax: attn::softmax512,
                     }),
                 }

@@ -805,3 +805,68 @@ fn b12_tiles_and_decoders_equal_the_twins_bit_for_bit() {
         }
     }
 }
+
+/// The AVX-512 tiles that broadcast an activation to several FMAs exist in
+/// two forms, a register broadcast and embedded broadcast operands, picked
+/// by the CPU's vendor (`embedded_broadcasts` in `dispatch`). Both must give
+/// the same bits, whichever this machine's vendor runs: the two-panel bf16
+/// tile and attention's value pass, f32 and bf16 rows.
+#[cfg(target_arch = "x86_64")]
+#[test]
+fn embedded_broadcast_forms_equal_register_forms_bit_for_bit() {
+    use crate::kernels::x86::{attn, avx512};
+    if !(is_x86_feature_detected!("avx512f") && is_x86_feature_detected!("avx512bw")) {
+        eprintln!("SKIPPED: no AVX-512 on this CPU; the embedded-broadcast forms did not run here");
+        return;
+    }
+    let mut rng = StdRng::seed_from_u64(23);
+    for &kc in KCS {
+        let w0 = rand_bf16(&mut rng, bf16_padded_k(kc) * NR);
+        let w1 = rand_bf16(&mut rng, bf16_padded_k(kc) * NR);
+        for t in 1..=avx512::BF16_PAIR_MR {
+            let rows: Vec<Vec<f32>> = (0..t)
+                .map(|_| (0..kc).map(|_| rng.random_range(-2.0f32..2.0)).collect())
+                .collect();
+            let x: Vec<&[f32]> = rows.iter().map(|r| &r[..]).collect();
+            let mut xp = Vec::new();
+            pack_pairs_f32(&x, 0, kc, &mut xp);
+            let init: Vec<f32> = (0..t * NR).map(|i| i as f32 * 0.25).collect();
+            let (mut r0, mut r1, mut e0, mut e1) = (init.clone(), init.clone(), init.clone(), init);
+            // SAFETY: AVX-512 F/BW were detected above; the panels hold
+            // `16 · bf16_padded_k(kc)` words, `xp` `bf16_padded_k(kc) · t`
+            // values and each accumulator `16 · t`.
+            unsafe {
+                avx512::bf16_pair_tile::<false>([&w0, &w1], kc, t, &xp, [&mut r0, &mut r1]);
+                avx512::bf16_pair_tile::<true>([&w0, &w1], kc, t, &xp, [&mut e0, &mut e1]);
+            }
+            let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+            assert_eq!(bits(&r0), bits(&e0), "pair tile panel 0 kc={kc} t={t}");
+            assert_eq!(bits(&r1), bits(&e1), "pair tile panel 1 kc={kc} t={t}");
+        }
+    }
+    for &d in &[16usize, 31, 32, 48, 64, 128, 576] {
+        for &m in &[1usize, 3, 4, 8, 9, 16] {
+            let (n, stride, ld) = (19usize, d + 5, 23usize);
+            let vf: Vec<f32> = (0..(n - 1) * stride + d)
+                .map(|_| rng.random_range(-1.0f32..1.0))
+                .collect();
+            let vb: Vec<u16> = vf.iter().map(|&x| f32_to_bf16_bits(x)).collect();
+            let p: Vec<f32> = (0..m * ld).map(|_| rng.random_range(0.0f32..1.0)).collect();
+            let init: Vec<f32> = (0..m * d).map(|i| i as f32 * 0.01).collect();
+            let (mut rf, mut ef, mut rb, mut eb) = (init.clone(), init.clone(), init.clone(), init);
+            // SAFETY: AVX-512 F/BW were detected above; `v` holds
+            // `(n - 1) · stride + d` elements and `p` row `i` at `i · ld`
+            // holds `n` values.
+            unsafe {
+                let (fp, bp) = (vf.as_ptr().cast(), vb.as_ptr().cast());
+                attn::accum512::<false, false>(&p, ld, fp, stride, n, &mut rf, d);
+                attn::accum512::<false, true>(&p, ld, fp, stride, n, &mut ef, d);
+                attn::accum512::<true, false>(&p, ld, bp, stride, n, &mut rb, d);
+                attn::accum512::<true, true>(&p, ld, bp, stride, n, &mut eb, d);
+            }
+            let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+            assert_eq!(bits(&rf), bits(&ef), "accum f32 d={d} m={m}");
+            assert_eq!(bits(&rb), bits(&eb), "accum bf16 d={d} m={m}");
+        }
+    }
+}

@@ -51,6 +51,37 @@ macro_rules! prefetch {
 }
 
 /// `*acc[0..16] += v`.
+/// `$acc += broadcast(*($p + $d bytes)) · $w` as one FMA with an embedded
+/// broadcast memory operand (`$d` a constant). The compiler keeps a value
+/// that feeds several FMAs in a register (`vbroadcastss`); this form is for
+/// the CPUs where that broadcast costs an FP slot (see [`bf16_pair_tile`]).
+macro_rules! fma_bcst {
+    ($acc:expr, $w:expr, $p:expr, $d:expr) => {
+        std::arch::asm!(
+            "vfmadd231ps {a}, {w}, dword ptr [{p} + {d}]{{1to16}}",
+            a = inout(zmm_reg) $acc,
+            w = in(zmm_reg) $w,
+            p = in(reg) $p,
+            d = const $d,
+            options(pure, readonly, nostack, preserves_flags)
+        )
+    };
+}
+
+/// Runs `$body` with the const `$t` = 0, 1, ... for each `$t < $n` (at most 12).
+macro_rules! unroll_t {
+    ($t:ident < $n:expr, $body:block) => {
+        unroll_t!(@ $t, $n, $body; 0 1 2 3 4 5 6 7 8 9 10 11)
+    };
+    (@ $t:ident, $n:expr, $body:block; $($i:literal)*) => {
+        $( {
+            #[allow(non_upper_case_globals)]
+            const $t: usize = $i;
+            if $t < $n $body
+        } )*
+    };
+}
+
 macro_rules! store_add {
     ($acc:expr, $v:expr) => {{
         let p = $acc;
@@ -145,15 +176,26 @@ pub const BF16_PAIR_MR: usize = 12;
 
 /// bf16 tile over **two** panels at once with f32 activations packed as
 /// [`crate::kernels::layout::pack_pairs_f32`] lays them out (one sequential
-/// stream), any `t` in `1..=BF16_PAIR_MR`: each broadcast activation feeds
-/// four FMAs (two panels, `k` and `k + 1`), half the loads per FMA of
-/// [`bf16_tile`]; `2·t` accumulators (24 of the 32 zmm at `t = 12`).
+/// stream), any `t` in `1..=BF16_PAIR_MR`: each activation feeds two FMAs
+/// (two panels), half the loads per FMA of [`bf16_tile`]; `2·t`
+/// accumulators (24 of the 32 zmm at `t = 12`).
+///
+/// `EMB` picks how an activation reaches its FMAs: `false` broadcasts it
+/// into a register once (`vbroadcastss`), `true` gives each FMA an embedded
+/// broadcast memory operand (`{1to16}`), twice the loads but no broadcast
+/// instruction. The bits are the same. On AMD Zen 4 a zmm `vbroadcastss`
+/// from memory takes a slot of the FP pipes the FMAs need (a micro-kernel
+/// of one broadcast per two FMAs ran at 88 % of the FMA peak, the embedded
+/// form at 100 %; `bench linear --tokens 128` 196-203 → 205-207 GFLOP/s,
+/// EPYC 2026-12-06). Intel's broadcast is a pure load, and Skylake-SP and
+/// Ice Lake have two load ports, which the embedded form would saturate:
+/// see [`crate::kernels::dispatch`] for who gets which.
 ///
 /// # Safety
 /// The CPU must support AVX-512 F and BW; `w[0]` and `w[1]` are each
 /// `16 · bf16_padded_k(kc)` words, `xp` holds `bf16_padded_k(kc) · t`
 /// values and `acc[0]`, `acc[1]` at least `16 · t`.
-pub unsafe fn bf16_pair_tile(
+pub unsafe fn bf16_pair_tile<const EMB: bool>(
     w: [&[u16]; 2],
     kc: usize,
     t: usize,
@@ -166,25 +208,25 @@ pub unsafe fn bf16_pair_tile(
     // SAFETY: the caller guarantees the features and the lengths above.
     unsafe {
         match t {
-            1 => bf16_pair_t::<1>(w, kc, xp, acc),
-            2 => bf16_pair_t::<2>(w, kc, xp, acc),
-            3 => bf16_pair_t::<3>(w, kc, xp, acc),
-            4 => bf16_pair_t::<4>(w, kc, xp, acc),
-            5 => bf16_pair_t::<5>(w, kc, xp, acc),
-            6 => bf16_pair_t::<6>(w, kc, xp, acc),
-            7 => bf16_pair_t::<7>(w, kc, xp, acc),
-            8 => bf16_pair_t::<8>(w, kc, xp, acc),
-            9 => bf16_pair_t::<9>(w, kc, xp, acc),
-            10 => bf16_pair_t::<10>(w, kc, xp, acc),
-            11 => bf16_pair_t::<11>(w, kc, xp, acc),
-            12 => bf16_pair_t::<12>(w, kc, xp, acc),
+            1 => bf16_pair_t::<1, EMB>(w, kc, xp, acc),
+            2 => bf16_pair_t::<2, EMB>(w, kc, xp, acc),
+            3 => bf16_pair_t::<3, EMB>(w, kc, xp, acc),
+            4 => bf16_pair_t::<4, EMB>(w, kc, xp, acc),
+            5 => bf16_pair_t::<5, EMB>(w, kc, xp, acc),
+            6 => bf16_pair_t::<6, EMB>(w, kc, xp, acc),
+            7 => bf16_pair_t::<7, EMB>(w, kc, xp, acc),
+            8 => bf16_pair_t::<8, EMB>(w, kc, xp, acc),
+            9 => bf16_pair_t::<9, EMB>(w, kc, xp, acc),
+            10 => bf16_pair_t::<10, EMB>(w, kc, xp, acc),
+            11 => bf16_pair_t::<11, EMB>(w, kc, xp, acc),
+            12 => bf16_pair_t::<12, EMB>(w, kc, xp, acc),
             _ => {}
         }
     }
 }
 
 #[target_feature(enable = "avx512f,avx512bw,fma")]
-unsafe fn bf16_pair_t<const T: usize>(
+unsafe fn bf16_pair_t<const T: usize, const EMB: bool>(
     w: [*const u16; 2],
     kc: usize,
     xp: *const f32,
@@ -209,13 +251,23 @@ unsafe fn bf16_pair_t<const T: usize>(
             let wb0 = _mm512_castsi512_ps(_mm512_slli_epi32::<16>(rb));
             let wb1 = _mm512_castsi512_ps(_mm512_and_si512(rb, mask));
             let x = xp.add(i * 2 * T);
-            for t in 0..T {
-                let x0 = _mm512_set1_ps(*x.add(2 * t));
-                a[t][0] = _mm512_fmadd_ps(x0, wa0, a[t][0]);
-                a[t][1] = _mm512_fmadd_ps(x0, wb0, a[t][1]);
-                let x1 = _mm512_set1_ps(*x.add(2 * t + 1));
-                a[t][0] = _mm512_fmadd_ps(x1, wa1, a[t][0]);
-                a[t][1] = _mm512_fmadd_ps(x1, wb1, a[t][1]);
+            if EMB {
+                const { assert!(T <= 12, "unroll_t! unrolls 12 tokens") };
+                unroll_t!(t < T, {
+                    fma_bcst!(a[t][0], wa0, x, 8 * t);
+                    fma_bcst!(a[t][1], wb0, x, 8 * t);
+                    fma_bcst!(a[t][0], wa1, x, 8 * t + 4);
+                    fma_bcst!(a[t][1], wb1, x, 8 * t + 4);
+                });
+            } else {
+                for t in 0..T {
+                    let x0 = _mm512_set1_ps(*x.add(2 * t));
+                    a[t][0] = _mm512_fmadd_ps(x0, wa0, a[t][0]);
+                    a[t][1] = _mm512_fmadd_ps(x0, wb0, a[t][1]);
+                    let x1 = _mm512_set1_ps(*x.add(2 * t + 1));
+                    a[t][0] = _mm512_fmadd_ps(x1, wa1, a[t][0]);
+                    a[t][1] = _mm512_fmadd_ps(x1, wb1, a[t][1]);
+                }
             }
         }
         if kc % 2 == 1 {
