@@ -328,7 +328,11 @@ impl Kernels {
                         .then_some((avx512::BF16X_MR, avx512::bf16x_tile as Bf16xTile)),
                     bf16x_pair: matches!(tier, Tier::Avx512Bf16 | Tier::Amx).then_some((
                         avx512::BF16X_PAIR_MR,
-                        avx512::bf16x_pair_tile as Bf16xPairTile,
+                        if emb {
+                            avx512::bf16x_pair_tile::<true> as Bf16xPairTile
+                        } else {
+                            avx512::bf16x_pair_tile::<false>
+                        },
                     )),
                     bf16mm: None,
                     i8_mr,

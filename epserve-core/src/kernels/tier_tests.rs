@@ -810,7 +810,8 @@ fn b12_tiles_and_decoders_equal_the_twins_bit_for_bit() {
 /// two forms, a register broadcast and embedded broadcast operands, picked
 /// by the CPU's vendor (`embedded_broadcasts` in `dispatch`). Both must give
 /// the same bits, whichever this machine's vendor runs: the two-panel bf16
-/// tile and attention's value pass, f32 and bf16 rows.
+/// tiles (f32 and bf16 activations) and attention's value pass, f32 and
+/// bf16 rows.
 #[cfg(target_arch = "x86_64")]
 #[test]
 fn embedded_broadcast_forms_equal_register_forms_bit_for_bit() {
@@ -843,6 +844,38 @@ fn embedded_broadcast_forms_equal_register_forms_bit_for_bit() {
             assert_eq!(bits(&r0), bits(&e0), "pair tile panel 0 kc={kc} t={t}");
             assert_eq!(bits(&r1), bits(&e1), "pair tile panel 1 kc={kc} t={t}");
         }
+    }
+    if is_x86_feature_detected!("avx512bf16") {
+        for &kc in KCS {
+            let kp = bf16_padded_k(kc);
+            let w: [Vec<u16>; 2] = [rand_bf16(&mut rng, kp * NR), rand_bf16(&mut rng, kp * NR)];
+            for t in 1..=avx512::BF16X_PAIR_MR {
+                let rows: Vec<Vec<u16>> = (0..t)
+                    .map(|_| {
+                        let mut r = rand_bf16(&mut rng, kp);
+                        r[kc..].fill(0);
+                        r
+                    })
+                    .collect();
+                let x: Vec<&[u16]> = rows.iter().map(|r| &r[..]).collect();
+                let mut xp = Vec::new();
+                pack_pairs_b16(&x, 0, kp, &mut xp);
+                let init: Vec<f32> = (0..t * NR).map(|i| i as f32 * 0.25).collect();
+                let (mut r0, mut r1, mut e0, mut e1) =
+                    (init.clone(), init.clone(), init.clone(), init);
+                // SAFETY: AVX-512 F/BW/BF16 were detected; the panels hold
+                // `16 · kp` words, `xp` `kp · t` and each accumulator `16 · t`.
+                unsafe {
+                    avx512::bf16x_pair_tile::<false>([&w[0], &w[1]], t, &xp, [&mut r0, &mut r1]);
+                    avx512::bf16x_pair_tile::<true>([&w[0], &w[1]], t, &xp, [&mut e0, &mut e1]);
+                }
+                let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+                assert_eq!(bits(&r0), bits(&e0), "bf16x pair panel 0 kc={kc} t={t}");
+                assert_eq!(bits(&r1), bits(&e1), "bf16x pair panel 1 kc={kc} t={t}");
+            }
+        }
+    } else {
+        eprintln!("SKIPPED: no AVX-512 BF16 here; the bf16x pair tile's two forms did not run");
     }
     for &d in &[16usize, 31, 32, 48, 64, 128, 576] {
         for &m in &[1usize, 3, 4, 8, 9, 16] {

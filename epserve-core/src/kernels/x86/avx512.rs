@@ -68,6 +68,23 @@ macro_rules! fma_bcst {
     };
 }
 
+/// `$acc += $w · broadcast(*($p + $d bytes))` (a bf16 pair, `$acc` and `$w`
+/// `__m512` / `__m512bh`) as one `vdpbf16ps` with an embedded broadcast
+/// memory operand (`$d` a constant), as [`fma_bcst!`].
+macro_rules! dpbf16_bcst {
+    ($acc:expr, $w:expr, $p:expr, $d:expr) => {{
+        let w: __m512 = std::mem::transmute($w);
+        std::arch::asm!(
+            "vdpbf16ps {a}, {w}, dword ptr [{p} + {d}]{{1to16}}",
+            a = inout(zmm_reg) $acc,
+            w = in(zmm_reg) w,
+            p = in(reg) $p,
+            d = const $d,
+            options(pure, readonly, nostack, preserves_flags)
+        )
+    }};
+}
+
 /// Runs `$body` with the const `$t` = 0, 1, ... for each `$t < $n` (at most 12).
 macro_rules! unroll_t {
     ($t:ident < $n:expr, $body:block) => {
@@ -383,7 +400,12 @@ pub const BF16X_PAIR_MR: usize = 12;
 /// The CPU must support AVX-512 F, BW and BF16; `w[0]` and `w[1]` have the
 /// same length, a multiple of 32 words; `xp` holds `w[0].len() / 16 · t`
 /// values and `acc[0]`, `acc[1]` at least `16 · t`.
-pub unsafe fn bf16x_pair_tile(w: [&[u16]; 2], t: usize, xp: &[u16], acc: [&mut [f32]; 2]) {
+pub unsafe fn bf16x_pair_tile<const EMB: bool>(
+    w: [&[u16]; 2],
+    t: usize,
+    xp: &[u16],
+    acc: [&mut [f32]; 2],
+) {
     let pairs = w[0].len() / (2 * NR);
     let (w, xp) = ([w[0].as_ptr(), w[1].as_ptr()], xp.as_ptr() as *const i32);
     let [a0, a1] = acc;
@@ -391,25 +413,25 @@ pub unsafe fn bf16x_pair_tile(w: [&[u16]; 2], t: usize, xp: &[u16], acc: [&mut [
     // SAFETY: the caller guarantees the features and the lengths above.
     unsafe {
         match t {
-            1 => bf16x_pair_t::<1>(w, pairs, xp, acc),
-            2 => bf16x_pair_t::<2>(w, pairs, xp, acc),
-            3 => bf16x_pair_t::<3>(w, pairs, xp, acc),
-            4 => bf16x_pair_t::<4>(w, pairs, xp, acc),
-            5 => bf16x_pair_t::<5>(w, pairs, xp, acc),
-            6 => bf16x_pair_t::<6>(w, pairs, xp, acc),
-            7 => bf16x_pair_t::<7>(w, pairs, xp, acc),
-            8 => bf16x_pair_t::<8>(w, pairs, xp, acc),
-            9 => bf16x_pair_t::<9>(w, pairs, xp, acc),
-            10 => bf16x_pair_t::<10>(w, pairs, xp, acc),
-            11 => bf16x_pair_t::<11>(w, pairs, xp, acc),
-            12 => bf16x_pair_t::<12>(w, pairs, xp, acc),
+            1 => bf16x_pair_t::<1, EMB>(w, pairs, xp, acc),
+            2 => bf16x_pair_t::<2, EMB>(w, pairs, xp, acc),
+            3 => bf16x_pair_t::<3, EMB>(w, pairs, xp, acc),
+            4 => bf16x_pair_t::<4, EMB>(w, pairs, xp, acc),
+            5 => bf16x_pair_t::<5, EMB>(w, pairs, xp, acc),
+            6 => bf16x_pair_t::<6, EMB>(w, pairs, xp, acc),
+            7 => bf16x_pair_t::<7, EMB>(w, pairs, xp, acc),
+            8 => bf16x_pair_t::<8, EMB>(w, pairs, xp, acc),
+            9 => bf16x_pair_t::<9, EMB>(w, pairs, xp, acc),
+            10 => bf16x_pair_t::<10, EMB>(w, pairs, xp, acc),
+            11 => bf16x_pair_t::<11, EMB>(w, pairs, xp, acc),
+            12 => bf16x_pair_t::<12, EMB>(w, pairs, xp, acc),
             _ => {}
         }
     }
 }
 
 #[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
-unsafe fn bf16x_pair_t<const T: usize>(
+unsafe fn bf16x_pair_t<const T: usize, const EMB: bool>(
     w: [*const u16; 2],
     pairs: usize,
     xp: *const i32,
@@ -428,11 +450,21 @@ unsafe fn bf16x_pair_t<const T: usize>(
             let wa: __m512bh = std::mem::transmute(_mm512_loadu_si512(pa as *const __m512i));
             let wb: __m512bh = std::mem::transmute(_mm512_loadu_si512(pb as *const __m512i));
             let x = xp.add(i * T);
-            for t in 0..T {
-                let xv: __m512bh =
-                    std::mem::transmute(_mm512_set1_epi32(x.add(t).read_unaligned()));
-                a[t][0] = _mm512_dpbf16_ps(a[t][0], xv, wa);
-                a[t][1] = _mm512_dpbf16_ps(a[t][1], xv, wb);
+            if EMB {
+                // The products are exact and commute: the broadcast pair as
+                // the memory operand gives the same bits.
+                const { assert!(T <= 12, "unroll_t! unrolls 12 tokens") };
+                unroll_t!(t < T, {
+                    dpbf16_bcst!(a[t][0], wa, x, 4 * t);
+                    dpbf16_bcst!(a[t][1], wb, x, 4 * t);
+                });
+            } else {
+                for t in 0..T {
+                    let xv: __m512bh =
+                        std::mem::transmute(_mm512_set1_epi32(x.add(t).read_unaligned()));
+                    a[t][0] = _mm512_dpbf16_ps(a[t][0], xv, wa);
+                    a[t][1] = _mm512_dpbf16_ps(a[t][1], xv, wb);
+                }
             }
         }
         for t in 0..T {
