@@ -505,7 +505,7 @@ fn refill(v: &mut Vec<f32>, n: usize, x: f32) {
 /// Hints the cache lines of `bytes` bytes at element `off` of `rows` into
 /// L2 (a hint: never faults, a no-op past the end or on other targets).
 #[inline]
-fn prefetch_l2(rows: KvRows<'_>, off: usize, bytes: usize) {
+pub(crate) fn prefetch_l2(rows: KvRows<'_>, off: usize, bytes: usize) {
     if off >= rows.len() {
         return;
     }
@@ -693,7 +693,13 @@ fn run_item(
             runs(s, bs, j0, j1, |j, len, row0| {
                 let out = &mut sc[j - j0..];
                 if k.by_column {
-                    hint_cols(koff, j - j0, j - j0 + len);
+                    // A whole cache block next: its columns are hinted from
+                    // inside the scores kernel (spread, not one burst).
+                    let (i, r) = (j - j0, next[j - j0]);
+                    let whole = r != usize::MAX && r % bs == 0 && len == bs;
+                    if !whole || shape.bf16_queries {
+                        hint_cols(koff, i, i + len);
+                    }
                     let t0 = row0 % bs;
                     let cols = k
                         .rows
@@ -712,7 +718,7 @@ fn run_item(
                             KEY_BLOCK,
                         );
                     } else {
-                        kern.attn_scores_cols(
+                        kern.attn_scores_cols_hinted(
                             &h.q,
                             dk,
                             cols,
@@ -722,6 +728,7 @@ fn run_item(
                             shape.scale,
                             out,
                             KEY_BLOCK,
+                            whole.then(|| (k.rows, column_index(r, koff, bs, k.stride))),
                         );
                     }
                     return;
@@ -1067,6 +1074,26 @@ mod tests {
                         &mut alone,
                         ldo,
                     );
+                    // With a hint (the block itself, and one past the end:
+                    // not hinted), the same bits.
+                    for off in [0, cols.len()] {
+                        let mut hinted = vec![0.0f32; m * ldo];
+                        let h = Some((cols, off));
+                        kern.attn_scores_cols_hinted(
+                            &q,
+                            dk,
+                            cols,
+                            bs,
+                            t0,
+                            n,
+                            0.7,
+                            &mut hinted,
+                            ldo,
+                            h,
+                        );
+                        let b = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+                        assert_eq!(b(&hinted), b(&whole), "{what}: hinted at {off}");
+                    }
                     let mut want = vec![0.0f32; m * ldo];
                     let rk = rows.slice_from(t0 * stride);
                     kern.attn_scores(&q, dk, rk, stride, n, 0.7, &mut want, ldo);

@@ -164,6 +164,8 @@ type AttnScores = unsafe fn(&[f32], usize, *const u8, usize, usize, f32, &mut [f
 type AttnScoresB16 = unsafe fn(&[u16], usize, *const u8, usize, usize, f32, &mut [f32], usize);
 type AttnScoresCols =
     unsafe fn(&[f32], usize, *const u8, usize, usize, usize, f32, &mut [f32], usize);
+type AttnScoresColsHinted =
+    unsafe fn(&[f32], usize, *const u8, usize, usize, usize, f32, &mut [f32], usize, *const u8);
 type AttnScoresColsB16 =
     unsafe fn(&[u16], usize, *const u8, usize, usize, usize, f32, &mut [f32], usize);
 type AttnAccum = unsafe fn(&[f32], usize, *const u8, usize, usize, &mut [f32], usize);
@@ -181,6 +183,9 @@ struct AttnFns {
     /// The scores against a block's keys stored by column (see
     /// [`Kernels::attn_scores_cols`]), `[f32, bf16]`.
     scores_cols: [AttnScoresCols; 2],
+    /// The same, hinting the next block's columns from inside its loop,
+    /// where the tier does (see [`Kernels::attn_scores_cols_hinted`]).
+    scores_cols_hinted: Option<[AttnScoresColsHinted; 2]>,
     /// bf16 queries against bf16 columns with a native bf16 dot.
     scores_cols_b16: Option<AttnScoresColsB16>,
     accum: [AttnAccum; 2],
@@ -291,6 +296,7 @@ impl Kernels {
                         scores: [attn::scores256::<false>, attn::scores256::<true>],
                         scores_b16: None,
                         scores_cols: [attn::scores_cols256::<false>, attn::scores_cols256::<true>],
+                        scores_cols_hinted: None,
                         scores_cols_b16: None,
                         accum: [attn::accum256::<false>, attn::accum256::<true>],
                         softmax: attn::softmax256,
@@ -344,6 +350,10 @@ impl Kernels {
                         scores_b16: matches!(tier, Tier::Avx512Bf16 | Tier::Amx)
                             .then_some(attn::scores512_b16 as AttnScoresB16),
                         scores_cols: [attn::scores_cols512::<false>, attn::scores_cols512::<true>],
+                        scores_cols_hinted: Some([
+                            attn::scores_cols512_hinted::<false>,
+                            attn::scores_cols512_hinted::<true>,
+                        ]),
                         scores_cols_b16: matches!(tier, Tier::Avx512Bf16 | Tier::Amx)
                             .then_some(attn::scores_cols512_b16 as AttnScoresColsB16),
                         accum,
@@ -377,6 +387,7 @@ impl Kernels {
                         scores: [attn::scores::<false>, attn::scores::<true>],
                         scores_b16: None,
                         scores_cols: [attn::scores_cols::<false>, attn::scores_cols::<true>],
+                        scores_cols_hinted: None,
                         scores_cols_b16: None,
                         accum: [attn::accum::<false>, attn::accum::<true>],
                         softmax: attn::softmax,
@@ -829,6 +840,49 @@ impl Kernels {
                 (f.scores_cols[k.is_bf16() as usize])(q, dk, k.as_ptr(), bs, t0, n, scale, out, ldo)
             },
             None => generic::attn_scores_cols(q, dk, k, bs, t0, n, scale, out, ldo),
+        }
+    }
+
+    /// [`attn_scores_cols`](Self::attn_scores_cols), also hinting into L2
+    /// the `dk · bs` elements from element `hint.1` of `hint.0` (the next
+    /// cache block's columns of this KV head), where given and inside
+    /// `hint.0`: spread over the kernel's column loop on AVX-512, one burst
+    /// before the call elsewhere. The same bits as without the hint.
+    #[allow(clippy::too_many_arguments)]
+    pub fn attn_scores_cols_hinted(
+        &self,
+        q: &[f32],
+        dk: usize,
+        k: KvRows<'_>,
+        bs: usize,
+        t0: usize,
+        n: usize,
+        scale: f32,
+        out: &mut [f32],
+        ldo: usize,
+        hint: Option<(KvRows<'_>, usize)>,
+    ) {
+        let esize = if k.is_bf16() { 2 } else { 4 };
+        let hint = hint.filter(|(rows, off)| off + dk * bs <= rows.len());
+        match (self.attn.and_then(|f| f.scores_cols_hinted), hint) {
+            (Some(f), Some((rows, off))) if n > 0 && !q.is_empty() => {
+                let m = q.len() / dk.max(1);
+                assert!(dk > 0 && q.len() == m * dk && ldo >= n && t0 + n <= bs);
+                assert!(k.len() >= (dk - 1) * bs + t0 + n && out.len() >= (m - 1) * ldo + n);
+                let h = rows.as_ptr().wrapping_add(off * esize);
+                // SAFETY: this tier was checked as supported when `self` was
+                // built, the extents were just asserted, and the hint is only
+                // prefetched (never read).
+                unsafe {
+                    (f[k.is_bf16() as usize])(q, dk, k.as_ptr(), bs, t0, n, scale, out, ldo, h)
+                }
+            }
+            _ => {
+                if let Some((rows, off)) = hint {
+                    super::attention::prefetch_l2(rows, off, dk * bs * esize);
+                }
+                self.attn_scores_cols(q, dk, k, bs, t0, n, scale, out, ldo);
+            }
         }
     }
 
