@@ -697,9 +697,10 @@ fn run_item(
                     // inside the scores kernel (spread, not one burst).
                     let (i, r) = (j - j0, next[j - j0]);
                     let whole = r != usize::MAX && r % bs == 0 && len == bs;
-                    if !whole || shape.bf16_queries {
+                    if !whole {
                         hint_cols(koff, i, i + len);
                     }
+                    let next_cols = whole.then(|| (k.rows, column_index(r, koff, bs, k.stride)));
                     let t0 = row0 % bs;
                     let cols = k
                         .rows
@@ -716,6 +717,7 @@ fn run_item(
                             shape.scale,
                             out,
                             KEY_BLOCK,
+                            next_cols,
                         );
                     } else {
                         kern.attn_scores_cols_hinted(
@@ -728,7 +730,7 @@ fn run_item(
                             shape.scale,
                             out,
                             KEY_BLOCK,
-                            whole.then(|| (k.rows, column_index(r, koff, bs, k.stride))),
+                            next_cols,
                         );
                     }
                     return;
@@ -1127,15 +1129,40 @@ mod tests {
                     }
                     // bf16 queries.
                     let mut bw = vec![0.0f32; m * ldo];
-                    kern.attn_scores_cols_b16(&qr, &qb, dk, cols, bs, t0, n, 0.7, &mut bw, ldo);
+                    kern.attn_scores_cols_b16(
+                        &qr, &qb, dk, cols, bs, t0, n, 0.7, &mut bw, ldo, None,
+                    );
                     let mut bk = vec![0.0f32; m * ldo];
                     for i in 0..n {
                         let o = &mut bk[i..];
-                        kern.attn_scores_cols_b16(&qr, &qb, dk, cols, bs, t0 + i, 1, 0.7, o, ldo);
+                        kern.attn_scores_cols_b16(
+                            &qr,
+                            &qb,
+                            dk,
+                            cols,
+                            bs,
+                            t0 + i,
+                            1,
+                            0.7,
+                            o,
+                            ldo,
+                            None,
+                        );
+                    }
+                    for off in [0, cols.len()] {
+                        let mut bh = vec![0.0f32; m * ldo];
+                        let h = Some((cols, off));
+                        kern.attn_scores_cols_b16(
+                            &qr, &qb, dk, cols, bs, t0, n, 0.7, &mut bh, ldo, h,
+                        );
+                        let b = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+                        assert_eq!(b(&bh), b(&bw), "{what} b16: hinted at {off}");
                     }
                     let mut ba = vec![0.0f32; ldo];
                     let (ql, qbl) = (&qr[last * dk..], &qb[last * dk..]);
-                    kern.attn_scores_cols_b16(ql, qbl, dk, cols, bs, t0, n, 0.7, &mut ba, ldo);
+                    kern.attn_scores_cols_b16(
+                        ql, qbl, dk, cols, bs, t0, n, 0.7, &mut ba, ldo, None,
+                    );
                     let mut fr = vec![0.0f32; m * ldo];
                     kern.attn_scores_cols(&qr, dk, cols, bs, t0, n, 0.7, &mut fr, ldo);
                     for mi in 0..m {

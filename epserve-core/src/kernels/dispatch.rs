@@ -167,7 +167,7 @@ type AttnScoresCols =
 type AttnScoresColsHinted =
     unsafe fn(&[f32], usize, *const u8, usize, usize, usize, f32, &mut [f32], usize, *const u8);
 type AttnScoresColsB16 =
-    unsafe fn(&[u16], usize, *const u8, usize, usize, usize, f32, &mut [f32], usize);
+    unsafe fn(&[u16], usize, *const u8, usize, usize, usize, f32, &mut [f32], usize, *const u8);
 type AttnAccum = unsafe fn(&[f32], usize, *const u8, usize, usize, &mut [f32], usize);
 type AttnSoftmax = unsafe fn(&mut [f32], f32) -> (f32, f32);
 
@@ -904,18 +904,24 @@ impl Kernels {
         scale: f32,
         out: &mut [f32],
         ldo: usize,
+        hint: Option<(KvRows<'_>, usize)>,
     ) {
+        let hint = hint.filter(|(rows, off)| off + dk * bs <= rows.len() && rows.is_bf16());
         match self.attn.and_then(|f| f.scores_cols_b16) {
             Some(f) if k.is_bf16() && n > 0 && !qb.is_empty() => {
                 let m = qb.len() / dk.max(1);
                 assert!(dk > 0 && qb.len() == m * dk && q.len() == qb.len());
                 assert!(ldo >= n && t0 + n <= bs);
                 assert!(k.len() >= (dk - 1) * bs + t0 + n && out.len() >= (m - 1) * ldo + n);
+                let h = hint.map_or(std::ptr::null(), |(rows, off)| {
+                    rows.as_ptr().wrapping_add(off * 2)
+                });
                 // SAFETY: this tier was checked as supported when `self` was
-                // built, and the extents were just asserted.
-                unsafe { f(qb, dk, k.as_ptr(), bs, t0, n, scale, out, ldo) }
+                // built, the extents were just asserted, and the hint is only
+                // prefetched (never read).
+                unsafe { f(qb, dk, k.as_ptr(), bs, t0, n, scale, out, ldo, h) }
             }
-            _ => self.attn_scores_cols(q, dk, k, bs, t0, n, scale, out, ldo),
+            _ => self.attn_scores_cols_hinted(q, dk, k, bs, t0, n, scale, out, ldo, hint),
         }
     }
 

@@ -1263,6 +1263,8 @@ unsafe fn cols512_b16<const G: usize>(
     scale: f32,
     out: *mut f32,
     ldo: usize,
+    hint: *const u8,
+    hint_step: usize,
 ) {
     // Word 2j of the result is position j of the first column, word 2j + 1
     // position j of the second (index 32 + j).
@@ -1276,6 +1278,15 @@ unsafe fn cols512_b16<const G: usize>(
         let np = dk.div_ceil(2);
         let mut p0 = 0;
         while p0 < np {
+            if !hint.is_null() {
+                // Column pairs `2·p0 ..`: this loop's share of the hint.
+                let at = hint.wrapping_add(p0 / 2 * hint_step);
+                let mut b = 0;
+                while b < hint_step {
+                    _mm_prefetch::<_MM_HINT_T1>(at.wrapping_add(b) as *const i8);
+                    b += 64;
+                }
+            }
             for (j, aj) in a.iter_mut().enumerate().take(np - p0) {
                 let p = p0 + j;
                 let c0 = ldw16(k.add(2 * p * bs), mask);
@@ -1302,11 +1313,13 @@ unsafe fn cols512_b16<const G: usize>(
 }
 
 /// [`scores_cols512`] with bf16 queries (`qb`, bf16 bits) against bf16
-/// columns, on `vdpbf16ps`.
+/// columns, on `vdpbf16ps`; `hint` (null for none) as in
+/// [`scores_cols512_hinted`].
 ///
 /// # Safety
 /// AVX-512 F/BW/BF16 and FMA; extents as [`scores_cols512`] with `BF`.
 #[target_feature(enable = "avx512f,avx512bw,avx512bf16,avx2,fma")]
+#[allow(clippy::too_many_arguments)]
 pub unsafe fn scores_cols512_b16(
     qb: &[u16],
     dk: usize,
@@ -1317,17 +1330,25 @@ pub unsafe fn scores_cols512_b16(
     scale: f32,
     out: &mut [f32],
     ldo: usize,
+    hint: *const u8,
 ) {
     let m = qb.len() / dk;
     let (qp, op) = (qb.as_ptr(), out.as_mut_ptr());
     let kc = |i0: usize| (k as *const u16).wrapping_add(t0 + i0);
+    // Bytes hinted per two column pairs (one loop step), as `scores_cols512_hinted`.
+    let step = (dk * bs * 2).div_ceil(dk.div_ceil(4)).next_multiple_of(64);
     // SAFETY: the caller guarantees the features and the extents.
     col_groups16(m, n, |g, mi, i0, mask| unsafe {
         let (qg, o) = (qp.add(mi * dk), op.add(mi * ldo + i0));
+        let h = if mi == 0 && i0 == 0 {
+            hint
+        } else {
+            std::ptr::null()
+        };
         match g {
-            8 => cols512_b16::<8>(qg, dk, kc(i0), bs, mask, scale, o, ldo),
-            4 => cols512_b16::<4>(qg, dk, kc(i0), bs, mask, scale, o, ldo),
-            _ => cols512_b16::<1>(qg, dk, kc(i0), bs, mask, scale, o, ldo),
+            8 => cols512_b16::<8>(qg, dk, kc(i0), bs, mask, scale, o, ldo, h, step),
+            4 => cols512_b16::<4>(qg, dk, kc(i0), bs, mask, scale, o, ldo, h, step),
+            _ => cols512_b16::<1>(qg, dk, kc(i0), bs, mask, scale, o, ldo, h, step),
         }
     });
 }
