@@ -827,20 +827,7 @@ impl Kernels {
         out: &mut [f32],
         ldo: usize,
     ) {
-        if n == 0 || q.is_empty() {
-            return;
-        }
-        let m = q.len() / dk.max(1);
-        assert!(dk > 0 && q.len() == m * dk && ldo >= n && t0 + n <= bs);
-        assert!(k.len() >= (dk - 1) * bs + t0 + n && out.len() >= (m - 1) * ldo + n);
-        match self.attn {
-            // SAFETY: this tier was checked as supported when `self` was
-            // built, and the extents were just asserted.
-            Some(f) => unsafe {
-                (f.scores_cols[k.is_bf16() as usize])(q, dk, k.as_ptr(), bs, t0, n, scale, out, ldo)
-            },
-            None => generic::attn_scores_cols(q, dk, k, bs, t0, n, scale, out, ldo),
-        }
+        self.attn_scores_cols_hinted(q, dk, k, bs, t0, n, scale, out, ldo, None)
     }
 
     /// [`attn_scores_cols`](Self::attn_scores_cols), also hinting into L2
@@ -862,26 +849,40 @@ impl Kernels {
         ldo: usize,
         hint: Option<(KvRows<'_>, usize)>,
     ) {
+        if n == 0 || q.is_empty() {
+            return;
+        }
+        let m = q.len() / dk.max(1);
+        assert!(dk > 0 && q.len() == m * dk && ldo >= n && t0 + n <= bs);
+        assert!(k.len() >= (dk - 1) * bs + t0 + n && out.len() >= (m - 1) * ldo + n);
         let esize = if k.is_bf16() { 2 } else { 4 };
         let hint = hint.filter(|(rows, off)| off + dk * bs <= rows.len());
-        match (self.attn.and_then(|f| f.scores_cols_hinted), hint) {
-            (Some(f), Some((rows, off))) if n > 0 && !q.is_empty() => {
-                let m = q.len() / dk.max(1);
-                assert!(dk > 0 && q.len() == m * dk && ldo >= n && t0 + n <= bs);
-                assert!(k.len() >= (dk - 1) * bs + t0 + n && out.len() >= (m - 1) * ldo + n);
+        let kp = k.as_ptr();
+        match (self.attn, hint) {
+            (
+                Some(AttnFns {
+                    scores_cols_hinted: Some(f),
+                    ..
+                }),
+                Some((rows, off)),
+            ) => {
                 let h = rows.as_ptr().wrapping_add(off * esize);
                 // SAFETY: this tier was checked as supported when `self` was
                 // built, the extents were just asserted, and the hint is only
                 // prefetched (never read).
-                unsafe {
-                    (f[k.is_bf16() as usize])(q, dk, k.as_ptr(), bs, t0, n, scale, out, ldo, h)
-                }
+                unsafe { (f[k.is_bf16() as usize])(q, dk, kp, bs, t0, n, scale, out, ldo, h) }
             }
-            _ => {
+            (attn, hint) => {
                 if let Some((rows, off)) = hint {
                     super::attention::prefetch_l2(rows, off, dk * bs * esize);
                 }
-                self.attn_scores_cols(q, dk, k, bs, t0, n, scale, out, ldo);
+                match attn {
+                    // SAFETY: as above, without a hint.
+                    Some(f) => unsafe {
+                        (f.scores_cols[k.is_bf16() as usize])(q, dk, kp, bs, t0, n, scale, out, ldo)
+                    },
+                    None => generic::attn_scores_cols(q, dk, k, bs, t0, n, scale, out, ldo),
+                }
             }
         }
     }
