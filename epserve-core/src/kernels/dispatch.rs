@@ -907,16 +907,18 @@ impl Kernels {
         ldo: usize,
         hint: Option<(KvRows<'_>, usize)>,
     ) {
-        let hint = hint.filter(|(rows, off)| off + dk * bs <= rows.len() && rows.is_bf16());
         match self.attn.and_then(|f| f.scores_cols_b16) {
             Some(f) if k.is_bf16() && n > 0 && !qb.is_empty() => {
                 let m = qb.len() / dk.max(1);
                 assert!(dk > 0 && qb.len() == m * dk && q.len() == qb.len());
                 assert!(ldo >= n && t0 + n <= bs);
                 assert!(k.len() >= (dk - 1) * bs + t0 + n && out.len() >= (m - 1) * ldo + n);
-                let h = hint.map_or(std::ptr::null(), |(rows, off)| {
-                    rows.as_ptr().wrapping_add(off * 2)
-                });
+                // The hint's rows are bf16 as the keys are (the same pool).
+                let h = hint
+                    .filter(|(rows, off)| rows.is_bf16() && off + dk * bs <= rows.len())
+                    .map_or(std::ptr::null(), |(rows, off)| {
+                        rows.as_ptr().wrapping_add(off * 2)
+                    });
                 // SAFETY: this tier was checked as supported when `self` was
                 // built, the extents were just asserted, and the hint is only
                 // prefetched (never read).

@@ -1097,6 +1097,23 @@ unsafe fn ldm16<const BF: bool>(p: *const u8, i: usize, mask: u16) -> __m512 {
     }
 }
 
+/// Hints the `bytes` bytes from byte `off` of `hint` into L2, unless `hint`
+/// is null: one loop step's share of the next block the column kernels
+/// hint (see [`scores_cols512_hinted`]). Prefetches never fault.
+#[inline(always)]
+fn hint_share(hint: *const u8, off: usize, bytes: usize) {
+    if hint.is_null() {
+        return;
+    }
+    let at = hint.wrapping_add(off);
+    let mut b = 0;
+    while b < bytes {
+        // SAFETY: a prefetch is only a hint; it never faults.
+        unsafe { _mm_prefetch::<_MM_HINT_T1>(at.wrapping_add(b) as *const i8) };
+        b += 64;
+    }
+}
+
 /// `G` queries (rows `dk` apart at `q`) against the (`mask`ed) 16 positions
 /// at `k` of a block's columns (`bs` apart): scaled scores to `out`, rows
 /// `ldo` apart.
@@ -1120,14 +1137,7 @@ unsafe fn cols512<const G: usize, const BF: bool>(
     unsafe {
         let mut d = 0;
         while d < dk {
-            if !hint.is_null() {
-                let at = hint.wrapping_add(d / 2 * hint_step);
-                let mut b = 0;
-                while b < hint_step {
-                    _mm_prefetch::<_MM_HINT_T1>(at.wrapping_add(b) as *const i8);
-                    b += 64;
-                }
-            }
+            hint_share(hint, d / 2 * hint_step, hint_step);
             for (j, aj) in a.iter_mut().enumerate().take(dk - d) {
                 let kv = ldm16::<BF>(k, (d + j) * bs, mask);
                 for g in 0..G {
@@ -1278,15 +1288,8 @@ unsafe fn cols512_b16<const G: usize>(
         let np = dk.div_ceil(2);
         let mut p0 = 0;
         while p0 < np {
-            if !hint.is_null() {
-                // Column pairs `2·p0 ..`: this loop's share of the hint.
-                let at = hint.wrapping_add(p0 / 2 * hint_step);
-                let mut b = 0;
-                while b < hint_step {
-                    _mm_prefetch::<_MM_HINT_T1>(at.wrapping_add(b) as *const i8);
-                    b += 64;
-                }
-            }
+            // Column pairs `2·p0 ..`: this loop step's share of the hint.
+            hint_share(hint, p0 / 2 * hint_step, hint_step);
             for (j, aj) in a.iter_mut().enumerate().take(np - p0) {
                 let p = p0 + j;
                 let c0 = ldw16(k.add(2 * p * bs), mask);

@@ -50,7 +50,6 @@ macro_rules! prefetch {
     };
 }
 
-/// `*acc[0..16] += v`.
 /// `$acc += broadcast(*($p + $d bytes)) · $w` as one FMA with an embedded
 /// broadcast memory operand (`$d` a constant). The compiler keeps a value
 /// that feeds several FMAs in a register (`vbroadcastss`); this form is for
@@ -99,6 +98,7 @@ macro_rules! unroll_t {
     };
 }
 
+/// `*acc[0..16] += v`.
 macro_rules! store_add {
     ($acc:expr, $v:expr) => {{
         let p = $acc;
