@@ -98,14 +98,14 @@ pub struct StepRow {
 }
 
 /// Bytes of one expert's weights in the precision it is kept in: int8 one
-/// a weight; bf16 with f32 activations stored as B12 where
+/// a weight; bf16 (f32 or bf16 activations) stored as B12 where
 /// [`b12_enabled`] (12 bits a weight; the panels' tables and escapes add
 /// under 0.1 %); bf16 two.
 fn expert_bytes(cfg: &ModelConfig, dtype: ExpertDtype) -> usize {
     let weights = 3 * cfg.hidden_size * cfg.moe_intermediate_size;
     match dtype {
         ExpertDtype::Int8 => weights,
-        ExpertDtype::Auto if b12_enabled() => weights * 3 / 2,
+        ExpertDtype::Auto | ExpertDtype::Bf16 if b12_enabled() => weights * 3 / 2,
         _ => weights * 2,
     }
 }

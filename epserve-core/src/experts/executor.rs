@@ -425,6 +425,7 @@ impl PackedExperts {
                     b16_rows: xb_r,
                     b16_stride: hp2,
                     f32_packed: &[],
+                    b16_packed: &[],
                 };
                 run_panels(
                     k,
@@ -538,6 +539,7 @@ impl PackedExperts {
                     b16_rows: hb16_r,
                     b16_stride: ip2,
                     f32_packed: &[],
+                    b16_packed: &[],
                 };
                 run_panels(
                     k,

@@ -689,11 +689,11 @@ impl PackedExpert {
     }
 
     /// The expert with its bf16 matrices stored as B12 where
-    /// [`b12_enabled`](crate::kernels::b12::b12_enabled) and its activations
-    /// stay f32 (the B12 tile's), else unchanged: the same values, 0.75x the
-    /// bytes a decode step streams.
+    /// [`b12_enabled`](crate::kernels::b12::b12_enabled), else unchanged:
+    /// the same values, 0.75x the bytes a decode step streams (with f32 or
+    /// bf16 activations).
     pub fn stored_for_decode(self) -> Self {
-        if self.bf16_activations || !crate::kernels::b12::b12_enabled() {
+        if !crate::kernels::b12::b12_enabled() {
             return self;
         }
         self.into_b12()

@@ -73,9 +73,9 @@ thread_local! {
     /// widened back to f32 (see [`run_panels`]).
     static ROUNDED_F32: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
     /// B12 prefill path: a run of decoded bf16 panels and the rows' packed
-    /// two-panel stream.
-    static B12_SCRATCH: RefCell<(Vec<u16>, Vec<f32>)> =
-        const { RefCell::new((Vec::new(), Vec::new())) };
+    /// two-panel streams (f32 and bf16 activations).
+    static B12_SCRATCH: RefCell<(Vec<u16>, Vec<f32>, Vec<u16>)> =
+        const { RefCell::new((Vec::new(), Vec::new(), Vec::new())) };
 }
 
 /// Splits each active expert's `panels(e)` into runs so that every thread
@@ -108,11 +108,12 @@ pub(super) fn build_items(
 /// (`row(i)` is row `i`'s index in `src`) and hands each panel's results to
 /// `epi(i, panel, val)` where `val[c]` is row `i`'s dequantized channel `c`.
 ///
-/// B12 panels ([`crate::kernels::b12`]): up to [`b12_direct_rows`] rows of
-/// f32 activations (decode) run the B12 tile, which decodes the weights in
-/// registers; more rows (prefill), or bf16 activations, decode runs of the
-/// item's panels into a scratch of bf16 panels (kept in L2) that the bf16
-/// paths below then run as they run any bf16 panels.
+/// B12 panels ([`crate::kernels::b12`]): up to [`b12_direct_rows`] rows
+/// (decode) run the B12 tile, which decodes the weights in registers (bf16
+/// activations: on the rows rounded to bf16); more rows (prefill) decode
+/// runs of the item's panels into a scratch of bf16 panels (kept in L2) that
+/// the bf16 paths below then run as they run any bf16 panels (the bf16 dot
+/// tiles with bf16 activations).
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn run_panels(
     k: &Kernels,
@@ -141,6 +142,28 @@ pub(crate) fn b12_direct_rows(k: &Kernels) -> usize {
     3 * k.b12_mr()
 }
 
+/// Most rows of bf16 activations that run on the B12 dot tile (tiers with
+/// one, [`Kernels::b12x_native`]), in balanced chunks of up to `B12_MR`;
+/// more decode runs of panels into the scratch for the bf16 dot tiles. On
+/// the 2-vCPU AMD EPYC (Zen 4) `bench step --expert-dtype bf16 --dense-dtype
+/// bf16` ran 128-token prefill the same at 8, 12, 16 and 24 (244-256 ms) and
+/// 1-8-sequence decode 1.15-1.27x faster than on bf16 panels (2026-12-06).
+pub(crate) const fn b12x_direct_rows() -> usize {
+    2 * B12_MR
+}
+
+/// Whether `n` rows run on B12 panels in place (the B12 tiles, which decode
+/// in registers), not on panels decoded into a scratch: up to
+/// [`b12_direct_rows`] rows, with bf16 activations on the B12 dot tile up to
+/// [`b12x_direct_rows`].
+pub(crate) fn b12_direct(k: &Kernels, bf16x: bool, n: usize) -> bool {
+    if bf16x && k.b12x_native() {
+        n <= b12x_direct_rows()
+    } else {
+        n <= b12_direct_rows(k)
+    }
+}
+
 /// Bytes of decoded bf16 panels per run of the B12 prefill path (the run
 /// stays in L2 while the bf16 tiles read it).
 const B12_SCRATCH_BYTES: usize = 256 << 10;
@@ -158,7 +181,56 @@ fn run_b12(
     src: &Src<'_>,
     mut epi: impl FnMut(usize, usize, &[f32; NR]),
 ) {
-    if !bf16x && n <= b12_direct_rows(k) {
+    // bf16 activations on the decode path: the B12 dot tile where the tier
+    // has one (the panel decoded in registers into `vdpbf16ps`), else the
+    // B12 tile on the rows rounded to bf16 and widened back (every product
+    // exact in f32, as the dot tile's): decode streams B12's 0.75x bytes
+    // under bf16 activations too.
+    if bf16x && k.b12x_native() && b12_direct(k, bf16x, n) {
+        let kp = bf16_padded_k(kdim);
+        return ACC_F32.with_borrow_mut(|acc| {
+            acc.resize(n * NR, 0.0);
+            let chunk = n.div_ceil(n.div_ceil(B12_MR));
+            for p in it.panels() {
+                acc.fill(0.0);
+                let panel = b.panel(p);
+                let mut t0 = 0;
+                while t0 < n {
+                    let tn = chunk.min(n - t0);
+                    let mut rows: [&[u16]; B12_MR] = [&[]; B12_MR];
+                    for (i, r) in rows.iter_mut().enumerate().take(tn) {
+                        let base = row(t0 + i) * src.b16_stride;
+                        *r = &src.b16_rows[base..base + kp];
+                    }
+                    k.b12x_tile(&panel, &rows[..tn], &mut acc[t0 * NR..(t0 + tn) * NR]);
+                    t0 += tn;
+                }
+                for i in 0..n {
+                    epi(i, p, as_row(&acc[i * NR..(i + 1) * NR]));
+                }
+            }
+        });
+    }
+    if bf16x && b12_direct(k, bf16x, n) {
+        return ROUNDED_F32.with_borrow_mut(|buf| {
+            buf.clear();
+            buf.reserve(n * kdim);
+            for i in 0..n {
+                let base = row(i) * src.b16_stride;
+                let r = &src.b16_rows[base..base + kdim];
+                buf.extend(r.iter().map(|&b| bf16_bits_to_f32(b)));
+            }
+            let rounded = Src {
+                f32_rows: buf,
+                f32_stride: kdim,
+                f32_packed: &[],
+                b16_packed: &[],
+                ..*src
+            };
+            run_b12(k, false, b, kdim, n, it, &|i| i, &rounded, epi)
+        });
+    }
+    if b12_direct(k, bf16x, n) {
         return ACC_F32.with_borrow_mut(|acc| {
             acc.resize(n * NR, 0.0);
             for p in it.panels() {
@@ -185,13 +257,17 @@ fn run_b12(
     let pw = bf16_padded_k(kdim) * NR;
     // Runs of whole panel pairs (the two-panel tiles take panels in pairs).
     let run = (B12_SCRATCH_BYTES / (2 * pw).max(1)).max(2) & !1;
-    B12_SCRATCH.with_borrow_mut(|(w, xp)| {
-        // The rows packed once for all runs where they take the two-panel
+    B12_SCRATCH.with_borrow_mut(|(w, xp, xb)| {
+        // The rows packed once for all runs where they take a two-panel
         // tile and the caller did not pack them.
         let mut src = Src { ..*src };
         if !bf16x && src.f32_packed.is_empty() && takes_pairs_f32(k, &DataView::Bf16(&[]), n) {
             pack_pairs_f32_stream(k, kdim, n, row, &src, xp);
             src.f32_packed = xp;
+        }
+        if bf16x && src.b16_packed.is_empty() && takes_pairs_b16(k, &DataView::Bf16(&[]), n) {
+            pack_pairs_b16_stream(k, kdim, n, row, &src, xb);
+            src.b16_packed = xb;
         }
         w.resize(run.min(it.panels().len()) * pw, 0);
         let mut p0 = it.p0 as usize;
@@ -251,6 +327,7 @@ fn run_plain(
                 f32_rows: buf,
                 f32_stride: kdim,
                 f32_packed: &[],
+                b16_packed: &[],
                 ..*src
             };
             run_plain(k, false, data, kdim, n, it, &|i| i, &rounded, epi)
@@ -509,7 +586,7 @@ fn run_pairs_f32(
 /// [`pack_pairs_f32_stream`] packs.
 pub(crate) fn takes_pairs_f32(k: &Kernels, data: &DataView<'_>, n: usize) -> bool {
     (matches!(data, DataView::Bf16(_))
-        || matches!(data, DataView::B12(_)) && n > b12_direct_rows(k))
+        || matches!(data, DataView::B12(_)) && !b12_direct(k, false, n))
         && !(k.amx() && n >= AMX_MIN_ROWS)
         && n > k.bf16_mr()
         && k.bf16_pair_mr().is_some()
@@ -560,9 +637,48 @@ fn run_pairs_b16(
         let tile = |w: [&[u16]; 2], _kc: usize, tn: usize, x: &[u16], a: [&mut [f32]; 2]| {
             k.bf16x_pair_tile(w, tn, x, a)
         };
-        pack_stream(kp, n, mr, row, rows, pack_pairs_b16, xp);
-        run_pairs(w, kp, n, mr, it, xp, tile, acc, epi)
+        // The caller's stream when it packed the rows once for all its items.
+        let stream: &[u16] = if src.b16_packed.is_empty() {
+            pack_stream(kp, n, mr, row, rows, pack_pairs_b16, xp);
+            xp
+        } else {
+            debug_assert_eq!(src.b16_packed.len(), n * kp);
+            src.b16_packed
+        };
+        run_pairs(w, kp, n, mr, it, stream, tile, acc, epi)
     })
+}
+
+/// Whether [`run_panels`] runs `n` rows of bf16 panels with bf16
+/// activations on the two-panel bf16 dot tile, reading the stream that
+/// [`pack_pairs_b16_stream`] packs (the order of `run_plain`'s cases).
+pub(crate) fn takes_pairs_b16(k: &Kernels, data: &DataView<'_>, n: usize) -> bool {
+    (matches!(data, DataView::Bf16(_))
+        || matches!(data, DataView::B12(_)) && !b12_direct(k, true, n))
+        && n > k.bf16x_mr().unwrap_or(usize::MAX)
+        && !(k.amx() && n >= AMX_MIN_ROWS)
+        && k.bf16mm_mr().is_none()
+        && k.bf16x_prefill()
+}
+
+/// Packs rows `row(0..n)` of `src`'s bf16 copies into the stream the
+/// two-panel bf16 dot tile reads, for a caller that runs several items over
+/// the same rows (`Src::b16_packed`).
+pub(crate) fn pack_pairs_b16_stream(
+    k: &Kernels,
+    kdim: usize,
+    n: usize,
+    row: &dyn Fn(usize) -> usize,
+    src: &Src<'_>,
+    xp: &mut Vec<u16>,
+) {
+    let mr = k.bf16x_pair_mr().unwrap_or(MAX_MR);
+    let kp = bf16_padded_k(kdim);
+    let rows = |i: usize| {
+        let base = i * src.b16_stride;
+        &src.b16_rows[base..base + kp]
+    };
+    pack_stream(kp, n, mr, row, rows, pack_pairs_b16, xp);
 }
 
 /// Rows per token tile of the two-panel paths: tiles of equal size (16

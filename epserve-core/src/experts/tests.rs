@@ -214,13 +214,19 @@ fn experts_packed_bf16_activations_are_close_on_every_tier() {
                 .collect();
             let (ids, w) = routing(&mut rng, rows, c);
             let want = run(&reference, &x, &ids, &w, c);
-            for tier in Tier::available() {
+            // bf16 panels and B12 (the B12 tile on the rounded rows).
+            let tiers = Tier::available()
+                .into_iter()
+                .flat_map(|t| [(t, false), (t, true)]);
+            for (tier, b12) in tiers {
                 let k = Kernels::for_tier(tier).expect("tier");
                 let experts = ms
                     .iter()
                     .map(|m| {
-                        PackedExpert::from_mlp(m, PackedDtype::Bf16, false)
-                            .map(|e| Some(e.with_bf16_activations(true)))
+                        PackedExpert::from_mlp(m, PackedDtype::Bf16, false).map(|e| {
+                            let e = e.with_bf16_activations(true);
+                            Some(if b12 { e.into_b12() } else { e })
+                        })
                     })
                     .collect::<crate::Result<Vec<_>>>()
                     .expect("pack");
@@ -244,7 +250,7 @@ fn experts_packed_bf16_activations_are_close_on_every_tier() {
                         .fold(0.0f32, |m, (p, q)| m.max((p - q).abs()));
                     assert!(
                         err <= 0.02 * norm + 1e-6,
-                        "{} rows={rows} slot {s}: err {err} vs norm {norm}",
+                        "{} (B12: {b12}) rows={rows} slot {s}: err {err} vs norm {norm}",
                         tier.name()
                     );
                 }

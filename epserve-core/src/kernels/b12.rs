@@ -336,6 +336,17 @@ pub fn b12_tile(panel: &B12Panel<'_>, x: &[&[f32]], acc: &mut [f32]) {
     }
 }
 
+/// Scalar twin of the B12 tile with **bf16** activations (`x.len() ≤
+/// B12_MR` rows of at least `bf16_padded_k(panel.k)` bf16 values, zero past
+/// `k`): the panel decoded, then the bf16 dot tiles' twin
+/// ([`super::generic::bf16x_tile`]: exact products, f32 sums in `k` order;
+/// the SIMD tile sums in its own order, within the dot tiles' bound).
+pub fn b12x_tile(panel: &B12Panel<'_>, x: &[&[u16]], acc: &mut [f32]) {
+    let mut w = vec![0u16; bf16_padded_k(panel.k) * NR];
+    b12_decode(panel, &mut w);
+    super::generic::bf16x_tile(&w, x, acc);
+}
+
 /// Scalar twin of the tiers' panel decoders: `panel`'s bf16 panel words
 /// (the pairs of its groups in order, `b12_padded_k(k) · 16` words) into
 /// `dst`, as many as it holds (`bf16_padded_k(k) · 16` gives back exactly the

@@ -616,6 +616,37 @@ impl Kernels {
         }
     }
 
+    /// Whether this tier has a native [`b12x_tile`](Self::b12x_tile) (B12
+    /// decoded in registers into `vdpbf16ps`); elsewhere that is the scalar
+    /// twin, and bf16 activations on B12 panels run other paths.
+    pub fn b12x_native(&self) -> bool {
+        #[cfg(target_arch = "x86_64")]
+        if matches!(self.tier, Tier::Avx512Bf16 | Tier::Amx) {
+            return true;
+        }
+        false
+    }
+
+    /// `acc[t·16 + c] += Σ_k x[t][k] · W[c, k]` over a whole B12 panel for
+    /// `1 ≤ x.len() ≤ B12_MR` rows of **bf16** activations (at least
+    /// `bf16_padded_k(panel.k)` values each, zero past `k`): the bf16 dot
+    /// tiles' arithmetic (exact products, f32 sums), within their bound of
+    /// the twin on every tier.
+    pub fn b12x_tile(&self, panel: &super::b12::B12Panel<'_>, x: &[&[u16]], acc: &mut [f32]) {
+        let groups = super::b12::b12_padded_k(panel.k) / super::b12::B12_GROUP_K;
+        let kp = bf16_padded_k(panel.k);
+        assert!(!x.is_empty() && x.len() <= super::b12::B12_MR && acc.len() >= x.len() * NR);
+        assert!(x.iter().all(|r| r.len() >= kp) && panel.groups() == groups);
+        assert!(panel.exc_pos.len() == panel.exc_exp.len());
+        #[cfg(target_arch = "x86_64")]
+        if self.b12x_native() {
+            // SAFETY: the `avx512-bf16` and `amx` tiers require AVX-512 F,
+            // BW and BF16; the lengths were just asserted.
+            return unsafe { super::x86::avx512::b12x_tile(panel, x, acc) };
+        }
+        super::b12::b12x_tile(panel, x, acc)
+    }
+
     /// `panel`'s bf16 panel words into `dst` (as many as it holds, at most
     /// `b12_padded_k(k) · 16`; `bf16_padded_k(k) · 16` is the bf16 panel):
     /// the same words on every tier.

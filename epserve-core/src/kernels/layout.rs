@@ -368,6 +368,9 @@ pub(crate) struct Src<'a> {
     /// (`experts::run::pack_pairs_f32_stream`), or empty: each item packs
     /// its own.
     pub(crate) f32_packed: &'a [f32],
+    /// The call's bf16 copies already packed for the two-panel bf16 dot
+    /// tile (`experts::run::pack_pairs_b16_stream`), or empty.
+    pub(crate) b16_packed: &'a [u16],
 }
 
 /// One accumulator row of a panel (16 channels).

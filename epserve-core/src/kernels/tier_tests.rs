@@ -806,6 +806,68 @@ fn b12_tiles_and_decoders_equal_the_twins_bit_for_bit() {
     }
 }
 
+/// The B12 tile with bf16 activations (`Kernels::b12x_tile`: native where
+/// the tier has `vdpbf16ps`, the twin elsewhere) against its twin, within
+/// the bf16 dot tiles' bound ([`check_bf16x`]'s): the same exact products,
+/// summed in another order; and the twin against the bf16 panel's twin bit
+/// for bit (B12 is lossless).
+#[test]
+fn b12x_tiles_match_the_twin_on_random_shapes() {
+    use crate::kernels::b12::{B12_MR, B12Panels, b12x_tile, tests::normal_rows};
+    let mut rng = StdRng::seed_from_u64(1213);
+    for k in tiers() {
+        for &kc in KCS {
+            let mut rows = normal_rows(&mut rng, NR, kc);
+            // A row of random exponents: most of its weights escape.
+            rows[5] = (0..kc).map(|_| rng.random::<u16>() & 0xbfff).collect();
+            let mut packed = Vec::new();
+            pack_bf16_panel(kc, |c| Some(&rows[c][..]), &mut packed);
+            let b = B12Panels::encode(&packed, kc);
+            let kp = bf16_padded_k(kc);
+            for t in 1..=B12_MR {
+                // Zero padding past kc, as the callers lay rows out (and a
+                // longer row: only `kp` values are read).
+                let xs: Vec<Vec<u16>> = (0..t)
+                    .map(|_| {
+                        let mut r = rand_bf16(&mut rng, kp + 3);
+                        r[kc..].fill(0);
+                        r
+                    })
+                    .collect();
+                let x: Vec<&[u16]> = xs.iter().map(|r| &r[..]).collect();
+                let init: Vec<f32> = (0..t * NR).map(|i| i as f32 * 0.25).collect();
+                let mut twin = init.clone();
+                b12x_tile(&b.panel(0), &x, &mut twin);
+                let mut plain = init.clone();
+                generic::bf16x_tile(&packed, &x, &mut plain);
+                let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+                assert_eq!(bits(&twin), bits(&plain), "twin kc={kc} t={t}");
+                let mut got = init.clone();
+                k.b12x_tile(&b.panel(0), &x, &mut got);
+                for tt in 0..t {
+                    for c in 0..NR {
+                        let mag: f32 = (0..kp)
+                            .map(|kk| {
+                                (bf16_bits_to_f32(x[tt][kk])
+                                    * bf16_bits_to_f32(packed[bf16_index(kk, c)]))
+                                .abs()
+                            })
+                            .sum::<f32>()
+                            + init[tt * NR + c].abs();
+                        let (a, w) = (got[tt * NR + c], twin[tt * NR + c]);
+                        assert!(
+                            (a - w).abs() <= 1e-5 * mag + 1e-30,
+                            "{:?} (native: {}) b12x kc={kc} t={t} row {tt} ch {c}: {a} vs {w}",
+                            k.tier(),
+                            k.b12x_native()
+                        );
+                    }
+                }
+            }
+        }
+    }
+}
+
 /// The AVX-512 tiles that broadcast an activation to several FMAs exist in
 /// two forms, a register broadcast and embedded broadcast operands, picked
 /// by the CPU's vendor (`embedded_broadcasts` in `dispatch`). Both must give

@@ -17,7 +17,10 @@ use rayon::prelude::*;
 use crate::config::Activation;
 use crate::experts::executor::to_bf16_row;
 use crate::experts::packed::{PackedDtype, PackedMatrix};
-use crate::experts::run::{Item, pack_pairs_f32_stream, run_panels, takes_pairs_f32};
+use crate::experts::run::{
+    Item, pack_pairs_b16_stream, pack_pairs_f32_stream, run_panels, takes_pairs_b16,
+    takes_pairs_f32,
+};
 use crate::kernels::b12::b12_enabled;
 use crate::kernels::dispatch::{Kernels, kernels};
 use crate::kernels::layout::{NR, Src, bf16_padded_k, i8_padded_k, quantize_row_i8};
@@ -142,19 +145,12 @@ impl Linear {
     /// bf16 dot tile where the tier has one); a no-op on other forms.
     pub fn to_bf16_activations(&mut self) {
         self.bf16_activations = self.dtype() == Some(PackedDtype::Bf16);
-        // The bf16 dot tiles read bf16 panels.
-        if self.bf16_activations {
-            self.set_b12(false);
-        }
     }
 
-    /// Stores bf16 panels as B12 (`on`; not with bf16 activations) or back
-    /// as plain bf16 panels: the same values either way (lossless), 0.75x
-    /// the bytes a decode call streams as B12. A no-op on other forms.
+    /// Stores bf16 panels as B12 (`on`) or back as plain bf16 panels: the
+    /// same values either way (lossless), 0.75x the bytes a decode call
+    /// streams as B12 (with f32 or bf16 activations). A no-op on other forms.
     pub fn set_b12(&mut self, on: bool) {
-        if on && self.bf16_activations {
-            return;
-        }
         let form = std::mem::replace(&mut self.form, Form::Plain(Vec::new()));
         self.form = match form {
             Form::Packed(p) if on => Form::Packed(p.into_b12()),
@@ -342,6 +338,7 @@ impl Linear {
             b16_rows: &xb,
             b16_stride: kp2,
             f32_packed: &[],
+            b16_packed: &[],
         };
         let view = pm.data_view();
         let panels = pm.panels();
@@ -394,6 +391,22 @@ impl Linear {
         // not once by each of their items (the router's 8 panels made that
         // packing cost as much as its multiply-adds).
         let mut packed: Vec<Vec<f32>> = Vec::new();
+        let mut packed_b16: Vec<Vec<u16>> = Vec::new();
+        if bf16x && runs_per_block > 1 {
+            let need = |b: usize| takes_pairs_b16(kern, &view, mb.min(rows - b * mb));
+            packed_b16.resize_with(blocks, Vec::new);
+            let pack = |(b, xp): (usize, &mut Vec<u16>)| {
+                if need(b) {
+                    let rb = mb.min(rows - b * mb);
+                    pack_pairs_b16_stream(kern, k, rb, &|i| b * mb + i, &src, xp);
+                }
+            };
+            if parallel {
+                packed_b16.par_iter_mut().enumerate().for_each(pack);
+            } else {
+                packed_b16.iter_mut().enumerate().for_each(pack);
+            }
+        }
         if !bf16x && runs_per_block > 1 {
             let need = |b: usize| takes_pairs_f32(kern, &view, mb.min(rows - b * mb));
             packed.resize_with(blocks, Vec::new);
@@ -435,6 +448,7 @@ impl Linear {
             };
             let src = Src {
                 f32_packed: packed.get(r0 / mb).map_or(&[][..], |p| &p[..]),
+                b16_packed: packed_b16.get(r0 / mb).map_or(&[][..], |p| &p[..]),
                 ..src
             };
             run_panels(
@@ -605,7 +619,15 @@ mod tests {
             let mut lin = Linear::fused(vec![w.clone()]).expect("one part");
             lin.set_dtype(crate::experts::DenseDtype::Bf16);
             assert!(lin.bf16_activations());
-            for rows in [1usize, 5, 13, MB + 6] {
+            // bf16 panels and B12 (the B12 tile on the rounded rows up to
+            // `b12_direct_rows`, the decoded panels on the dot tiles past it).
+            for (b12, rows) in [false, true]
+                .into_iter()
+                .flat_map(|b| [1usize, 5, 13, 24, 25, MB + 6].map(|r| (b, r)))
+            {
+                lin.set_b12(b12);
+                assert_eq!(lin.is_b12(), b12);
+                assert!(lin.bf16_activations());
                 let x: Vec<f32> = (0..rows * k).map(|_| rng.random_range(-1.0..1.0)).collect();
                 let xr: Vec<f32> = x
                     .iter()
@@ -631,7 +653,7 @@ mod tests {
                             let b = if rounded { &want_b16[i] } else { &want_f32[i] };
                             assert!(
                                 (a - b).abs() <= 1e-4 * (1.0 + b.abs()),
-                                "tier {} (dot on prefill: {prefill_dot}) n {n} k {k} rows {rows} out {i}: {a} vs {b} (rounded twin: {rounded})",
+                                "tier {} (dot on prefill: {prefill_dot}, B12: {b12}) n {n} k {k} rows {rows} out {i}: {a} vs {b} (rounded twin: {rounded})",
                                 tier.name()
                             );
                         }
@@ -717,9 +739,7 @@ mod tests {
             q2.forward(&x, 3, None, &mut y2);
             assert_eq!(y1, y2, "int8 from B12 and from bf16");
             b12.to_bf16_activations();
-            assert!(!b12.is_b12() && b12.bf16_activations());
-            b12.set_b12(true);
-            assert!(!b12.is_b12(), "no B12 under bf16 activations");
+            assert!(b12.is_b12() && b12.bf16_activations());
         }
     }
 

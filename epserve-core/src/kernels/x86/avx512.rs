@@ -807,6 +807,99 @@ pub unsafe fn b12_decode(panel: &crate::kernels::b12::B12Panel<'_>, dst: &mut [u
     }
 }
 
+/// The B12 decode tile with **bf16** activations: `acc[t·16 + c] +=
+/// Σ_k x[t][k] · W[c, k]` over a whole panel for `x.len()` in
+/// `1..=B12_MR` rows of bf16 values (at least `bf16_padded_k(panel.k)`
+/// each, zero past `k`), the panel decoded in registers (as [`b12_tile`])
+/// and multiplied with `vdpbf16ps`: the bf16 dot tile's arithmetic at
+/// B12's 0.75x bytes (twin `b12::b12x_tile`, within the dot tiles' bound).
+///
+/// # Safety
+/// The CPU must support AVX-512 F, BW and BF16; the lengths as above and
+/// `acc` at least `16 · x.len()`.
+pub unsafe fn b12x_tile(panel: &crate::kernels::b12::B12Panel<'_>, x: &[&[u16]], acc: &mut [f32]) {
+    // SAFETY: the caller guarantees the features and the lengths above.
+    unsafe {
+        match x.len() {
+            1 => b12x_t::<1>(panel, x, acc),
+            2 => b12x_t::<2>(panel, x, acc),
+            3 => b12x_t::<3>(panel, x, acc),
+            4 => b12x_t::<4>(panel, x, acc),
+            5 => b12x_t::<5>(panel, x, acc),
+            6 => b12x_t::<6>(panel, x, acc),
+            7 => b12x_t::<7>(panel, x, acc),
+            8 => b12x_t::<8>(panel, x, acc),
+            _ => {}
+        }
+    }
+}
+
+#[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
+unsafe fn b12x_t<const T: usize>(
+    panel: &crate::kernels::b12::B12Panel<'_>,
+    x: &[&[u16]],
+    acc: &mut [f32],
+) {
+    use crate::kernels::b12::{B12_GROUP_BYTES, B12_GROUP_PAIRS};
+    // Pairs each row holds (`k` padded to pairs); groups past `full` read a
+    // zero-padded copy of the rows' last pairs.
+    let pairs = crate::kernels::layout::bf16_padded_k(panel.k) / 2;
+    let groups = panel.groups();
+    let full = pairs / B12_GROUP_PAIRS;
+    // SAFETY: `tables` is 32 bytes; `data` holds `groups` groups; the
+    // caller guarantees `2 · pairs` values per row of `x` and `16 · T` of
+    // `acc`.
+    unsafe {
+        let th = _mm512_broadcast_i32x4(_mm_loadu_si128(panel.tables.as_ptr() as *const __m128i));
+        let tl = _mm512_broadcast_i32x4(_mm_loadu_si128(
+            panel.tables.as_ptr().add(16) as *const __m128i
+        ));
+        let mut a = [[_mm512_setzero_ps(); 2]; T];
+        let mut ei = 0usize;
+        let mut next = panel.exc_pos.first().map_or(usize::MAX, |&p| p as usize);
+        let tail: [[u32; B12_GROUP_PAIRS]; T] = std::array::from_fn(|t| {
+            let mut v = [0u32; B12_GROUP_PAIRS];
+            for (q, d) in v.iter_mut().enumerate() {
+                let i = full * B12_GROUP_PAIRS + q;
+                if i < pairs {
+                    *d = u32::from(x[t][2 * i]) | u32::from(x[t][2 * i + 1]) << 16;
+                }
+            }
+            v
+        });
+        let d = panel.data.as_ptr();
+        for g in 0..groups {
+            let gp = d.add(g * B12_GROUP_BYTES);
+            for l in 0..3 {
+                _mm_prefetch::<_MM_HINT_T0>((gp as *const i8).wrapping_add(B12_PREFETCH + 64 * l));
+            }
+            l2_ahead(gp, T.max(super::L2_AHEAD_MIN_T), 3);
+            let xg: [*const u32; T] = std::array::from_fn(|t| {
+                if g < full {
+                    (x[t].as_ptr() as *const u32).wrapping_add(g * B12_GROUP_PAIRS)
+                } else {
+                    tail[t].as_ptr()
+                }
+            });
+            for half in 0..2 {
+                let raws = b12_half!(panel, gp, g, half, th, tl, ei, next);
+                for (q, raw) in raws.into_iter().enumerate() {
+                    let wv: __m512bh = std::mem::transmute(raw);
+                    for t in 0..T {
+                        let pair = std::ptr::read_unaligned(xg[t].add(half * 2 + q));
+                        let xv: __m512bh = std::mem::transmute(_mm512_set1_epi32(pair as i32));
+                        a[t][q] = _mm512_dpbf16_ps(a[t][q], xv, wv);
+                    }
+                }
+            }
+        }
+        let accp = acc.as_mut_ptr();
+        for t in 0..T {
+            store_add!(accp.add(t * NR), _mm512_add_ps(a[t][0], a[t][1]));
+        }
+    }
+}
+
 #[target_feature(enable = "avx512f,avx512bw,fma")]
 unsafe fn b12_t<const T: usize>(
     panel: &crate::kernels::b12::B12Panel<'_>,
