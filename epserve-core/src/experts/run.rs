@@ -282,9 +282,17 @@ fn run_b12(
                 p1: (p1 - p0) as u32,
             };
             let view = DataView::Bf16(&w[..(p1 - p0) * pw]);
+            // The two-panel tiles hint the next run's encoded panels into L2
+            // while they compute this one (their own hints would be wasted on
+            // the decoded run, already in L2).
+            let p2 = (p1 + run).min(it.p1 as usize);
+            if p2 > p1 {
+                crate::kernels::set_pair_l2_target(Some(b.panels_bytes(p1, p2)));
+            }
             run_plain(k, bf16x, &view, kdim, n, &sub, row, &src, |i, p, v| {
                 epi(i, p0 + p, v)
             });
+            crate::kernels::set_pair_l2_target(None);
             p0 = p1;
         }
     })

@@ -190,6 +190,13 @@ impl B12Panels {
         self.data.len() + self.tables.len() * 32 + self.exc_pos.len() * 5
     }
 
+    /// The encoded bytes of panels `p0..p1` (contiguous), what a decode of
+    /// them streams (the exception lists aside): for L2 hints.
+    pub fn panels_bytes(&self, p0: usize, p1: usize) -> &[u8] {
+        let n = self.groups * B12_GROUP_BYTES;
+        &self.data[p0 * n..p1 * n]
+    }
+
     /// Panel `p`.
     pub fn panel(&self, p: usize) -> B12Panel<'_> {
         let n = self.groups * B12_GROUP_BYTES;

@@ -14,6 +14,8 @@ pub mod layout;
 #[cfg(target_arch = "x86_64")]
 pub mod x86;
 
+use std::cell::Cell;
+
 use rayon::prelude::*;
 
 use crate::config::Activation;
@@ -353,6 +355,47 @@ pub(crate) fn row_ptrs<T, const N: usize>(x: &[&[T]]) -> [*const T; N] {
         *d = r.as_ptr();
     }
     p
+}
+
+thread_local! {
+    /// Where this thread's two-panel prefill tiles send their L2 hints:
+    /// `(next, end)` addresses, or `(0, 0)` for their own panels' next K
+    /// block (see [`set_pair_l2_target`]).
+    static PAIR_L2_TARGET: Cell<(usize, usize)> = const { Cell::new((0, 0)) };
+}
+
+/// Points this thread's two-panel prefill tiles' L2 hints at `bytes`, one
+/// line per `k`-pair step from its start until its end, instead of at their
+/// own panels' next K block (`None`: back to that). The B12 prefill path
+/// runs the tiles on panels it just decoded into L2, where those hints are
+/// wasted; pointed at the next run's encoded panels they stream them into L2
+/// while this run computes, so the next decode reads L2, not memory. Only a
+/// hint: no result depends on it (the AVX-512 tiles read it; others ignore
+/// it).
+pub fn set_pair_l2_target(bytes: Option<&[u8]>) {
+    let r = bytes.map_or((0, 0), |b| {
+        let a = b.as_ptr() as usize;
+        (a, a + b.len())
+    });
+    PAIR_L2_TARGET.with(|c| c.set(r));
+}
+
+/// The tiles' side of [`set_pair_l2_target`]: the current `(next, end)`.
+#[cfg(target_arch = "x86_64")]
+#[inline]
+pub(crate) fn pair_l2_target() -> (usize, usize) {
+    PAIR_L2_TARGET.with(|c| c.get())
+}
+
+/// Stores how far a tile got through the target (`next`), so the next tile
+/// call hints the lines after it.
+#[cfg(target_arch = "x86_64")]
+#[inline]
+pub(crate) fn advance_pair_l2_target(next: usize) {
+    PAIR_L2_TARGET.with(|c| {
+        let (_, end) = c.get();
+        c.set((next, end));
+    });
 }
 
 #[cfg(test)]

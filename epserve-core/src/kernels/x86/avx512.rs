@@ -188,6 +188,24 @@ unsafe fn bf16_t<const T: usize, const S: usize>(
 /// not wait on DRAM.
 const PAIR_L2_PREFETCH: usize = BF16_PAIR_KC * NR * 2;
 
+/// The two-panel tiles' L2 hints for one `k`-pair step: both panels'
+/// lines [`PAIR_L2_PREFETCH`] on, or, where this thread set a target
+/// (`end != 0`, [`crate::kernels::set_pair_l2_target`]), the target's next
+/// line while any is left.
+#[inline(always)]
+fn pair_l2_hints(pa: *const u16, pb: *const u16, h: &mut usize, end: usize) {
+    // SAFETY (of the intrinsic): a prefetch never faults, at any address.
+    unsafe {
+        if end == 0 {
+            _mm_prefetch::<_MM_HINT_T1>((pa as *const i8).wrapping_add(PAIR_L2_PREFETCH));
+            _mm_prefetch::<_MM_HINT_T1>((pb as *const i8).wrapping_add(PAIR_L2_PREFETCH));
+        } else if *h < end {
+            _mm_prefetch::<_MM_HINT_T1>(*h as *const i8);
+            *h += 64;
+        }
+    }
+}
+
 /// Most tokens per two-panel bf16 tile (f32 activations).
 pub const BF16_PAIR_MR: usize = 12;
 
@@ -255,12 +273,12 @@ unsafe fn bf16_pair_t<const T: usize, const EMB: bool>(
     // values `2·T·i .. 2·T·(i+1)` of `xp`; the odd tail reads only the `k`
     // halves of the last pair.
     unsafe {
+        let (mut h, end) = crate::kernels::pair_l2_target();
         for i in 0..kc / 2 {
             let (pa, pb) = (w[0].add(i * 2 * NR), w[1].add(i * 2 * NR));
             prefetch!(pa);
             prefetch!(pb);
-            _mm_prefetch::<_MM_HINT_T1>((pa as *const i8).wrapping_add(PAIR_L2_PREFETCH));
-            _mm_prefetch::<_MM_HINT_T1>((pb as *const i8).wrapping_add(PAIR_L2_PREFETCH));
+            pair_l2_hints(pa, pb, &mut h, end);
             let ra = _mm512_loadu_si512(pa as *const __m512i);
             let rb = _mm512_loadu_si512(pb as *const __m512i);
             let wa0 = _mm512_castsi512_ps(_mm512_slli_epi32::<16>(ra));
@@ -286,6 +304,9 @@ unsafe fn bf16_pair_t<const T: usize, const EMB: bool>(
                     a[t][1] = _mm512_fmadd_ps(x1, wb1, a[t][1]);
                 }
             }
+        }
+        if end != 0 {
+            crate::kernels::advance_pair_l2_target(h);
         }
         if kc % 2 == 1 {
             let off = (kc / 2) * 2 * NR;
@@ -441,12 +462,12 @@ unsafe fn bf16x_pair_t<const T: usize, const EMB: bool>(
     // SAFETY: pair `i < pairs` reads words `32i..32i+32` of each panel and
     // the 32-bit words `T·i .. T·(i+1)` of `xp`.
     unsafe {
+        let (mut h, end) = crate::kernels::pair_l2_target();
         for i in 0..pairs {
             let (pa, pb) = (w[0].add(i * 2 * NR), w[1].add(i * 2 * NR));
             prefetch!(pa);
             prefetch!(pb);
-            _mm_prefetch::<_MM_HINT_T1>((pa as *const i8).wrapping_add(PAIR_L2_PREFETCH));
-            _mm_prefetch::<_MM_HINT_T1>((pb as *const i8).wrapping_add(PAIR_L2_PREFETCH));
+            pair_l2_hints(pa, pb, &mut h, end);
             let wa: __m512bh = std::mem::transmute(_mm512_loadu_si512(pa as *const __m512i));
             let wb: __m512bh = std::mem::transmute(_mm512_loadu_si512(pb as *const __m512i));
             let x = xp.add(i * T);
@@ -466,6 +487,9 @@ unsafe fn bf16x_pair_t<const T: usize, const EMB: bool>(
                     a[t][1] = _mm512_dpbf16_ps(a[t][1], xv, wb);
                 }
             }
+        }
+        if end != 0 {
+            crate::kernels::advance_pair_l2_target(h);
         }
         for t in 0..T {
             store_add!(acc[0].add(t * NR), a[t][0]);
