@@ -212,22 +212,8 @@ fn run_b12(
         });
     }
     if bf16x && b12_direct(k, bf16x, n) {
-        return ROUNDED_F32.with_borrow_mut(|buf| {
-            buf.clear();
-            buf.reserve(n * kdim);
-            for i in 0..n {
-                let base = row(i) * src.b16_stride;
-                let r = &src.b16_rows[base..base + kdim];
-                buf.extend(r.iter().map(|&b| bf16_bits_to_f32(b)));
-            }
-            let rounded = Src {
-                f32_rows: buf,
-                f32_stride: kdim,
-                f32_packed: &[],
-                b16_packed: &[],
-                ..*src
-            };
-            run_b12(k, false, b, kdim, n, it, &|i| i, &rounded, epi)
+        return with_rounded_rows(kdim, n, row, src, |rounded| {
+            run_b12(k, false, b, kdim, n, it, &|i| i, rounded, epi)
         });
     }
     if b12_direct(k, bf16x, n) {
@@ -298,6 +284,35 @@ fn run_b12(
     })
 }
 
+/// Runs `f` on a copy of `src` whose f32 rows are rows `row(0..n)`'s bf16
+/// copies widened back (row `i` at `i · kdim`): bf16 activations on a path
+/// that reads f32 rows, with the values the bf16 tiles would read.
+fn with_rounded_rows<R>(
+    kdim: usize,
+    n: usize,
+    row: &dyn Fn(usize) -> usize,
+    src: &Src<'_>,
+    f: impl FnOnce(&Src<'_>) -> R,
+) -> R {
+    ROUNDED_F32.with_borrow_mut(|buf| {
+        buf.clear();
+        buf.reserve(n * kdim);
+        for i in 0..n {
+            let base = row(i) * src.b16_stride;
+            let r = &src.b16_rows[base..base + kdim];
+            buf.extend(r.iter().map(|&b| bf16_bits_to_f32(b)));
+        }
+        let rounded = Src {
+            f32_rows: buf,
+            f32_stride: kdim,
+            f32_packed: &[],
+            b16_packed: &[],
+            ..*src
+        };
+        f(&rounded)
+    })
+}
+
 /// [`run_panels`] on bf16 and int8 panels.
 #[allow(clippy::too_many_arguments)]
 fn run_plain(
@@ -323,22 +338,8 @@ fn run_plain(
         && k.bf16mm_mr().is_none()
         && !k.bf16x_prefill()
     {
-        return ROUNDED_F32.with_borrow_mut(|buf| {
-            buf.clear();
-            buf.reserve(n * kdim);
-            for i in 0..n {
-                let base = row(i) * src.b16_stride;
-                let r = &src.b16_rows[base..base + kdim];
-                buf.extend(r.iter().map(|&b| bf16_bits_to_f32(b)));
-            }
-            let rounded = Src {
-                f32_rows: buf,
-                f32_stride: kdim,
-                f32_packed: &[],
-                b16_packed: &[],
-                ..*src
-            };
-            run_plain(k, false, data, kdim, n, it, &|i| i, &rounded, epi)
+        return with_rounded_rows(kdim, n, row, src, |rounded| {
+            run_plain(k, false, data, kdim, n, it, &|i| i, rounded, epi)
         });
     }
     match *data {
