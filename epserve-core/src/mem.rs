@@ -89,12 +89,13 @@ fn apply_malloc_tuning() -> bool {
 /// An anonymous read-write mapping of at least `len` bytes whose first byte
 /// lies on a [`HUGE_PAGE`] boundary, marked `MADV_HUGEPAGE` (Linux): every
 /// whole 2 MiB of the buffer can then be one huge page. `mmap` alone places
-/// a mapping on any base-page boundary, where a buffer of 2-4 MiB (an
-/// expert's matrix) often holds no aligned 2 MiB range at all: on the bench
+/// a mapping on any base-page boundary, where a buffer of 2-5 MiB (an
+/// expert's matrix) often holds one aligned 2 MiB range or none: on the bench
 /// model only 1.9 of the 3.7 GB of packed weights were on huge pages. The
 /// mapping is made 2 MiB longer, then its head before the boundary and its
-/// tail past the buffer's pages are unmapped: one VMA per buffer (tens of
-/// thousands of experts stay far below `vm.max_map_count`), and no memory
+/// tail past the buffer's pages are unmapped: still one VMA per buffer (a
+/// `madvise` on a range inside would split it, nearing `vm.max_map_count`
+/// with tens of thousands of experts), and no memory
 /// committed beyond the buffer's own pages (the tail's last partial 2 MiB
 /// is on base pages, as the mapping ends inside it).
 struct AlignedMap {
@@ -229,13 +230,15 @@ impl<T: bytemuck::Pod> ZeroBuf<T> {
         let bytes = len
             .checked_mul(std::mem::size_of::<T>())
             .expect("buffer size overflows usize");
-        let storage = match (bytes >= HUGE_PAGE && enabled())
-            .then(|| AlignedMap::new(bytes))
-            .flatten()
-        {
-            Some(map) => Storage::Map(map),
-            _ => Storage::Heap(bytemuck::zeroed_vec(bytes.div_ceil(64))),
+        let map = if bytes >= HUGE_PAGE && enabled() {
+            AlignedMap::new(bytes)
+        } else {
+            None
         };
+        let storage = map.map_or_else(
+            || Storage::Heap(bytemuck::zeroed_vec(bytes.div_ceil(64))),
+            Storage::Map,
+        );
         ZeroBuf {
             storage,
             len,
