@@ -142,8 +142,8 @@ pub(crate) fn b12_direct_rows(k: &Kernels) -> usize {
     3 * k.b12_mr()
 }
 
-/// Most rows of bf16 activations that run on the B12 dot tile (tiers with
-/// one, [`Kernels::b12x_native`]), in balanced chunks of up to `B12_MR`;
+/// Most rows of bf16 activations that run on the B12 dot tile (where it is
+/// fast, [`b12x_dot`]), in balanced chunks of up to `B12_MR`;
 /// more decode runs of panels into the scratch for the bf16 dot tiles. On
 /// the 2-vCPU AMD EPYC (Zen 4) `bench step --expert-dtype bf16 --dense-dtype
 /// bf16` ran 128-token prefill the same at 8, 12, 16 and 24 (244-256 ms) and
@@ -157,11 +157,23 @@ pub(crate) const fn b12x_direct_rows() -> usize {
 /// [`b12_direct_rows`] rows, with bf16 activations on the B12 dot tile up to
 /// [`b12x_direct_rows`].
 pub(crate) fn b12_direct(k: &Kernels, bf16x: bool, n: usize) -> bool {
-    if bf16x && k.b12x_native() {
+    if bf16x && b12x_dot(k) {
         n <= b12x_direct_rows()
     } else {
         n <= b12_direct_rows(k)
     }
+}
+
+/// Whether bf16 activations on B12 panels take the B12 dot tile (up to
+/// [`b12x_direct_rows`] rows): where the tier has one and its bf16 dot
+/// out-runs the FMA tiles ([`Kernels::bf16x_prefill`], AMD Zen 4). Elsewhere
+/// the rows are rounded to bf16 for the B12 FMA tile: on the 2-vCPU Xeon
+/// without AMX (`bench step --expert-dtype bf16 --dense-dtype bf16`,
+/// 2026-12-06) prefill of 128 tokens ran 348-353 ms that way against
+/// 415-493 ms on the dot tile, 8-sequence decode steps 63.6-64.9 ms against
+/// 65.3-77.0 ms, 1-sequence decode the same.
+fn b12x_dot(k: &Kernels) -> bool {
+    k.b12x_native() && k.bf16x_prefill()
 }
 
 /// Bytes of decoded bf16 panels per run of the B12 prefill path (the run
@@ -182,11 +194,11 @@ fn run_b12(
     mut epi: impl FnMut(usize, usize, &[f32; NR]),
 ) {
     // bf16 activations on the decode path: the B12 dot tile where the tier
-    // has one (the panel decoded in registers into `vdpbf16ps`), else the
+    // has a fast one (the panel decoded in registers into `vdpbf16ps`), else the
     // B12 tile on the rows rounded to bf16 and widened back (every product
     // exact in f32, as the dot tile's): decode streams B12's 0.75x bytes
     // under bf16 activations too.
-    if bf16x && k.b12x_native() && b12_direct(k, bf16x, n) {
+    if bf16x && b12x_dot(k) && b12_direct(k, bf16x, n) {
         let kp = bf16_padded_k(kdim);
         return ACC_F32.with_borrow_mut(|acc| {
             acc.resize(n * NR, 0.0);
@@ -238,6 +250,15 @@ fn run_b12(
                     epi(i, p, as_row(&acc[i * NR..(i + 1) * NR]));
                 }
             }
+        });
+    }
+    // bf16 activations that the decoded panels' tiles would read rounded
+    // (`run_plain`): rounded once here, not once per run of panels (on the
+    // 2-vCPU Xeon without AMX, prefill of 512 tokens with bf16 activations
+    // spent half its time re-rounding and re-packing rows per run).
+    if bf16x && rounds_bf16_rows(k, n) {
+        return with_rounded_rows(kdim, n, row, src, |rounded| {
+            run_b12(k, false, b, kdim, n, it, &|i| i, rounded, epi)
         });
     }
     let pw = bf16_padded_k(kdim) * NR;
@@ -313,6 +334,17 @@ fn with_rounded_rows<R>(
     })
 }
 
+/// Whether `n` rows of bf16 activations on bf16 panels run on the widening
+/// FMA tiles, on the rows rounded to bf16 and widened back: more rows than a
+/// dot tile takes, and no bf16 prefill tile (AMX, BFMMLA, the dot prefill
+/// tile) for them.
+fn rounds_bf16_rows(k: &Kernels, n: usize) -> bool {
+    n > k.bf16x_mr().unwrap_or(usize::MAX)
+        && !(k.amx() && n >= AMX_MIN_ROWS)
+        && k.bf16mm_mr().is_none()
+        && !k.bf16x_prefill()
+}
+
 /// [`run_panels`] on bf16 and int8 panels.
 #[allow(clippy::too_many_arguments)]
 fn run_plain(
@@ -331,13 +363,7 @@ fn run_plain(
     // widening FMA tiles read the rows rounded to bf16, so every row of a
     // call, in any batch, sees the same activations (before, such blocks
     // read the f32 rows while the rows of small blocks were rounded).
-    if bf16x
-        && matches!(data, DataView::Bf16(_))
-        && n > k.bf16x_mr().unwrap_or(usize::MAX)
-        && !(k.amx() && n >= AMX_MIN_ROWS)
-        && k.bf16mm_mr().is_none()
-        && !k.bf16x_prefill()
-    {
+    if bf16x && matches!(data, DataView::Bf16(_)) && rounds_bf16_rows(k, n) {
         return with_rounded_rows(kdim, n, row, src, |rounded| {
             run_plain(k, false, data, kdim, n, it, &|i| i, rounded, epi)
         });

@@ -1017,7 +1017,9 @@ impl Kernels {
 
     /// Whether bf16 activations run the native bf16 dot tile on the prefill
     /// path too (its two-panel form, [`bf16x_pair_tile`](Self::bf16x_pair_tile))
-    /// rather than the widening f32 FMA tile on their f32 originals.
+    /// rather than the widening f32 FMA tile on their f32 originals, and on
+    /// B12 panels the B12 dot tile (up to 16 rows, decode included) rather
+    /// than the B12 FMA tile on the rows rounded to bf16.
     /// On AMD Zen 4 and later a zmm `vdpbf16ps` retires as fast as a zmm
     /// FMA with twice its multiply-adds; on Intel (Sapphire Rapids class,
     /// measured with `EPSERVE_KERNEL=avx512-bf16`) it runs at half the FMA

@@ -619,8 +619,9 @@ mod tests {
             let mut lin = Linear::fused(vec![w.clone()]).expect("one part");
             lin.set_dtype(crate::experts::DenseDtype::Bf16);
             assert!(lin.bf16_activations());
-            // bf16 panels and B12 (the B12 tile on the rounded rows up to
-            // `b12_direct_rows`, the decoded panels on the dot tiles past it).
+            // bf16 panels and B12 (the B12 dot tile where it is fast, else
+            // the B12 tile on the rounded rows up to `b12_direct_rows`; the
+            // decoded panels past it).
             for (b12, rows) in [false, true]
                 .into_iter()
                 .flat_map(|b| [1usize, 5, 13, 24, 25, MB + 6].map(|r| (b, r)))
