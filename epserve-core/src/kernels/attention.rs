@@ -783,15 +783,22 @@ fn run_item(
                 h.sum[mi] += tot;
             }
             runs(s, bs, j0, j1, |j, len, row0| {
-                hint(&v, voff, j - j0, j - j0 + len);
-                kern.attn_accum(
-                    &sc[j - j0..],
+                // A whole cache block next: its value rows are hinted from
+                // inside the value pass (spread, not one burst).
+                let (i, r) = (j - j0, next[j - j0]);
+                let whole = r != usize::MAX && r % bs == 0 && len == bs;
+                if !whole {
+                    hint(&v, voff, i, i + len);
+                }
+                kern.attn_accum_hinted(
+                    &sc[i..],
                     KEY_BLOCK,
                     v.rows.slice_from(row0 * v.stride + voff),
                     v.stride,
                     len,
                     &mut h.acc,
                     dv,
+                    whole.then(|| (v.rows, r * v.stride + voff)),
                 );
             });
         }

@@ -169,6 +169,8 @@ type AttnScoresColsHinted =
 type AttnScoresColsB16 =
     unsafe fn(&[u16], usize, *const u8, usize, usize, usize, f32, &mut [f32], usize, *const u8);
 type AttnAccum = unsafe fn(&[f32], usize, *const u8, usize, usize, &mut [f32], usize);
+type AttnAccumHinted =
+    unsafe fn(&[f32], usize, *const u8, usize, usize, &mut [f32], usize, *const u8);
 type AttnSoftmax = unsafe fn(&mut [f32], f32) -> (f32, f32);
 
 /// A tier's attention micro-kernels, `[f32 rows, bf16 rows]` each (see
@@ -189,6 +191,9 @@ struct AttnFns {
     /// bf16 queries against bf16 columns with a native bf16 dot.
     scores_cols_b16: Option<AttnScoresColsB16>,
     accum: [AttnAccum; 2],
+    /// The same, hinting the next block's value rows from inside its
+    /// passes, where the tier does (see [`Kernels::attn_accum_hinted`]).
+    accum_hinted: Option<[AttnAccumHinted; 2]>,
     softmax: AttnSoftmax,
 }
 
@@ -299,6 +304,7 @@ impl Kernels {
                         scores_cols_hinted: None,
                         scores_cols_b16: None,
                         accum: [attn::accum256::<false>, attn::accum256::<true>],
+                        accum_hinted: None,
                         softmax: attn::softmax256,
                     }),
                 }
@@ -311,10 +317,18 @@ impl Kernels {
                     _ => (avx512::I8_MR, avx512::i8_tile_vnni),
                 };
                 let emb = embedded_broadcasts();
-                let (bf16_pair, accum): (Bf16PairTile, [AttnAccum; 2]) = if emb {
+                let (bf16_pair, accum, accum_hinted): (
+                    Bf16PairTile,
+                    [AttnAccum; 2],
+                    [AttnAccumHinted; 2],
+                ) = if emb {
                     (
                         avx512::bf16_pair_tile::<true>,
                         [attn::accum512::<false, true>, attn::accum512::<true, true>],
+                        [
+                            attn::accum512_hinted::<false, true>,
+                            attn::accum512_hinted::<true, true>,
+                        ],
                     )
                 } else {
                     (
@@ -322,6 +336,10 @@ impl Kernels {
                         [
                             attn::accum512::<false, false>,
                             attn::accum512::<true, false>,
+                        ],
+                        [
+                            attn::accum512_hinted::<false, false>,
+                            attn::accum512_hinted::<true, false>,
                         ],
                     )
                 };
@@ -357,6 +375,7 @@ impl Kernels {
                         scores_cols_b16: matches!(tier, Tier::Avx512Bf16 | Tier::Amx)
                             .then_some(attn::scores_cols512_b16 as AttnScoresColsB16),
                         accum,
+                        accum_hinted: Some(accum_hinted),
                         softmax: attn::softmax512,
                     }),
                 }
@@ -390,6 +409,7 @@ impl Kernels {
                         scores_cols_hinted: None,
                         scores_cols_b16: None,
                         accum: [attn::accum::<false>, attn::accum::<true>],
+                        accum_hinted: None,
                         softmax: attn::softmax,
                     }),
                 }
@@ -987,6 +1007,57 @@ impl Kernels {
                 (f.accum[v.is_bf16() as usize])(p, ldp, v.as_ptr(), stride, n, acc, dv)
             },
             None => generic::attn_accum(p, ldp, v, stride, n, acc, dv),
+        }
+    }
+
+    /// [`attn_accum`](Self::attn_accum), also hinting into L2 the `dv`
+    /// elements of each of `n` rows `stride` apart from element `hint.1` of
+    /// `hint.0` (the next cache block's value rows of this KV head), where
+    /// given and inside `hint.0`: spread over the kernel's passes on
+    /// AVX-512, one burst before the call elsewhere. The same bits as
+    /// without the hint.
+    #[allow(clippy::too_many_arguments)]
+    pub fn attn_accum_hinted(
+        &self,
+        p: &[f32],
+        ldp: usize,
+        v: KvRows<'_>,
+        stride: usize,
+        n: usize,
+        acc: &mut [f32],
+        dv: usize,
+        hint: Option<(KvRows<'_>, usize)>,
+    ) {
+        if n == 0 || acc.is_empty() {
+            return;
+        }
+        let esize = if v.is_bf16() { 2 } else { 4 };
+        let hint = hint.filter(|(rows, off)| off + (n - 1) * stride + dv <= rows.len());
+        match (self.attn, hint) {
+            (
+                Some(AttnFns {
+                    accum_hinted: Some(f),
+                    ..
+                }),
+                Some((rows, off)),
+            ) => {
+                let m = acc.len() / dv.max(1);
+                assert!(dv > 0 && acc.len() == m * dv && ldp >= n && stride >= dv);
+                assert!(v.len() >= (n - 1) * stride + dv && p.len() >= (m - 1) * ldp + n);
+                let h = rows.as_ptr().wrapping_add(off * esize);
+                // SAFETY: this tier was checked as supported when `self` was
+                // built, the extents were just asserted, and the hint is only
+                // prefetched (never read).
+                unsafe { (f[v.is_bf16() as usize])(p, ldp, v.as_ptr(), stride, n, acc, dv, h) }
+            }
+            (_, hint) => {
+                if let Some((rows, off)) = hint {
+                    for i in 0..n {
+                        super::attention::prefetch_l2(rows, off + i * stride, dv * esize);
+                    }
+                }
+                self.attn_accum(p, ldp, v, stride, n, acc, dv)
+            }
         }
     }
 

@@ -595,6 +595,15 @@ fn attn_kernels_match_twin() {
                             rows.is_bf16()
                         );
                     }
+                    // Hinting other rows (these rows themselves, rows past
+                    // the end: not hinted) changes no bit.
+                    for off in [0, 1, rows.len()] {
+                        let mut hinted = init.clone();
+                        let h = Some((rows, off));
+                        k.attn_accum_hinted(&p, ld, rows, stride, n, &mut hinted, d, h);
+                        let b = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+                        assert_eq!(b(&hinted), b(&got), "{:?} accum hinted at {off}", k.tier());
+                    }
                 }
             }
         }

@@ -562,6 +562,7 @@ unsafe fn axpys512<const G: usize, const W: usize, const BF: bool, const EMB: bo
     c0: usize,
     rem: usize,
     prefetch: bool,
+    hint: *const u8,
 ) {
     debug_assert!(rem == 0 || W == 1);
     let mask = if rem == 0 {
@@ -584,6 +585,9 @@ unsafe fn axpys512<const G: usize, const W: usize, const BF: bool, const EMB: bo
             if prefetch {
                 prefetch_row(vr, stride * esize(BF), dv * esize(BF));
             }
+            // This pass's columns of the next block's row `i` (one line for
+            // 32 bf16 columns): spread one or two hints a row.
+            hint_share(hint, (i * stride + c0) * esize(BF), 16 * W * esize(BF));
             let mut vv = [_mm512_setzero_ps(); W];
             for (w, x) in vv.iter_mut().enumerate() {
                 *x = if rem == 0 {
@@ -637,6 +641,33 @@ pub unsafe fn accum512<const BF: bool, const EMB: bool>(
     acc: &mut [f32],
     dv: usize,
 ) {
+    // SAFETY: as documented above.
+    unsafe { accum512_hinted::<BF, EMB>(p, ldp, v, stride, n, acc, dv, std::ptr::null()) }
+}
+
+/// [`accum512`], hinting into L2 the `dv` elements of each of `n` rows
+/// `stride` apart at `hint` (the next cache block's value rows of this KV
+/// head; null for none), spread over its passes: each pass over 32 columns
+/// hints those columns of the next block's row as it reads this block's
+/// row. One burst of the block's 64 hints before the call stalled the core
+/// on the line-fill buffers: `bench attention` at 8k on the 2-vCPU Xeon
+/// without AMX, alternated, 1.21-1.36 ms per layer with the burst,
+/// 1.16-1.19 ms with no value hints at all (see BENCHMARKS.md).
+///
+/// # Safety
+/// As [`accum512`]; `hint` is only prefetched (it never faults).
+#[target_feature(enable = "avx512f,avx512bw,avx2,fma")]
+#[allow(clippy::too_many_arguments)]
+pub unsafe fn accum512_hinted<const BF: bool, const EMB: bool>(
+    p: &[f32],
+    ldp: usize,
+    v: *const u8,
+    stride: usize,
+    n: usize,
+    acc: &mut [f32],
+    dv: usize,
+    hint: *const u8,
+) {
     let m = acc.len() / dv;
     let (pp, ap) = (p.as_ptr(), acc.as_mut_ptr());
     // SAFETY: as documented above.
@@ -650,17 +681,24 @@ pub unsafe fn accum512<const BF: bool, const EMB: bool>(
             let rem = if wide || dv - c0 >= 16 { 0 } else { dv - c0 };
             query_groups(m, |g, mi| {
                 let (p, a, pf) = (pp.add(mi * ldp), ap.add(mi * dv), c0 == 0 && mi == 0);
+                let h = if mi == 0 { hint } else { std::ptr::null() };
                 match (g, wide) {
-                    (8, true) => axpys512::<8, 2, BF, EMB>(p, ldp, v, stride, n, a, dv, c0, 0, pf),
-                    (4, true) => axpys512::<4, 2, BF, EMB>(p, ldp, v, stride, n, a, dv, c0, 0, pf),
-                    (_, true) => axpys512::<1, 2, BF, EMB>(p, ldp, v, stride, n, a, dv, c0, 0, pf),
+                    (8, true) => {
+                        axpys512::<8, 2, BF, EMB>(p, ldp, v, stride, n, a, dv, c0, 0, pf, h)
+                    }
+                    (4, true) => {
+                        axpys512::<4, 2, BF, EMB>(p, ldp, v, stride, n, a, dv, c0, 0, pf, h)
+                    }
+                    (_, true) => {
+                        axpys512::<1, 2, BF, EMB>(p, ldp, v, stride, n, a, dv, c0, 0, pf, h)
+                    }
                     (8, false) => {
-                        axpys512::<8, 1, BF, EMB>(p, ldp, v, stride, n, a, dv, c0, rem, pf)
+                        axpys512::<8, 1, BF, EMB>(p, ldp, v, stride, n, a, dv, c0, rem, pf, h)
                     }
                     (4, false) => {
-                        axpys512::<4, 1, BF, EMB>(p, ldp, v, stride, n, a, dv, c0, rem, pf)
+                        axpys512::<4, 1, BF, EMB>(p, ldp, v, stride, n, a, dv, c0, rem, pf, h)
                     }
-                    _ => axpys512::<1, 1, BF, EMB>(p, ldp, v, stride, n, a, dv, c0, rem, pf),
+                    _ => axpys512::<1, 1, BF, EMB>(p, ldp, v, stride, n, a, dv, c0, rem, pf, h),
                 }
             });
             c0 += if wide { 32 } else { 16 };
