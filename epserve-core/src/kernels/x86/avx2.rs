@@ -3,8 +3,15 @@
 //! - bf16: two 32-byte loads per pair of `k`s give all 16 channels; a shift
 //!   and a mask widen each to two f32 vectors (see [`crate::kernels::layout`]);
 //!   each token's two activations are broadcast and FMA'd. Up to [`BF16_MR`]
-//!   tokens per tile (12 accumulators); with one or two tokens the `k` and
-//!   `k + 1` products go to separate accumulators to hide FMA latency.
+//!   tokens per tile (12 accumulators). Every tile size sums a token's
+//!   products in the same order (one accumulator per 8 channels), so a
+//!   token's bits do not depend on how many tokens share its tile: a
+//!   retried decode of two positions gives the bits its five-row prefill
+//!   gave. (One and two tokens used to split the `k` and `k + 1` products
+//!   over two accumulator sets to hide FMA latency, which changed a row's
+//!   bits between batch sizes; at one token the tile is bound by memory
+//!   bandwidth on two cores either way: `bench step` decode phases at
+//!   100-110 % of the read probe with one set, on the AMD EPYC Zen 3.)
 //! - int8: `vpmaddubsw` wants an unsigned operand, so each weight byte takes
 //!   the sign of its activation (`vpsignb`) and multiplies `|a|`; with both in
 //!   `[-127, 127]` the i16 pair sums cannot saturate (2·127² < 2¹⁵). `vpmaddwd`
@@ -41,8 +48,8 @@ pub unsafe fn bf16_tile(w: &[u16], kc: usize, x: &[&[f32]], acc: &mut [f32]) {
     // SAFETY: the caller guarantees the features and the lengths above.
     unsafe {
         match x.len() {
-            1 => bf16_t::<1, 2>(w, kc, &p, acc),
-            2 => bf16_t::<2, 2>(w, kc, &p, acc),
+            1 => bf16_t::<1, 1>(w, kc, &p, acc),
+            2 => bf16_t::<2, 1>(w, kc, &p, acc),
             3 => bf16_t::<3, 1>(w, kc, &p, acc),
             4 => bf16_t::<4, 1>(w, kc, &p, acc),
             5 => bf16_t::<5, 1>(w, kc, &p, acc),
