@@ -782,11 +782,15 @@ fn run_item(
                 }
                 h.sum[mi] += tot;
             }
-            runs(s, bs, j0, j1, |j, len, row0| {
-                // A whole cache block next: its value rows are hinted from
-                // inside the value pass (spread, not one burst).
-                let (i, r) = (j - j0, next[j - j0]);
-                let whole = r != usize::MAX && r % bs == 0 && len == bs;
+            // Cache blocks adjacent in the pool (a sequence's blocks most
+            // often are) are one strided run of value rows: one call for
+            // them, so the kernel's per-pass costs (accumulator loads and
+            // stores, the loop's start) spread over up to KEY_BLOCK keys,
+            // not one block's 16. The sums are the same: every column adds
+            // the keys in order, whatever the calls.
+            let mut pending: Option<(usize, usize, usize, bool)> = None;
+            let flush = |run: (usize, usize, usize, bool), acc: &mut Vec<f32>| {
+                let (i, len, row0, whole) = run;
                 if !whole {
                     hint(&v, voff, i, i + len);
                 }
@@ -796,11 +800,30 @@ fn run_item(
                     v.rows.slice_from(row0 * v.stride + voff),
                     v.stride,
                     len,
-                    &mut h.acc,
+                    acc,
                     dv,
-                    whole.then(|| (v.rows, r * v.stride + voff)),
+                    whole.then(|| (v.rows, next[i] * v.stride + voff)),
                 );
+            };
+            runs(s, bs, j0, j1, |j, len, row0| {
+                // A whole cache block next: its value rows are hinted from
+                // inside the value pass (spread, not one burst).
+                let (i, r) = (j - j0, next[j - j0]);
+                let whole = r != usize::MAX && r % bs == 0 && len == bs;
+                if let Some((pi, plen, prow, pwhole)) = pending {
+                    let joins =
+                        prow + plen == row0 && pwhole == whole && (!whole || next[pi] + plen == r);
+                    if joins {
+                        pending = Some((pi, plen + len, prow, pwhole));
+                        return;
+                    }
+                    flush((pi, plen, prow, pwhole), &mut h.acc);
+                }
+                pending = Some((i, len, row0, whole));
             });
+            if let Some(run) = pending {
+                flush(run, &mut h.acc);
+            }
         }
         j0 = j1;
     }

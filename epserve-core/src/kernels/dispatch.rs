@@ -301,10 +301,16 @@ impl Kernels {
                         scores: [attn::scores256::<false>, attn::scores256::<true>],
                         scores_b16: None,
                         scores_cols: [attn::scores_cols256::<false>, attn::scores_cols256::<true>],
-                        scores_cols_hinted: None,
+                        scores_cols_hinted: Some([
+                            attn::scores_cols256_hinted::<false>,
+                            attn::scores_cols256_hinted::<true>,
+                        ]),
                         scores_cols_b16: None,
                         accum: [attn::accum256::<false>, attn::accum256::<true>],
-                        accum_hinted: None,
+                        accum_hinted: Some([
+                            attn::accum256_hinted::<false>,
+                            attn::accum256_hinted::<true>,
+                        ]),
                         softmax: attn::softmax256,
                     }),
                 }

@@ -561,8 +561,14 @@ fn attn_kernels_match_twin() {
     let twin = Kernels::generic();
     for k in tiers() {
         for &d in &[1usize, 3, 4, 7, 8, 13, 16, 17, 31, 64, 128, 576] {
-            for &m in &[1usize, 3, 4, 5, 8, 9, 13, 16] {
-                let (n, stride, ld) = (7usize, d + 5, 11usize);
+            // 40 keys: more than one chunk of the AVX2 value pass's
+            // broadcast probabilities.
+            for (m, n) in [1usize, 3, 4, 5, 8, 9, 13, 16]
+                .into_iter()
+                .map(|m| (m, 7usize))
+                .chain([(8, 40), (9, 40)])
+            {
+                let (stride, ld) = (d + 5, n + 4);
                 let q: Vec<f32> = (0..m * d).map(|_| rng.random_range(-1.0f32..1.0)).collect();
                 let kf: Vec<f32> = (0..(n - 1) * stride + d)
                     .map(|_| rng.random_range(-1.0f32..1.0))

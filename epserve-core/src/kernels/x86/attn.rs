@@ -809,6 +809,7 @@ pub unsafe fn scores256<const BF: bool>(
 
 #[inline]
 #[target_feature(enable = "avx2,fma")]
+#[allow(clippy::too_many_arguments)]
 unsafe fn axpys256<const G: usize, const BF: bool>(
     p: *const f32,
     ldp: usize,
@@ -820,7 +821,15 @@ unsafe fn axpys256<const G: usize, const BF: bool>(
     c0: usize,
     rem: usize,
     prefetch: bool,
+    hint: *const u8,
 ) {
+    // One hint a line: the pass whose 8 columns start a 64-byte line of the
+    // row hints that line of the next block's row.
+    let hint = if (c0 * esize(BF)).is_multiple_of(64) {
+        hint
+    } else {
+        std::ptr::null()
+    };
     // SAFETY: as in `axpys512`.
     unsafe {
         let mut a = [_mm256_setzero_ps(); G];
@@ -836,6 +845,7 @@ unsafe fn axpys256<const G: usize, const BF: bool>(
             if prefetch {
                 prefetch_row(vr, stride * esize(BF), dv * esize(BF));
             }
+            hint_share(hint, (i * stride + c0) * esize(BF), 64);
             let vv = if rem == 0 {
                 ld8::<BF>(vr, c0)
             } else {
@@ -857,6 +867,109 @@ unsafe fn axpys256<const G: usize, const BF: bool>(
     }
 }
 
+/// `n` steps of `a[g] += p[g·LDP] · v` for 8 accumulators, in assembly,
+/// `p` advancing `PSTEP` bytes and `v` (8 elements, widened) `stride_bytes`
+/// a step: the inner loop of [`cols256_8`] (8 queries, rows `LDP` = `dk`
+/// apart, against key columns). Each step is a load, 8 broadcasts at
+/// constant offsets and 8 FMAs, with no address arithmetic between them
+/// and the accumulators kept in registers (the compiler's loops chained
+/// address arithmetic between the broadcasts, and with a constant row
+/// distance spilled an accumulator through the stack). `HINT`: each step
+/// also hints the line at `hint` into L2, `hint_step` bytes apart. The
+/// same operations in the same order as the intrinsics loop: the same bits.
+///
+/// # Safety
+/// AVX2 and FMA; `n > 0`; `p` holds 8 rows `LDP` apart of `n` values
+/// `PSTEP` bytes apart, `v` `n` runs of 8 elements `stride_bytes` apart.
+#[inline]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn axpy8<const BF: bool, const LDP: usize, const PSTEP: usize, const HINT: bool>(
+    p: *const f32,
+    v: *const u8,
+    stride_bytes: usize,
+    n: usize,
+    a: &mut [__m256; 8],
+    hint: *const u8,
+    hint_step: usize,
+) {
+    macro_rules! body {
+        ($($load:literal),+ ; $($pf:literal),*) => {
+            std::arch::asm!(
+                "2:",
+                $($load,)+
+                $($pf,)*
+                "vbroadcastss {t0}, dword ptr [{p}]",
+                "vfmadd231ps {a0}, {v}, {t0}",
+                "vbroadcastss {t1}, dword ptr [{p} + {o1}]",
+                "vfmadd231ps {a1}, {v}, {t1}",
+                "vbroadcastss {t0}, dword ptr [{p} + {o2}]",
+                "vfmadd231ps {a2}, {v}, {t0}",
+                "vbroadcastss {t1}, dword ptr [{p} + {o3}]",
+                "vfmadd231ps {a3}, {v}, {t1}",
+                "vbroadcastss {t0}, dword ptr [{p} + {o4}]",
+                "vfmadd231ps {a4}, {v}, {t0}",
+                "vbroadcastss {t1}, dword ptr [{p} + {o5}]",
+                "vfmadd231ps {a5}, {v}, {t1}",
+                "vbroadcastss {t0}, dword ptr [{p} + {o6}]",
+                "vfmadd231ps {a6}, {v}, {t0}",
+                "vbroadcastss {t1}, dword ptr [{p} + {o7}]",
+                "vfmadd231ps {a7}, {v}, {t1}",
+                "add {p}, {ps}",
+                "add {vp}, {sb}",
+                "dec {n}",
+                "jnz 2b",
+                a0 = inout(ymm_reg) a[0],
+                a1 = inout(ymm_reg) a[1],
+                a2 = inout(ymm_reg) a[2],
+                a3 = inout(ymm_reg) a[3],
+                a4 = inout(ymm_reg) a[4],
+                a5 = inout(ymm_reg) a[5],
+                a6 = inout(ymm_reg) a[6],
+                a7 = inout(ymm_reg) a[7],
+                v = out(ymm_reg) _,
+                t0 = out(ymm_reg) _,
+                t1 = out(ymm_reg) _,
+                p = inout(reg) p => _,
+                vp = inout(reg) v => _,
+                h = inout(reg) hint => _,
+                n = inout(reg) n => _,
+                sb = in(reg) stride_bytes,
+                hs = in(reg) hint_step,
+                ps = const PSTEP,
+                o1 = const LDP * 4,
+                o2 = const 2 * LDP * 4,
+                o3 = const 3 * LDP * 4,
+                o4 = const 4 * LDP * 4,
+                o5 = const 5 * LDP * 4,
+                o6 = const 6 * LDP * 4,
+                o7 = const 7 * LDP * 4,
+                options(nostack, readonly),
+            )
+        };
+    }
+    // SAFETY: the caller guarantees the features and the extents; the
+    // prefetches never fault.
+    unsafe {
+        match (BF, HINT) {
+            (true, true) => body!(
+                "vpmovzxwd {v}, xmmword ptr [{vp}]", "vpslld {v}, {v}, 16";
+                "prefetcht1 byte ptr [{h}]", "add {h}, {hs}"
+            ),
+            (true, false) => body!(
+                "vpmovzxwd {v}, xmmword ptr [{vp}]", "vpslld {v}, {v}, 16";
+                "/* no hint: {h} {hs} */"
+            ),
+            (false, true) => body!(
+                "vmovups {v}, ymmword ptr [{vp}]";
+                "prefetcht1 byte ptr [{h}]", "add {h}, {hs}"
+            ),
+            (false, false) => {
+                body!("vmovups {v}, ymmword ptr [{vp}]"; "/* no hint: {h} {hs} */")
+            }
+        }
+    }
+}
+
 /// AVX2 twin of [`accum512`].
 ///
 /// # Safety
@@ -871,60 +984,223 @@ pub unsafe fn accum256<const BF: bool>(
     acc: &mut [f32],
     dv: usize,
 ) {
+    // SAFETY: as documented above.
+    unsafe { accum256_hinted::<BF>(p, ldp, v, stride, n, acc, dv, std::ptr::null()) }
+}
+
+/// [`accum256`], hinting the next cache block's value rows at `hint` into
+/// L2 from inside the passes over the first query group, one line of the
+/// next block's row per line of this block's row read (as
+/// [`accum512_hinted`]), not as one burst before the call.
+///
+/// # Safety
+/// As [`accum256`]; `hint` is only prefetched (it never faults).
+#[target_feature(enable = "avx2,fma")]
+#[allow(clippy::too_many_arguments)]
+pub unsafe fn accum256_hinted<const BF: bool>(
+    p: &[f32],
+    ldp: usize,
+    v: *const u8,
+    stride: usize,
+    n: usize,
+    acc: &mut [f32],
+    dv: usize,
+    hint: *const u8,
+) {
     let m = acc.len() / dv;
     let (pp, ap) = (p.as_ptr(), acc.as_mut_ptr());
     // SAFETY: as documented above.
     unsafe {
+        let mut mi = 0;
+        while mi + 8 <= m {
+            let h = if mi == 0 { hint } else { std::ptr::null() };
+            accum8_256::<BF>(pp.add(mi * ldp), ldp, v, stride, n, ap.add(mi * dv), dv, h);
+            mi += 8;
+        }
+        let rest = mi;
         let mut c0 = 0;
         while c0 < dv {
             let rem = if dv - c0 >= 8 { 0 } else { dv - c0 };
-            let mut mi = 0;
-            while mi + 8 <= m {
-                axpys256::<8, BF>(
-                    pp.add(mi * ldp),
-                    ldp,
-                    v,
-                    stride,
-                    n,
-                    ap.add(mi * dv),
-                    dv,
-                    c0,
-                    rem,
-                    c0 == 0 && mi == 0,
-                );
-                mi += 8;
-            }
-            while mi + 4 <= m {
-                axpys256::<4, BF>(
-                    pp.add(mi * ldp),
-                    ldp,
-                    v,
-                    stride,
-                    n,
-                    ap.add(mi * dv),
-                    dv,
-                    c0,
-                    rem,
-                    c0 == 0 && mi == 0,
-                );
-                mi += 4;
-            }
+            let mut mi = rest;
             while mi < m {
-                axpys256::<1, BF>(
-                    pp.add(mi * ldp),
-                    ldp,
-                    v,
-                    stride,
-                    n,
-                    ap.add(mi * dv),
-                    dv,
-                    c0,
-                    rem,
-                    c0 == 0 && mi == 0,
-                );
-                mi += 1;
+                let (p, a) = (pp.add(mi * ldp), ap.add(mi * dv));
+                let (pf, h) = if mi == 0 {
+                    (c0 == 0, hint)
+                } else {
+                    (false, std::ptr::null())
+                };
+                if mi + 4 <= m {
+                    axpys256::<4, BF>(p, ldp, v, stride, n, a, dv, c0, rem, pf, h);
+                    mi += 4;
+                } else {
+                    axpys256::<1, BF>(p, ldp, v, stride, n, a, dv, c0, rem, pf, h);
+                    mi += 1;
+                }
             }
             c0 += 8;
+        }
+    }
+}
+
+/// Keys per chunk of [`accum8_256`]'s broadcast probabilities (8 KiB).
+const PB_KEYS: usize = 32;
+
+/// [`accum256_hinted`] for 8 queries (rows `ldp` apart at `p`, accumulators
+/// `dv` apart at `acc`): a chunk of keys' probabilities is broadcast once
+/// into a buffer, then every pass over 8 value columns runs [`axpy8b`],
+/// whose FMAs take the broadcasts as memory operands. On Zen 3 a
+/// `vbroadcastss` from memory occupies a vector pipe the FMAs need: with a
+/// broadcast per FMA the loop ran at two thirds of the FMA rate. Same
+/// operations per column in the same key order as [`axpys256`]: the same
+/// bits.
+///
+/// # Safety
+/// As [`accum256_hinted`] for 8 queries.
+#[target_feature(enable = "avx2,fma")]
+#[allow(clippy::too_many_arguments)]
+unsafe fn accum8_256<const BF: bool>(
+    p: *const f32,
+    ldp: usize,
+    v: *const u8,
+    stride: usize,
+    n: usize,
+    acc: *mut f32,
+    dv: usize,
+    hint: *const u8,
+) {
+    // Written before it is read, chunk by chunk (not zeroed: 8 KiB a call).
+    let mut pb = std::mem::MaybeUninit::<[__m256; PB_KEYS * 8]>::uninit();
+    let pb = pb.as_mut_ptr() as *mut __m256;
+    let sb = stride * esize(BF);
+    // SAFETY: the caller guarantees the extents; prefetches never fault.
+    unsafe {
+        let mut i0 = 0;
+        while i0 < n {
+            let nn = (n - i0).min(PB_KEYS);
+            for i in 0..nn {
+                for g in 0..8 {
+                    pb.add(i * 8 + g)
+                        .write(_mm256_set1_ps(*p.add(g * ldp + i0 + i)));
+                }
+            }
+            let vi = v.add(i0 * sb);
+            let hi = if hint.is_null() {
+                hint
+            } else {
+                hint.wrapping_add(i0 * sb)
+            };
+            let mut c0 = 0;
+            while c0 + 8 <= dv {
+                let mut a = [_mm256_setzero_ps(); 8];
+                for g in 0..8 {
+                    a[g] = _mm256_loadu_ps(acc.add(g * dv + c0));
+                }
+                let vr = vi.add(c0 * esize(BF));
+                // One hint a line of the next block's rows: on the pass
+                // whose 8 columns start a 64-byte line.
+                if !hi.is_null() && (c0 * esize(BF)).is_multiple_of(64) {
+                    let h = hi.wrapping_add(c0 * esize(BF));
+                    axpy8b::<BF, true>(pb, vr, sb, nn, &mut a, h);
+                } else {
+                    axpy8b::<BF, false>(pb, vr, sb, nn, &mut a, vr);
+                }
+                for g in 0..8 {
+                    _mm256_storeu_ps(acc.add(g * dv + c0), a[g]);
+                }
+                c0 += 8;
+            }
+            if c0 < dv {
+                // The last `dv % 8` columns (not hinted).
+                axpys256::<8, BF>(
+                    p.add(i0),
+                    ldp,
+                    vi,
+                    stride,
+                    nn,
+                    acc,
+                    dv,
+                    c0,
+                    dv - c0,
+                    false,
+                    std::ptr::null(),
+                );
+            }
+            i0 += nn;
+        }
+    }
+}
+
+/// `n` steps of `a[g] += pb[g] · v` for 8 accumulators, in assembly: `pb`
+/// (8 broadcast vectors a step, 256 bytes) as the FMAs' memory operands,
+/// `v` 8 elements (widened) `stride_bytes` apart. `HINT`: each step also
+/// hints the line at `hint` into L2, `stride_bytes` apart.
+///
+/// # Safety
+/// AVX2 and FMA; `n > 0`; `pb` holds `8 · n` vectors, `v` `n` runs of 8
+/// elements `stride_bytes` apart.
+#[inline]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn axpy8b<const BF: bool, const HINT: bool>(
+    pb: *const __m256,
+    v: *const u8,
+    stride_bytes: usize,
+    n: usize,
+    a: &mut [__m256; 8],
+    hint: *const u8,
+) {
+    macro_rules! body {
+        ($($load:literal),+ ; $($pf:literal),*) => {
+            std::arch::asm!(
+                "2:",
+                $($load,)+
+                $($pf,)*
+                "vfmadd231ps {a0}, {v}, ymmword ptr [{p}]",
+                "vfmadd231ps {a1}, {v}, ymmword ptr [{p} + 32]",
+                "vfmadd231ps {a2}, {v}, ymmword ptr [{p} + 64]",
+                "vfmadd231ps {a3}, {v}, ymmword ptr [{p} + 96]",
+                "vfmadd231ps {a4}, {v}, ymmword ptr [{p} + 128]",
+                "vfmadd231ps {a5}, {v}, ymmword ptr [{p} + 160]",
+                "vfmadd231ps {a6}, {v}, ymmword ptr [{p} + 192]",
+                "vfmadd231ps {a7}, {v}, ymmword ptr [{p} + 224]",
+                "add {p}, 256",
+                "add {vp}, {sb}",
+                "dec {n}",
+                "jnz 2b",
+                a0 = inout(ymm_reg) a[0],
+                a1 = inout(ymm_reg) a[1],
+                a2 = inout(ymm_reg) a[2],
+                a3 = inout(ymm_reg) a[3],
+                a4 = inout(ymm_reg) a[4],
+                a5 = inout(ymm_reg) a[5],
+                a6 = inout(ymm_reg) a[6],
+                a7 = inout(ymm_reg) a[7],
+                v = out(ymm_reg) _,
+                p = inout(reg) pb => _,
+                vp = inout(reg) v => _,
+                h = inout(reg) hint => _,
+                n = inout(reg) n => _,
+                sb = in(reg) stride_bytes,
+                options(nostack, readonly),
+            )
+        };
+    }
+    // SAFETY: the caller guarantees the features and the extents; the
+    // prefetches never fault.
+    unsafe {
+        match (BF, HINT) {
+            (true, true) => body!(
+                "vpmovzxwd {v}, xmmword ptr [{vp}]", "vpslld {v}, {v}, 16";
+                "prefetcht1 byte ptr [{h}]", "add {h}, {sb}"
+            ),
+            (true, false) => body!(
+                "vpmovzxwd {v}, xmmword ptr [{vp}]", "vpslld {v}, {v}, 16";
+                "/* no hint: {h} */"
+            ),
+            (false, true) => body!(
+                "vmovups {v}, ymmword ptr [{vp}]";
+                "prefetcht1 byte ptr [{h}]", "add {h}, {sb}"
+            ),
+            (false, false) => body!("vmovups {v}, ymmword ptr [{vp}]"; "/* no hint: {h} */"),
         }
     }
 }
@@ -1420,12 +1696,15 @@ unsafe fn cols256<const G: usize, const BF: bool>(
     scale: f32,
     out: *mut f32,
     ldo: usize,
+    hint: *const u8,
+    hint_step: usize,
 ) {
     let mut a = [[_mm256_setzero_ps(); G]; 2];
-    // SAFETY: as in `cols512`, 8 positions.
+    // SAFETY: as in `cols512`, 8 positions. Prefetches never fault.
     unsafe {
         let mut d = 0;
         while d < dk {
+            hint_share(hint, d / 2 * hint_step, hint_step);
             for (j, aj) in a.iter_mut().enumerate().take(dk - d) {
                 let kv = ldc8::<BF>(k, (d + j) * bs);
                 for g in 0..G {
@@ -1443,8 +1722,70 @@ unsafe fn cols256<const G: usize, const BF: bool>(
     }
 }
 
-/// [`scores_cols512`] on AVX2 + FMA: runs of 8 positions for groups of four
-/// queries (then one), the last positions one score at a time.
+/// [`cols256`] for 8 queries with the same bits: 16 accumulators do not
+/// fit AVX2's 16 registers, so the even columns' sums go through `out` and
+/// the odd columns' are added in a second pass (`even + odd`, as `cols256`
+/// adds its two sets). Each key column is widened once for the 8 queries,
+/// not once per group of 4.
+#[inline]
+#[target_feature(enable = "avx2,fma")]
+#[allow(clippy::too_many_arguments)]
+unsafe fn cols256_8<const BF: bool>(
+    q: *const f32,
+    dk: usize,
+    k: *const u8,
+    bs: usize,
+    scale: f32,
+    out: *mut f32,
+    ldo: usize,
+    hint: *const u8,
+    hint_step: usize,
+) {
+    const G: usize = 8;
+    // SAFETY: as in `cols256`; `out` holds `G` rows of 8 at `ldo`.
+    unsafe {
+        for j in 0..2 {
+            let mut a = [_mm256_setzero_ps(); G];
+            if dk == 128 {
+                // Column pairs: `q` 2 floats, the keys 2 columns a step.
+                let (kj, sb) = (k.add(j * bs * esize(BF)), 2 * bs * esize(BF));
+                if j == 0 && !hint.is_null() {
+                    axpy8::<BF, 128, 8, true>(q, kj, sb, 64, &mut a, hint, hint_step);
+                } else {
+                    axpy8::<BF, 128, 8, false>(q.add(j), kj, sb, 64, &mut a, kj, sb);
+                }
+            } else {
+                let mut d = j;
+                while d < dk {
+                    if j == 0 {
+                        hint_share(hint, d / 2 * hint_step, hint_step);
+                    }
+                    let kv = ldc8::<BF>(k, d * bs);
+                    for g in 0..G {
+                        let qv = _mm256_set1_ps(*q.add(g * dk + d));
+                        a[g] = _mm256_fmadd_ps(qv, kv, a[g]);
+                    }
+                    d += 2;
+                }
+            }
+            if j == 0 {
+                for g in 0..G {
+                    _mm256_storeu_ps(out.add(g * ldo), a[g]);
+                }
+            } else {
+                let sv = _mm256_set1_ps(scale);
+                for g in 0..G {
+                    let o = out.add(g * ldo);
+                    let s = _mm256_mul_ps(_mm256_add_ps(_mm256_loadu_ps(o), a[g]), sv);
+                    _mm256_storeu_ps(o, s);
+                }
+            }
+        }
+    }
+}
+
+/// [`scores_cols512`] on AVX2 + FMA: runs of 8 positions for groups of
+/// eight, four, then one query, the last positions one score at a time.
 ///
 /// # Safety
 /// AVX2 and FMA; extents as [`scores_cols512`].
@@ -1460,25 +1801,65 @@ pub unsafe fn scores_cols256<const BF: bool>(
     out: &mut [f32],
     ldo: usize,
 ) {
+    // SAFETY: as documented above.
+    unsafe { scores_cols256_hinted::<BF>(q, dk, k, bs, t0, n, scale, out, ldo, std::ptr::null()) }
+}
+
+/// [`scores_cols256`], hinting the `dk · bs` elements at `hint` (the next
+/// cache block's columns of this KV head; null for none) into L2 spread
+/// over its first group's column loop, as [`scores_cols512_hinted`].
+///
+/// # Safety
+/// As [`scores_cols256`]; `hint` is only prefetched (it never faults).
+#[target_feature(enable = "avx2,fma")]
+#[allow(clippy::too_many_arguments)]
+pub unsafe fn scores_cols256_hinted<const BF: bool>(
+    q: &[f32],
+    dk: usize,
+    k: *const u8,
+    bs: usize,
+    t0: usize,
+    n: usize,
+    scale: f32,
+    out: &mut [f32],
+    ldo: usize,
+    hint: *const u8,
+) {
     let m = q.len() / dk;
     let (qp, op) = (q.as_ptr(), out.as_mut_ptr());
+    // Bytes hinted per column pair: the block's bytes over the pairs.
+    let step = (dk * bs * esize(BF))
+        .div_ceil(dk.div_ceil(2))
+        .next_multiple_of(64);
     // SAFETY: the caller guarantees the features and the extents.
     unsafe {
         let mut i0 = 0;
+        let mut h = hint;
         while i0 + 8 <= n {
             let kc = k.add((t0 + i0) * esize(BF));
             let mut mi = 0;
+            while mi + 8 <= m {
+                let o = op.add(mi * ldo + i0);
+                cols256_8::<BF>(qp.add(mi * dk), dk, kc, bs, scale, o, ldo, h, step);
+                h = std::ptr::null();
+                mi += 8;
+            }
             while mi + 4 <= m {
                 let o = op.add(mi * ldo + i0);
-                cols256::<4, BF>(qp.add(mi * dk), dk, kc, bs, scale, o, ldo);
+                cols256::<4, BF>(qp.add(mi * dk), dk, kc, bs, scale, o, ldo, h, step);
+                h = std::ptr::null();
                 mi += 4;
             }
             while mi < m {
                 let o = op.add(mi * ldo + i0);
-                cols256::<1, BF>(qp.add(mi * dk), dk, kc, bs, scale, o, ldo);
+                cols256::<1, BF>(qp.add(mi * dk), dk, kc, bs, scale, o, ldo, h, step);
+                h = std::ptr::null();
                 mi += 1;
             }
             i0 += 8;
+        }
+        if !h.is_null() {
+            hint_share(h, 0, dk * bs * esize(BF));
         }
         for i in i0..n {
             let kc = k.add((t0 + i) * esize(BF));
