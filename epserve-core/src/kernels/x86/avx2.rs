@@ -48,12 +48,12 @@ pub unsafe fn bf16_tile(w: &[u16], kc: usize, x: &[&[f32]], acc: &mut [f32]) {
     // SAFETY: the caller guarantees the features and the lengths above.
     unsafe {
         match x.len() {
-            1 => bf16_t::<1, 1>(w, kc, &p, acc),
-            2 => bf16_t::<2, 1>(w, kc, &p, acc),
-            3 => bf16_t::<3, 1>(w, kc, &p, acc),
-            4 => bf16_t::<4, 1>(w, kc, &p, acc),
-            5 => bf16_t::<5, 1>(w, kc, &p, acc),
-            6 => bf16_t::<6, 1>(w, kc, &p, acc),
+            1 => bf16_t::<1>(w, kc, &p, acc),
+            2 => bf16_t::<2>(w, kc, &p, acc),
+            3 => bf16_t::<3>(w, kc, &p, acc),
+            4 => bf16_t::<4>(w, kc, &p, acc),
+            5 => bf16_t::<5>(w, kc, &p, acc),
+            6 => bf16_t::<6>(w, kc, &p, acc),
             _ => {}
         }
     }
@@ -91,19 +91,19 @@ macro_rules! store_add {
     }};
 }
 
-/// `T` tokens; `S` accumulator sets (2: the `k` and `k + 1` products go to
-/// separate accumulators, so with few tokens the FMA latency chain does not
-/// bind; 1: enough tokens for independent chains).
+/// `T` tokens, one accumulator per 8 channels and token: the `k` and
+/// `k + 1` products go to the same one, in order, at every `T` (see the
+/// module note: a row's bits do not depend on its tile).
 #[target_feature(enable = "avx2,fma")]
-unsafe fn bf16_t<const T: usize, const S: usize>(
+unsafe fn bf16_t<const T: usize>(
     w: *const u16,
     kc: usize,
     x: &[*const f32; BF16_MR],
     acc: *mut f32,
 ) {
     let mask = _mm256_set1_epi32(0xFFFF_0000u32 as i32);
-    let mut lo = [[_mm256_setzero_ps(); S]; T];
-    let mut hi = [[_mm256_setzero_ps(); S]; T];
+    let mut lo = [_mm256_setzero_ps(); T];
+    let mut hi = [_mm256_setzero_ps(); T];
     // SAFETY: pair `i < kc / 2` reads words `32i..32i+32` of `w` and values
     // `2i, 2i+1 < kc` of each row; the odd tail reads only value `kc - 1`.
     unsafe {
@@ -116,10 +116,10 @@ unsafe fn bf16_t<const T: usize, const S: usize>(
             for t in 0..T {
                 let x0 = _mm256_broadcast_ss(&*x[t].add(2 * i));
                 let x1 = _mm256_broadcast_ss(&*x[t].add(2 * i + 1));
-                lo[t][0] = _mm256_fmadd_ps(x0, l0, lo[t][0]);
-                hi[t][0] = _mm256_fmadd_ps(x0, h0, hi[t][0]);
-                lo[t][S - 1] = _mm256_fmadd_ps(x1, l1, lo[t][S - 1]);
-                hi[t][S - 1] = _mm256_fmadd_ps(x1, h1, hi[t][S - 1]);
+                lo[t] = _mm256_fmadd_ps(x0, l0, lo[t]);
+                hi[t] = _mm256_fmadd_ps(x0, h0, hi[t]);
+                lo[t] = _mm256_fmadd_ps(x1, l1, lo[t]);
+                hi[t] = _mm256_fmadd_ps(x1, h1, hi[t]);
             }
         }
         if kc % 2 == 1 {
@@ -128,18 +128,13 @@ unsafe fn bf16_t<const T: usize, const S: usize>(
             let (h0, _) = widen!(wp.add(NR), mask);
             for t in 0..T {
                 let x0 = _mm256_broadcast_ss(&*x[t].add(kc - 1));
-                lo[t][0] = _mm256_fmadd_ps(x0, l0, lo[t][0]);
-                hi[t][0] = _mm256_fmadd_ps(x0, h0, hi[t][0]);
+                lo[t] = _mm256_fmadd_ps(x0, l0, lo[t]);
+                hi[t] = _mm256_fmadd_ps(x0, h0, hi[t]);
             }
         }
         for t in 0..T {
-            let (mut l, mut h) = (lo[t][0], hi[t][0]);
-            if S > 1 {
-                l = _mm256_add_ps(l, lo[t][S - 1]);
-                h = _mm256_add_ps(h, hi[t][S - 1]);
-            }
-            store_add!(acc.add(t * NR), l);
-            store_add!(acc.add(t * NR + 8), h);
+            store_add!(acc.add(t * NR), lo[t]);
+            store_add!(acc.add(t * NR + 8), hi[t]);
         }
     }
 }
