@@ -1047,10 +1047,12 @@ const PB_KEYS: usize = 32;
 
 /// [`accum256_hinted`] for 8 queries (rows `ldp` apart at `p`, accumulators
 /// `dv` apart at `acc`): a chunk of keys' probabilities is broadcast once
-/// into a buffer, then every pass over 8 value columns runs [`axpy8b`],
-/// whose FMAs take the broadcasts as memory operands. On Zen 3 a
-/// `vbroadcastss` from memory occupies a vector pipe the FMAs need: with a
-/// broadcast per FMA the loop ran at two thirds of the FMA rate. Same
+/// into a buffer, then each pass over 16 value columns and 4 queries runs
+/// [`axpy4x16`] (each broadcast loaded once for two FMAs: 6 loads per 8
+/// FMAs, where 8 queries × 8 columns took 9) and a last group of 8 columns
+/// [`axpy8b`], whose FMAs take the broadcasts as memory operands. On Zen 3
+/// a `vbroadcastss` from memory occupies a vector pipe the FMAs need: with
+/// a broadcast per FMA the loop ran at two thirds of the FMA rate. Same
 /// operations per column in the same key order as [`axpys256`]: the same
 /// bits.
 ///
@@ -1090,6 +1092,33 @@ unsafe fn accum8_256<const BF: bool>(
                 hint.wrapping_add(i0 * sb)
             };
             let mut c0 = 0;
+            while c0 + 16 <= dv {
+                let vr = vi.add(c0 * esize(BF));
+                for g0 in [0, 4] {
+                    let mut a = [_mm256_setzero_ps(); 8];
+                    for g in 0..4 {
+                        a[2 * g] = _mm256_loadu_ps(acc.add((g0 + g) * dv + c0));
+                        a[2 * g + 1] = _mm256_loadu_ps(acc.add((g0 + g) * dv + c0 + 8));
+                    }
+                    // One hint a line of the next block's rows, on the
+                    // first query group's pass whose columns start a line.
+                    let h = if g0 == 0 && !hi.is_null() && (c0 * esize(BF)).is_multiple_of(64) {
+                        hi.wrapping_add(c0 * esize(BF))
+                    } else {
+                        std::ptr::null()
+                    };
+                    if h.is_null() {
+                        axpy4x16::<BF, false>(pb.add(g0), vr, sb, nn, &mut a, vr);
+                    } else {
+                        axpy4x16::<BF, true>(pb.add(g0), vr, sb, nn, &mut a, h);
+                    }
+                    for g in 0..4 {
+                        _mm256_storeu_ps(acc.add((g0 + g) * dv + c0), a[2 * g]);
+                        _mm256_storeu_ps(acc.add((g0 + g) * dv + c0 + 8), a[2 * g + 1]);
+                    }
+                }
+                c0 += 16;
+            }
             while c0 + 8 <= dv {
                 let mut a = [_mm256_setzero_ps(); 8];
                 for g in 0..8 {
@@ -1126,6 +1155,94 @@ unsafe fn accum8_256<const BF: bool>(
                 );
             }
             i0 += nn;
+        }
+    }
+}
+
+/// `n` steps of `a[2g + h] += pb[g] · v[8h..8h + 8]` for 4 queries and 16
+/// value columns, in assembly: `pb` 4 broadcast vectors a step (of the 8
+/// a step [`accum8_256`] lays out), each loaded once for its two FMAs; `v`
+/// 16 elements (widened) `stride_bytes` apart. `HINT`: each step hints the
+/// line at `hint` into L2, `stride_bytes` apart.
+///
+/// # Safety
+/// AVX2 and FMA; `n > 0`; `pb` holds `8 · n` vectors, `v` `n` runs of 16
+/// elements `stride_bytes` apart.
+#[inline]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn axpy4x16<const BF: bool, const HINT: bool>(
+    pb: *const __m256,
+    v: *const u8,
+    stride_bytes: usize,
+    n: usize,
+    a: &mut [__m256; 8],
+    hint: *const u8,
+) {
+    macro_rules! body {
+        ($($load:literal),+ ; $($pf:literal),*) => {
+            std::arch::asm!(
+                "2:",
+                $($load,)+
+                $($pf,)*
+                "vmovaps {t0}, ymmword ptr [{p}]",
+                "vfmadd231ps {a0}, {v0}, {t0}",
+                "vfmadd231ps {a1}, {v1}, {t0}",
+                "vmovaps {t1}, ymmword ptr [{p} + 32]",
+                "vfmadd231ps {a2}, {v0}, {t1}",
+                "vfmadd231ps {a3}, {v1}, {t1}",
+                "vmovaps {t0}, ymmword ptr [{p} + 64]",
+                "vfmadd231ps {a4}, {v0}, {t0}",
+                "vfmadd231ps {a5}, {v1}, {t0}",
+                "vmovaps {t1}, ymmword ptr [{p} + 96]",
+                "vfmadd231ps {a6}, {v0}, {t1}",
+                "vfmadd231ps {a7}, {v1}, {t1}",
+                "add {p}, 256",
+                "add {vp}, {sb}",
+                "dec {n}",
+                "jnz 2b",
+                a0 = inout(ymm_reg) a[0],
+                a1 = inout(ymm_reg) a[1],
+                a2 = inout(ymm_reg) a[2],
+                a3 = inout(ymm_reg) a[3],
+                a4 = inout(ymm_reg) a[4],
+                a5 = inout(ymm_reg) a[5],
+                a6 = inout(ymm_reg) a[6],
+                a7 = inout(ymm_reg) a[7],
+                v0 = out(ymm_reg) _,
+                v1 = out(ymm_reg) _,
+                t0 = out(ymm_reg) _,
+                t1 = out(ymm_reg) _,
+                p = inout(reg) pb => _,
+                vp = inout(reg) v => _,
+                h = inout(reg) hint => _,
+                n = inout(reg) n => _,
+                sb = in(reg) stride_bytes,
+                options(nostack, readonly),
+            )
+        };
+    }
+    // SAFETY: the caller guarantees the features and the extents; the
+    // prefetches never fault.
+    unsafe {
+        match (BF, HINT) {
+            (true, true) => body!(
+                "vpmovzxwd {v0}, xmmword ptr [{vp}]", "vpmovzxwd {v1}, xmmword ptr [{vp} + 16]",
+                "vpslld {v0}, {v0}, 16", "vpslld {v1}, {v1}, 16";
+                "prefetcht1 byte ptr [{h}]", "add {h}, {sb}"
+            ),
+            (true, false) => body!(
+                "vpmovzxwd {v0}, xmmword ptr [{vp}]", "vpmovzxwd {v1}, xmmword ptr [{vp} + 16]",
+                "vpslld {v0}, {v0}, 16", "vpslld {v1}, {v1}, 16";
+                "/* no hint: {h} */"
+            ),
+            (false, true) => body!(
+                "vmovups {v0}, ymmword ptr [{vp}]", "vmovups {v1}, ymmword ptr [{vp} + 32]";
+                "prefetcht1 byte ptr [{h}]", "add {h}, {sb}"
+            ),
+            (false, false) => body!(
+                "vmovups {v0}, ymmword ptr [{vp}]", "vmovups {v1}, ymmword ptr [{vp} + 32]";
+                "/* no hint: {h} */"
+            ),
         }
     }
 }
@@ -1784,8 +1901,93 @@ unsafe fn cols256_8<const BF: bool>(
     }
 }
 
-/// [`scores_cols512`] on AVX2 + FMA: runs of 8 positions for groups of
-/// eight, four, then one query, the last positions one score at a time.
+/// [`cols256`] for 4 queries against 16 whole positions, with the same
+/// bits: each broadcast query element feeds two FMAs (8 accumulators), so
+/// Zen 3's vector pipes run 4 broadcasts per 8 FMAs, not one per FMA. bf16
+/// columns are widened from one 32-byte load, the even positions by a
+/// shift and the odd ones by a mask (no zero-extend shuffles); their sums
+/// are put back in position order once, at the end. As in [`cols256_8`],
+/// the even dimensions' sums go through `out` and the odd ones' are added
+/// in a second pass (`even + odd`, then the scale).
+#[inline]
+#[target_feature(enable = "avx2,fma")]
+#[allow(clippy::too_many_arguments)]
+unsafe fn cols256_4x16<const BF: bool>(
+    q: *const f32,
+    dk: usize,
+    k: *const u8,
+    bs: usize,
+    scale: f32,
+    out: *mut f32,
+    ldo: usize,
+    hint: *const u8,
+    hint_step: usize,
+) {
+    const G: usize = 4;
+    // SAFETY: the caller guarantees 16 positions of `dk` columns `bs`
+    // elements apart at `k`, `G` query rows of `dk` at `q` and `G` rows of
+    // 16 at `out`; prefetches never fault.
+    unsafe {
+        let hi = _mm256_set1_epi32(0xFFFF_0000_u32 as i32);
+        for j in 0..2 {
+            let mut a = [[_mm256_setzero_ps(); 2]; G];
+            let mut d = j;
+            while d < dk {
+                if j == 0 {
+                    hint_share(hint, d / 2 * hint_step, hint_step);
+                }
+                let (k0, k1) = if BF {
+                    // Lane i: positions 2i (low half) and 2i + 1 (high).
+                    let raw = _mm256_loadu_si256(k.add(d * bs * 2) as *const __m256i);
+                    (
+                        _mm256_castsi256_ps(_mm256_slli_epi32::<16>(raw)),
+                        _mm256_castsi256_ps(_mm256_and_si256(raw, hi)),
+                    )
+                } else {
+                    let c = (k as *const f32).add(d * bs);
+                    (_mm256_loadu_ps(c), _mm256_loadu_ps(c.add(8)))
+                };
+                for (g, ag) in a.iter_mut().enumerate() {
+                    let qv = _mm256_set1_ps(*q.add(g * dk + d));
+                    ag[0] = _mm256_fmadd_ps(qv, k0, ag[0]);
+                    ag[1] = _mm256_fmadd_ps(qv, k1, ag[1]);
+                }
+                d += 2;
+            }
+            if j == 0 {
+                // The even dimensions' sums, in the lane order above.
+                for (g, ag) in a.iter().enumerate() {
+                    _mm256_storeu_ps(out.add(g * ldo), ag[0]);
+                    _mm256_storeu_ps(out.add(g * ldo + 8), ag[1]);
+                }
+                continue;
+            }
+            let sv = _mm256_set1_ps(scale);
+            for (g, ag) in a.iter().enumerate() {
+                let o = out.add(g * ldo);
+                let s0 = _mm256_mul_ps(_mm256_add_ps(_mm256_loadu_ps(o), ag[0]), sv);
+                let s1 = _mm256_mul_ps(_mm256_add_ps(_mm256_loadu_ps(o.add(8)), ag[1]), sv);
+                let (s0, s1) = if BF {
+                    // Even / odd positions back to 0..8, 8..16.
+                    let (lo, hi) = (_mm256_unpacklo_ps(s0, s1), _mm256_unpackhi_ps(s0, s1));
+                    (
+                        _mm256_permute2f128_ps::<0x20>(lo, hi),
+                        _mm256_permute2f128_ps::<0x31>(lo, hi),
+                    )
+                } else {
+                    (s0, s1)
+                };
+                _mm256_storeu_ps(o, s0);
+                _mm256_storeu_ps(o.add(8), s1);
+            }
+        }
+    }
+}
+
+/// [`scores_cols512`] on AVX2 + FMA: runs of 16 positions for groups of
+/// four queries (the rest one at a time), then runs of 8 positions for
+/// groups of eight, four, then one query, the last positions one score at
+/// a time.
 ///
 /// # Safety
 /// AVX2 and FMA; extents as [`scores_cols512`].
@@ -1835,6 +2037,25 @@ pub unsafe fn scores_cols256_hinted<const BF: bool>(
     unsafe {
         let mut i0 = 0;
         let mut h = hint;
+        while i0 + 16 <= n && m >= 4 {
+            let kc = k.add((t0 + i0) * esize(BF));
+            let mut mi = 0;
+            while mi + 4 <= m {
+                let o = op.add(mi * ldo + i0);
+                cols256_4x16::<BF>(qp.add(mi * dk), dk, kc, bs, scale, o, ldo, h, step);
+                h = std::ptr::null();
+                mi += 4;
+            }
+            while mi < m {
+                for i in [i0, i0 + 8] {
+                    let (kc, o) = (k.add((t0 + i) * esize(BF)), op.add(mi * ldo + i));
+                    cols256::<1, BF>(qp.add(mi * dk), dk, kc, bs, scale, o, ldo, h, step);
+                    h = std::ptr::null();
+                }
+                mi += 1;
+            }
+            i0 += 16;
+        }
         while i0 + 8 <= n {
             let kc = k.add((t0 + i0) * esize(BF));
             let mut mi = 0;
