@@ -37,7 +37,13 @@ const PF_ROWS: usize = 4;
 #[inline]
 #[target_feature(enable = "avx2,fma")]
 fn prefetch_row(row: *const u8, row_bytes: usize, bytes: usize) {
-    let p = row.wrapping_add(PF_ROWS * row_bytes);
+    prefetch_l1(row.wrapping_add(PF_ROWS * row_bytes), bytes);
+}
+
+/// Hints the `bytes` bytes at `p` into L1, a line at a time (never faults).
+#[inline]
+#[target_feature(enable = "avx2,fma")]
+fn prefetch_l1(p: *const u8, bytes: usize) {
     let mut off = 0;
     while off < bytes {
         // A prefetch is only a hint; it never faults (a safe intrinsic here).
@@ -1085,12 +1091,7 @@ unsafe fn accum8_256<const BF: bool>(
             // the value pass's samples on Zen 3, 8k context), while the
             // burst's misses overlap each other.
             for i in 0..nn {
-                let r = v.add((i0 + i) * sb);
-                let mut b = 0;
-                while b < dv * esize(BF) {
-                    _mm_prefetch::<_MM_HINT_T0>(r.add(b) as *const i8);
-                    b += 64;
-                }
+                prefetch_l1(v.add((i0 + i) * sb), dv * esize(BF));
             }
             for i in 0..nn {
                 for g in 0..8 {
