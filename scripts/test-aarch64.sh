@@ -49,17 +49,19 @@ FILTERS=(kernels experts model::linear)
 for cpu in max neoverse-n1; do
     echo "== aarch64 kernel tests under qemu-aarch64 -cpu $cpu"
     export CARGO_TARGET_AARCH64_UNKNOWN_LINUX_GNU_RUNNER="qemu-aarch64 -cpu $cpu -L $SYSROOT"
-    for f in "${FILTERS[@]}"; do
-        cargo test -p epserve-core --lib --target "$TARGET" "$f" -- --nocapture 2>&1 \
-            | grep -E "tiers under test|SKIPPED|^test |test result|panicked|error" || {
-            loud "aarch64 tests failed (cpu $cpu, filter $f)"
-            exit 1
-        }
-        # grep hides cargo's exit status; rerun quietly to get it.
-        cargo test -q -p epserve-core --lib --target "$TARGET" "$f" >/dev/null 2>&1 || {
-            loud "aarch64 tests failed (cpu $cpu, filter $f)"
-            exit 1
-        }
-    done
+    # One emulated run per cpu (libtest takes several filters); its output
+    # goes to a log so the exit status is cargo's own, then the lines that
+    # matter are shown.
+    log=$(mktemp)
+    rc=0
+    cargo test -p epserve-core --lib --target "$TARGET" -- --nocapture "${FILTERS[@]}" >"$log" 2>&1 || rc=$?
+    grep -E "tiers under test|SKIPPED|^test |test result|panicked|error" "$log" || true
+    if [[ $rc != 0 ]]; then
+        tail -n 40 "$log" >&2
+        rm -f "$log"
+        loud "aarch64 tests failed (cpu $cpu, exit status $rc)"
+        exit 1
+    fi
+    rm -f "$log"
 done
 echo "== aarch64 kernel tests passed on qemu cpus: max, neoverse-n1"
