@@ -166,18 +166,36 @@ mod tests {
 
     #[test]
     fn timers_count_only_when_enabled() {
-        // One test touches the process-wide state, so tests cannot race on it.
+        // Only this test switches the process-wide state, but another
+        // test's forward pass on another thread may run a router timer
+        // while it is on and add its own totals: a window of microseconds,
+        // so the exact totals are asked of one of a few tries, not of the
+        // first.
         set_enabled(false);
         let _ = take();
         drop(timer(Phase::Router).work(|| (10, 20)));
         assert_eq!(take().get(Phase::Router), PhaseTotals::default());
-        set_enabled(true);
-        drop(timer(Phase::Router).work(|| (10, 20)));
-        drop(timer(Phase::Router).work(|| (1, 2)));
-        set_enabled(false);
-        let p = take().get(Phase::Router);
-        assert_eq!((p.bytes, p.macs, p.calls), (11, 22, 2));
-        assert!(p.seconds >= 0.0);
-        assert_eq!(take().get(Phase::Router).calls, 0, "take resets");
+        let mut seen = Vec::new();
+        for _ in 0..20 {
+            let _ = take();
+            set_enabled(true);
+            drop(timer(Phase::Router).work(|| (10, 20)));
+            drop(timer(Phase::Router).work(|| (1, 2)));
+            set_enabled(false);
+            let p = take().get(Phase::Router);
+            assert!(p.seconds >= 0.0);
+            seen.push((p.bytes, p.macs, p.calls));
+            if seen.last() == Some(&(11, 22, 2)) {
+                break;
+            }
+        }
+        assert_eq!(seen.last(), Some(&(11, 22, 2)), "every try: {seen:?}");
+        // take resets, and a timer made while off counts nothing (a foreign
+        // timer begun while on may still land once: again, a few tries).
+        let resets = (0..20).any(|_| {
+            drop(timer(Phase::Router).work(|| (10, 20)));
+            take().get(Phase::Router).calls == 0
+        });
+        assert!(resets, "take resets; off counts nothing");
     }
 }
