@@ -873,9 +873,62 @@ unsafe fn axpys256<const G: usize, const BF: bool>(
     }
 }
 
-/// `n` steps of `a[g] += p[g·LDP] · v` for 8 accumulators, in assembly,
+/// The loop of the AVX2 assembly passes ([`axpy8`], [`axpy8b`],
+/// [`axpy4x16`]): `n` steps of the template lines `$step` (the row's
+/// widening loads, the hint, the broadcasts and the FMAs into `a[0..8]`,
+/// then `{p}` advanced), each step advancing `{vp}` by `{sb}`. Every pass
+/// names `a0..a7` (`$a`'s accumulators, in registers across the loop), `p`,
+/// `vp`, `h` (the hint pointer), `n` and `sb`; `$extra` adds its own
+/// operands, and `$uses` is a comment naming those of them a variant leaves
+/// unused (an operand must appear in the template).
+macro_rules! pass_loop {
+    ($a:expr, $p:expr, $v:expr, $h:expr, $n:expr, $sb:expr, $uses:literal;
+     [$($step:expr),+ $(,)?]; $($extra:tt)*) => {
+        std::arch::asm!(
+            "2:",
+            $($step,)+
+            "add {vp}, {sb}",
+            "dec {n}",
+            "jnz 2b",
+            $uses,
+            a0 = inout(ymm_reg) $a[0],
+            a1 = inout(ymm_reg) $a[1],
+            a2 = inout(ymm_reg) $a[2],
+            a3 = inout(ymm_reg) $a[3],
+            a4 = inout(ymm_reg) $a[4],
+            a5 = inout(ymm_reg) $a[5],
+            a6 = inout(ymm_reg) $a[6],
+            a7 = inout(ymm_reg) $a[7],
+            p = inout(reg) $p => _,
+            vp = inout(reg) $v => _,
+            h = inout(reg) $h => _,
+            n = inout(reg) $n => _,
+            sb = in(reg) $sb,
+            $($extra)*
+            options(nostack, readonly),
+        )
+    };
+}
+
+/// A pass's four variants, bf16 or f32 rows × hinted or not: `$body!`
+/// takes the row loads (`$bf16` or `$f32` lines) and the hint lines (a
+/// `prefetcht1` of the line at `{h}` into L2, then `{h}` advanced by the
+/// register `$hstep` names; none unhinted).
+macro_rules! pass_variants {
+    ($body:ident, $bf:expr, $hint:expr, $hstep:literal;
+     bf16: [$($lb:literal),+]; f32: [$($lf:literal),+]) => {
+        match ($bf, $hint) {
+            (true, true) => $body!($($lb),+ ; "prefetcht1 byte ptr [{h}]", concat!("add {h}, ", $hstep)),
+            (true, false) => $body!($($lb),+ ;),
+            (false, true) => $body!($($lf),+ ; "prefetcht1 byte ptr [{h}]", concat!("add {h}, ", $hstep)),
+            (false, false) => $body!($($lf),+ ;),
+        }
+    };
+}
+
+/// `n` steps of `a[g] += p[g·DK] · v` for 8 accumulators, in assembly,
 /// `p` advancing `PSTEP` bytes and `v` (8 elements, widened) `stride_bytes`
-/// a step: the inner loop of [`cols256_8`] (8 queries, rows `LDP` = `dk`
+/// a step: the inner loop of [`cols256_8`] (8 queries, rows `DK` = `dk`
 /// apart, against key columns). Each step is a load, 8 broadcasts at
 /// constant offsets and 8 FMAs, with no address arithmetic between them
 /// and the accumulators kept in registers (the compiler's loops chained
@@ -885,11 +938,11 @@ unsafe fn axpys256<const G: usize, const BF: bool>(
 /// same operations in the same order as the intrinsics loop: the same bits.
 ///
 /// # Safety
-/// AVX2 and FMA; `n > 0`; `p` holds 8 rows `LDP` apart of `n` values
+/// AVX2 and FMA; `n > 0`; `p` holds 8 rows `DK` apart of `n` values
 /// `PSTEP` bytes apart, `v` `n` runs of 8 elements `stride_bytes` apart.
 #[inline]
 #[target_feature(enable = "avx2,fma")]
-unsafe fn axpy8<const BF: bool, const LDP: usize, const PSTEP: usize, const HINT: bool>(
+unsafe fn axpy8<const BF: bool, const DK: usize, const PSTEP: usize, const HINT: bool>(
     p: *const f32,
     v: *const u8,
     stride_bytes: usize,
@@ -899,9 +952,8 @@ unsafe fn axpy8<const BF: bool, const LDP: usize, const PSTEP: usize, const HINT
     hint_step: usize,
 ) {
     macro_rules! body {
-        ($($load:literal),+ ; $($pf:literal),*) => {
-            std::arch::asm!(
-                "2:",
+        ($($load:expr),+ ; $($pf:expr),*) => {
+            pass_loop!(a, p, v, hint, n, stride_bytes, "/* {h} {hs} */"; [
                 $($load,)+
                 $($pf,)*
                 "vbroadcastss {t0}, dword ptr [{p}]",
@@ -921,58 +973,28 @@ unsafe fn axpy8<const BF: bool, const LDP: usize, const PSTEP: usize, const HINT
                 "vbroadcastss {t1}, dword ptr [{p} + {o7}]",
                 "vfmadd231ps {a7}, {v}, {t1}",
                 "add {p}, {ps}",
-                "add {vp}, {sb}",
-                "dec {n}",
-                "jnz 2b",
-                a0 = inout(ymm_reg) a[0],
-                a1 = inout(ymm_reg) a[1],
-                a2 = inout(ymm_reg) a[2],
-                a3 = inout(ymm_reg) a[3],
-                a4 = inout(ymm_reg) a[4],
-                a5 = inout(ymm_reg) a[5],
-                a6 = inout(ymm_reg) a[6],
-                a7 = inout(ymm_reg) a[7],
+            ];
                 v = out(ymm_reg) _,
                 t0 = out(ymm_reg) _,
                 t1 = out(ymm_reg) _,
-                p = inout(reg) p => _,
-                vp = inout(reg) v => _,
-                h = inout(reg) hint => _,
-                n = inout(reg) n => _,
-                sb = in(reg) stride_bytes,
                 hs = in(reg) hint_step,
                 ps = const PSTEP,
-                o1 = const LDP * 4,
-                o2 = const 2 * LDP * 4,
-                o3 = const 3 * LDP * 4,
-                o4 = const 4 * LDP * 4,
-                o5 = const 5 * LDP * 4,
-                o6 = const 6 * LDP * 4,
-                o7 = const 7 * LDP * 4,
-                options(nostack, readonly),
+                o1 = const DK * 4,
+                o2 = const 2 * DK * 4,
+                o3 = const 3 * DK * 4,
+                o4 = const 4 * DK * 4,
+                o5 = const 5 * DK * 4,
+                o6 = const 6 * DK * 4,
+                o7 = const 7 * DK * 4,
             )
         };
     }
     // SAFETY: the caller guarantees the features and the extents; the
     // prefetches never fault.
     unsafe {
-        match (BF, HINT) {
-            (true, true) => body!(
-                "vpmovzxwd {v}, xmmword ptr [{vp}]", "vpslld {v}, {v}, 16";
-                "prefetcht1 byte ptr [{h}]", "add {h}, {hs}"
-            ),
-            (true, false) => body!(
-                "vpmovzxwd {v}, xmmword ptr [{vp}]", "vpslld {v}, {v}, 16";
-                "/* no hint: {h} {hs} */"
-            ),
-            (false, true) => body!(
-                "vmovups {v}, ymmword ptr [{vp}]";
-                "prefetcht1 byte ptr [{h}]", "add {h}, {hs}"
-            ),
-            (false, false) => {
-                body!("vmovups {v}, ymmword ptr [{vp}]"; "/* no hint: {h} {hs} */")
-            }
-        }
+        pass_variants!(body, BF, HINT, "{hs}";
+            bf16: ["vpmovzxwd {v}, xmmword ptr [{vp}]", "vpslld {v}, {v}, 16"];
+            f32: ["vmovups {v}, ymmword ptr [{vp}]"])
     }
 }
 
@@ -1193,9 +1215,8 @@ unsafe fn axpy4x16<const BF: bool, const HINT: bool>(
     hint: *const u8,
 ) {
     macro_rules! body {
-        ($($load:literal),+ ; $($pf:literal),*) => {
-            std::arch::asm!(
-                "2:",
+        ($($load:expr),+ ; $($pf:expr),*) => {
+            pass_loop!(a, pb, v, hint, n, stride_bytes, "/* {h} */"; [
                 $($load,)+
                 $($pf,)*
                 "vmovaps {t0}, ymmword ptr [{p}]",
@@ -1211,53 +1232,23 @@ unsafe fn axpy4x16<const BF: bool, const HINT: bool>(
                 "vfmadd231ps {a6}, {v0}, {t1}",
                 "vfmadd231ps {a7}, {v1}, {t1}",
                 "add {p}, 256",
-                "add {vp}, {sb}",
-                "dec {n}",
-                "jnz 2b",
-                a0 = inout(ymm_reg) a[0],
-                a1 = inout(ymm_reg) a[1],
-                a2 = inout(ymm_reg) a[2],
-                a3 = inout(ymm_reg) a[3],
-                a4 = inout(ymm_reg) a[4],
-                a5 = inout(ymm_reg) a[5],
-                a6 = inout(ymm_reg) a[6],
-                a7 = inout(ymm_reg) a[7],
+            ];
                 v0 = out(ymm_reg) _,
                 v1 = out(ymm_reg) _,
                 t0 = out(ymm_reg) _,
                 t1 = out(ymm_reg) _,
-                p = inout(reg) pb => _,
-                vp = inout(reg) v => _,
-                h = inout(reg) hint => _,
-                n = inout(reg) n => _,
-                sb = in(reg) stride_bytes,
-                options(nostack, readonly),
             )
         };
     }
     // SAFETY: the caller guarantees the features and the extents; the
     // prefetches never fault.
     unsafe {
-        match (BF, HINT) {
-            (true, true) => body!(
+        pass_variants!(body, BF, HINT, "{sb}";
+            bf16: [
                 "vpmovzxwd {v0}, xmmword ptr [{vp}]", "vpmovzxwd {v1}, xmmword ptr [{vp} + 16]",
-                "vpslld {v0}, {v0}, 16", "vpslld {v1}, {v1}, 16";
-                "prefetcht1 byte ptr [{h}]", "add {h}, {sb}"
-            ),
-            (true, false) => body!(
-                "vpmovzxwd {v0}, xmmword ptr [{vp}]", "vpmovzxwd {v1}, xmmword ptr [{vp} + 16]",
-                "vpslld {v0}, {v0}, 16", "vpslld {v1}, {v1}, 16";
-                "/* no hint: {h} */"
-            ),
-            (false, true) => body!(
-                "vmovups {v0}, ymmword ptr [{vp}]", "vmovups {v1}, ymmword ptr [{vp} + 32]";
-                "prefetcht1 byte ptr [{h}]", "add {h}, {sb}"
-            ),
-            (false, false) => body!(
-                "vmovups {v0}, ymmword ptr [{vp}]", "vmovups {v1}, ymmword ptr [{vp} + 32]";
-                "/* no hint: {h} */"
-            ),
-        }
+                "vpslld {v0}, {v0}, 16", "vpslld {v1}, {v1}, 16"
+            ];
+            f32: ["vmovups {v0}, ymmword ptr [{vp}]", "vmovups {v1}, ymmword ptr [{vp} + 32]"])
     }
 }
 
@@ -1280,9 +1271,8 @@ unsafe fn axpy8b<const BF: bool, const HINT: bool>(
     hint: *const u8,
 ) {
     macro_rules! body {
-        ($($load:literal),+ ; $($pf:literal),*) => {
-            std::arch::asm!(
-                "2:",
+        ($($load:expr),+ ; $($pf:expr),*) => {
+            pass_loop!(a, pb, v, hint, n, stride_bytes, "/* {h} */"; [
                 $($load,)+
                 $($pf,)*
                 "vfmadd231ps {a0}, {v}, ymmword ptr [{p}]",
@@ -1294,45 +1284,17 @@ unsafe fn axpy8b<const BF: bool, const HINT: bool>(
                 "vfmadd231ps {a6}, {v}, ymmword ptr [{p} + 192]",
                 "vfmadd231ps {a7}, {v}, ymmword ptr [{p} + 224]",
                 "add {p}, 256",
-                "add {vp}, {sb}",
-                "dec {n}",
-                "jnz 2b",
-                a0 = inout(ymm_reg) a[0],
-                a1 = inout(ymm_reg) a[1],
-                a2 = inout(ymm_reg) a[2],
-                a3 = inout(ymm_reg) a[3],
-                a4 = inout(ymm_reg) a[4],
-                a5 = inout(ymm_reg) a[5],
-                a6 = inout(ymm_reg) a[6],
-                a7 = inout(ymm_reg) a[7],
+            ];
                 v = out(ymm_reg) _,
-                p = inout(reg) pb => _,
-                vp = inout(reg) v => _,
-                h = inout(reg) hint => _,
-                n = inout(reg) n => _,
-                sb = in(reg) stride_bytes,
-                options(nostack, readonly),
             )
         };
     }
     // SAFETY: the caller guarantees the features and the extents; the
     // prefetches never fault.
     unsafe {
-        match (BF, HINT) {
-            (true, true) => body!(
-                "vpmovzxwd {v}, xmmword ptr [{vp}]", "vpslld {v}, {v}, 16";
-                "prefetcht1 byte ptr [{h}]", "add {h}, {sb}"
-            ),
-            (true, false) => body!(
-                "vpmovzxwd {v}, xmmword ptr [{vp}]", "vpslld {v}, {v}, 16";
-                "/* no hint: {h} */"
-            ),
-            (false, true) => body!(
-                "vmovups {v}, ymmword ptr [{vp}]";
-                "prefetcht1 byte ptr [{h}]", "add {h}, {sb}"
-            ),
-            (false, false) => body!("vmovups {v}, ymmword ptr [{vp}]"; "/* no hint: {h} */"),
-        }
+        pass_variants!(body, BF, HINT, "{sb}";
+            bf16: ["vpmovzxwd {v}, xmmword ptr [{vp}]", "vpslld {v}, {v}, 16"];
+            f32: ["vmovups {v}, ymmword ptr [{vp}]"])
     }
 }
 
