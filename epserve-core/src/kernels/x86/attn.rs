@@ -1070,8 +1070,13 @@ pub unsafe fn accum256_hinted<const BF: bool>(
     }
 }
 
-/// Keys per chunk of [`accum8_256`]'s broadcast probabilities (8 KiB).
-const PB_KEYS: usize = 32;
+/// Keys per chunk of [`accum8_256`]'s broadcast probabilities (4 KiB).
+/// A chunk's value rows lie a pool row apart (1 KiB for 4 KV heads of
+/// 128 bf16), so its lines of one column block share a few L1 sets: 16
+/// keys a chunk leave them room beside the broadcasts, where 32 evicted
+/// each other between the passes (Zen 3, 8k context: the value pass 8 %
+/// fewer samples against the scores' in the same runs, 8 keys no better).
+const PB_KEYS: usize = 16;
 
 /// [`accum256_hinted`] for 8 queries (rows `ldp` apart at `p`, accumulators
 /// `dv` apart at `acc`): a chunk of keys' probabilities is broadcast once
