@@ -12,5 +12,7 @@ fi
 export EPSERVE_REQUIRE_OPENAI=1 EPSERVE_REQUIRE_ETCD=1
 cargo test --workspace
 # The sampler's streaming passes are built per vector extension and chosen by
-# the kernel tier: run its tests on the baseline build too.
-EPSERVE_KERNEL=generic cargo test -p epserve-core --lib sampling
+# the kernel tier: run its tests on the baseline build too. `--workspace`, as
+# above: `-p epserve-core` alone resolves its dependencies' features apart
+# from the workspace's and rebuilds them all (minutes of the CI budget).
+EPSERVE_KERNEL=generic cargo test --workspace --lib sampling
