@@ -159,8 +159,36 @@ fn key_columns_enabled() -> bool {
     *ON.get_or_init(|| !crate::mem::switched_off("EPSERVE_KEY_COLUMNS"))
 }
 
+/// Whether value rows whose bytes are a multiple of 1 KiB get one cache
+/// line of padding (`EPSERVE_KV_PAD` is not `0`/`off`; read once).
+fn value_padding_enabled() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| !crate::mem::switched_off("EPSERVE_KV_PAD"))
+}
+
+/// Elements from one value row to the next in a pool of `dtype` with rows
+/// of `v_width` elements, `pad` (see [`value_padding_enabled`]) allowing.
+///
+/// The value pass reads a chunk of consecutive positions' rows one column
+/// block at a time. Rows a multiple of 1 KiB apart fall into a few L1 sets
+/// (L1 sets repeat every 4 KiB on a 32 KiB 8-way cache, every 16 KiB on a
+/// 64 KiB 4-way one): at 4 KV heads × 128 bf16 every fourth row shares a
+/// set, at 16 heads all rows do, and the chunk's lines evict each other
+/// between passes. One 64-byte line after each such row walks the rows
+/// across the sets at a cost of 64 bytes a row (6 % of the values at 1 KiB,
+/// 1.6 % at 4 KiB). Rows stay 64-byte aligned; the kernels never read the
+/// padding (it stays zero).
+pub fn value_stride(v_width: usize, dtype: KvDtype, pad: bool) -> usize {
+    let bytes = v_width * dtype.bytes();
+    if pad && v_width > 0 && bytes.is_multiple_of(1024) {
+        v_width + 64 / dtype.bytes()
+    } else {
+        v_width
+    }
+}
+
 /// Storage of one layer: keys and values, `[num_blocks * block_size, width]`
-/// each; the keys of a layer with separate values are stored by column
+/// each (value rows `v_stride` elements apart: [`value_stride`]); the keys of a layer with separate values are stored by column
 /// inside each block (`k_by_column`, see
 /// [`crate::kernels::attention::KvView::by_column`]).
 #[derive(Debug, Clone)]
@@ -169,6 +197,8 @@ pub struct LayerPool {
     pub v: KvData,
     pub k_width: usize,
     pub v_width: usize,
+    /// Elements from one value row to the next (`v_width` plus any padding).
+    pub v_stride: usize,
     /// Keys stored by column inside each block: position `t` of block `b`,
     /// element `c` at `b·bs·k_width + c·bs + t`. Set for every layer with
     /// separate values (not MLA, whose latent rows are keys and values at
@@ -192,7 +222,7 @@ impl LayerPool {
     /// Writes pool row `r`'s value (`v_width` elements).
     pub fn write_v(&mut self, r: usize, src: &[f32]) {
         debug_assert_eq!(src.len(), self.v_width);
-        self.v.write(r * self.v_width, src);
+        self.v.write(r * self.v_stride, src);
     }
     /// The key and value views of a layer with separate values whose rows
     /// hold KV heads of `head_width` elements side by side (GQA / MHA), in
@@ -207,7 +237,7 @@ impl LayerPool {
         };
         (
             view(self.k.rows(), self.k_width, self.k_by_column),
-            view(self.v.rows(), self.v_width, false),
+            view(self.v.rows(), self.v_stride, false),
         )
     }
     /// Element `c` of pool row `r`'s key, as stored (widened to f32).
@@ -218,6 +248,28 @@ impl LayerPool {
             r * self.k_width + c
         };
         self.k.rows().get(i)
+    }
+}
+
+/// How a pool lays out its layers ([`KvPool::with_layout`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct KvLayout {
+    /// Keys of layers with separate values stored by column inside each
+    /// block (`EPSERVE_KEY_COLUMNS=0` turns it off by default).
+    pub key_columns: bool,
+    /// Value rows padded by a cache line where their bytes are a multiple
+    /// of 1 KiB ([`value_stride`]; `EPSERVE_KV_PAD=0` turns it off by
+    /// default).
+    pub pad_values: bool,
+}
+
+impl Default for KvLayout {
+    /// What the environment asks (both on unless switched off).
+    fn default() -> Self {
+        KvLayout {
+            key_columns: key_columns_enabled(),
+            pad_values: value_padding_enabled(),
+        }
     }
 }
 
@@ -342,23 +394,23 @@ impl KvPool {
         num_blocks: usize,
         dtype: KvDtype,
     ) -> Self {
-        Self::with_key_columns(
+        Self::with_layout(
             layer_widths,
             block_size,
             num_blocks,
             dtype,
-            key_columns_enabled(),
+            KvLayout::default(),
         )
     }
 
-    /// [`KvPool::new`] with keys stored by column in the layers with separate
-    /// values when `key_columns`, by row otherwise (benchmarks compare both).
-    pub fn with_key_columns(
+    /// [`KvPool::new`] with the given layout (benchmarks and tests compare
+    /// layouts; `new` takes [`KvLayout::default`]).
+    pub fn with_layout(
         layer_widths: &[(usize, usize)],
         block_size: usize,
         num_blocks: usize,
         dtype: KvDtype,
-        key_columns: bool,
+        layout: KvLayout,
     ) -> Self {
         let block_size = block_size.max(1);
         let rows = block_size * num_blocks;
@@ -368,13 +420,17 @@ impl KvPool {
             dtype,
             layers: layer_widths
                 .iter()
-                .map(|&(kw, vw)| LayerPool {
-                    k: KvData::zeros(dtype, rows * kw),
-                    v: KvData::zeros(dtype, rows * vw),
-                    k_width: kw,
-                    v_width: vw,
-                    k_by_column: vw > 0 && key_columns,
-                    block_size,
+                .map(|&(kw, vw)| {
+                    let v_stride = value_stride(vw, dtype, layout.pad_values);
+                    LayerPool {
+                        k: KvData::zeros(dtype, rows * kw),
+                        v: KvData::zeros(dtype, rows * v_stride),
+                        k_width: kw,
+                        v_width: vw,
+                        v_stride,
+                        k_by_column: vw > 0 && layout.key_columns,
+                        block_size,
+                    }
                 })
                 .collect(),
             free: (0..num_blocks as u32).rev().collect(),
@@ -550,15 +606,17 @@ impl KvPool {
         }
     }
 
-    /// Bytes one block takes over all layers with elements of `dtype`.
+    /// Bytes one block takes over all layers with elements of `dtype` in
+    /// the default layout (value padding included).
     pub fn block_bytes(
         layer_widths: &[(usize, usize)],
         block_size: usize,
         dtype: KvDtype,
     ) -> usize {
+        let pad = KvLayout::default().pad_values;
         layer_widths
             .iter()
-            .map(|(k, v)| (k + v) * dtype.bytes())
+            .map(|&(k, v)| (k + value_stride(v, dtype, pad)) * dtype.bytes())
             .sum::<usize>()
             * block_size
     }
@@ -653,13 +711,13 @@ impl KvPool {
             let src = *seq.blocks.get(full)?;
             let dst = self.take_block()?;
             for l in &mut self.layers {
-                let (kw, vw) = (l.k_width, l.v_width);
+                let (kw, vs) = (l.k_width, l.v_stride);
                 // Keys by column interleave the block's positions: the
                 // whole block is copied (positions past `partial` are
                 // rewritten before they are read).
                 let krows = if l.k_by_column { bs } else { partial };
                 l.k.copy_rows(src as usize * bs, dst as usize * bs, krows, kw);
-                l.v.copy_rows(src as usize * bs, dst as usize * bs, partial, vw);
+                l.v.copy_rows(src as usize * bs, dst as usize * bs, partial, vs);
             }
             child.blocks.extend_from_slice(&seq.blocks[..full]);
             child.blocks.push(dst);
@@ -1000,7 +1058,11 @@ mod tests {
     #[test]
     fn keys_are_stored_by_column_and_forks_copy_them() {
         let (bs, kw) = (4usize, 3usize);
-        let mut p = KvPool::with_key_columns(&[(kw, kw), (kw, 0)], bs, 4, KvDtype::F32, true);
+        let layout = KvLayout {
+            key_columns: true,
+            pad_values: true,
+        };
+        let mut p = KvPool::with_layout(&[(kw, kw), (kw, 0)], bs, 4, KvDtype::F32, layout);
         assert!(p.layer(0).k_by_column && !p.layer(1).k_by_column);
         let mut s = SeqCache::new();
         p.reserve(&mut s, 6).expect("blocks");
@@ -1041,6 +1103,60 @@ mod tests {
                 }
             }
         }
+    }
+
+    #[test]
+    fn value_rows_of_whole_kibibytes_are_padded_by_a_line_and_forks_copy_them() {
+        // f32 rows of 256 (1 KiB) and bf16 rows of 512 (1 KiB) get one
+        // 64-byte line; 64 f32 (256 B) and MLA's absent values get none.
+        assert_eq!(value_stride(256, KvDtype::F32, true), 272);
+        assert_eq!(value_stride(512, KvDtype::Bf16, true), 544);
+        assert_eq!(value_stride(1024, KvDtype::Bf16, true), 1056);
+        assert_eq!(value_stride(64, KvDtype::F32, true), 64);
+        assert_eq!(value_stride(0, KvDtype::Bf16, true), 0);
+        assert_eq!(value_stride(512, KvDtype::Bf16, false), 512);
+        let (bs, w, hd) = (4usize, 512usize, 128usize);
+        for pad in [false, true] {
+            let layout = KvLayout {
+                key_columns: true,
+                pad_values: pad,
+            };
+            let mut p = KvPool::with_layout(&[(w, w)], bs, 4, KvDtype::Bf16, layout);
+            let stride = p.layer(0).v_stride;
+            assert_eq!(stride, if pad { w + 32 } else { w });
+            let mut s = SeqCache::new();
+            p.reserve(&mut s, 6).expect("blocks");
+            // Small integers are exact in bf16.
+            let value = |pos: usize, c: usize| ((pos * 7 + c) % 200) as f32;
+            for pos in 0..6 {
+                let r = p.row(&s, pos);
+                let v: Vec<f32> = (0..w).map(|c| value(pos, c)).collect();
+                p.layer_mut(0).write_v(r, &v);
+            }
+            s.len = 6;
+            let child = p.fork(&s).expect("a free block");
+            assert_ne!(child.blocks()[1], s.blocks()[1]);
+            let (_, view) = p.layer(0).views(hd);
+            assert_eq!(
+                (view.stride, view.head_stride, view.width),
+                (stride, hd, hd)
+            );
+            for seq in [&s, &child] {
+                for pos in 0..6 {
+                    let r = p.row(seq, pos);
+                    for c in 0..w {
+                        assert_eq!(view.rows.get(r * stride + c), value(pos, c));
+                    }
+                    for c in w..stride {
+                        assert_eq!(view.rows.get(r * stride + c), 0.0, "padding");
+                    }
+                }
+            }
+        }
+        let unpadded = 4 * (512 + 512) * 2;
+        let bytes = KvPool::block_bytes(&[(w, w)], bs, KvDtype::Bf16);
+        let pad = KvLayout::default().pad_values;
+        assert_eq!(bytes, unpadded + if pad { 4 * 64 } else { 0 });
     }
 
     #[test]
