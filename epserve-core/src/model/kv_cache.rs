@@ -188,9 +188,9 @@ pub fn value_stride(v_width: usize, dtype: KvDtype, pad: bool) -> usize {
 }
 
 /// Storage of one layer: keys and values, `[num_blocks * block_size, width]`
-/// each (value rows `v_stride` elements apart: [`value_stride`]); the keys of a layer with separate values are stored by column
-/// inside each block (`k_by_column`, see
-/// [`crate::kernels::attention::KvView::by_column`]).
+/// each (value rows `v_stride` elements apart: [`value_stride`]); the keys
+/// of a layer with separate values are stored by column inside each block
+/// (`k_by_column`, see [`crate::kernels::attention::KvView::by_column`]).
 #[derive(Debug, Clone)]
 pub struct LayerPool {
     pub k: KvData,

@@ -1071,11 +1071,12 @@ pub unsafe fn accum256_hinted<const BF: bool>(
 }
 
 /// Keys per chunk of [`accum8_256`]'s broadcast probabilities (4 KiB).
-/// A chunk's value rows lie a pool row apart (1 KiB for 4 KV heads of
-/// 128 bf16), so its lines of one column block share a few L1 sets: 16
-/// keys a chunk leave them room beside the broadcasts, where 32 evicted
-/// each other between the passes (Zen 3, 8k context: the value pass 8 %
-/// fewer samples against the scores' in the same runs, 8 keys no better).
+/// A chunk's value rows lie a pool row apart; at 1 KiB (4 KV heads of 128
+/// bf16) they shared a few L1 sets and 32 keys evicted each other between
+/// the passes (Zen 3, 8k context: the value pass 8 % fewer samples at 16
+/// against the scores' in the same runs). The pool now pads such rows by a
+/// line (`kv_cache::value_stride`), and 16 keys still beat 32 (value /
+/// scores samples 1.19 against 1.36); 8 keys are no better.
 const PB_KEYS: usize = 16;
 
 /// [`accum256_hinted`] for 8 queries (rows `ldp` apart at `p`, accumulators
