@@ -218,16 +218,17 @@ pub enum KvDtype {
 }
 
 impl KvDtype {
-    pub(crate) fn bytes(self) -> u64 {
-        match self {
-            KvDtype::F32 => 4,
-            KvDtype::Bf16 => 2,
-        }
-    }
     pub(crate) fn name(self) -> &'static str {
         match self {
             KvDtype::F32 => "f32",
             KvDtype::Bf16 => "bf16",
+        }
+    }
+    /// The engine's element type of the same name.
+    pub(crate) fn engine(self) -> epserve_core::model::kv_cache::KvDtype {
+        match self {
+            KvDtype::F32 => epserve_core::model::kv_cache::KvDtype::F32,
+            KvDtype::Bf16 => epserve_core::model::kv_cache::KvDtype::Bf16,
         }
     }
 }

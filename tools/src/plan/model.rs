@@ -3,6 +3,7 @@
 //! token, and the experts a batch touches.
 
 use epserve_core::config::{FfnKind, ModelConfig};
+use epserve_core::model::kv_cache::KvPool;
 
 use super::{ExpertDtype, KvDtype};
 
@@ -30,8 +31,9 @@ pub struct ModelShape {
     pub windows: Vec<Option<u64>>,
     /// Attention parameters of one layer.
     pub attn_params_per_layer: u64,
-    /// KV elements cached per token per layer.
-    pub kv_elems_per_layer: u64,
+    /// Key and value elements cached per token per layer (MLA: the latent
+    /// and RoPE key as the key, no value).
+    pub kv_widths: (u64, u64),
 }
 
 impl ModelShape {
@@ -45,7 +47,7 @@ impl ModelShape {
         let moe_layers = cfg.layers.iter().filter(|l| l.ffn == FfnKind::Moe).count() as u64;
         let text = raw.get("text_config").unwrap_or(raw);
         let field = |name: &str| text.get(name).and_then(serde_json::Value::as_u64);
-        let (attn_params_per_layer, kv_elems_per_layer) = match field("kv_lora_rank") {
+        let (attn_params_per_layer, kv_widths) = match field("kv_lora_rank") {
             Some(kv_lora) => {
                 // Multi-head latent attention: the cache holds the latent and the
                 // shared RoPE key, one per token per layer.
@@ -57,11 +59,11 @@ impl ModelShape {
                     None => h * heads * (nope + rope),
                 };
                 let kv = h * (kv_lora + rope) + kv_lora * heads * (nope + v);
-                (q + kv + heads * v * h, kv_lora + rope)
+                (q + kv + heads * v * h, (kv_lora + rope, 0))
             }
             None => (
                 2 * h * heads * head_dim + 2 * h * kv_heads * head_dim,
-                2 * kv_heads * head_dim,
+                (kv_heads * head_dim, kv_heads * head_dim),
             ),
         };
         ModelShape {
@@ -85,7 +87,7 @@ impl ModelShape {
                 .map(|l| l.sliding_window.map(|w| w as u64))
                 .collect(),
             attn_params_per_layer,
-            kv_elems_per_layer,
+            kv_widths,
         }
     }
 
@@ -173,9 +175,17 @@ impl ModelShape {
         self.non_expert_params() + self.moe_layers * self.top_k * self.expert_params()
     }
 
+    /// KV-cache bytes of one token in one layer, as the engine's pool lays
+    /// them out (value rows a multiple of 1 KiB padded by a cache line: see
+    /// `epserve_core::model::kv_cache::value_stride`).
+    pub fn kv_bytes_per_layer_token(&self, kv: KvDtype) -> u64 {
+        let (k, v) = self.kv_widths;
+        KvPool::block_bytes(&[(k as usize, v as usize)], 1, kv.engine()) as u64
+    }
+
     /// KV-cache bytes of one token over all layers (full attention).
     pub fn kv_bytes_per_token(&self, kv: KvDtype) -> u64 {
-        self.layers * self.kv_elems_per_layer * kv.bytes()
+        self.layers * self.kv_bytes_per_layer_token(kv)
     }
 
     /// KV-cache bytes one sequence of `ctx` tokens holds (sliding-window layers
@@ -183,7 +193,7 @@ impl ModelShape {
     pub fn kv_bytes_for_context(&self, ctx: u64, kv: KvDtype) -> u64 {
         self.windows
             .iter()
-            .map(|w| w.map_or(ctx, |w| w.min(ctx)) * self.kv_elems_per_layer * kv.bytes())
+            .map(|w| w.map_or(ctx, |w| w.min(ctx)) * self.kv_bytes_per_layer_token(kv))
             .sum()
     }
 
