@@ -14,7 +14,7 @@ use anyhow::{Result, bail};
 use clap::{Args, ValueEnum};
 use epserve_core::kernels::attention::{AttnSeq, AttnShape, attention};
 use epserve_core::kernels::dispatch::{Kernels, kernels};
-use epserve_core::model::kv_cache::{KvDtype, KvLayout, KvPool, SeqCache};
+use epserve_core::model::kv_cache::{KvDtype, KvLayerShape, KvLayout, KvPool, SeqCache};
 use serde::Serialize;
 
 use crate::bench_linear::{list, measure_bandwidth, time};
@@ -128,7 +128,8 @@ fn filled_pool(
         key_columns,
         ..KvLayout::default()
     };
-    let mut pool = KvPool::with_layout(&[(w, w)], bs, nb, dtype, layout);
+    let shape = KvLayerShape::heads(args.kv_heads, args.head_dim);
+    let mut pool = KvPool::for_layers(&[shape], bs, nb, dtype, layout);
     let mut seqs = Vec::with_capacity(copies);
     let mut row = vec![0.0f32; w];
     let mut state = 0x9E37_79B9_7F4A_7C15u64;

@@ -22,7 +22,7 @@ use epserve_core::experts::pool::ExpertPool;
 use epserve_core::experts::{DenseDtype, ExpertDtype, LoadOptions};
 use epserve_core::kernels::b12::b12_enabled;
 use epserve_core::kernels::dispatch::kernels;
-use epserve_core::model::kv_cache::{KvCacheDtype, KvDtype};
+use epserve_core::model::kv_cache::{KvCacheDtype, KvDtype, KvPool};
 use epserve_core::model::{LogitsMode, Model, SeqInput};
 use epserve_core::profile::{self, Phase, Profile};
 use epserve_core::sampling::{Sampler, SamplingParams};
@@ -181,11 +181,8 @@ fn measure_row(
         top_p: 0.95,
         ..Default::default()
     });
-    let kv_per_pos: usize = model
-        .kv_layer_widths()
-        .iter()
-        .map(|(k, v)| (k + v) * kv.bytes())
-        .sum();
+    // As the pool stores them (value padding included).
+    let kv_per_pos = KvPool::layer_block_bytes(&model.kv_layer_shapes(), 1, kv);
     let macs_per_pos = attn_macs_per_pos(cfg);
     let mut caches: Vec<_> = (0..seqs).map(|_| model.new_cache()).collect();
     let prefill_context = |caches: &mut Vec<_>, pool: &mut _, seed: &mut u64| -> Result<()> {

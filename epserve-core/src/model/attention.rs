@@ -15,7 +15,7 @@ use crate::kernels::attention::{self, AttnSeq, AttnShape};
 use crate::kernels::dispatch::kernels;
 use crate::kernels::rms_norm;
 use crate::loader::weights::WeightStore;
-use crate::model::kv_cache::{KvPool, SeqCache};
+use crate::model::kv_cache::{KvLayerShape, KvPool, SeqCache};
 use crate::model::linear::Linear;
 use crate::model::rope::Rope;
 use crate::profile::{self, Phase};
@@ -251,6 +251,11 @@ impl Attention {
     /// Floats per cached position (keys or values).
     pub fn kv_width(&self) -> usize {
         self.kv_heads * self.head_dim
+    }
+
+    /// What this layer caches per position (its KV heads side by side).
+    pub fn kv_shape(&self) -> KvLayerShape {
+        KvLayerShape::heads(self.kv_heads, self.head_dim)
     }
 
     /// Runs attention for a flattened batch `x` (`[tokens, hidden]`), appending

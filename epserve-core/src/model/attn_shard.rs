@@ -21,7 +21,7 @@ use crate::error::{Error, Result};
 use crate::loader::names;
 use crate::loader::weights::WeightStore;
 use crate::model::attention::{Attention, HeadShard, SeqSpan};
-use crate::model::kv_cache::{KvDtype, KvPool, SeqCache};
+use crate::model::kv_cache::{KvDtype, KvLayerShape, KvLayout, KvPool, SeqCache};
 use crate::model::mla::Mla;
 use crate::model::rope::Rope;
 
@@ -107,10 +107,10 @@ enum ShardAttn {
 }
 
 impl ShardAttn {
-    fn kv_widths(&self) -> (usize, usize) {
+    fn kv_shape(&self) -> KvLayerShape {
         match self {
-            ShardAttn::Gqa(a) => (a.kv_width(), a.kv_width()),
-            ShardAttn::Mla(m) => m.kv_widths(),
+            ShardAttn::Gqa(a) => a.kv_shape(),
+            ShardAttn::Mla(m) => m.kv_widths().into(),
         }
     }
 }
@@ -187,13 +187,13 @@ impl AttentionShard {
             };
             layers.push((att, Rope::new(&cfg.layers[i].rope)));
         }
-        let widths: Vec<(usize, usize)> = layers.iter().map(|(a, _)| a.kv_widths()).collect();
+        let shapes: Vec<KvLayerShape> = layers.iter().map(|(a, _)| a.kv_shape()).collect();
         let block_size = block_size.max(1);
-        let num_blocks = kv_bytes / KvPool::block_bytes(&widths, block_size, kv_dtype).max(1);
+        let num_blocks = kv_bytes / KvPool::layer_block_bytes(&shapes, block_size, kv_dtype).max(1);
         if num_blocks == 0 {
             return Err(Error::InvalidInput(format!(
                 "a KV cache of {kv_bytes} bytes holds not even one block of {block_size} positions ({} bytes on this shard with {} elements)",
-                KvPool::block_bytes(&widths, block_size, kv_dtype),
+                KvPool::layer_block_bytes(&shapes, block_size, kv_dtype),
                 kv_dtype.name()
             )));
         }
@@ -201,7 +201,13 @@ impl AttentionShard {
             shard,
             hidden: cfg.hidden_size,
             layers,
-            pool: KvPool::new(&widths, block_size, num_blocks, kv_dtype),
+            pool: KvPool::for_layers(
+                &shapes,
+                block_size,
+                num_blocks,
+                kv_dtype,
+                KvLayout::default(),
+            ),
             tables: HashMap::new(),
             table_bs: HashMap::new(),
             fills: vec![vec![0; num_blocks]; cfg.num_hidden_layers],

@@ -115,12 +115,13 @@ impl KvData {
             KvData::Bf16(v) => KvRows::Bf16(v),
         }
     }
-    /// Copies `rows` rows of `width` elements from row `from` to row `to`.
-    fn copy_rows(&mut self, from: usize, to: usize, rows: usize, width: usize) {
-        let (src, n) = (from * width, rows * width);
+    /// Copies `rows` rows of `width` elements from row `from` to row `to`
+    /// of the rows starting at element `base`.
+    fn copy_rows(&mut self, base: usize, from: usize, to: usize, rows: usize, width: usize) {
+        let (src, n, dst) = (base + from * width, rows * width, base + to * width);
         match self {
-            KvData::F32(v) => v.copy_within(src..src + n, to * width),
-            KvData::Bf16(v) => v.copy_within(src..src + n, to * width),
+            KvData::F32(v) => v.copy_within(src..src + n, dst),
+            KvData::Bf16(v) => v.copy_within(src..src + n, dst),
         }
     }
     /// Writes `src` at element `off` (bf16 rounded to nearest even).
@@ -159,6 +160,13 @@ fn key_columns_enabled() -> bool {
     *ON.get_or_init(|| !crate::mem::switched_off("EPSERVE_KEY_COLUMNS"))
 }
 
+/// Whether layers of several KV heads store each head in its own plane
+/// (`EPSERVE_KV_PLANES` is not `0`/`off`; read once).
+fn head_planes_enabled() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| !crate::mem::switched_off("EPSERVE_KV_PLANES"))
+}
+
 /// Whether value rows whose bytes are a multiple of 1 KiB get one cache
 /// line of padding (`EPSERVE_KV_PAD` is not `0`/`off`; read once).
 fn value_padding_enabled() -> bool {
@@ -187,18 +195,61 @@ pub fn value_stride(v_width: usize, dtype: KvDtype, pad: bool) -> usize {
     }
 }
 
-/// Storage of one layer: keys and values, `[num_blocks * block_size, width]`
-/// each (value rows `v_stride` elements apart: [`value_stride`]); the keys
-/// of a layer with separate values are stored by column inside each block
-/// (`k_by_column`, see [`crate::kernels::attention::KvView::by_column`]).
+/// What one layer caches per position: key and value widths (elements;
+/// MLA: the latent and RoPE key as the key, no value) and the KV heads
+/// they hold side by side (1 for MLA's one latent).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct KvLayerShape {
+    pub k_width: usize,
+    pub v_width: usize,
+    pub heads: usize,
+}
+
+impl KvLayerShape {
+    /// `heads` KV heads of `head_dim` keys and values each (GQA / MHA).
+    pub fn heads(heads: usize, head_dim: usize) -> Self {
+        KvLayerShape {
+            k_width: heads * head_dim,
+            v_width: heads * head_dim,
+            heads,
+        }
+    }
+}
+
+impl From<(usize, usize)> for KvLayerShape {
+    /// Widths stored as one row per position (one plane).
+    fn from((k_width, v_width): (usize, usize)) -> Self {
+        KvLayerShape {
+            k_width,
+            v_width,
+            heads: 1,
+        }
+    }
+}
+
+/// Storage of one layer: keys and values in `planes` planes (one per KV
+/// head with [`KvLayout::head_planes`], else one), each plane
+/// `[num_blocks * block_size, width / planes]` (value rows `v_stride`
+/// elements apart: [`value_stride`]). A head's keys and values for
+/// consecutive positions are then consecutive in memory: a decode reads
+/// each head's cache as one stream (rows holding every head side by side
+/// made it a strided read of a slice of each row). The keys of a layer
+/// with separate values are stored by column inside each block of a
+/// plane (`k_by_column`, see
+/// [`crate::kernels::attention::KvView::by_column`]).
 #[derive(Debug, Clone)]
 pub struct LayerPool {
     pub k: KvData,
     pub v: KvData,
     pub k_width: usize,
     pub v_width: usize,
-    /// Elements from one value row to the next (`v_width` plus any padding).
+    /// Planes the heads are stored in (1: rows hold every head).
+    pub planes: usize,
+    /// Elements from one value row to the next in a plane (`v_width /
+    /// planes` plus any padding).
     pub v_stride: usize,
+    /// Positions in the pool (rows of each plane).
+    rows: usize,
     /// Keys stored by column inside each block: position `t` of block `b`,
     /// element `c` at `b·bs·k_width + c·bs + t`. Set for every layer with
     /// separate values (not MLA, whose latent rows are keys and values at
@@ -208,46 +259,96 @@ pub struct LayerPool {
 }
 
 impl LayerPool {
-    /// Writes pool row `r`'s key (`k_width` elements).
+    /// Key elements per plane row.
+    fn k_plane_width(&self) -> usize {
+        self.k_width / self.planes
+    }
+    /// Value elements per plane row (without padding).
+    fn v_plane_width(&self) -> usize {
+        self.v_width / self.planes
+    }
+    /// Index of key element `c` (of the plane) of pool row `r` in plane `p`.
+    fn key_index(&self, p: usize, r: usize, c: usize) -> usize {
+        let kw = self.k_plane_width();
+        p * self.rows * kw
+            + if self.k_by_column {
+                column_index(r, c, self.block_size, kw)
+            } else {
+                r * kw + c
+            }
+    }
+    /// Writes pool row `r`'s key (`k_width` elements, the heads side by side).
     pub fn write_k(&mut self, r: usize, src: &[f32]) {
         debug_assert_eq!(src.len(), self.k_width);
-        if self.k_by_column {
-            let bs = self.block_size;
-            let base = column_index(r, 0, bs, self.k_width);
-            self.k.write_strided(base, bs, src);
-        } else {
-            self.k.write(r * self.k_width, src);
+        let kw = self.k_plane_width();
+        for (p, head) in src.chunks_exact(kw.max(1)).enumerate() {
+            let base = self.key_index(p, r, 0);
+            if self.k_by_column {
+                self.k.write_strided(base, self.block_size, head);
+            } else {
+                self.k.write(base, head);
+            }
         }
     }
-    /// Writes pool row `r`'s value (`v_width` elements).
+    /// Writes pool row `r`'s value (`v_width` elements, the heads side by side).
     pub fn write_v(&mut self, r: usize, src: &[f32]) {
         debug_assert_eq!(src.len(), self.v_width);
-        self.v.write(r * self.v_stride, src);
+        let vw = self.v_plane_width();
+        for (p, head) in src.chunks_exact(vw.max(1)).enumerate() {
+            self.v
+                .write(p * self.rows * self.v_stride + r * self.v_stride, head);
+        }
     }
-    /// The key and value views of a layer with separate values whose rows
-    /// hold KV heads of `head_width` elements side by side (GQA / MHA), in
-    /// the layout this pool stores them.
+    /// The key and value views of a layer with separate values holding KV
+    /// heads of `head_width` elements (GQA / MHA), in the layout this pool
+    /// stores them. Panics if the pool's planes are not one head wide.
     pub fn views(&self, head_width: usize) -> (KvView<'_>, KvView<'_>) {
-        let view = |rows, stride, by_column| KvView {
+        let view = |rows, stride, head_stride, by_column| KvView {
             rows,
             stride,
-            head_stride: head_width,
+            head_stride,
             width: head_width,
             by_column,
         };
+        if self.planes == 1 {
+            return (
+                view(self.k.rows(), self.k_width, head_width, self.k_by_column),
+                view(self.v.rows(), self.v_stride, head_width, false),
+            );
+        }
+        assert_eq!(self.k_plane_width(), head_width, "one head per plane");
+        assert_eq!(self.v_plane_width(), head_width, "one head per plane");
+        // Keys by column count a head's offset in columns of `bs` elements
+        // (`KvView::by_column`): a plane is `rows / bs` blocks of them.
+        let k_head = if self.k_by_column {
+            self.rows / self.block_size * head_width
+        } else {
+            self.rows * head_width
+        };
         (
-            view(self.k.rows(), self.k_width, self.k_by_column),
-            view(self.v.rows(), self.v_stride, false),
+            view(self.k.rows(), head_width, k_head, self.k_by_column),
+            view(
+                self.v.rows(),
+                self.v_stride,
+                self.rows * self.v_stride,
+                false,
+            ),
         )
     }
-    /// Element `c` of pool row `r`'s key, as stored (widened to f32).
+    /// Element `c` of pool row `r`'s key (`c` over all heads, side by side),
+    /// as stored (widened to f32).
     pub fn key(&self, r: usize, c: usize) -> f32 {
-        let i = if self.k_by_column {
-            column_index(r, c, self.block_size, self.k_width)
-        } else {
-            r * self.k_width + c
-        };
-        self.k.rows().get(i)
+        let kw = self.k_plane_width();
+        self.k.rows().get(self.key_index(c / kw, r, c % kw))
+    }
+    /// Element `c` of pool row `r`'s value (`c` over all heads, side by
+    /// side), as stored (widened to f32).
+    pub fn value(&self, r: usize, c: usize) -> f32 {
+        let vw = self.v_plane_width();
+        let (p, c) = (c / vw, c % vw);
+        self.v
+            .rows()
+            .get(p * self.rows * self.v_stride + r * self.v_stride + c)
     }
 }
 
@@ -261,6 +362,9 @@ pub struct KvLayout {
     /// of 1 KiB ([`value_stride`]; `EPSERVE_KV_PAD=0` turns it off by
     /// default).
     pub pad_values: bool,
+    /// Each KV head of a layer in its own plane ([`LayerPool`];
+    /// `EPSERVE_KV_PLANES=0` turns it off by default).
+    pub head_planes: bool,
 }
 
 impl Default for KvLayout {
@@ -269,6 +373,7 @@ impl Default for KvLayout {
         KvLayout {
             key_columns: key_columns_enabled(),
             pad_values: value_padding_enabled(),
+            head_planes: head_planes_enabled(),
         }
     }
 }
@@ -412,22 +517,47 @@ impl KvPool {
         dtype: KvDtype,
         layout: KvLayout,
     ) -> Self {
+        let shapes: Vec<KvLayerShape> = layer_widths.iter().map(|&w| w.into()).collect();
+        Self::for_layers(&shapes, block_size, num_blocks, dtype, layout)
+    }
+
+    /// Planes a layer of `shape` is stored in under `layout`: one per KV
+    /// head with [`KvLayout::head_planes`] (MLA's latent: one).
+    fn planes(shape: &KvLayerShape, layout: KvLayout) -> usize {
+        let h = shape.heads.max(1);
+        let even = shape.k_width.is_multiple_of(h) && shape.v_width.is_multiple_of(h);
+        if layout.head_planes && even { h } else { 1 }
+    }
+
+    /// A pool for layers of the given shapes (their KV heads known, so each
+    /// head can have its plane), laid out as `layout` says.
+    pub fn for_layers(
+        layers: &[KvLayerShape],
+        block_size: usize,
+        num_blocks: usize,
+        dtype: KvDtype,
+        layout: KvLayout,
+    ) -> Self {
         let block_size = block_size.max(1);
         let rows = block_size * num_blocks;
         KvPool {
             block_size,
             num_blocks,
             dtype,
-            layers: layer_widths
+            layers: layers
                 .iter()
-                .map(|&(kw, vw)| {
-                    let v_stride = value_stride(vw, dtype, layout.pad_values);
+                .map(|shape| {
+                    let planes = Self::planes(shape, layout);
+                    let (kw, vw) = (shape.k_width, shape.v_width);
+                    let v_stride = value_stride(vw / planes, dtype, layout.pad_values);
                     LayerPool {
                         k: KvData::zeros(dtype, rows * kw),
-                        v: KvData::zeros(dtype, rows * v_stride),
+                        v: KvData::zeros(dtype, rows * planes * v_stride),
                         k_width: kw,
                         v_width: vw,
+                        planes,
                         v_stride,
+                        rows,
                         k_by_column: vw > 0 && layout.key_columns,
                         block_size,
                     }
@@ -607,16 +737,28 @@ impl KvPool {
     }
 
     /// Bytes one block takes over all layers with elements of `dtype` in
-    /// the default layout (value padding included).
+    /// the default layout (value padding included), rows of one plane.
     pub fn block_bytes(
         layer_widths: &[(usize, usize)],
         block_size: usize,
         dtype: KvDtype,
     ) -> usize {
-        let pad = KvLayout::default().pad_values;
-        layer_widths
+        let shapes: Vec<KvLayerShape> = layer_widths.iter().map(|&w| w.into()).collect();
+        Self::layer_block_bytes(&shapes, block_size, dtype)
+    }
+
+    /// Bytes one block takes over layers of the given shapes with elements
+    /// of `dtype` in the default layout (heads' planes and value padding
+    /// included): what [`KvPool::for_layers`] allocates per block.
+    pub fn layer_block_bytes(layers: &[KvLayerShape], block_size: usize, dtype: KvDtype) -> usize {
+        let layout = KvLayout::default();
+        layers
             .iter()
-            .map(|&(k, v)| (k + value_stride(v, dtype, pad)) * dtype.bytes())
+            .map(|shape| {
+                let planes = Self::planes(shape, layout);
+                let v = planes * value_stride(shape.v_width / planes, dtype, layout.pad_values);
+                (shape.k_width + v) * dtype.bytes()
+            })
             .sum::<usize>()
             * block_size
     }
@@ -711,13 +853,16 @@ impl KvPool {
             let src = *seq.blocks.get(full)?;
             let dst = self.take_block()?;
             for l in &mut self.layers {
-                let (kw, vs) = (l.k_width, l.v_stride);
+                let (kw, vs) = (l.k_plane_width(), l.v_stride);
                 // Keys by column interleave the block's positions: the
                 // whole block is copied (positions past `partial` are
                 // rewritten before they are read).
                 let krows = if l.k_by_column { bs } else { partial };
-                l.k.copy_rows(src as usize * bs, dst as usize * bs, krows, kw);
-                l.v.copy_rows(src as usize * bs, dst as usize * bs, partial, vs);
+                let (from, to) = (src as usize * bs, dst as usize * bs);
+                for p in 0..l.planes {
+                    l.k.copy_rows(p * l.rows * kw, from, to, krows, kw);
+                    l.v.copy_rows(p * l.rows * vs, from, to, partial, vs);
+                }
             }
             child.blocks.extend_from_slice(&seq.blocks[..full]);
             child.blocks.push(dst);
@@ -1061,6 +1206,7 @@ mod tests {
         let layout = KvLayout {
             key_columns: true,
             pad_values: true,
+            head_planes: false,
         };
         let mut p = KvPool::with_layout(&[(kw, kw), (kw, 0)], bs, 4, KvDtype::F32, layout);
         assert!(p.layer(0).k_by_column && !p.layer(1).k_by_column);
@@ -1120,6 +1266,7 @@ mod tests {
             let layout = KvLayout {
                 key_columns: true,
                 pad_values: pad,
+                head_planes: false,
             };
             let mut p = KvPool::with_layout(&[(w, w)], bs, 4, KvDtype::Bf16, layout);
             let stride = p.layer(0).v_stride;
@@ -1157,6 +1304,122 @@ mod tests {
         let bytes = KvPool::block_bytes(&[(w, w)], bs, KvDtype::Bf16);
         let pad = KvLayout::default().pad_values;
         assert_eq!(bytes, unpadded + if pad { 4 * 64 } else { 0 });
+    }
+
+    /// Each KV head in its own plane: a head's rows are consecutive (keys
+    /// by column inside each block of its plane, values padded per plane
+    /// row), a fork copies every plane, and attention over the views reads
+    /// the same keys and values, to the bit, as over rows holding the heads
+    /// side by side, with keys by column or by row, f32 or bf16.
+    #[test]
+    fn heads_in_planes_read_as_rows_side_by_side_and_forks_copy_them() {
+        use crate::kernels::attention::{AttnSeq, AttnShape, attention};
+        let (bs, nkv, hd, heads) = (4usize, 4usize, 8usize, 8usize);
+        let shape = KvLayerShape::heads(nkv, hd);
+        let key = |pos: usize, c: usize| ((pos * 13 + c * 7) % 29) as f32 / 8.0 - 1.5;
+        let value = |pos: usize, c: usize| ((pos * 5 + c * 11) % 31) as f32 / 8.0 - 2.0;
+        let q: Vec<f32> = (0..2 * heads * hd)
+            .map(|i| ((i * 17) % 23) as f32 / 16.0 - 0.7)
+            .collect();
+        for dtype in [KvDtype::F32, KvDtype::Bf16] {
+            for key_columns in [true, false] {
+                let mut outs = Vec::new();
+                for head_planes in [false, true] {
+                    let layout = KvLayout {
+                        key_columns,
+                        pad_values: true,
+                        head_planes,
+                    };
+                    let mut p = KvPool::for_layers(&[shape, (6, 0).into()], bs, 6, dtype, layout);
+                    let l = p.layer(0);
+                    assert_eq!(l.planes, if head_planes { nkv } else { 1 });
+                    assert_eq!(p.layer(1).planes, 1, "MLA's latent is one plane");
+                    let mut s = SeqCache::new();
+                    p.reserve(&mut s, 10).expect("blocks");
+                    for pos in 0..10 {
+                        let r = p.row(&s, pos);
+                        let k: Vec<f32> = (0..nkv * hd).map(|c| key(pos, c)).collect();
+                        let v: Vec<f32> = (0..nkv * hd).map(|c| value(pos, c)).collect();
+                        p.layer_mut(0).write_k(r, &k);
+                        p.layer_mut(0).write_v(r, &v);
+                    }
+                    s.len = 10;
+                    let child = p.fork(&s).expect("a free block");
+                    assert_ne!(child.blocks()[2], s.blocks()[2]);
+                    let l = p.layer(0);
+                    let (kv_k, kv_v) = l.views(hd);
+                    for seq in [&s, &child] {
+                        for pos in 0..10 {
+                            let r = p.row(seq, pos);
+                            for c in 0..nkv * hd {
+                                assert_eq!(l.key(r, c), key(pos, c));
+                                assert_eq!(l.value(r, c), value(pos, c));
+                                let (h, cc) = (c / hd, c % hd);
+                                let vi = r * kv_v.stride + h * kv_v.head_stride + cc;
+                                assert_eq!(kv_v.rows.get(vi), value(pos, c));
+                                assert_eq!(kv_k.at(r, h * kv_k.head_stride + cc, bs), key(pos, c));
+                            }
+                        }
+                    }
+                    if head_planes {
+                        // A head's rows are consecutive: position 1 right
+                        // after position 0 in its plane.
+                        assert_eq!(kv_v.stride, hd);
+                        assert_eq!(kv_v.head_stride, 6 * bs * hd);
+                    }
+                    // The child's last position decodes against both
+                    // sequences' caches (2 rows, the fork's copy included).
+                    let tables = [s.blocks().to_vec(), child.blocks().to_vec()];
+                    let seqs: Vec<AttnSeq<'_>> = tables
+                        .iter()
+                        .enumerate()
+                        .map(|(i, b)| AttnSeq {
+                            blocks: b,
+                            start: i,
+                            len: 1,
+                            past: 9,
+                        })
+                        .collect();
+                    let mut out = vec![0.0f32; 2 * heads * hd];
+                    attention(
+                        crate::kernels::dispatch::kernels(),
+                        &AttnShape {
+                            heads,
+                            kv_heads: nkv,
+                            scale: 0.3,
+                            window: None,
+                            sinks: None,
+                            block_size: bs,
+                            bf16_queries: false,
+                        },
+                        &seqs,
+                        &q,
+                        kv_k,
+                        kv_v,
+                        &mut out,
+                    );
+                    assert!(out.iter().all(|x| x.is_finite()));
+                    outs.push(out);
+                }
+                assert!(
+                    outs[0]
+                        .iter()
+                        .zip(&outs[1])
+                        .all(|(a, b)| a.to_bits() == b.to_bits()),
+                    "{dtype:?} key_columns {key_columns}"
+                );
+            }
+        }
+        // Planes of 128 bf16 (256 B) need no padding; rows of 4 heads side
+        // by side (1 KiB) did.
+        let qwen = KvLayerShape::heads(4, 128);
+        let bytes = KvPool::layer_block_bytes(&[qwen], 16, KvDtype::Bf16);
+        let layout = KvLayout::default();
+        let want = match (layout.head_planes, layout.pad_values) {
+            (false, true) => 16 * (1024 + 1088),
+            _ => 16 * 2048,
+        };
+        assert_eq!(bytes, want);
     }
 
     #[test]

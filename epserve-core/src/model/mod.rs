@@ -31,7 +31,7 @@ use linear::{DenseMlp, Linear};
 
 use attention::{Attention, SeqSpan};
 use attn_shard::{AttentionBackend, SeqChunk};
-use kv_cache::{KvCacheDtype, KvDtype, KvPool, SeqCache};
+use kv_cache::{KvCacheDtype, KvDtype, KvLayerShape, KvLayout, KvPool, SeqCache};
 use mla::Mla;
 use moe::{MoeBlock, Router, SharedExpert};
 use rope::Rope;
@@ -67,12 +67,12 @@ enum LayerAttn {
 }
 
 impl LayerAttn {
-    fn kv_widths(&self) -> (usize, usize) {
+    fn kv_shape(&self) -> KvLayerShape {
         match self {
-            LayerAttn::Gqa(a) => (a.kv_width(), a.kv_width()),
-            LayerAttn::Mla(m) => m.kv_widths(),
+            LayerAttn::Gqa(a) => a.kv_shape(),
+            LayerAttn::Mla(m) => m.kv_widths().into(),
             // The KV lives on the shards; this process only counts blocks.
-            LayerAttn::Remote { .. } => (0, 0),
+            LayerAttn::Remote { .. } => (0, 0).into(),
         }
     }
 }
@@ -375,15 +375,22 @@ impl Model {
         SeqCache::new()
     }
 
-    /// Per layer, floats per cached position for keys and for values.
-    pub fn kv_layer_widths(&self) -> Vec<(usize, usize)> {
-        self.layers.iter().map(|l| l.attn.kv_widths()).collect()
+    /// Per layer, what is cached per position: key and value widths and
+    /// the KV heads they hold.
+    pub fn kv_layer_shapes(&self) -> Vec<KvLayerShape> {
+        self.layers.iter().map(|l| l.attn.kv_shape()).collect()
     }
 
     /// A KV pool of `num_blocks` blocks of `block_size` positions, elements
-    /// stored as `dtype`.
+    /// stored as `dtype`, in the default layout.
     pub fn new_pool(&self, block_size: usize, num_blocks: usize, dtype: KvDtype) -> KvPool {
-        KvPool::new(&self.kv_layer_widths(), block_size, num_blocks, dtype)
+        KvPool::for_layers(
+            &self.kv_layer_shapes(),
+            block_size,
+            num_blocks,
+            dtype,
+            KvLayout::default(),
+        )
     }
 
     /// A pool with room for `tokens` positions in blocks of 16 (tests, one-off runs).
@@ -393,7 +400,7 @@ impl Model {
 
     /// Bytes of KV cache per block of `block_size` positions stored as `dtype`.
     pub fn kv_block_bytes(&self, block_size: usize, dtype: KvDtype) -> usize {
-        KvPool::block_bytes(&self.kv_layer_widths(), block_size, dtype)
+        KvPool::layer_block_bytes(&self.kv_layer_shapes(), block_size, dtype)
     }
 
     /// The KV cache dtype `requested` means for this model (`auto`: its

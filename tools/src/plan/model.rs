@@ -3,7 +3,7 @@
 //! token, and the experts a batch touches.
 
 use epserve_core::config::{FfnKind, ModelConfig};
-use epserve_core::model::kv_cache::KvPool;
+use epserve_core::model::kv_cache::{KvLayerShape, KvPool};
 
 use super::{ExpertDtype, KvDtype};
 
@@ -34,6 +34,8 @@ pub struct ModelShape {
     /// Key and value elements cached per token per layer (MLA: the latent
     /// and RoPE key as the key, no value).
     pub kv_widths: (u64, u64),
+    /// KV heads those elements hold (MLA: one latent).
+    pub kv_cache_heads: u64,
 }
 
 impl ModelShape {
@@ -47,6 +49,7 @@ impl ModelShape {
         let moe_layers = cfg.layers.iter().filter(|l| l.ffn == FfnKind::Moe).count() as u64;
         let text = raw.get("text_config").unwrap_or(raw);
         let field = |name: &str| text.get(name).and_then(serde_json::Value::as_u64);
+        let mla = field("kv_lora_rank").is_some();
         let (attn_params_per_layer, kv_widths) = match field("kv_lora_rank") {
             Some(kv_lora) => {
                 // Multi-head latent attention: the cache holds the latent and the
@@ -88,6 +91,7 @@ impl ModelShape {
                 .collect(),
             attn_params_per_layer,
             kv_widths,
+            kv_cache_heads: if mla { 1 } else { kv_heads },
         }
     }
 
@@ -176,11 +180,16 @@ impl ModelShape {
     }
 
     /// KV-cache bytes of one token in one layer, as the engine's pool lays
-    /// them out (value rows a multiple of 1 KiB padded by a cache line: see
-    /// `epserve_core::model::kv_cache::value_stride`).
+    /// them out (each KV head in its plane, value rows a multiple of 1 KiB
+    /// padded by a cache line: see `epserve_core::model::kv_cache`).
     pub fn kv_bytes_per_layer_token(&self, kv: KvDtype) -> u64 {
         let (k, v) = self.kv_widths;
-        KvPool::block_bytes(&[(k as usize, v as usize)], 1, kv.engine()) as u64
+        let shape = KvLayerShape {
+            k_width: k as usize,
+            v_width: v as usize,
+            heads: self.kv_cache_heads as usize,
+        };
+        KvPool::layer_block_bytes(&[shape], 1, kv.engine()) as u64
     }
 
     /// KV-cache bytes of one token over all layers (full attention).

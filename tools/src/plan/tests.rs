@@ -86,16 +86,12 @@ fn qwen3_30b_a3b_bytes_and_parameters() {
         905_969_664 + 48 * 8 * 4_718_592 + 12_582_912 + 2 * 311_164_928
     );
     assert_eq!(m.active_params(), 3_352_821_760);
-    // KV per token: 48 layers × (k + v) × 4 heads × 128 × 2 bytes = 96 KiB,
-    // plus the 64-byte line the pool pads each 1 KiB value row with (the
-    // f32 rows of 2 KiB are padded too).
-    assert_eq!(m.kv_widths, (512, 512));
-    assert_eq!(m.kv_bytes_per_token(KvDtype::Bf16), 48 * (1024 + 1024 + 64));
-    assert_eq!(m.kv_bytes_per_token(KvDtype::F32), 48 * (2048 + 2048 + 64));
-    assert_eq!(
-        m.kv_bytes_for_context(1000, KvDtype::Bf16),
-        1000 * 48 * (1024 + 1024 + 64)
-    );
+    // KV per token: 48 layers × (k + v) × 4 heads × 128 × 2 bytes = 96 KiB
+    // (each head in its plane: value rows of 256 B, not padded).
+    assert_eq!((m.kv_widths, m.kv_cache_heads), ((512, 512), 4));
+    assert_eq!(m.kv_bytes_per_token(KvDtype::Bf16), 98_304);
+    assert_eq!(m.kv_bytes_per_token(KvDtype::F32), 196_608);
+    assert_eq!(m.kv_bytes_for_context(1000, KvDtype::Bf16), 98_304_000);
 }
 
 #[test]
@@ -114,9 +110,8 @@ fn mixtral_8x7b_bytes_and_parameters() {
     // 46.7 B in all, 12.9 B active (Mistral's figures).
     assert_eq!(m.total_params(), 46_702_526_464);
     assert_eq!(m.active_params(), 12_879_659_008);
-    // KV per token: 32 layers × 2 × 8 heads × 128 × 2 bytes = 128 KiB, plus
-    // a 64-byte pad line per 2 KiB value row.
-    assert_eq!(m.kv_bytes_per_token(KvDtype::Bf16), 32 * (2048 + 2048 + 64));
+    // KV per token: 32 layers × 2 × 8 heads × 128 × 2 bytes = 128 KiB.
+    assert_eq!(m.kv_bytes_per_token(KvDtype::Bf16), 131_072);
 }
 
 #[test]
@@ -205,10 +200,9 @@ fn mixtral_decode_step_by_hand() {
     };
     let e = estimate(&m, &inst, &a, layout, 1);
     let bw = 286.72e9;
-    // Coordinator: attention 2 × 1,342,177,280 B + KV 1024 × 133,120 B (128
-    // KiB a token plus 32 layers' 64-byte value padding) + router and lm_head
-    // 2 × (1,048,576 + 131,072,000) B + one 8 KiB embedding row.
-    let coord = 2_684_354_560.0 + 136_314_880.0 + 264_241_152.0 + 8_192.0;
+    // Coordinator: attention 2 × 1,342,177,280 B + KV 1024 × 131,072 B + router
+    // and lm_head 2 × (1,048,576 + 131,072,000) B + one 8 KiB embedding row.
+    let coord = 2_684_354_560.0 + 134_217_728.0 + 264_241_152.0 + 8_192.0;
     close(e.coordinator_s, coord / bw, 1e-9);
     // Two experts touched, one per worker: 32 layers × one 336 MiB expert.
     close(e.experts_touched, 2.0, 1e-12);
@@ -218,8 +212,8 @@ fn mixtral_decode_step_by_hand() {
     // half goes over its own TCP flow of 5 Gbps (0.625 GB/s), the tighter cap.
     close(e.network_s, 32.0 * 1.5 * 8192.0 / 2.0 / 0.625e9, 1e-9);
     close(e.latency_s, 32.0 * 100e-6, 1e-12);
-    close(e.step_s(), 0.053595515657, 1e-9);
-    close(e.tokens_per_s(), 18.658277428, 1e-8);
+    close(e.step_s(), 0.053588201371, 1e-9);
+    close(e.tokens_per_s(), 18.660824107, 1e-8);
     assert_eq!(e.bound(), "experts");
 }
 
