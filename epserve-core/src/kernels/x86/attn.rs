@@ -1070,26 +1070,26 @@ pub unsafe fn accum256_hinted<const BF: bool>(
     }
 }
 
-/// Keys per chunk of [`accum8_256`]'s broadcast probabilities (4 KiB).
-/// A chunk's value rows lie a pool row apart; at 1 KiB (4 KV heads of 128
-/// bf16) they shared a few L1 sets and 32 keys evicted each other between
-/// the passes (Zen 3, 8k context: the value pass 8 % fewer samples at 16
-/// against the scores' in the same runs). The pool now pads such rows by a
-/// line (`kv_cache::value_stride`), and 16 keys still beat 32 (value /
-/// scores samples 1.19 against 1.36); 8 keys are no better.
+/// Keys per chunk of [`accum8_256`]: its rows touched into L1 in one burst,
+/// then every pass runs them. When a chunk's value rows lay 1 KiB apart (4
+/// KV heads of 128 bf16 side by side) they shared a few L1 sets and 32 keys
+/// evicted each other between the passes (Zen 3, 8k context: the value
+/// pass 8 % fewer samples at 16 against the scores' in the same runs); with
+/// rows padded by a line (`kv_cache::value_stride`) 16 keys still beat 32
+/// (value / scores samples 1.19 against 1.36); 8 keys are no better. The
+/// pool now stores each head in its own plane (rows one head wide).
 const PB_KEYS: usize = 16;
 
 /// [`accum256_hinted`] for 8 queries (rows `ldp` apart at `p`, accumulators
-/// `dv` apart at `acc`); `dv` a multiple of 16 goes to
-/// [`accum8_256_direct`]. Otherwise a chunk of keys' probabilities is
-/// broadcast once into a buffer, then each pass over 16 value columns and 4 queries runs
-/// [`axpy4x16`] (each broadcast loaded once for two FMAs: 6 loads per 8
-/// FMAs, where 8 queries × 8 columns took 9) and a last group of 8 columns
-/// [`axpy8b`], whose FMAs take the broadcasts as memory operands. On Zen 3
-/// a `vbroadcastss` from memory occupies a vector pipe the FMAs need: with
-/// a broadcast per FMA the loop ran at two thirds of the FMA rate. Same
-/// operations per column in the same key order as [`axpys256`]: the same
-/// bits.
+/// `dv` apart at `acc`), a chunk of keys at a time: each pass over 16 value
+/// columns and 4 queries runs [`axpy4x16`] (each probability broadcast once
+/// for two FMAs: 6 loads per 8 FMAs, where 8 queries × 8 columns took 9);
+/// a last group of 8 columns runs [`axpy8b`] over the chunk's
+/// probabilities broadcast into a buffer, whose FMAs take them as memory
+/// operands (on Zen 3 a `vbroadcastss` from memory occupies a vector pipe
+/// the FMAs need: with a broadcast per FMA the loop ran at two thirds of
+/// the FMA rate). Same operations per column in the same key order as
+/// [`axpys256`]: the same bits.
 ///
 /// # Safety
 /// As [`accum256_hinted`] for 8 queries.
@@ -1105,12 +1105,9 @@ unsafe fn accum8_256<const BF: bool>(
     dv: usize,
     hint: *const u8,
 ) {
-    if dv.is_multiple_of(16) {
-        // SAFETY: as this function's.
-        unsafe { accum8_256_direct::<BF>(p, ldp, v, stride, n, acc, dv, hint) };
-        return;
-    }
-    // Written before it is read, chunk by chunk (not zeroed: 8 KiB a call).
+    // The broadcast buffer, for a last group of 8 columns only; written
+    // before it is read, chunk by chunk (not zeroed: 4 KiB).
+    let eight = dv % 16 >= 8;
     let mut pb = std::mem::MaybeUninit::<[__m256; PB_KEYS * 8]>::uninit();
     let pb = pb.as_mut_ptr() as *mut __m256;
     let sb = stride * esize(BF);
@@ -1127,10 +1124,12 @@ unsafe fn accum8_256<const BF: bool>(
             for i in 0..nn {
                 prefetch_l1(v.add((i0 + i) * sb), dv * esize(BF));
             }
-            for i in 0..nn {
-                for g in 0..8 {
-                    pb.add(i * 8 + g)
-                        .write(_mm256_set1_ps(*p.add(g * ldp + i0 + i)));
+            if eight {
+                for i in 0..nn {
+                    for g in 0..8 {
+                        pb.add(i * 8 + g)
+                            .write(_mm256_set1_ps(*p.add(g * ldp + i0 + i)));
+                    }
                 }
             }
             let vi = v.add(i0 * sb);
@@ -1155,10 +1154,11 @@ unsafe fn accum8_256<const BF: bool>(
                     } else {
                         std::ptr::null()
                     };
+                    let pr = p.add(g0 * ldp + i0);
                     if h.is_null() {
-                        axpy4x16::<BF, false>(pb.add(g0), vr, sb, nn, &mut a, vr);
+                        axpy4x16::<BF, false>(pr, ldp * 4, vr, sb, nn, &mut a, vr);
                     } else {
-                        axpy4x16::<BF, true>(pb.add(g0), vr, sb, nn, &mut a, h);
+                        axpy4x16::<BF, true>(pr, ldp * 4, vr, sb, nn, &mut a, h);
                     }
                     for g in 0..4 {
                         _mm256_storeu_ps(acc.add((g0 + g) * dv + c0), a[2 * g]);
@@ -1167,7 +1167,7 @@ unsafe fn accum8_256<const BF: bool>(
                 }
                 c0 += 16;
             }
-            while c0 + 8 <= dv {
+            if eight {
                 let mut a = [_mm256_setzero_ps(); 8];
                 for g in 0..8 {
                     a[g] = _mm256_loadu_ps(acc.add(g * dv + c0));
@@ -1207,83 +1207,23 @@ unsafe fn accum8_256<const BF: bool>(
     }
 }
 
-/// [`accum8_256`] for `dv` a multiple of 16 (every model's head width):
-/// the probabilities broadcast from their rows inside the passes by
-/// [`axpy4x16d`], no broadcast buffer. Writing the buffer (8 broadcasts
-/// and 8 stores a key) cost more than the `vbroadcastss` it saved: on Zen 3
-/// at 8k context the value pass's samples against the column scores' went
-/// 1.18 → 1.12 (mean of 4 alternated runs each, `bench attention`). The
-/// same operations per column in the same key order: the same bits.
+/// `n` steps of `a[2g + h] += p[g] · v[8h..8h + 8]` for 4 queries and 16
+/// value columns, in assembly: each query's probability `vbroadcastss`-ed
+/// from its row (`lb` bytes apart at `p`) once for its two FMAs, `p`
+/// advancing one key a step; `v` 16 elements (widened) `stride_bytes`
+/// apart. Broadcasting them into a buffer per 16-key chunk first (8
+/// broadcasts and 8 stores a key, each then loaded by a plain vector load)
+/// cost more than it saved: on Zen 3 at 8k context the value pass's
+/// samples against the column scores' went 1.18 → 1.12 without it (mean of
+/// 4 alternated runs each, `bench attention`). `HINT`: each step hints the
+/// line at `hint` into L2, `stride_bytes` apart.
 ///
 /// # Safety
-/// As [`accum8_256`], `dv` a multiple of 16.
-#[target_feature(enable = "avx2,fma")]
-#[allow(clippy::too_many_arguments)]
-unsafe fn accum8_256_direct<const BF: bool>(
-    p: *const f32,
-    ldp: usize,
-    v: *const u8,
-    stride: usize,
-    n: usize,
-    acc: *mut f32,
-    dv: usize,
-    hint: *const u8,
-) {
-    let sb = stride * esize(BF);
-    // SAFETY: the caller guarantees the extents; prefetches never fault.
-    unsafe {
-        let mut i0 = 0;
-        while i0 < n {
-            let nn = (n - i0).min(PB_KEYS);
-            for i in 0..nn {
-                prefetch_l1(v.add((i0 + i) * sb), dv * esize(BF));
-            }
-            let vi = v.add(i0 * sb);
-            let hi = if hint.is_null() {
-                hint
-            } else {
-                hint.wrapping_add(i0 * sb)
-            };
-            let mut c0 = 0;
-            while c0 < dv {
-                let vr = vi.add(c0 * esize(BF));
-                for g0 in [0, 4] {
-                    let mut a = [_mm256_setzero_ps(); 8];
-                    for g in 0..4 {
-                        a[2 * g] = _mm256_loadu_ps(acc.add((g0 + g) * dv + c0));
-                        a[2 * g + 1] = _mm256_loadu_ps(acc.add((g0 + g) * dv + c0 + 8));
-                    }
-                    let h = if g0 == 0 && !hi.is_null() && (c0 * esize(BF)).is_multiple_of(64) {
-                        hi.wrapping_add(c0 * esize(BF))
-                    } else {
-                        std::ptr::null()
-                    };
-                    let pr = p.add(g0 * ldp + i0);
-                    if h.is_null() {
-                        axpy4x16d::<BF, false>(pr, ldp * 4, vr, sb, nn, &mut a, vr);
-                    } else {
-                        axpy4x16d::<BF, true>(pr, ldp * 4, vr, sb, nn, &mut a, h);
-                    }
-                    for g in 0..4 {
-                        _mm256_storeu_ps(acc.add((g0 + g) * dv + c0), a[2 * g]);
-                        _mm256_storeu_ps(acc.add((g0 + g) * dv + c0 + 8), a[2 * g + 1]);
-                    }
-                }
-                c0 += 16;
-            }
-            i0 += nn;
-        }
-    }
-}
-
-/// [`axpy4x16`] broadcasting the 4 queries' probabilities from their rows
-/// (`lb` bytes apart) with `vbroadcastss`, each for its two FMAs.
-///
-/// # Safety
-/// As [`axpy4x16`]; `p` holds 4 rows `lb` bytes apart of `n` values.
+/// AVX2 and FMA; `n > 0`; `p` holds 4 rows `lb` bytes apart of `n` values,
+/// `v` `n` runs of 16 elements `stride_bytes` apart.
 #[inline]
 #[target_feature(enable = "avx2,fma")]
-unsafe fn axpy4x16d<const BF: bool, const HINT: bool>(
+unsafe fn axpy4x16<const BF: bool, const HINT: bool>(
     p: *const f32,
     lb: usize,
     v: *const u8,
@@ -1318,63 +1258,6 @@ unsafe fn axpy4x16d<const BF: bool, const HINT: bool>(
                 t1 = out(ymm_reg) _,
                 l1 = in(reg) lb,
                 l3 = in(reg) l3,
-            )
-        };
-    }
-    // SAFETY: the caller guarantees the features and the extents; the
-    // prefetches never fault.
-    unsafe {
-        pass_variants!(body, BF, HINT, "{sb}";
-            bf16: [
-                "vpmovzxwd {v0}, xmmword ptr [{vp}]", "vpmovzxwd {v1}, xmmword ptr [{vp} + 16]",
-                "vpslld {v0}, {v0}, 16", "vpslld {v1}, {v1}, 16"
-            ];
-            f32: ["vmovups {v0}, ymmword ptr [{vp}]", "vmovups {v1}, ymmword ptr [{vp} + 32]"])
-    }
-}
-
-/// `n` steps of `a[2g + h] += pb[g] · v[8h..8h + 8]` for 4 queries and 16
-/// value columns, in assembly: `pb` 4 broadcast vectors a step (of the 8
-/// a step [`accum8_256`] lays out), each loaded once for its two FMAs; `v`
-/// 16 elements (widened) `stride_bytes` apart. `HINT`: each step hints the
-/// line at `hint` into L2, `stride_bytes` apart.
-///
-/// # Safety
-/// AVX2 and FMA; `n > 0`; `pb` holds `8 · n` vectors, `v` `n` runs of 16
-/// elements `stride_bytes` apart.
-#[inline]
-#[target_feature(enable = "avx2,fma")]
-unsafe fn axpy4x16<const BF: bool, const HINT: bool>(
-    pb: *const __m256,
-    v: *const u8,
-    stride_bytes: usize,
-    n: usize,
-    a: &mut [__m256; 8],
-    hint: *const u8,
-) {
-    macro_rules! body {
-        ($($load:expr),+ ; $($pf:expr),*) => {
-            pass_loop!(a, pb, v, hint, n, stride_bytes, "/* {h} */"; [
-                $($load,)+
-                $($pf,)*
-                "vmovaps {t0}, ymmword ptr [{p}]",
-                "vfmadd231ps {a0}, {v0}, {t0}",
-                "vfmadd231ps {a1}, {v1}, {t0}",
-                "vmovaps {t1}, ymmword ptr [{p} + 32]",
-                "vfmadd231ps {a2}, {v0}, {t1}",
-                "vfmadd231ps {a3}, {v1}, {t1}",
-                "vmovaps {t0}, ymmword ptr [{p} + 64]",
-                "vfmadd231ps {a4}, {v0}, {t0}",
-                "vfmadd231ps {a5}, {v1}, {t0}",
-                "vmovaps {t1}, ymmword ptr [{p} + 96]",
-                "vfmadd231ps {a6}, {v0}, {t1}",
-                "vfmadd231ps {a7}, {v1}, {t1}",
-                "add {p}, 256",
-            ];
-                v0 = out(ymm_reg) _,
-                v1 = out(ymm_reg) _,
-                t0 = out(ymm_reg) _,
-                t1 = out(ymm_reg) _,
             )
         };
     }
