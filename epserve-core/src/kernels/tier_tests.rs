@@ -566,7 +566,7 @@ fn attn_kernels_match_twin() {
             for (m, n) in [1usize, 3, 4, 5, 8, 9, 13, 16]
                 .into_iter()
                 .map(|m| (m, 7usize))
-                .chain([(8, 40), (9, 40)])
+                .chain([(4, 40), (5, 40), (8, 40), (9, 40), (12, 40)])
             {
                 let (stride, ld) = (d + 5, n + 4);
                 let q: Vec<f32> = (0..m * d).map(|_| rng.random_range(-1.0f32..1.0)).collect();

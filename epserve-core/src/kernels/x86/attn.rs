@@ -1040,10 +1040,29 @@ pub unsafe fn accum256_hinted<const BF: bool>(
     // SAFETY: as documented above.
     unsafe {
         let mut mi = 0;
-        while mi + 8 <= m {
+        // Groups of 8 queries, then one of 4 (a GQA group of 4, e.g.
+        // Mixtral's 32 / 8 heads at one token) where a 16-column pass fits.
+        while mi + 4 <= m {
+            let g = if mi + 8 <= m {
+                8
+            } else if dv >= 16 {
+                4
+            } else {
+                break;
+            };
             let h = if mi == 0 { hint } else { std::ptr::null() };
-            accum8_256::<BF>(pp.add(mi * ldp), ldp, v, stride, n, ap.add(mi * dv), dv, h);
-            mi += 8;
+            accum8_256::<BF>(
+                pp.add(mi * ldp),
+                ldp,
+                v,
+                stride,
+                n,
+                ap.add(mi * dv),
+                dv,
+                h,
+                g,
+            );
+            mi += g;
         }
         let rest = mi;
         let mut c0 = 0;
@@ -1080,8 +1099,8 @@ pub unsafe fn accum256_hinted<const BF: bool>(
 /// pool now stores each head in its own plane (rows one head wide).
 const PB_KEYS: usize = 16;
 
-/// [`accum256_hinted`] for 8 queries (rows `ldp` apart at `p`, accumulators
-/// `dv` apart at `acc`), a chunk of keys at a time: each pass over 16 value
+/// [`accum256_hinted`] for `m` = 8 or 4 queries (rows `ldp` apart at `p`,
+/// accumulators `dv` apart at `acc`), a chunk of keys at a time: each pass over 16 value
 /// columns and 4 queries runs [`axpy4x16`] (each probability broadcast once
 /// for two FMAs: 6 loads per 8 FMAs, where 8 queries × 8 columns took 9);
 /// a last group of 8 columns runs [`axpy8b`] over the chunk's
@@ -1092,7 +1111,7 @@ const PB_KEYS: usize = 16;
 /// [`axpys256`]: the same bits.
 ///
 /// # Safety
-/// As [`accum256_hinted`] for 8 queries.
+/// As [`accum256_hinted`] for `m` queries.
 #[target_feature(enable = "avx2,fma")]
 #[allow(clippy::too_many_arguments)]
 unsafe fn accum8_256<const BF: bool>(
@@ -1104,10 +1123,12 @@ unsafe fn accum8_256<const BF: bool>(
     acc: *mut f32,
     dv: usize,
     hint: *const u8,
+    m: usize,
 ) {
-    // The broadcast buffer, for a last group of 8 columns only; written
-    // before it is read, chunk by chunk (not zeroed: 4 KiB).
-    let eight = dv % 16 >= 8;
+    debug_assert!(m == 4 || m == 8);
+    // The broadcast buffer, for a last group of 8 columns of 8 queries
+    // only; written before it is read, chunk by chunk (not zeroed: 4 KiB).
+    let eight = dv % 16 >= 8 && m == 8;
     let mut pb = std::mem::MaybeUninit::<[__m256; PB_KEYS * 8]>::uninit();
     let pb = pb.as_mut_ptr() as *mut __m256;
     let sb = stride * esize(BF);
@@ -1141,7 +1162,7 @@ unsafe fn accum8_256<const BF: bool>(
             let mut c0 = 0;
             while c0 + 16 <= dv {
                 let vr = vi.add(c0 * esize(BF));
-                for g0 in [0, 4] {
+                for g0 in (0..m).step_by(4) {
                     let mut a = [_mm256_setzero_ps(); 8];
                     for g in 0..4 {
                         a[2 * g] = _mm256_loadu_ps(acc.add((g0 + g) * dv + c0));
@@ -1186,7 +1207,27 @@ unsafe fn accum8_256<const BF: bool>(
                 }
                 c0 += 8;
             }
-            if c0 < dv {
+            if c0 < dv && m == 4 {
+                // The last `dv % 16` columns of 4 queries (not hinted).
+                let mut c = c0;
+                while c < dv {
+                    let r = if dv - c >= 8 { 0 } else { dv - c };
+                    axpys256::<4, BF>(
+                        p.add(i0),
+                        ldp,
+                        vi,
+                        stride,
+                        nn,
+                        acc,
+                        dv,
+                        c,
+                        r,
+                        false,
+                        std::ptr::null(),
+                    );
+                    c += 8;
+                }
+            } else if c0 < dv {
                 // The last `dv % 8` columns (not hinted).
                 axpys256::<8, BF>(
                     p.add(i0),
