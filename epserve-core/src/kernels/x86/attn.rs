@@ -1207,41 +1207,18 @@ unsafe fn accum8_256<const BF: bool>(
                 }
                 c0 += 8;
             }
-            if c0 < dv && m == 4 {
-                // The last `dv % 16` columns of 4 queries (not hinted).
-                let mut c = c0;
-                while c < dv {
-                    let r = if dv - c >= 8 { 0 } else { dv - c };
-                    axpys256::<4, BF>(
-                        p.add(i0),
-                        ldp,
-                        vi,
-                        stride,
-                        nn,
-                        acc,
-                        dv,
-                        c,
-                        r,
-                        false,
-                        std::ptr::null(),
-                    );
-                    c += 8;
+            // The columns left, 8 a pass (not hinted): the last `dv % 16`
+            // of 4 queries, the last `dv % 8` of 8.
+            let mut c = c0;
+            while c < dv {
+                let r = if dv - c >= 8 { 0 } else { dv - c };
+                let (pc, null) = (p.add(i0), std::ptr::null());
+                if m == 4 {
+                    axpys256::<4, BF>(pc, ldp, vi, stride, nn, acc, dv, c, r, false, null);
+                } else {
+                    axpys256::<8, BF>(pc, ldp, vi, stride, nn, acc, dv, c, r, false, null);
                 }
-            } else if c0 < dv {
-                // The last `dv % 8` columns (not hinted).
-                axpys256::<8, BF>(
-                    p.add(i0),
-                    ldp,
-                    vi,
-                    stride,
-                    nn,
-                    acc,
-                    dv,
-                    c0,
-                    dv - c0,
-                    false,
-                    std::ptr::null(),
-                );
+                c += 8;
             }
             i0 += nn;
         }
