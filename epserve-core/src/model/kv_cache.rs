@@ -277,6 +277,10 @@ impl LayerPool {
                 r * kw + c
             }
     }
+    /// Index of value element `c` (of the plane) of pool row `r` in plane `p`.
+    fn value_index(&self, p: usize, r: usize, c: usize) -> usize {
+        (p * self.rows + r) * self.v_stride + c
+    }
     /// Writes pool row `r`'s key (`k_width` elements, the heads side by side).
     pub fn write_k(&mut self, r: usize, src: &[f32]) {
         debug_assert_eq!(src.len(), self.k_width);
@@ -295,8 +299,8 @@ impl LayerPool {
         debug_assert_eq!(src.len(), self.v_width);
         let vw = self.v_plane_width();
         for (p, head) in src.chunks_exact(vw.max(1)).enumerate() {
-            self.v
-                .write(p * self.rows * self.v_stride + r * self.v_stride, head);
+            let base = self.value_index(p, r, 0);
+            self.v.write(base, head);
         }
     }
     /// The key and value views of a layer with separate values holding KV
@@ -346,9 +350,7 @@ impl LayerPool {
     pub fn value(&self, r: usize, c: usize) -> f32 {
         let vw = self.v_plane_width();
         let (p, c) = (c / vw, c % vw);
-        self.v
-            .rows()
-            .get(p * self.rows * self.v_stride + r * self.v_stride + c)
+        self.v.rows().get(self.value_index(p, r, c))
     }
 }
 
@@ -734,17 +736,6 @@ impl KvPool {
             seq.hashes.push(h);
             seq.tail.drain(..bs);
         }
-    }
-
-    /// Bytes one block takes over all layers with elements of `dtype` in
-    /// the default layout (value padding included), rows of one plane.
-    pub fn block_bytes(
-        layer_widths: &[(usize, usize)],
-        block_size: usize,
-        dtype: KvDtype,
-    ) -> usize {
-        let shapes: Vec<KvLayerShape> = layer_widths.iter().map(|&w| w.into()).collect();
-        Self::layer_block_bytes(&shapes, block_size, dtype)
     }
 
     /// Bytes one block takes over layers of the given shapes with elements
@@ -1301,7 +1292,7 @@ mod tests {
             }
         }
         let unpadded = 4 * (512 + 512) * 2;
-        let bytes = KvPool::block_bytes(&[(w, w)], bs, KvDtype::Bf16);
+        let bytes = KvPool::layer_block_bytes(&[(w, w).into()], bs, KvDtype::Bf16);
         let pad = KvLayout::default().pad_values;
         assert_eq!(bytes, unpadded + if pad { 4 * 64 } else { 0 });
     }
@@ -1425,9 +1416,10 @@ mod tests {
     #[test]
     fn bf16_pools_halve_the_bytes_and_round_to_nearest_even() {
         let w = [(8, 8), (5, 0)];
+        let shapes: Vec<KvLayerShape> = w.iter().map(|&x| x.into()).collect();
         assert_eq!(
-            KvPool::block_bytes(&w, 16, KvDtype::F32),
-            2 * KvPool::block_bytes(&w, 16, KvDtype::Bf16)
+            KvPool::layer_block_bytes(&shapes, 16, KvDtype::F32),
+            2 * KvPool::layer_block_bytes(&shapes, 16, KvDtype::Bf16)
         );
         let mut p = KvPool::new(&w, 2, 2, KvDtype::Bf16);
         // 1 + 2^-8 is halfway between two bf16 values: ties go to even (1.0);
