@@ -562,11 +562,13 @@ fn attn_kernels_match_twin() {
     for k in tiers() {
         for &d in &[1usize, 3, 4, 7, 8, 13, 16, 17, 31, 64, 128, 576] {
             // 40 keys: more than one chunk of the AVX2 value pass's
-            // broadcast probabilities.
+            // broadcast probabilities; 48 and 64: its even / odd passes
+            // (`EO_MIN_KEYS`), 47 just short of them.
             for (m, n) in [1usize, 3, 4, 5, 8, 9, 13, 16]
                 .into_iter()
                 .map(|m| (m, 7usize))
                 .chain([(4, 40), (5, 40), (8, 40), (9, 40), (12, 40)])
+                .chain([(8, 47), (8, 48), (4, 64), (8, 64), (12, 64), (9, 70)])
             {
                 let (stride, ld) = (d + 5, n + 4);
                 let q: Vec<f32> = (0..m * d).map(|_| rng.random_range(-1.0f32..1.0)).collect();
@@ -610,6 +612,17 @@ fn attn_kernels_match_twin() {
                         let b = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
                         assert_eq!(b(&hinted), b(&got), "{:?} accum hinted at {off}", k.tier());
                     }
+                    // Each column adds its keys in order whatever the
+                    // calls: the keys in two calls (the AVX2 bf16 pass
+                    // runs its even / odd passes only on long calls) give
+                    // the same bits.
+                    let h = n / 2;
+                    let mut split = init.clone();
+                    k.attn_accum(&p, ld, rows, stride, h, &mut split, d);
+                    let rest = rows.slice_from(h * stride);
+                    k.attn_accum(&p[h..], ld, rest, stride, n - h, &mut split, d);
+                    let b = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+                    assert_eq!(b(&split), b(&got), "{:?} accum split n={n} d={d}", k.tier());
                 }
             }
         }
