@@ -111,6 +111,34 @@ pub struct AttentionRow {
     pub pct_bandwidth: f64,
     /// Multiply-adds of `Q·Kᵀ` and `P·V` ×2 per second, GFLOP/s.
     pub gflops: f64,
+    /// `gflops` as a percentage of the measured f32 FMA peak (what bounds
+    /// attention where the cache is read faster than it is multiplied).
+    pub pct_fma: f64,
+}
+
+/// One run's probes and rows.
+pub struct Measured {
+    /// Streaming read bandwidth, GB/s.
+    pub bandwidth_gbps: f64,
+    /// f32 FMA peak of rayon's threads (attention's) on the best tier, GFLOP/s.
+    pub fma_peak_gflops: f64,
+    pub rows: Vec<AttentionRow>,
+}
+
+/// f32 FMA peak of rayon's threads with `k`'s tier, in GFLOP/s: the best of
+/// three probes, every thread at once.
+fn measure_fma_peak(k: &Kernels) -> f64 {
+    let iters = 20_000_000;
+    let mut best = 0.0f64;
+    for _ in 0..3 {
+        let start = std::time::Instant::now();
+        let r = rayon::broadcast(|_| k.fma_probe(iters));
+        let secs = start.elapsed().as_secs_f64();
+        let flops: f64 = r.iter().map(|(f, _)| f).sum();
+        std::hint::black_box(r);
+        best = best.max(flops / secs / 1e9);
+    }
+    best
 }
 
 /// A pool holding `copies` sequences of `len` positions of random K/V.
@@ -172,7 +200,7 @@ fn batches(seqs: &[SeqCache], ctx: usize, nq: usize) -> Vec<AttnSeq<'_>> {
 }
 
 /// Measures every decode context and the prefill, f32 and bf16 KV.
-pub fn measure(args: &BenchAttentionArgs) -> Result<(f64, Vec<AttentionRow>)> {
+pub fn measure(args: &BenchAttentionArgs) -> Result<Measured> {
     let (heads, kvh, hd) = (args.heads, args.kv_heads, args.head_dim);
     if kvh == 0 || hd == 0 || heads == 0 || !heads.is_multiple_of(kvh) {
         bail!(
@@ -193,6 +221,7 @@ pub fn measure(args: &BenchAttentionArgs) -> Result<(f64, Vec<AttentionRow>)> {
     let min = Duration::from_millis(args.min_ms);
     let bw = measure_bandwidth();
     let (fast, twin) = (kernels(), Kernels::generic());
+    let peak = measure_fma_peak(fast);
     let w = kvh * hd;
     let shape = AttnShape {
         heads,
@@ -261,20 +290,29 @@ pub fn measure(args: &BenchAttentionArgs) -> Result<(f64, Vec<AttentionRow>)> {
                 kv_gbps: gbps,
                 pct_bandwidth: 100.0 * gbps / bw,
                 gflops: flops / t_fast / 1e9,
+                pct_fma: 100.0 * flops / t_fast / 1e9 / peak,
             });
         }
     }
-    Ok((bw, rows))
+    Ok(Measured {
+        bandwidth_gbps: bw,
+        fma_peak_gflops: peak,
+        rows,
+    })
 }
 
 /// Runs the command.
 pub fn run(args: &BenchAttentionArgs) -> Result<()> {
-    let (bw, rows) = measure(args)?;
+    let Measured {
+        bandwidth_gbps: bw,
+        fma_peak_gflops: peak,
+        rows,
+    } = measure(args)?;
     let tier = kernels().tier().name();
     let threads = rayon::current_num_threads();
     if args.json {
         let v = serde_json::json!({
-            "tier": tier, "threads": threads, "bandwidth_gbps": bw,
+            "tier": tier, "threads": threads, "bandwidth_gbps": bw, "fma_peak_gflops": peak,
             "bf16_queries": args.bf16_queries, "rows": rows,
         });
         println!("{v}");
@@ -282,7 +320,8 @@ pub fn run(args: &BenchAttentionArgs) -> Result<()> {
     }
     println!(
         "flash attention, {} query heads / {} KV heads, head_dim {}, blocks of {}, {} queries: \
-         tier {tier}, {threads} threads, measured read bandwidth {bw:.1} GB/s",
+         tier {tier}, {threads} threads, measured read bandwidth {bw:.1} GB/s, \
+         f32 FMA peak {peak:.0} GFLOP/s",
         args.heads,
         args.kv_heads,
         args.head_dim,
@@ -290,7 +329,7 @@ pub fn run(args: &BenchAttentionArgs) -> Result<()> {
         if args.bf16_queries { "bf16" } else { "f32" }
     );
     println!(
-        "{:>8} {:>5} {:>7} {:>5} {:>9} {:>9} {:>9} {:>8} {:>8} {:>7} {:>5} {:>8}",
+        "{:>8} {:>5} {:>7} {:>5} {:>9} {:>9} {:>9} {:>8} {:>8} {:>7} {:>5} {:>8} {:>6}",
         "kind",
         "KV",
         "context",
@@ -302,13 +341,14 @@ pub fn run(args: &BenchAttentionArgs) -> Result<()> {
         "vs rows",
         "GB/s",
         "% bw",
-        "GFLOP/s"
+        "GFLOP/s",
+        "% FMA"
     );
     let ms = |t: Option<f64>| t.map_or("-".into(), |t| format!("{t:.3}"));
     let ratio = |x: Option<f64>| x.map_or("-".into(), |x| format!("{x:.2}x"));
     for r in &rows {
         println!(
-            "{:>8} {:>5} {:>7} {:>5} {:>9} {:>9} {:>9.3} {:>8} {:>8} {:>7.1} {:>5.0} {:>8.1}",
+            "{:>8} {:>5} {:>7} {:>5} {:>9} {:>9} {:>9.3} {:>8} {:>8} {:>7.1} {:>5.0} {:>8.1} {:>6.0}",
             r.kind,
             r.kv_dtype,
             r.context,
@@ -320,7 +360,8 @@ pub fn run(args: &BenchAttentionArgs) -> Result<()> {
             ratio(r.vs_rows),
             r.kv_gbps,
             r.pct_bandwidth,
-            r.gflops
+            r.gflops,
+            r.pct_fma
         );
     }
     Ok(())
@@ -351,10 +392,15 @@ mod tests {
             fast_only: false,
             json: false,
         };
-        let (bw, rows) = measure(&args)?;
-        assert!(bw > 0.0);
+        let Measured {
+            bandwidth_gbps: bw,
+            fma_peak_gflops: peak,
+            rows,
+        } = measure(&args)?;
+        assert!(bw > 0.0 && peak > 0.0);
         assert_eq!(rows.len(), 6);
         assert!(rows.iter().all(|r| r.fast_ms > 0.0
+            && r.pct_fma > 0.0
             && r.speedup.is_some_and(|x| x > 0.0)
             && r.vs_rows.is_some_and(|x| x > 0.0)));
         // The prefill row alone, bf16, fast path only.
@@ -364,7 +410,7 @@ mod tests {
             fast_only: true,
             ..args.clone()
         };
-        let rows = measure(&only)?.1;
+        let rows = measure(&only)?.rows;
         assert_eq!(rows.len(), 1);
         let r = &rows[0];
         assert!(r.kind == "prefill" && r.kv_dtype == "bf16" && r.fast_ms > 0.0);
@@ -402,7 +448,7 @@ mod tests {
             bf16_queries: true,
             ..args.clone()
         };
-        assert_eq!(measure(&bq)?.1.len(), 6);
+        assert_eq!(measure(&bq)?.rows.len(), 6);
         let bad = BenchAttentionArgs {
             contexts: "5,x".into(),
             ..args.clone()
