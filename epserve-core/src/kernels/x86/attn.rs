@@ -885,6 +885,7 @@ macro_rules! pass_loop {
     ($a:expr, $p:expr, $v:expr, $h:expr, $n:expr, $sb:expr, $uses:literal;
      [$($step:expr),+ $(,)?]; $($extra:tt)*) => {
         std::arch::asm!(
+            ".p2align 6",
             "2:",
             $($step,)+
             "add {vp}, {sb}",
