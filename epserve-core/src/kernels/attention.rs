@@ -1059,6 +1059,10 @@ mod tests {
             (7, 4, 24, 2, 21),
             (128, 6, 32, 0, 32),
             (9, 11, 48, 16, 32),
+            // Blocks of 16 with odd key widths (AVX2's assembly column
+            // pairs: a last even dimension alone; none odd at width 1).
+            (13, 5, 16, 0, 16),
+            (1, 4, 16, 0, 16),
         ] {
             let stride = dk + 3;
             let q: Vec<f32> = (0..m * dk)

@@ -1200,12 +1200,18 @@ unsafe fn accum8_256<const BF: bool>(
                     let pr = p.add(g0 * ldp + i0);
                     let l = ldp * 4;
                     match (eo, h.is_null()) {
-                        (true, true) => axpy4x16::<BF, true, false>(pr, l, vr, sb, nn, &mut a, vr),
-                        (true, false) => axpy4x16::<BF, true, true>(pr, l, vr, sb, nn, &mut a, h),
-                        (false, true) => {
-                            axpy4x16::<BF, false, false>(pr, l, vr, sb, nn, &mut a, vr)
+                        (true, true) => {
+                            axpy4x16::<BF, true, false, 4>(pr, l, vr, sb, nn, &mut a, vr)
                         }
-                        (false, false) => axpy4x16::<BF, false, true>(pr, l, vr, sb, nn, &mut a, h),
+                        (true, false) => {
+                            axpy4x16::<BF, true, true, 4>(pr, l, vr, sb, nn, &mut a, h)
+                        }
+                        (false, true) => {
+                            axpy4x16::<BF, false, false, 4>(pr, l, vr, sb, nn, &mut a, vr)
+                        }
+                        (false, false) => {
+                            axpy4x16::<BF, false, true, 4>(pr, l, vr, sb, nn, &mut a, h)
+                        }
                     }
                     for g in 0..4 {
                         _mm256_storeu_ps(acc.add((g0 + g) * dv + c0), a[2 * g]);
@@ -1301,7 +1307,8 @@ unsafe fn even_odd16(acc: *mut f32, dv: usize, m: usize, w16: usize, to: bool) {
 /// `n` steps of `a[2g + h] += p[g] · v[8h..8h + 8]` for 4 queries and 16
 /// value columns, in assembly: each query's probability `vbroadcastss`-ed
 /// from its row (`lb` bytes apart at `p`) once for its two FMAs, `p`
-/// advancing one key a step; `v` 16 elements (widened) `stride_bytes`
+/// advancing `PSTEP` bytes a step (one key; two dimensions in the column
+/// scores, [`cols256_4x16`]); `v` 16 elements (widened) `stride_bytes`
 /// apart. `EO` (bf16 only): the row is widened from one 32-byte load, as
 /// the column scores' (`cols256_4x16`), `a[2g]` taking the even columns (a
 /// shift) and `a[2g + 1]` the odd ones (a mask), lane `i` columns `2i` and
@@ -1319,7 +1326,7 @@ unsafe fn even_odd16(acc: *mut f32, dv: usize, m: usize, w16: usize, to: bool) {
 /// `v` `n` runs of 16 elements `stride_bytes` apart.
 #[inline]
 #[target_feature(enable = "avx2,fma")]
-unsafe fn axpy4x16<const BF: bool, const EO: bool, const HINT: bool>(
+unsafe fn axpy4x16<const BF: bool, const EO: bool, const HINT: bool, const PSTEP: usize>(
     p: *const f32,
     lb: usize,
     v: *const u8,
@@ -1347,7 +1354,7 @@ unsafe fn axpy4x16<const BF: bool, const EO: bool, const HINT: bool>(
                 "vbroadcastss {t1}, dword ptr [{p} + {l3}]",
                 "vfmadd231ps {a6}, {v0}, {t1}",
                 "vfmadd231ps {a7}, {v1}, {t1}",
-                "add {p}, 4",
+                "add {p}, {ps}",
             ];
                 v0 = out(ymm_reg) _,
                 v1 = out(ymm_reg) _,
@@ -1356,6 +1363,7 @@ unsafe fn axpy4x16<const BF: bool, const EO: bool, const HINT: bool>(
                 l1 = in(reg) lb,
                 l3 = in(reg) l3,
                 hi = in(ymm_reg) hi,
+                ps = const PSTEP,
             )
         };
     }
@@ -2036,6 +2044,27 @@ unsafe fn cols256_4x16<const BF: bool>(
         for j in 0..2 {
             let mut a = [[_mm256_setzero_ps(); 2]; G];
             let mut d = j;
+            if BF && bs == 16 {
+                // The same steps in assembly (`axpy4x16`, two dimensions
+                // a step: a column pair is 64 bytes, one hinted line): a
+                // loop on a 64-byte boundary, widening with the mask the
+                // compiler turned into a blend.
+                let steps = (dk - j).div_ceil(2);
+                let mut a8 = [_mm256_setzero_ps(); 8];
+                if steps > 0 {
+                    let (qj, kj, l) = (q.add(j), k.add(j * bs * 2), dk * 4);
+                    if j == 0 && !hint.is_null() {
+                        debug_assert_eq!(hint_step, 64);
+                        axpy4x16::<true, true, true, 8>(qj, l, kj, 4 * bs, steps, &mut a8, hint);
+                    } else {
+                        axpy4x16::<true, true, false, 8>(qj, l, kj, 4 * bs, steps, &mut a8, kj);
+                    }
+                }
+                for (g, ag) in a.iter_mut().enumerate() {
+                    *ag = [a8[2 * g], a8[2 * g + 1]];
+                }
+                d = dk;
+            }
             while d < dk {
                 if j == 0 {
                     hint_share(hint, d / 2 * hint_step, hint_step);
