@@ -22,7 +22,7 @@ use epserve_core::experts::pool::ExpertPool;
 use epserve_core::experts::{DenseDtype, ExpertDtype, LoadOptions};
 use epserve_core::kernels::b12::b12_enabled;
 use epserve_core::kernels::dispatch::kernels;
-use epserve_core::model::kv_cache::{KvCacheDtype, KvDtype, KvPool};
+use epserve_core::model::kv_cache::{KvCacheDtype, KvDtype, KvPool, SeqCache};
 use epserve_core::model::{LogitsMode, Model, SeqInput};
 use epserve_core::profile::{self, Phase, Profile};
 use epserve_core::sampling::{Sampler, SamplingParams};
@@ -43,6 +43,12 @@ pub struct BenchStepArgs {
     /// Positions already cached per decode sequence.
     #[arg(long, default_value_t = 128)]
     pub context: usize,
+    /// Also time each decode row at this many cached positions, one pass
+    /// at each context in turn, and print the step at --context over the
+    /// step here (the median of the paired passes' ratios): what a long
+    /// context costs, measured where the host's speed drifts between runs.
+    #[arg(long)]
+    pub vs_context: Option<usize>,
     /// Prefill lengths (one prompt per row), comma-separated; empty for none.
     #[arg(long, default_value = "512")]
     pub prefill: String,
@@ -154,75 +160,104 @@ fn random_tokens(n: usize, vocab: usize, seed: &mut u64) -> Vec<u32> {
 /// Most timed passes of one row (bounds the cache a decode row grows into).
 const MAX_PASSES: usize = 48;
 
-/// Times one row: `seqs` sequences with `past` cached positions each take
-/// `new` tokens. Decode rows prefill their context once and then step
-/// repeatedly (the context grows by one per pass); prefill rows start from an
-/// empty cache every pass.
-fn measure_row(
-    model: &Model,
-    kv: KvDtype,
+/// One row being timed: `seqs` sequences with `past` cached positions each
+/// take `new` tokens. Decode rows prefill their context once (in [`new`])
+/// and then step repeatedly (the context grows by one per pass); prefill
+/// rows start from an empty cache every pass.
+///
+/// [`new`]: RowRun::new
+struct RowRun<'m> {
+    model: &'m Model,
     seqs: usize,
     past: usize,
     new: usize,
-    min: Duration,
-) -> Result<Measured> {
-    let cfg = &model.config;
-    let vocab = cfg.vocab_size;
-    let grow = if past > 0 {
-        (MAX_PASSES + 1) * new
-    } else {
-        new
-    };
-    let block = 16;
-    let mut pool = model.new_pool(block, seqs * (past + grow).div_ceil(block), kv);
-    let mut seed = 0x5eed_u64 ^ (seqs * 1000 + past * 7 + new) as u64;
-    let mut sampler = Sampler::new(SamplingParams {
-        temperature: 1.0,
-        top_p: 0.95,
-        ..Default::default()
-    });
-    // As the pool stores them (value padding included).
-    let kv_per_pos = KvPool::layer_block_bytes(&model.kv_layer_shapes(), 1, kv);
-    let macs_per_pos = attn_macs_per_pos(cfg);
-    let mut caches: Vec<_> = (0..seqs).map(|_| model.new_cache()).collect();
-    let prefill_context = |caches: &mut Vec<_>, pool: &mut _, seed: &mut u64| -> Result<()> {
-        if past == 0 {
-            return Ok(());
+    pool: KvPool,
+    caches: Vec<SeqCache>,
+    seed: u64,
+    sampler: Sampler,
+    /// KV bytes a cached position takes, as the pool stores them (value
+    /// padding included).
+    kv_per_pos: usize,
+    macs_per_pos: usize,
+    /// (step seconds, sampling seconds, profile) of each counted pass.
+    passes: Vec<(f64, f64, Profile)>,
+    expert_rows: Vec<usize>,
+    attended: usize,
+    /// Passes run, the first (warming caches and threads) not counted.
+    pass: usize,
+}
+
+impl<'m> RowRun<'m> {
+    fn new(model: &'m Model, kv: KvDtype, seqs: usize, past: usize, new: usize) -> Result<Self> {
+        let cfg = &model.config;
+        let grow = if past > 0 {
+            (MAX_PASSES + 1) * new
+        } else {
+            new
+        };
+        let block = 16;
+        let mut run = RowRun {
+            model,
+            seqs,
+            past,
+            new,
+            pool: model.new_pool(block, seqs * (past + grow).div_ceil(block), kv),
+            caches: (0..seqs).map(|_| model.new_cache()).collect(),
+            seed: 0x5eed_u64 ^ (seqs * 1000 + past * 7 + new) as u64,
+            sampler: Sampler::new(SamplingParams {
+                temperature: 1.0,
+                top_p: 0.95,
+                ..Default::default()
+            }),
+            kv_per_pos: KvPool::layer_block_bytes(&model.kv_layer_shapes(), 1, kv),
+            macs_per_pos: attn_macs_per_pos(cfg),
+            passes: Vec::new(),
+            expert_rows: Vec::new(),
+            attended: 0,
+            pass: 0,
+        };
+        if past > 0 {
+            let vocab = cfg.vocab_size;
+            let prompts: Vec<Vec<u32>> = (0..seqs)
+                .map(|_| random_tokens(past, vocab, &mut run.seed))
+                .collect();
+            let mut inputs: Vec<SeqInput> = run
+                .caches
+                .iter_mut()
+                .zip(&prompts)
+                .map(|(c, p)| SeqInput {
+                    tokens: p,
+                    cache: c,
+                    logits: false,
+                })
+                .collect();
+            model.forward(&mut inputs, &mut run.pool, LogitsMode::Last, false)?;
         }
-        let prompts: Vec<Vec<u32>> = (0..seqs)
-            .map(|_| random_tokens(past, vocab, seed))
-            .collect();
-        let mut inputs: Vec<SeqInput> = caches
-            .iter_mut()
-            .zip(&prompts)
-            .map(|(c, p)| SeqInput {
-                tokens: p,
-                cache: c,
-                logits: false,
-            })
-            .collect();
-        model.forward(&mut inputs, pool, LogitsMode::Last, false)?;
-        Ok(())
-    };
-    prefill_context(&mut caches, &mut pool, &mut seed)?;
-    // (step seconds, sampling seconds, profile) of each counted pass.
-    let mut passes: Vec<(f64, f64, Profile)> = Vec::new();
-    let (mut expert_rows, mut attended) = (Vec::new(), 0usize);
-    let start = Instant::now();
-    // The first pass warms caches and threads and is not counted.
-    let mut pass = 0;
-    while pass < 4 || (start.elapsed() < min && pass <= MAX_PASSES) {
-        if past == 0 && pass > 0 {
-            for c in &mut caches {
-                model.release(&mut pool, c);
+        Ok(run)
+    }
+
+    /// Whether another pass fits: at least 4, then until `min` has passed
+    /// since `start` (and at most `MAX_PASSES` counted).
+    fn wants_more(&self, start: Instant, min: Duration) -> bool {
+        self.pass < 4 || (start.elapsed() < min && self.pass <= MAX_PASSES)
+    }
+
+    /// Runs one pass; its step time in seconds when it counts (not the first).
+    fn step(&mut self) -> Result<Option<f64>> {
+        let model = self.model;
+        let (seqs, new, vocab) = (self.seqs, self.new, model.config.vocab_size);
+        if self.past == 0 && self.pass > 0 {
+            for c in &mut self.caches {
+                model.release(&mut self.pool, c);
             }
             model.flush_releases();
         }
-        let cached: usize = caches.iter().map(|c| c.len()).sum();
+        let cached: usize = self.caches.iter().map(|c| c.len()).sum();
         let news: Vec<Vec<u32>> = (0..seqs)
-            .map(|_| random_tokens(new, vocab, &mut seed))
+            .map(|_| random_tokens(new, vocab, &mut self.seed))
             .collect();
-        let mut inputs: Vec<SeqInput> = caches
+        let mut inputs: Vec<SeqInput> = self
+            .caches
             .iter_mut()
             .zip(&news)
             .map(|(c, p)| SeqInput {
@@ -234,7 +269,7 @@ fn measure_row(
         let _ = profile::take();
         profile::set_enabled(true);
         let t0 = Instant::now();
-        let out = model.forward(&mut inputs, &mut pool, LogitsMode::Last, true);
+        let out = model.forward(&mut inputs, &mut self.pool, LogitsMode::Last, true);
         let step = t0.elapsed().as_secs_f64();
         profile::set_enabled(false);
         let prof = profile::take();
@@ -242,43 +277,139 @@ fn measure_row(
         drop(inputs);
         let t1 = Instant::now();
         for row in out.logits.chunks_mut(vocab) {
-            std::hint::black_box(sampler.sample(row, &[], &[]));
+            std::hint::black_box(self.sampler.sample(row, &[], &[]));
         }
         let sampling = t1.elapsed().as_secs_f64();
-        if pass > 0 {
-            passes.push((step, sampling, prof));
-            expert_rows.clear();
+        let counted = self.pass > 0;
+        if counted {
+            self.passes.push((step, sampling, prof));
+            self.expert_rows.clear();
             for t in &out.router {
                 let mut ids = t.routing.topk_ids.clone();
                 ids.sort_unstable();
-                expert_rows.extend(ids.chunk_by(|a, b| a == b).map(|c| c.len()));
+                self.expert_rows
+                    .extend(ids.chunk_by(|a, b| a == b).map(|c| c.len()));
             }
             // Each new token attends to what was cached and to the new ones
             // before it (causal).
-            attended = cached * new + seqs * new * (new + 1) / 2;
+            self.attended = cached * new + seqs * new * (new + 1) / 2;
         }
-        pass += 1;
+        self.pass += 1;
+        Ok(counted.then_some(step))
     }
-    for c in &mut caches {
-        model.release(&mut pool, c);
+
+    /// The median pass by step time, with its own phases (so they add up).
+    fn finish(mut self) -> Measured {
+        for c in &mut self.caches {
+            self.model.release(&mut self.pool, c);
+        }
+        self.model.flush_releases();
+        let mut passes = std::mem::take(&mut self.passes);
+        passes.sort_by(|a, b| a.0.total_cmp(&b.0));
+        let (step, sampling, profile) = passes.swap_remove(passes.len() / 2);
+        Measured {
+            step,
+            sampling,
+            profile,
+            expert_rows: self.expert_rows,
+            // Every position attended to is read once per step (per KV head group).
+            kv_bytes: (self.attended / self.new.max(1)) * self.kv_per_pos,
+            attn_macs: self.attended * self.macs_per_pos,
+        }
     }
-    model.flush_releases();
-    // The median pass by step time, with its own phases (so they add up).
-    passes.sort_by(|a, b| a.0.total_cmp(&b.0));
-    let (step, sampling, profile) = passes.swap_remove(passes.len() / 2);
-    Ok(Measured {
-        step,
-        sampling,
-        profile,
-        expert_rows,
-        // Every position attended to is read once per step (per KV head group).
-        kv_bytes: (attended / new.max(1)) * kv_per_pos,
-        attn_macs: attended * macs_per_pos,
+}
+
+/// Times one row (see [`RowRun`]): its median pass.
+fn measure_row(
+    model: &Model,
+    kv: KvDtype,
+    seqs: usize,
+    past: usize,
+    new: usize,
+    min: Duration,
+) -> Result<Measured> {
+    let mut run = RowRun::new(model, kv, seqs, past, new)?;
+    let start = Instant::now();
+    while run.wants_more(start, min) {
+        run.step()?;
+    }
+    Ok(run.finish())
+}
+
+/// Decode of `seqs` sequences at `context` cached positions against `base`,
+/// one pass of each in turn, so both meet the same host (whose speed drifts
+/// over seconds on a shared machine): each pair's step-time ratio.
+#[derive(Debug, Clone, Serialize)]
+pub struct ContextRatio {
+    pub seqs: usize,
+    pub context: usize,
+    pub base: usize,
+    /// Median of the paired passes' `step(context) / step(base)`.
+    pub ratio: f64,
+    pub min_ratio: f64,
+    pub max_ratio: f64,
+    pub pairs: usize,
+    /// Median step times over the same passes, ms.
+    pub step_ms: f64,
+    pub base_step_ms: f64,
+    /// Attention (core: the step's attention less its projections) of the
+    /// median pass of each, ms.
+    pub attn_ms: f64,
+    pub base_attn_ms: f64,
+}
+
+fn context_ratio(
+    model: &Model,
+    kv: KvDtype,
+    seqs: usize,
+    context: usize,
+    base: usize,
+    min: Duration,
+) -> Result<ContextRatio> {
+    let mut long = RowRun::new(model, kv, seqs, context, 1)?;
+    let mut short = RowRun::new(model, kv, seqs, base, 1)?;
+    let mut ratios = Vec::new();
+    let start = Instant::now();
+    // Twice the row's time: it is two rows.
+    while long.wants_more(start, 2 * min) {
+        // Alternate which goes first, so neither always follows the other.
+        let (a, b) = if long.pass % 2 == 0 {
+            let a = long.step()?;
+            (a, short.step()?)
+        } else {
+            let b = short.step()?;
+            (long.step()?, b)
+        };
+        if let (Some(a), Some(b)) = (a, b) {
+            ratios.push(a / b);
+        }
+    }
+    ratios.sort_by(f64::total_cmp);
+    let core = |m: &Measured| {
+        let p = &m.profile;
+        (p.get(Phase::Attention).seconds
+            - p.get(Phase::AttnProj).seconds
+            - p.get(Phase::AttnOut).seconds)
+            * 1e3
+    };
+    let (l, s) = (long.finish(), short.finish());
+    Ok(ContextRatio {
+        seqs,
+        context,
+        base,
+        ratio: ratios[ratios.len() / 2],
+        min_ratio: ratios[0],
+        max_ratio: ratios[ratios.len() - 1],
+        pairs: ratios.len(),
+        step_ms: l.step * 1e3,
+        base_step_ms: s.step * 1e3,
+        attn_ms: core(&l),
+        base_attn_ms: core(&s),
     })
 }
 
 /// Measures every row.
-pub fn measure(args: &BenchStepArgs) -> Result<(f64, f64, Vec<StepRow>)> {
+pub fn measure(args: &BenchStepArgs) -> Result<(f64, f64, Vec<StepRow>, Vec<ContextRatio>)> {
     // An empty list turns a kind of row off.
     let some = |s: &str, what| {
         if s.trim().is_empty() {
@@ -300,12 +431,21 @@ pub fn measure(args: &BenchStepArgs) -> Result<(f64, f64, Vec<StepRow>)> {
     let model = Model::load_with(&args.model, &opts)
         .with_context(|| format!("loading {}", args.model.display()))?;
     let cfg = &model.config;
-    if args.context + 1 > cfg.max_position_embeddings {
-        bail!(
-            "--context {} exceeds the model's {} positions",
-            args.context,
-            cfg.max_position_embeddings
-        );
+    for (flag, c) in [
+        ("--context", Some(args.context)),
+        ("--vs-context", args.vs_context),
+    ] {
+        if let Some(c) = c
+            && c + 1 > cfg.max_position_embeddings
+        {
+            bail!(
+                "{flag} {c} exceeds the model's {} positions",
+                cfg.max_position_embeddings
+            );
+        }
+    }
+    if args.vs_context.is_some() && decode.is_empty() {
+        bail!("--vs-context compares decode rows, and --decode is empty");
     }
     let kv = model.kv_dtype(args.kv_cache_dtype);
     let bw = crate::bench_linear::measure_bandwidth();
@@ -416,12 +556,18 @@ pub fn measure(args: &BenchStepArgs) -> Result<(f64, f64, Vec<StepRow>)> {
                 .collect(),
         });
     }
-    Ok((bw, peak, rows))
+    let mut ratios = Vec::new();
+    if let Some(base) = args.vs_context {
+        for &b in &decode {
+            ratios.push(context_ratio(&model, kv, b, args.context, base, min)?);
+        }
+    }
+    Ok((bw, peak, rows, ratios))
 }
 
 /// Runs the command.
 pub fn run(args: &BenchStepArgs) -> Result<()> {
-    let (bw, peak, rows) = measure(args)?;
+    let (bw, peak, rows, ratios) = measure(args)?;
     let tier = kernels().tier().name();
     let dot_prefill = kernels().bf16x_prefill();
     let threads = rayon::current_num_threads();
@@ -431,6 +577,7 @@ pub fn run(args: &BenchStepArgs) -> Result<()> {
             "bf16_dot_prefill": dot_prefill,
             "expert_dtype": args.expert_dtype.name(), "dense_dtype": args.dense_dtype.name(),
             "bandwidth_gbps": bw, "fma_peak_gflops": peak, "rows": rows,
+            "context_ratios": ratios,
         });
         println!("{v}");
         return Ok(());
@@ -473,6 +620,25 @@ pub fn run(args: &BenchStepArgs) -> Result<()> {
             );
         }
     }
+    for r in &ratios {
+        println!();
+        println!(
+            "decode {} seq, {} cached against {}, one pass of each in turn: step {:.2}x \
+             (median of {} pairs, {:.2}-{:.2}x); median steps {:.2} / {:.2} ms, \
+             attention (core) {:.3} / {:.3} ms",
+            r.seqs,
+            r.context,
+            r.base,
+            r.ratio,
+            r.pairs,
+            r.min_ratio,
+            r.max_ratio,
+            r.step_ms,
+            r.base_step_ms,
+            r.attn_ms,
+            r.base_attn_ms
+        );
+    }
     Ok(())
 }
 
@@ -490,6 +656,7 @@ mod tests {
             model: fixture(),
             decode: "2".into(),
             context: 5,
+            vs_context: None,
             prefill: "7".into(),
             min_ms: 0,
             expert_dtype: ExpertDtype::Auto,
@@ -497,7 +664,8 @@ mod tests {
             kv_cache_dtype: KvCacheDtype::Bf16,
             json: false,
         };
-        let (_, _, rows) = measure(&args)?;
+        let (_, _, rows, ratios) = measure(&args)?;
+        assert!(ratios.is_empty());
         assert_eq!(rows.len(), 2);
         assert_eq!(
             (rows[0].kind, rows[0].seqs, rows[0].tokens),
@@ -527,6 +695,39 @@ mod tests {
                 r.step_ms
             );
         }
+        // Two contexts one pass at a time: every counted pass paired.
+        let vs = BenchStepArgs {
+            decode: "1".into(),
+            context: 9,
+            vs_context: Some(3),
+            prefill: String::new(),
+            ..args.clone()
+        };
+        let (_, _, rows, ratios) = measure(&vs)?;
+        assert_eq!(rows.len(), 1);
+        let [r] = &ratios[..] else {
+            panic!("one decode row, one ratio: {ratios:?}");
+        };
+        assert_eq!((r.seqs, r.context, r.base), (1, 9, 3));
+        assert!(r.pairs >= 3 && r.min_ratio > 0.0, "{r:?}");
+        assert!(r.min_ratio <= r.ratio && r.ratio <= r.max_ratio, "{r:?}");
+        assert!(
+            r.step_ms > 0.0 && r.base_step_ms > 0.0 && r.attn_ms > 0.0,
+            "{r:?}"
+        );
+        let far = BenchStepArgs {
+            vs_context: Some(usize::MAX / 2),
+            ..vs.clone()
+        };
+        let e = measure(&far).expect_err("past the model's positions");
+        assert!(format!("{e:#}").contains("--vs-context"), "{e:#}");
+        let none = BenchStepArgs {
+            decode: String::new(),
+            prefill: "7".into(),
+            ..vs
+        };
+        let e = measure(&none).expect_err("no decode rows");
+        assert!(format!("{e:#}").contains("--vs-context"), "{e:#}");
         let bad = BenchStepArgs {
             decode: "0".into(),
             ..args
