@@ -1556,11 +1556,21 @@ pub unsafe fn softmax256(row: &mut [f32], prev_max: f32) -> (f32, f32) {
     let n = row.len();
     let (full, rem) = (n / 8 * 8, n % 8);
     let p = row.as_mut_ptr();
-    let mut tail = [f32::NEG_INFINITY; 8];
-    tail[..rem].copy_from_slice(&row[full..]);
-    // SAFETY: every access is inside `row` or `tail`.
+    // The tail's lanes (`rem` of them), the others −∞. Masked loads and
+    // stores, not a copy through a buffer (a `memcpy` call and a
+    // `vzeroupper` per row, most rows having no tail).
+    let ninf = _mm256_set1_ps(f32::NEG_INFINITY);
+    let lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    let tmask = _mm256_cmpgt_epi32(_mm256_set1_epi32(rem as i32), lanes);
+    // SAFETY: every access is inside `row` (masked lanes are not touched).
     unsafe {
-        let mut m = _mm256_loadu_ps(tail.as_ptr());
+        let tail = if rem > 0 {
+            let t = _mm256_maskload_ps(p.add(full), tmask);
+            _mm256_blendv_ps(ninf, t, _mm256_castsi256_ps(tmask))
+        } else {
+            ninf
+        };
+        let mut m = tail;
         for i in (0..full).step_by(8) {
             m = _mm256_max_ps(m, _mm256_loadu_ps(p.add(i)));
         }
@@ -1580,9 +1590,8 @@ pub unsafe fn softmax256(row: &mut [f32], prev_max: f32) -> (f32, f32) {
         }
         if rem > 0 {
             // The −∞ padding becomes exactly 0.
-            let e = exp256(_mm256_sub_ps(_mm256_loadu_ps(tail.as_ptr()), top));
-            _mm256_storeu_ps(tail.as_mut_ptr(), e);
-            row[full..].copy_from_slice(&tail[..rem]);
+            let e = exp256(_mm256_sub_ps(tail, top));
+            _mm256_maskstore_ps(p.add(full), tmask, e);
             s = _mm256_add_ps(s, e);
         }
         (cmax, hsum256(s))
