@@ -12,12 +12,14 @@ use std::time::Duration;
 
 use anyhow::{Result, bail};
 use clap::{Args, ValueEnum};
+use epserve_core::experts::pool::ExpertPool;
 use epserve_core::kernels::attention::{AttnSeq, AttnShape, attention};
 use epserve_core::kernels::dispatch::{Kernels, kernels};
 use epserve_core::model::kv_cache::{KvDtype, KvLayerShape, KvLayout, KvPool, SeqCache};
 use serde::Serialize;
 
 use crate::bench_linear::{list, measure_bandwidth, time};
+use crate::bench_moe::measure_fma_peak;
 
 /// `epserve bench attention`.
 #[derive(Debug, Clone, Args)]
@@ -125,22 +127,6 @@ pub struct Measured {
     pub rows: Vec<AttentionRow>,
 }
 
-/// f32 FMA peak of rayon's threads with `k`'s tier, in GFLOP/s: the best of
-/// three probes, every thread at once.
-fn measure_fma_peak(k: &Kernels) -> f64 {
-    let iters = 20_000_000;
-    let mut best = 0.0f64;
-    for _ in 0..3 {
-        let start = std::time::Instant::now();
-        let r = rayon::broadcast(|_| k.fma_probe(iters));
-        let secs = start.elapsed().as_secs_f64();
-        let flops: f64 = r.iter().map(|(f, _)| f).sum();
-        std::hint::black_box(r);
-        best = best.max(flops / secs / 1e9);
-    }
-    best
-}
-
 /// A pool holding `copies` sequences of `len` positions of random K/V.
 fn filled_pool(
     args: &BenchAttentionArgs,
@@ -221,7 +207,8 @@ pub fn measure(args: &BenchAttentionArgs) -> Result<Measured> {
     let min = Duration::from_millis(args.min_ms);
     let bw = measure_bandwidth();
     let (fast, twin) = (kernels(), Kernels::generic());
-    let peak = measure_fma_peak(fast);
+    // The shared pool is rayon's global pool: attention's threads.
+    let peak = measure_fma_peak(&*ExpertPool::shared()?, fast);
     let w = kvh * hd;
     let shape = AttnShape {
         heads,
