@@ -187,6 +187,23 @@ struct RowRun<'m> {
     pass: usize,
 }
 
+/// One input per sequence: `tokens[i]` appended to `caches[i]`.
+fn seq_inputs<'a>(
+    caches: &'a mut [SeqCache],
+    tokens: &'a [Vec<u32>],
+    logits: bool,
+) -> Vec<SeqInput<'a>> {
+    caches
+        .iter_mut()
+        .zip(tokens)
+        .map(|(cache, t)| SeqInput {
+            tokens: t,
+            cache,
+            logits,
+        })
+        .collect()
+}
+
 impl<'m> RowRun<'m> {
     fn new(model: &'m Model, kv: KvDtype, seqs: usize, past: usize, new: usize) -> Result<Self> {
         let cfg = &model.config;
@@ -221,16 +238,7 @@ impl<'m> RowRun<'m> {
             let prompts: Vec<Vec<u32>> = (0..seqs)
                 .map(|_| random_tokens(past, vocab, &mut run.seed))
                 .collect();
-            let mut inputs: Vec<SeqInput> = run
-                .caches
-                .iter_mut()
-                .zip(&prompts)
-                .map(|(c, p)| SeqInput {
-                    tokens: p,
-                    cache: c,
-                    logits: false,
-                })
-                .collect();
+            let mut inputs = seq_inputs(&mut run.caches, &prompts, false);
             model.forward(&mut inputs, &mut run.pool, LogitsMode::Last, false)?;
         }
         Ok(run)
@@ -256,16 +264,7 @@ impl<'m> RowRun<'m> {
         let news: Vec<Vec<u32>> = (0..seqs)
             .map(|_| random_tokens(new, vocab, &mut self.seed))
             .collect();
-        let mut inputs: Vec<SeqInput> = self
-            .caches
-            .iter_mut()
-            .zip(&news)
-            .map(|(c, p)| SeqInput {
-                tokens: p,
-                cache: c,
-                logits: true,
-            })
-            .collect();
+        let mut inputs = seq_inputs(&mut self.caches, &news, true);
         let _ = profile::take();
         profile::set_enabled(true);
         let t0 = Instant::now();

@@ -49,8 +49,8 @@ impl ModelShape {
         let moe_layers = cfg.layers.iter().filter(|l| l.ffn == FfnKind::Moe).count() as u64;
         let text = raw.get("text_config").unwrap_or(raw);
         let field = |name: &str| text.get(name).and_then(serde_json::Value::as_u64);
-        let mla = field("kv_lora_rank").is_some();
-        let (attn_params_per_layer, kv_widths) = match field("kv_lora_rank") {
+        let kv_lora_rank = field("kv_lora_rank");
+        let (attn_params_per_layer, kv_widths) = match kv_lora_rank {
             Some(kv_lora) => {
                 // Multi-head latent attention: the cache holds the latent and the
                 // shared RoPE key, one per token per layer.
@@ -91,7 +91,7 @@ impl ModelShape {
                 .collect(),
             attn_params_per_layer,
             kv_widths,
-            kv_cache_heads: if mla { 1 } else { kv_heads },
+            kv_cache_heads: if kv_lora_rank.is_some() { 1 } else { kv_heads },
         }
     }
 
