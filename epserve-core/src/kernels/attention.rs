@@ -687,12 +687,27 @@ fn run_item(
         };
         let masked = j0 < all_lo || j1 > all_hi;
         debug_assert!(j1 > lo);
+        let nst = st.len();
         for (t, h) in st.iter_mut().enumerate() {
             let kvh = it.kvh + t;
             let (koff, voff) = (kvh * k.head_stride, kvh * v.head_stride);
             runs(s, bs, j0, j1, |j, len, row0| {
                 let out = &mut sc[j - j0..];
                 if k.by_column {
+                    // The block of the next scores call: this head's next
+                    // run, or after its last the next head's first (pulled
+                    // into L1 from inside the kernel where the tier does).
+                    let follow = if j + len < j1 {
+                        let p = j + len;
+                        Some((s.blocks[p / bs] as usize * bs, koff))
+                    } else if t + 1 < nst {
+                        let koff1 = (kvh + 1) * k.head_stride;
+                        Some((s.blocks[j0 / bs] as usize * bs, koff1))
+                    } else {
+                        None
+                    };
+                    let follow =
+                        follow.map(|(r, off)| (k.rows, column_index(r, off, bs, k.stride)));
                     // A whole cache block next: its columns are hinted from
                     // inside the scores kernel (spread, not one burst).
                     let (i, r) = (j - j0, next[j - j0]);
@@ -731,6 +746,7 @@ fn run_item(
                             out,
                             KEY_BLOCK,
                             next_cols,
+                            follow,
                         );
                     }
                     return;
@@ -1112,7 +1128,7 @@ mod tests {
                         &mut alone,
                         ldo,
                     );
-                    // With a hint (the block itself, and one past the end:
+                    // With hints (the block itself, and one past the end:
                     // not hinted), the same bits.
                     for off in [0, cols.len()] {
                         let mut hinted = vec![0.0f32; m * ldo];
@@ -1127,6 +1143,7 @@ mod tests {
                             0.7,
                             &mut hinted,
                             ldo,
+                            h,
                             h,
                         );
                         let b = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();

@@ -164,8 +164,19 @@ type AttnScores = unsafe fn(&[f32], usize, *const u8, usize, usize, f32, &mut [f
 type AttnScoresB16 = unsafe fn(&[u16], usize, *const u8, usize, usize, f32, &mut [f32], usize);
 type AttnScoresCols =
     unsafe fn(&[f32], usize, *const u8, usize, usize, usize, f32, &mut [f32], usize);
-type AttnScoresColsHinted =
-    unsafe fn(&[f32], usize, *const u8, usize, usize, usize, f32, &mut [f32], usize, *const u8);
+type AttnScoresColsHinted = unsafe fn(
+    &[f32],
+    usize,
+    *const u8,
+    usize,
+    usize,
+    usize,
+    f32,
+    &mut [f32],
+    usize,
+    *const u8,
+    *const u8,
+);
 type AttnScoresColsB16 =
     unsafe fn(&[u16], usize, *const u8, usize, usize, usize, f32, &mut [f32], usize, *const u8);
 type AttnAccum = unsafe fn(&[f32], usize, *const u8, usize, usize, &mut [f32], usize);
@@ -884,14 +895,17 @@ impl Kernels {
         out: &mut [f32],
         ldo: usize,
     ) {
-        self.attn_scores_cols_hinted(q, dk, k, bs, t0, n, scale, out, ldo, None)
+        self.attn_scores_cols_hinted(q, dk, k, bs, t0, n, scale, out, ldo, None, None)
     }
 
     /// [`attn_scores_cols`](Self::attn_scores_cols), also hinting into L2
     /// the `dk · bs` elements from element `hint.1` of `hint.0` (the next
     /// cache block's columns of this KV head), where given and inside
     /// `hint.0`: spread over the kernel's column loop on AVX-512, one burst
-    /// before the call elsewhere. The same bits as without the hint.
+    /// before the call elsewhere; and into L1 the `dk · bs` elements at
+    /// `next` (the block the caller reads in its next call), spread over the
+    /// kernel's loop, on AVX2 (ignored elsewhere). The same bits as without
+    /// the hints.
     #[allow(clippy::too_many_arguments)]
     pub fn attn_scores_cols_hinted(
         &self,
@@ -905,6 +919,7 @@ impl Kernels {
         out: &mut [f32],
         ldo: usize,
         hint: Option<(KvRows<'_>, usize)>,
+        next: Option<(KvRows<'_>, usize)>,
     ) {
         if n == 0 || q.is_empty() {
             return;
@@ -924,10 +939,15 @@ impl Kernels {
                 Some((rows, off)),
             ) => {
                 let h = rows.as_ptr().wrapping_add(off * esize);
+                let nx = next
+                    .filter(|(rows, off)| off + dk * bs <= rows.len())
+                    .map_or(std::ptr::null(), |(rows, off)| {
+                        rows.as_ptr().wrapping_add(off * esize)
+                    });
                 // SAFETY: this tier was checked as supported when `self` was
-                // built, the extents were just asserted, and the hint is only
-                // prefetched (never read).
-                unsafe { (f[k.is_bf16() as usize])(q, dk, kp, bs, t0, n, scale, out, ldo, h) }
+                // built, the extents were just asserted, and the hints are
+                // only prefetched (never read).
+                unsafe { (f[k.is_bf16() as usize])(q, dk, kp, bs, t0, n, scale, out, ldo, h, nx) }
             }
             (attn, hint) => {
                 if let Some((rows, off)) = hint {
@@ -981,7 +1001,7 @@ impl Kernels {
                 // prefetched (never read).
                 unsafe { f(qb, dk, k.as_ptr(), bs, t0, n, scale, out, ldo, h) }
             }
-            _ => self.attn_scores_cols_hinted(q, dk, k, bs, t0, n, scale, out, ldo, hint),
+            _ => self.attn_scores_cols_hinted(q, dk, k, bs, t0, n, scale, out, ldo, hint, None),
         }
     }
 
