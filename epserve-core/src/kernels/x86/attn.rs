@@ -918,17 +918,19 @@ macro_rules! pass_loop {
 macro_rules! pass_variants {
     ($body:ident, $bf:expr, $hint:expr, $hstep:literal;
      bf16: [$($lb:literal),+]; f32: [$($lf:literal),+]) => {
-        pass_variants!($body, $bf, $hint, $hstep, "prefetcht1 byte ptr [{h}]";
+        pass_variants!($body, $bf, $hint, false, $hstep;
             bf16: [$($lb),+]; f32: [$($lf),+])
     };
-    // The same with the hint instruction `$pfi` (e.g. a `prefetcht0`).
-    ($body:ident, $bf:expr, $hint:expr, $hstep:literal, $pfi:literal;
+    // The same, the hint a `prefetcht0` (into L1) when `$l1`.
+    ($body:ident, $bf:expr, $hint:expr, $l1:expr, $hstep:literal;
      bf16: [$($lb:literal),+]; f32: [$($lf:literal),+]) => {
-        match ($bf, $hint) {
-            (true, true) => $body!($($lb),+ ; $pfi, concat!("add {h}, ", $hstep)),
-            (true, false) => $body!($($lb),+ ;),
-            (false, true) => $body!($($lf),+ ; $pfi, concat!("add {h}, ", $hstep)),
-            (false, false) => $body!($($lf),+ ;),
+        match ($bf, $hint, $l1) {
+            (true, true, false) => $body!($($lb),+ ; "prefetcht1 byte ptr [{h}]", concat!("add {h}, ", $hstep)),
+            (true, true, true) => $body!($($lb),+ ; "prefetcht0 byte ptr [{h}]", concat!("add {h}, ", $hstep)),
+            (true, false, _) => $body!($($lb),+ ;),
+            (false, true, false) => $body!($($lf),+ ; "prefetcht1 byte ptr [{h}]", concat!("add {h}, ", $hstep)),
+            (false, true, true) => $body!($($lf),+ ; "prefetcht0 byte ptr [{h}]", concat!("add {h}, ", $hstep)),
+            (false, false, _) => $body!($($lf),+ ;),
         }
     };
 }
@@ -1401,29 +1403,15 @@ unsafe fn axpy4x16<
     // SAFETY: the caller guarantees the features and the extents; the
     // prefetches never fault.
     unsafe {
-        if EO && L1 {
-            pass_variants!(body, BF, HINT, "{sb}", "prefetcht0 byte ptr [{h}]";
+        if EO {
+            pass_variants!(body, BF, HINT, L1, "{sb}";
                 bf16: [
                     "vmovdqu {v0}, ymmword ptr [{vp}]", "vpand {v1}, {v0}, {hi}",
                     "vpslld {v0}, {v0}, 16"
-                ];
-                f32: ["vmovups {v0}, ymmword ptr [{vp}]", "vmovups {v1}, ymmword ptr [{vp} + 32]"])
-        } else if EO {
-            pass_variants!(body, BF, HINT, "{sb}";
-                bf16: [
-                    "vmovdqu {v0}, ymmword ptr [{vp}]", "vpand {v1}, {v0}, {hi}",
-                    "vpslld {v0}, {v0}, 16"
-                ];
-                f32: ["vmovups {v0}, ymmword ptr [{vp}]", "vmovups {v1}, ymmword ptr [{vp} + 32]"])
-        } else if L1 {
-            pass_variants!(body, BF, HINT, "{sb}", "prefetcht0 byte ptr [{h}]";
-                bf16: [
-                    "vpmovzxwd {v0}, xmmword ptr [{vp}]", "vpmovzxwd {v1}, xmmword ptr [{vp} + 16]",
-                    "vpslld {v0}, {v0}, 16", "vpslld {v1}, {v1}, 16"
                 ];
                 f32: ["vmovups {v0}, ymmword ptr [{vp}]", "vmovups {v1}, ymmword ptr [{vp} + 32]"])
         } else {
-            pass_variants!(body, BF, HINT, "{sb}";
+            pass_variants!(body, BF, HINT, L1, "{sb}";
                 bf16: [
                     "vpmovzxwd {v0}, xmmword ptr [{vp}]", "vpmovzxwd {v1}, xmmword ptr [{vp} + 16]",
                     "vpslld {v0}, {v0}, 16", "vpslld {v1}, {v1}, 16"
