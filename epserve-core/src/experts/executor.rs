@@ -166,19 +166,6 @@ impl PackedExperts {
 }
 
 impl ExpertExecutor for PackedExperts {
-    fn execute(
-        &self,
-        layer: usize,
-        x: &[f32],
-        topk_ids: &[u32],
-        topk_weights: &[f32],
-        top_k: usize,
-        out: &mut [f32],
-    ) -> Result<()> {
-        let x = Rows { f32: x, int8: None };
-        self.execute_rows(layer, x, topk_ids, topk_weights, top_k, out)
-    }
-
     /// Int8 experts take `rows.int8` as their quantized activations (step 2
     /// copies instead of quantizing); bf16 and f32 experts use `rows.f32`.
     fn execute_rows(

@@ -15,7 +15,7 @@ use crate::loader::names::ExpertNames;
 use crate::loader::weights::WeightStore;
 use crate::moe::mlp::GatedMlp;
 use crate::moe::{
-    Dispatched, Dispatcher, ExpertExecutor, ExpertState, PendingDispatch, Routing, SKIP_SLOT,
+    Dispatched, Dispatcher, ExpertExecutor, ExpertState, PendingDispatch, Routing, Rows, SKIP_SLOT,
     combine,
 };
 use crate::profile::{self, Phase};
@@ -93,15 +93,17 @@ impl ExpertExecutor for LocalExperts {
         out
     }
 
-    fn execute(
+    /// Computes from the mapped weights in f32: `x.int8` is not read.
+    fn execute_rows(
         &self,
         layer: usize,
-        x: &[f32],
+        x: Rows<'_>,
         topk_ids: &[u32],
         topk_weights: &[f32],
         top_k: usize,
         out: &mut [f32],
     ) -> Result<()> {
+        let x = x.f32;
         let h = self.hidden;
         let rows = x.len() / h;
         let le = self

@@ -1029,19 +1029,6 @@ impl ExpertExecutor for TieredExperts {
         out
     }
 
-    fn execute(
-        &self,
-        layer: usize,
-        x: &[f32],
-        topk_ids: &[u32],
-        topk_weights: &[f32],
-        top_k: usize,
-        out: &mut [f32],
-    ) -> Result<()> {
-        let x = Rows { f32: x, int8: None };
-        self.execute_rows(layer, x, topk_ids, topk_weights, top_k, out)
-    }
-
     fn execute_rows(
         &self,
         layer: usize,

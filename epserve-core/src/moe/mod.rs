@@ -59,13 +59,16 @@ pub trait ExpertExecutor: Send + Sync {
         topk_weights: &[f32],
         top_k: usize,
         out: &mut [f32],
-    ) -> Result<()>;
+    ) -> Result<()> {
+        let x = Rows { f32: x, int8: None };
+        self.execute_rows(layer, x, topk_ids, topk_weights, top_k, out)
+    }
 
     /// [`execute`](Self::execute) on rows that may come already quantized to
     /// int8 (the int8 wire): an executor whose int8 experts quantize their
     /// activations with [`quantize_row_i8`](crate::kernels::layout::quantize_row_i8)
-    /// uses `x.int8` as it is instead of quantizing `x.f32` again. The
-    /// default ignores `x.int8`.
+    /// uses `x.int8` as it is instead of quantizing `x.f32` again; one
+    /// without int8 experts reads `x.f32` only.
     fn execute_rows(
         &self,
         layer: usize,
@@ -74,9 +77,7 @@ pub trait ExpertExecutor: Send + Sync {
         topk_weights: &[f32],
         top_k: usize,
         out: &mut [f32],
-    ) -> Result<()> {
-        self.execute(layer, x.f32, topk_ids, topk_weights, top_k, out)
-    }
+    ) -> Result<()>;
 
     /// Whether [`prefetch`](Self::prefetch) hints are used (experts held
     /// in tiers under a memory budget).
