@@ -504,6 +504,9 @@ fn refill(v: &mut Vec<f32>, n: usize, x: f32) {
 
 /// Hints the cache lines of `bytes` bytes at element `off` of `rows` into
 /// L2 (a hint: never faults, a no-op past the end or on other targets).
+/// On Zen 3 and older AMD cores `prefetcht1` fills L1 as `prefetcht0` does
+/// (a hinted line loads at L1 latency), so the lines also take L1 room
+/// until used or evicted.
 #[inline]
 pub(crate) fn prefetch_l2(rows: KvRows<'_>, off: usize, bytes: usize) {
     if off >= rows.len() {
