@@ -900,7 +900,8 @@ impl Kernels {
 
     /// [`attn_scores_cols`](Self::attn_scores_cols), also hinting into L2
     /// the `dk · bs` elements from element `hint.1` of `hint.0` (the next
-    /// cache block's columns of this KV head), where given and inside
+    /// cache block's columns of this KV head, or this run's value rows),
+    /// where given and inside
     /// `hint.0`: spread over the kernel's column loop on AVX-512, one burst
     /// before the call elsewhere; and into L1 the `dk · bs` elements at
     /// `next` (the block the caller reads in its next call), spread over the
@@ -1038,7 +1039,8 @@ impl Kernels {
 
     /// [`attn_accum`](Self::attn_accum), also hinting into L2 the `dv`
     /// elements of each of `n` rows `stride` apart from element `hint.1` of
-    /// `hint.0` (the next cache block's value rows of this KV head), where
+    /// `hint.0` (the next run's value rows of this KV head, or its key
+    /// blocks), where
     /// given and inside `hint.0`: spread over the kernel's passes on
     /// AVX-512, one burst before the call elsewhere. The same bits as
     /// without the hint.

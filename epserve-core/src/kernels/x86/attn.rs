@@ -652,8 +652,9 @@ pub unsafe fn accum512<const BF: bool, const EMB: bool>(
 }
 
 /// [`accum512`], hinting into L2 the `dv` elements of each of `n` rows
-/// `stride` apart at `hint` (the next cache block's value rows of this KV
-/// head; null for none), spread over its passes: each pass over 32 columns
+/// `stride` apart at `hint` (the next run's value rows of this KV head, or
+/// with head planes its key blocks: see `attention::run_item`; null for
+/// none), spread over its passes: each pass over 32 columns
 /// hints those columns of the next block's row as it reads this block's
 /// row. One burst of the block's 64 hints before the call stalled the core
 /// on the line-fill buffers: `bench attention` at 8k on the 2-vCPU Xeon
@@ -1025,8 +1026,9 @@ pub unsafe fn accum256<const BF: bool>(
     unsafe { accum256_hinted::<BF>(p, ldp, v, stride, n, acc, dv, std::ptr::null()) }
 }
 
-/// [`accum256`], hinting the next cache block's value rows at `hint` into
-/// L2 from inside the passes over the first query group, one line of the
+/// [`accum256`], hinting the rows at `hint` (the next run's value rows, or
+/// with head planes its key blocks: see `attention::run_item`) into
+/// L2 (into L1 on Zen 3: its `prefetcht1` fills L1) from inside the passes over the first query group, one line of the
 /// next block's row per line of this block's row read (as
 /// [`accum512_hinted`]), not as one burst before the call.
 ///
@@ -2240,7 +2242,8 @@ pub unsafe fn scores_cols256<const BF: bool>(
 }
 
 /// [`scores_cols256`], hinting the `dk · bs` elements at `hint` (the next
-/// cache block's columns of this KV head; null for none) into L2 spread
+/// cache block's columns of this KV head, or with head planes this run's
+/// value rows: see `attention::run_item`; null for none) into L2 spread
 /// over its first group's column loop, as [`scores_cols512_hinted`], and
 /// those at `next` (the block of the caller's next call, null for none)
 /// into L1, one line a step of the first group's second pass, on bf16
