@@ -645,9 +645,10 @@ fn run_item(
     // whole block ahead (the next block's keys from the scores, its values
     // from the value pass). On Zen 3 a `prefetcht1` fills L1 as `prefetcht0`
     // does (only Zen 4 stops at L2), so a hinted line waits in L1 until
-    // used: the value pass's samples against the column scores' went 1.149
-    // -> 1.088 (mean of 7 alternated `bench attention` runs at 8k context,
-    // lower in each), the scores' against the softmax's unchanged.
+    // used: the value pass's samples against the column scores' went 1.147
+    // -> 1.107 (mean of 4 alternated `bench attention` runs at 8k context,
+    // lower in each; 1.149 -> 1.088 in 7 of an env-switched prototype), the
+    // scores' against the softmax's unchanged.
     let half_ahead =
         k.by_column && k.stride == k.width && v.stride == v.width && k.width == v.width;
     // Key blocks at multiples of KEY_BLOCK (not at `lo`): a row then sees

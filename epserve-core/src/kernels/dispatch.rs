@@ -903,10 +903,10 @@ impl Kernels {
     /// cache block's columns of this KV head, or this run's value rows),
     /// where given and inside
     /// `hint.0`: spread over the kernel's column loop on AVX-512, one burst
-    /// before the call elsewhere; and into L1 the `dk · bs` elements at
-    /// `next` (the block the caller reads in its next call), spread over the
-    /// kernel's loop, on AVX2 (ignored elsewhere). The same bits as without
-    /// the hints.
+    /// before the call elsewhere; and, only alongside a `hint` that is
+    /// used, into L1 the `dk · bs` elements at `next` (the block the caller
+    /// reads in its next call), spread over the kernel's loop, on AVX2
+    /// (ignored elsewhere). The same bits as without the hints.
     #[allow(clippy::too_many_arguments)]
     pub fn attn_scores_cols_hinted(
         &self,
