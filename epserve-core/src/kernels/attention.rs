@@ -689,6 +689,12 @@ fn run_item(
     // scores' against the softmax's unchanged.
     let half_ahead =
         k.by_column && k.stride == k.width && v.stride == v.width && k.width == v.width;
+    // Where the tier's value pass keeps its accumulators in its own lane
+    // order between calls (AVX2 over bf16 rows), they stay in it for the
+    // whole item, put back in order once at its end: the zeros they start
+    // from are the same in any order, and the rescaling below scales whole
+    // rows.
+    let permuted = v.rows.is_bf16() && kern.attn_acc_permutes(m, dv);
     // Key blocks at multiples of KEY_BLOCK (not at `lo`): a row then sees
     // the same blocks, and gets the same bits, in any tile or batch.
     let mut j0 = lo - lo % KEY_BLOCK;
@@ -869,24 +875,30 @@ fn run_item(
                 if !whole {
                     hint(&v, voff, i, i + len);
                 }
-                kern.attn_accum_hinted(
-                    &sc[i..],
-                    KEY_BLOCK,
-                    v.rows.slice_from(row0 * v.stride + voff),
-                    v.stride,
-                    len,
-                    acc,
-                    dv,
-                    whole.then(|| {
-                        if half_ahead {
-                            // The next run's key blocks: `len` keys of
-                            // `dk = dv` elements, contiguous as its rows.
-                            (k.rows, column_index(next[i], koff, bs, k.stride))
-                        } else {
-                            (v.rows, next[i] * v.stride + voff)
-                        }
-                    }),
-                );
+                let rows = v.rows.slice_from(row0 * v.stride + voff);
+                let hint = whole.then(|| {
+                    if half_ahead {
+                        // The next run's key blocks: `len` keys of `dk =
+                        // dv` elements, contiguous as its rows.
+                        (k.rows, column_index(next[i], koff, bs, k.stride))
+                    } else {
+                        (v.rows, next[i] * v.stride + voff)
+                    }
+                });
+                if permuted {
+                    kern.attn_accum_permuted(
+                        &sc[i..],
+                        KEY_BLOCK,
+                        rows,
+                        v.stride,
+                        len,
+                        acc,
+                        dv,
+                        hint,
+                    );
+                } else {
+                    kern.attn_accum_hinted(&sc[i..], KEY_BLOCK, rows, v.stride, len, acc, dv, hint);
+                }
             };
             runs(s, bs, j0, j1, |j, len, row0| {
                 // A whole cache block next: its value rows are hinted from
@@ -909,6 +921,11 @@ fn run_item(
             }
         }
         j0 = j1;
+    }
+    if permuted {
+        for h in st.iter_mut() {
+            kern.attn_acc_permute(&mut h.acc, dv, false);
+        }
     }
     if let [one] = st {
         std::mem::swap(&mut one.acc, &mut out.acc);

@@ -184,6 +184,17 @@ type AttnAccumHinted =
     unsafe fn(&[f32], usize, *const u8, usize, usize, &mut [f32], usize, *const u8);
 type AttnSoftmax = unsafe fn(&mut [f32], f32) -> (f32, f32);
 
+/// A value pass over bf16 rows whose accumulators stay in the tier's own
+/// lane order between calls (see [`Kernels::attn_accum_permuted`]).
+#[derive(Clone, Copy)]
+struct AccumPermuted {
+    accum: AttnAccumHinted,
+    /// Whether it takes `m` accumulator rows of `dv`.
+    takes: fn(usize, usize) -> bool,
+    /// Rows of `dv` into its order (`true`) or back.
+    permute: unsafe fn(&mut [f32], usize, bool),
+}
+
 /// A tier's attention micro-kernels, `[f32 rows, bf16 rows]` each (see
 /// [`Kernels::attn_scores`], [`Kernels::attn_accum`]) and its online-softmax
 /// step ([`Kernels::attn_softmax`]).
@@ -205,6 +216,9 @@ struct AttnFns {
     /// The same, hinting the next block's value rows from inside its
     /// passes, where the tier does (see [`Kernels::attn_accum_hinted`]).
     accum_hinted: Option<[AttnAccumHinted; 2]>,
+    /// The bf16 value pass over permuted accumulators, where the tier has
+    /// one.
+    accum_permuted: Option<AccumPermuted>,
     softmax: AttnSoftmax,
 }
 
@@ -322,6 +336,11 @@ impl Kernels {
                             attn::accum256_hinted::<false>,
                             attn::accum256_hinted::<true>,
                         ]),
+                        accum_permuted: Some(AccumPermuted {
+                            accum: attn::accum256_permuted,
+                            takes: attn::accum256_permutes,
+                            permute: attn::acc_permute256,
+                        }),
                         softmax: attn::softmax256,
                     }),
                 }
@@ -393,6 +412,7 @@ impl Kernels {
                             .then_some(attn::scores_cols512_b16 as AttnScoresColsB16),
                         accum,
                         accum_hinted: Some(accum_hinted),
+                        accum_permuted: None,
                         softmax: attn::softmax512,
                     }),
                 }
@@ -427,6 +447,7 @@ impl Kernels {
                         scores_cols_b16: None,
                         accum: [attn::accum::<false>, attn::accum::<true>],
                         accum_hinted: None,
+                        accum_permuted: None,
                         softmax: attn::softmax,
                     }),
                 }
@@ -1086,6 +1107,80 @@ impl Kernels {
                 }
                 self.attn_accum(p, ldp, v, stride, n, acc, dv)
             }
+        }
+    }
+
+    /// Whether [`attn_accum_permuted`](Self::attn_accum_permuted) takes `m`
+    /// accumulator rows of `dv` (bf16 value rows): the tier's value pass
+    /// keeps its accumulators in its own lane order between calls.
+    pub fn attn_acc_permutes(&self, m: usize, dv: usize) -> bool {
+        match self.attn {
+            Some(AttnFns {
+                accum_permuted: Some(a),
+                ..
+            }) => (a.takes)(m, dv),
+            _ => false,
+        }
+    }
+
+    /// Accumulator rows of `dv` into the order of
+    /// [`attn_accum_permuted`](Self::attn_accum_permuted) (`to`) or back to
+    /// the natural one. Moves only; panics unless
+    /// [`attn_acc_permutes`](Self::attn_acc_permutes) holds.
+    pub fn attn_acc_permute(&self, acc: &mut [f32], dv: usize, to: bool) {
+        let m = acc.len() / dv.max(1);
+        assert!(dv > 0 && acc.len() == m * dv && self.attn_acc_permutes(m, dv));
+        if let Some(AttnFns {
+            accum_permuted: Some(a),
+            ..
+        }) = self.attn
+        {
+            // SAFETY: this tier was checked as supported when `self` was
+            // built; the rows were just checked.
+            unsafe { (a.permute)(acc, dv, to) }
+        }
+    }
+
+    /// [`attn_accum_hinted`](Self::attn_accum_hinted) over bf16 value rows
+    /// into accumulators in the permuted order
+    /// ([`attn_acc_permute`](Self::attn_acc_permute)): the same sums per
+    /// column, in that order. Panics unless
+    /// [`attn_acc_permutes`](Self::attn_acc_permutes) holds, the rows are
+    /// bf16 and every row touched is inside the slices.
+    #[allow(clippy::too_many_arguments)]
+    pub fn attn_accum_permuted(
+        &self,
+        p: &[f32],
+        ldp: usize,
+        v: KvRows<'_>,
+        stride: usize,
+        n: usize,
+        acc: &mut [f32],
+        dv: usize,
+        hint: Option<(KvRows<'_>, usize)>,
+    ) {
+        if n == 0 || acc.is_empty() {
+            return;
+        }
+        let m = acc.len() / dv.max(1);
+        assert!(dv > 0 && acc.len() == m * dv && ldp >= n && stride >= dv);
+        assert!(v.len() >= (n - 1) * stride + dv && p.len() >= (m - 1) * ldp + n);
+        assert!(v.is_bf16() && self.attn_acc_permutes(m, dv));
+        let h = hint
+            .filter(|(rows, off)| off + (n - 1) * stride + dv <= rows.len())
+            .map_or(std::ptr::null(), |(rows, off)| {
+                let esize = if rows.is_bf16() { 2 } else { 4 };
+                rows.as_ptr().wrapping_add(off * esize)
+            });
+        if let Some(AttnFns {
+            accum_permuted: Some(a),
+            ..
+        }) = self.attn
+        {
+            // SAFETY: this tier was checked as supported when `self` was
+            // built, the extents and the rows' order were just asserted, and
+            // the hint is only prefetched (never read).
+            unsafe { (a.accum)(p, ldp, v.as_ptr(), stride, n, acc, dv, h) }
         }
     }
 

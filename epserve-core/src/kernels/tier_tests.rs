@@ -623,6 +623,24 @@ fn attn_kernels_match_twin() {
                     k.attn_accum(&p[h..], ld, rest, stride, n - h, &mut split, d);
                     let b = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
                     assert_eq!(b(&split), b(&got), "{:?} accum split n={n} d={d}", k.tier());
+                    // Accumulators kept permuted (the tier's lane order)
+                    // across calls, put back in order at the end: the same
+                    // bits, hinted or not, in one call or two.
+                    if rows.is_bf16() && k.attn_acc_permutes(m, d) {
+                        for (cut, off) in [(n, 0), (h, 1), (1, rows.len())] {
+                            let mut perm = init.clone();
+                            k.attn_acc_permute(&mut perm, d, true);
+                            let hint = Some((rows, off));
+                            k.attn_accum_permuted(&p, ld, rows, stride, cut, &mut perm, d, hint);
+                            if cut < n {
+                                let rest = rows.slice_from(cut * stride);
+                                let (p2, n2) = (&p[cut..], n - cut);
+                                k.attn_accum_permuted(p2, ld, rest, stride, n2, &mut perm, d, None);
+                            }
+                            k.attn_acc_permute(&mut perm, d, false);
+                            assert_eq!(b(&perm), b(&got), "{:?} permuted n={n} d={d}", k.tier());
+                        }
+                    }
                 }
             }
         }
