@@ -184,6 +184,35 @@ type AttnAccumHinted =
     unsafe fn(&[f32], usize, *const u8, usize, usize, &mut [f32], usize, *const u8);
 type AttnSoftmax = unsafe fn(&mut [f32], f32) -> (f32, f32);
 
+/// The value pass's extents ([`Kernels::attn_accum`] and its hinted and
+/// permuted forms): panics unless `acc` is whole rows of `dv` and every row
+/// of `v` and `p` the pass reads is inside its slice; returns the rows.
+fn accum_extents(
+    p: &[f32],
+    ldp: usize,
+    v: KvRows<'_>,
+    stride: usize,
+    n: usize,
+    acc: &[f32],
+    dv: usize,
+) -> usize {
+    let m = acc.len() / dv.max(1);
+    assert!(dv > 0 && acc.len() == m * dv && ldp >= n && stride >= dv);
+    assert!(v.len() >= (n - 1) * stride + dv && p.len() >= (m - 1) * ldp + n);
+    m
+}
+
+/// A value pass's hint (`n` rows of `dv` elements `stride` apart from
+/// element `off`), kept only where every hinted row is inside its slice.
+fn accum_hint(
+    hint: Option<(KvRows<'_>, usize)>,
+    n: usize,
+    stride: usize,
+    dv: usize,
+) -> Option<(KvRows<'_>, usize)> {
+    hint.filter(|(rows, off)| off + (n - 1) * stride + dv <= rows.len())
+}
+
 /// A value pass over bf16 rows whose accumulators stay in the tier's own
 /// lane order between calls (see [`Kernels::attn_accum_permuted`]).
 #[derive(Clone, Copy)]
@@ -1046,9 +1075,7 @@ impl Kernels {
         if n == 0 || acc.is_empty() {
             return;
         }
-        let m = acc.len() / dv.max(1);
-        assert!(dv > 0 && acc.len() == m * dv && ldp >= n && stride >= dv);
-        assert!(v.len() >= (n - 1) * stride + dv && p.len() >= (m - 1) * ldp + n);
+        accum_extents(p, ldp, v, stride, n, acc, dv);
         match self.attn {
             // SAFETY: as in `attn_scores`.
             Some(f) => unsafe {
@@ -1081,7 +1108,7 @@ impl Kernels {
             return;
         }
         let esize = if v.is_bf16() { 2 } else { 4 };
-        let hint = hint.filter(|(rows, off)| off + (n - 1) * stride + dv <= rows.len());
+        let hint = accum_hint(hint, n, stride, dv);
         match (self.attn, hint) {
             (
                 Some(AttnFns {
@@ -1090,9 +1117,7 @@ impl Kernels {
                 }),
                 Some((rows, off)),
             ) => {
-                let m = acc.len() / dv.max(1);
-                assert!(dv > 0 && acc.len() == m * dv && ldp >= n && stride >= dv);
-                assert!(v.len() >= (n - 1) * stride + dv && p.len() >= (m - 1) * ldp + n);
+                accum_extents(p, ldp, v, stride, n, acc, dv);
                 let h = rows.as_ptr().wrapping_add(off * esize);
                 // SAFETY: this tier was checked as supported when `self` was
                 // built, the extents were just asserted, and the hint is only
@@ -1162,16 +1187,12 @@ impl Kernels {
         if n == 0 || acc.is_empty() {
             return;
         }
-        let m = acc.len() / dv.max(1);
-        assert!(dv > 0 && acc.len() == m * dv && ldp >= n && stride >= dv);
-        assert!(v.len() >= (n - 1) * stride + dv && p.len() >= (m - 1) * ldp + n);
+        let m = accum_extents(p, ldp, v, stride, n, acc, dv);
         assert!(v.is_bf16() && self.attn_acc_permutes(m, dv));
-        let h = hint
-            .filter(|(rows, off)| off + (n - 1) * stride + dv <= rows.len())
-            .map_or(std::ptr::null(), |(rows, off)| {
-                let esize = if rows.is_bf16() { 2 } else { 4 };
-                rows.as_ptr().wrapping_add(off * esize)
-            });
+        let h = accum_hint(hint, n, stride, dv).map_or(std::ptr::null(), |(rows, off)| {
+            let esize = if rows.is_bf16() { 2 } else { 4 };
+            rows.as_ptr().wrapping_add(off * esize)
+        });
         if let Some(AttnFns {
             accum_permuted: Some(a),
             ..

@@ -1183,6 +1183,8 @@ const PB_KEYS: usize = 16;
 /// make 64-key calls, the value pass's samples against the column scores'
 /// went 1.125 → 1.072 (mean of 6 alternated `bench attention` runs, lower
 /// in each round).
+/// (Calls over permuted accumulators, [`accum256_permuted`], run them at
+/// any length: nothing to reorder.)
 const EO_MIN_KEYS: usize = 48;
 
 /// [`accum256_hinted`] for `m` = 8 or 4 queries (rows `ldp` apart at `p`,
