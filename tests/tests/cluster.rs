@@ -8,6 +8,7 @@
 //! Needs `etcd` on PATH; skipped without it unless `EPSERVE_REQUIRE_ETCD=1`
 //! (set by `.ci/run`), which makes its absence a failure.
 
+use std::collections::BTreeMap;
 use std::os::unix::process::CommandExt;
 use std::process::{Child, Command, Stdio};
 use std::sync::Arc;
@@ -253,12 +254,27 @@ fn cpus_allowed(pid: u32) -> String {
         .to_string()
 }
 
-/// Value of the first sample of `name` whose labels contain `label`.
+/// Values of the samples of `name` whose labels contain `label`, in the
+/// exporter's order (which is a hash order: do not pair two such lists by
+/// index, use [`gauge_by_worker`]).
 fn gauge_with(metrics: &str, name: &str, label: &str) -> Vec<f64> {
     metrics
         .lines()
         .filter(|l| l.starts_with(&format!("{name}{{")) && l.contains(label))
         .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .collect()
+}
+
+/// [`gauge_with`] keyed by each sample's `worker` label.
+fn gauge_by_worker(metrics: &str, name: &str, label: &str) -> BTreeMap<String, f64> {
+    metrics
+        .lines()
+        .filter(|l| l.starts_with(&format!("{name}{{")) && l.contains(label))
+        .filter_map(|l| {
+            let worker = l.split("worker=\"").nth(1)?.split('"').next()?;
+            let v = l.rsplit(' ').next()?.parse::<f64>().ok()?;
+            Some((worker.to_string(), v))
+        })
         .collect()
 }
 
@@ -321,13 +337,21 @@ async fn expert_memory_budget_of_a_third_keeps_the_goldens() {
     );
     let budgets = gauge_with(&metrics, "epserve_expert_tier_budget_bytes", "worker=");
     assert_eq!(budgets, vec![budget as f64; workers], "{metrics}");
-    let resident = gauge_with(&metrics, "epserve_expert_tier_bytes", "tier=\"resident\"");
-    let cached = gauge_with(&metrics, "epserve_expert_tier_bytes", "tier=\"cached\"");
-    assert_eq!(resident.len(), workers);
-    for (r, c) in resident.iter().zip(&cached) {
+    // Paired by worker: the exporter lists label sets in hash order, so the
+    // n-th resident sample and the n-th cached one may be two workers'.
+    let resident = gauge_by_worker(&metrics, "epserve_expert_tier_bytes", "tier=\"resident\"");
+    let cached = gauge_by_worker(&metrics, "epserve_expert_tier_bytes", "tier=\"cached\"");
+    assert_eq!(resident.len(), workers, "{metrics}");
+    assert_eq!(
+        resident.keys().collect::<Vec<_>>(),
+        cached.keys().collect::<Vec<_>>(),
+        "{metrics}"
+    );
+    for (w, r) in &resident {
+        let c = cached[w];
         assert!(
             r + c <= budget as f64,
-            "resident {r} + cached {c} > budget {budget}"
+            "worker {w}: resident {r} + cached {c} > budget {budget}"
         );
     }
     let cold = gauge_with(&metrics, "epserve_expert_tier_experts", "tier=\"cold\"");

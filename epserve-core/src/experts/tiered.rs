@@ -418,6 +418,24 @@ impl TieredExperts {
         self.inner.warm(Vec::new())
     }
 
+    /// `((resident, cached) bytes as counted, the same summed over the
+    /// entries held)`: equal unless the accounting leaks.
+    #[cfg(test)]
+    pub(crate) fn accounting(&self) -> ((usize, usize), (usize, usize)) {
+        let st = self.inner.lock();
+        let held = |resident: bool| -> usize {
+            st.entries
+                .values()
+                .filter(|en| en.resident == resident)
+                .map(|en| en.ex.weight_bytes())
+                .sum()
+        };
+        (
+            (st.resident_bytes, st.cached_bytes),
+            (held(true), held(false)),
+        )
+    }
+
     /// The tier of every expert assigned here.
     pub fn tiers(&self) -> BTreeMap<(usize, usize), Tier> {
         let st = self.inner.lock();
@@ -658,6 +676,18 @@ impl Inner {
         resident: bool,
         prefetched: bool,
     ) {
+        // A call's miss and the prefetcher may pack the same expert at
+        // once (each checks before packing, outside the lock): the later
+        // one replaces the earlier, whose bytes leave the accounting with it.
+        if let Some(mut old) = st.entries.remove(&key) {
+            let s = old.ex.weight_bytes();
+            if old.resident {
+                st.resident_bytes -= s;
+            } else {
+                st.cached_bytes -= s;
+            }
+            self.set_locked(st, &mut old, false);
+        }
         let size = ex.weight_bytes();
         if resident {
             st.resident_bytes += size;

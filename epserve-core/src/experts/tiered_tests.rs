@@ -79,6 +79,9 @@ fn resident(
 
 fn check_budget(t: &TieredExperts) {
     let s = t.snapshot();
+    // The byte counters are the bytes of the entries held, tier by tier.
+    let (counted, held) = t.accounting();
+    assert_eq!(counted, held, "(resident, cached) bytes counted vs held");
     assert!(
         s.resident_bytes + s.cached_bytes <= s.budget_bytes,
         "held {} + {} > budget {}",
