@@ -401,15 +401,7 @@ impl TieredExperts {
                 .map(|(k, _)| *k)
                 .collect();
             for k in gone {
-                if let Some(mut en) = st.entries.remove(&k) {
-                    let s = en.ex.weight_bytes();
-                    if en.resident {
-                        st.resident_bytes -= s;
-                    } else {
-                        st.cached_bytes -= s;
-                    }
-                    self.inner.set_locked(&mut st, &mut en, false);
-                }
+                self.inner.take(&mut st, k);
             }
             st.uses
                 .retain(|&(l, e), _| assigned[l].get(e).copied().unwrap_or(false));
@@ -679,15 +671,7 @@ impl Inner {
         // A call's miss and the prefetcher may pack the same expert at
         // once (each checks before packing, outside the lock): the later
         // one replaces the earlier, whose bytes leave the accounting with it.
-        if let Some(mut old) = st.entries.remove(&key) {
-            let s = old.ex.weight_bytes();
-            if old.resident {
-                st.resident_bytes -= s;
-            } else {
-                st.cached_bytes -= s;
-            }
-            self.set_locked(st, &mut old, false);
-        }
+        self.take(st, key);
         let size = ex.weight_bytes();
         if resident {
             st.resident_bytes += size;
@@ -708,6 +692,20 @@ impl Inner {
             self.set_locked(st, &mut en, true);
         }
         st.entries.insert(key, en);
+    }
+
+    /// Removes the entry of `key`, its bytes from its tier's count and its
+    /// pages' lock.
+    fn take(&self, st: &mut State, key: (usize, usize)) -> Option<Entry> {
+        let mut en = st.entries.remove(&key)?;
+        let s = en.ex.weight_bytes();
+        if en.resident {
+            st.resident_bytes -= s;
+        } else {
+            st.cached_bytes -= s;
+        }
+        self.set_locked(st, &mut en, false);
+        Some(en)
     }
 
     fn set_locked(&self, st: &mut State, en: &mut Entry, on: bool) {
@@ -852,14 +850,7 @@ impl Inner {
         st.reserved -= size;
         let p = packed?;
         let stale = st.entries.get(&(layer, e)).is_some_and(|en| en.dtype != dt);
-        if stale && let Some(mut old) = st.entries.remove(&(layer, e)) {
-            let s = old.ex.weight_bytes();
-            if old.resident {
-                st.resident_bytes -= s;
-            } else {
-                st.cached_bytes -= s;
-            }
-            self.set_locked(&mut st, &mut old, false);
+        if stale && let Some(old) = self.take(&mut st, (layer, e)) {
             let resident = old.resident && st.resident_bytes + size <= self.resident_cap;
             self.insert(&mut st, (layer, e), Arc::new(p), dt, resident, false);
             self.stats.repacked.fetch_add(1, Ordering::Relaxed);
