@@ -258,18 +258,26 @@ fn cpus_allowed(pid: u32) -> String {
 /// exporter's order (which is a hash order: do not pair two such lists by
 /// index, use [`gauge_by_worker`]).
 fn gauge_with(metrics: &str, name: &str, label: &str) -> Vec<f64> {
-    metrics
-        .lines()
-        .filter(|l| l.starts_with(&format!("{name}{{")) && l.contains(label))
+    sample_lines(metrics, name, label)
         .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
         .collect()
 }
 
-/// [`gauge_with`] keyed by each sample's `worker` label.
-fn gauge_by_worker(metrics: &str, name: &str, label: &str) -> BTreeMap<String, f64> {
+/// The sample lines of `name` whose labels contain `label`.
+fn sample_lines<'a>(
+    metrics: &'a str,
+    name: &'a str,
+    label: &'a str,
+) -> impl Iterator<Item = &'a str> + 'a {
+    let prefix = format!("{name}{{");
     metrics
         .lines()
-        .filter(|l| l.starts_with(&format!("{name}{{")) && l.contains(label))
+        .filter(move |l| l.starts_with(&prefix) && l.contains(label))
+}
+
+/// [`gauge_with`] keyed by each sample's `worker` label.
+fn gauge_by_worker(metrics: &str, name: &str, label: &str) -> BTreeMap<String, f64> {
+    sample_lines(metrics, name, label)
         .filter_map(|l| {
             let worker = l.split("worker=\"").nth(1)?.split('"').next()?;
             let v = l.rsplit(' ').next()?.parse::<f64>().ok()?;

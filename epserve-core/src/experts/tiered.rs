@@ -758,8 +758,7 @@ impl Inner {
         let Some(k) = victim else {
             return false;
         };
-        if let Some(en) = st.entries.remove(&k) {
-            st.cached_bytes -= en.ex.weight_bytes();
+        if let Some(en) = self.take(st, k) {
             self.stats.evictions.fetch_add(1, Ordering::Relaxed);
             if en.prefetched {
                 st.prefetch_outcome(false);

@@ -1557,6 +1557,9 @@ const POLY: [f32; 8] = [
     1.0,
 ];
 use crate::kernels::generic::EXP_FLOOR;
+/// `ROUND`'s bits less the exponent bias: `t = d·log2e + ROUND` holds
+/// `ROUND`'s bits plus the integer `n`, so `t`'s bits minus this are `n + 127`.
+const ROUND_BITS_LESS_BIAS: i32 = ROUND.to_bits() as i32 - 127;
 
 /// `fast_exp` on 16 lanes for `d ≤ 0`, 0 where `d < EXP_FLOOR` (`−∞`
 /// included): [`exp256`]'s instructions (no clamp, the exponent from the
@@ -1574,10 +1577,9 @@ fn exp512(d: __m512) -> __m512 {
     for c in &POLY[1..] {
         p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(*c));
     }
-    let bias = ROUND.to_bits() as i32 - 127;
     let e = _mm512_slli_epi32::<23>(_mm512_sub_epi32(
         _mm512_castps_si512(t),
-        _mm512_set1_epi32(bias),
+        _mm512_set1_epi32(ROUND_BITS_LESS_BIAS),
     ));
     _mm512_maskz_mul_ps(!under, p, _mm512_castsi512_ps(e))
 }
@@ -1651,11 +1653,10 @@ fn exp256(d: __m256) -> __m256 {
     for c in &POLY[1..] {
         p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(*c));
     }
-    // `n + 127` in the exponent field: `t`'s bits are ROUND's plus `n`.
-    let bias = ROUND.to_bits() as i32 - 127;
+    // `n + 127` in the exponent field.
     let e = _mm256_slli_epi32::<23>(_mm256_sub_epi32(
         _mm256_castps_si256(t),
-        _mm256_set1_epi32(bias),
+        _mm256_set1_epi32(ROUND_BITS_LESS_BIAS),
     ));
     _mm256_andnot_ps(under, _mm256_mul_ps(p, _mm256_castsi256_ps(e)))
 }
